@@ -1,0 +1,257 @@
+#include "plsh/params.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "plsh/numeric.h"
+
+namespace plsh {
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "f32";
+    case DType::kF16: return "f16";
+    case DType::kBF16: return "bf16";
+  }
+  return "?";
+}
+
+const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::kExact: return "exact";
+    case Mode::kLsh: return "lsh";
+    case Mode::kWindow: return "window";
+  }
+  return "?";
+}
+
+const char* lsh_algorithm_name(LshAlgorithm a) {
+  switch (a) {
+    case LshAlgorithm::kAuto: return "auto";
+    case LshAlgorithm::kPerSample: return "per_sample";
+    case LshAlgorithm::kBanded: return "banded";
+  }
+  return "?";
+}
+
+size_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+StatusOr<DType> parse_dtype(const std::string& s) {
+  if (s == "f32" || s == "float32" || s == "fp32") return DType::kF32;
+  if (s == "f16" || s == "float16" || s == "fp16") return DType::kF16;
+  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
+  return invalid_argument("dtype = '" + s + "', expected f32, f16 or bf16");
+}
+
+StatusOr<Mode> parse_mode(const std::string& s) {
+  if (s == "exact") return Mode::kExact;
+  if (s == "lsh") return Mode::kLsh;
+  if (s == "window") return Mode::kWindow;
+  return invalid_argument("mode = '" + s + "', expected exact, lsh or window");
+}
+
+StatusOr<LshAlgorithm> parse_lsh_algorithm(const std::string& s) {
+  if (s == "auto") return LshAlgorithm::kAuto;
+  if (s == "per_sample" || s == "per-sample") return LshAlgorithm::kPerSample;
+  if (s == "banded") return LshAlgorithm::kBanded;
+  return invalid_argument("lsh_algorithm = '" + s + "', expected auto, per_sample or banded");
+}
+
+double AttentionParams::sigma(int64_t h) const {
+  const double m = slopes[static_cast<size_t>(h)];
+  return m > 0 ? 1.0 / m : std::numeric_limits<double>::infinity();
+}
+
+std::vector<double> standard_slopes(int64_t heads) {
+  auto power_of_two_slopes = [](int64_t n) {
+    std::vector<double> s(static_cast<size_t>(n));
+    const double start = std::pow(2.0, -8.0 / static_cast<double>(n));
+    double value = start;
+    for (int64_t i = 0; i < n; ++i) {
+      s[static_cast<size_t>(i)] = value;
+      value *= start;
+    }
+    return s;
+  };
+  if (heads <= 0) return {};
+  int64_t p = 1;
+  while (p * 2 <= heads) p *= 2;
+  std::vector<double> slopes = power_of_two_slopes(p);
+  if (p == heads) return slopes;
+  const std::vector<double> extra = power_of_two_slopes(2 * p);
+  for (int64_t i = 0; static_cast<int64_t>(slopes.size()) < heads; i += 2) slopes.push_back(extra[static_cast<size_t>(i)]);
+  return slopes;
+}
+
+namespace {
+
+template <typename T>
+std::string str(const T& v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+Status field_error(const char* field, const std::string& value, const std::string& expected) {
+  return invalid_argument(std::string(field) + " = " + value + ", expected " + expected);
+}
+
+// a * b without overflow, or -1.
+int64_t checked_mul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) return -1;
+  return r;
+}
+
+}  // namespace
+
+Status validate_options(const AttentionOptions& o) {
+  if (o.batch < 1) return field_error("batch", str(o.batch), ">= 1");
+  if (o.q_len < 1) return field_error("q_len", str(o.q_len), ">= 1");
+  if (o.kv_len < 1) return field_error("kv_len", str(o.kv_len), ">= 1");
+  if (o.heads < 1 || o.heads > kMaxHeads) return field_error("heads", str(o.heads), "in [1, " + str(kMaxHeads) + "]");
+  if (o.kv_heads < 0) return field_error("kv_heads", str(o.kv_heads), ">= 1 (or 0 for kv_heads = heads)");
+  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  if (kv_heads > o.heads || o.heads % kv_heads != 0)
+    return field_error("kv_heads", str(kv_heads), "a divisor of heads = " + str(o.heads));
+  if (o.head_dim < 1 || o.head_dim > kMaxHeadDim)
+    return field_error("head_dim", str(o.head_dim), "in [1, " + str(kMaxHeadDim) + "]");
+  const int64_t q_elems = checked_mul(checked_mul(checked_mul(o.batch, o.q_len), o.heads), o.head_dim);
+  const int64_t kv_elems = checked_mul(checked_mul(checked_mul(o.batch, o.kv_len), kv_heads), o.head_dim);
+  if (q_elems < 0 || kv_elems < 0 || q_elems > (int64_t{1} << 50) || kv_elems > (int64_t{1} << 50))
+    return field_error("q_len", str(o.q_len), "a shape whose element count fits in 2^50");
+  if (o.scale && !(std::isfinite(*o.scale) && *o.scale > 0))
+    return field_error("scale", str(*o.scale), "a finite number > 0");
+  if (!o.slopes.empty()) {
+    if (static_cast<int64_t>(o.slopes.size()) != o.heads)
+      return field_error("slopes", str(o.slopes.size()) + " values", "one per query head (" + str(o.heads) + ")");
+    for (size_t h = 0; h < o.slopes.size(); ++h) {
+      if (!(std::isfinite(o.slopes[h]) && o.slopes[h] >= 0))
+        return invalid_argument("slopes[" + str(h) + "] = " + str(o.slopes[h]) + ", expected a finite number >= 0");
+    }
+  }
+  constexpr int64_t kMaxPos = int64_t{1} << 52;  // positions stay exact in double
+  const int64_t q_pos0 = o.q_pos0 ? *o.q_pos0 : o.kv_len - o.q_len;
+  if (q_pos0 < -kMaxPos || q_pos0 > kMaxPos)
+    return field_error("q_pos0", str(q_pos0), "in [-2^52, 2^52]");
+  if (o.k_pos0 < -kMaxPos || o.k_pos0 > kMaxPos)
+    return field_error("k_pos0", str(o.k_pos0), "in [-2^52, 2^52]");
+  if (o.mode == Mode::kLsh) {
+    if (o.samples < 1 || o.samples > kMaxSamples)
+      return field_error("samples", str(o.samples), "in [1, " + str(kMaxSamples) + "]");
+  }
+  if (o.mode == Mode::kWindow) {
+    if (o.window_width < 0) return field_error("window_width", str(o.window_width), ">= 0 (0: from window_eps)");
+    if (o.window_width == 0 && !(o.window_eps > 0 && o.window_eps < 1))
+      return field_error("window_eps", str(o.window_eps), "in (0, 1)");
+  }
+  if (o.probe_rows < 0 || o.probe_rows > kMaxProbeRows)
+    return field_error("probe_rows", str(o.probe_rows), "in [0, " + str(kMaxProbeRows) + "]");
+  if (o.mask_row_budget < 1) return field_error("mask_row_budget", str(o.mask_row_budget), ">= 1");
+  if (o.causal) {
+    // Every query row needs at least one allowed key, or its softmax is empty.
+    if (q_pos0 < o.k_pos0)
+      return field_error("q_pos0", str(q_pos0),
+                         ">= k_pos0 = " + str(o.k_pos0) + " when causal (query row 0 would see no key)");
+  }
+  return Status::Ok();
+}
+
+StatusOr<AttentionParams> make_params(const AttentionOptions& o, const TensorRefs& t) {
+  RETURN_IF_ERROR(validate_options(o));
+  if (t.q == nullptr) return invalid_argument("q = null, expected a tensor [B, Nq, H, D]");
+  if (t.k == nullptr) return invalid_argument("k = null, expected a tensor [B, Nk, Hkv, D]");
+  if (t.v == nullptr) return invalid_argument("v = null, expected a tensor [B, Nk, Hkv, D]");
+  if (t.out == nullptr) return invalid_argument("out = null, expected a tensor [B, Nq, H, D]");
+
+  AttentionParams p{};
+  p.q = t.q;
+  p.k = t.k;
+  p.v = t.v;
+  p.out = t.out;
+  p.lse = t.lse;
+  p.memory = t.memory;
+
+  p.batch = o.batch;
+  p.q_len = o.q_len;
+  p.kv_len = o.kv_len;
+  p.heads = o.heads;
+  p.kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  p.head_dim = o.head_dim;
+  p.head_group = p.heads / p.kv_heads;
+
+  p.q_head_stride = p.head_dim;
+  p.q_row_stride = p.heads * p.head_dim;
+  p.q_batch_stride = p.q_len * p.q_row_stride;
+  p.k_head_stride = p.v_head_stride = p.head_dim;
+  p.k_row_stride = p.v_row_stride = p.kv_heads * p.head_dim;
+  p.k_batch_stride = p.v_batch_stride = p.kv_len * p.k_row_stride;
+  p.o_head_stride = p.head_dim;
+  p.o_row_stride = p.heads * p.head_dim;
+  p.o_batch_stride = p.q_len * p.o_row_stride;
+  p.lse_row_stride = p.heads;
+  p.lse_batch_stride = p.q_len * p.heads;
+
+  p.dtype = o.dtype;
+  p.out_dtype = o.out_dtype ? *o.out_dtype : o.dtype;
+  p.scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(o.head_dim));
+  p.causal = o.causal;
+  p.slopes = o.slopes.empty() ? standard_slopes(o.heads) : o.slopes;
+  p.q_pos0 = o.q_pos0 ? *o.q_pos0 : o.kv_len - o.q_len;
+  p.k_pos0 = o.k_pos0;
+
+  p.mode = o.mode;
+  p.samples = o.mode == Mode::kLsh ? o.samples : 0;
+  p.seed = o.seed;
+  p.lsh_algorithm = o.lsh_algorithm;
+  p.window_eps = o.window_eps;
+  if (o.mode == Mode::kWindow) {
+    p.window.resize(static_cast<size_t>(p.heads));
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const double sigma = p.sigma(h);
+      if (o.window_width > 0) {
+        p.window[static_cast<size_t>(h)] = o.window_width;
+      } else if (!std::isfinite(sigma)) {
+        p.window[static_cast<size_t>(h)] = kNoWindow;
+      } else {
+        const double w = std::ceil(sigma * std::log(1.0 / o.window_eps));
+        p.window[static_cast<size_t>(h)] = w >= 9.0e18 ? kNoWindow : std::max<int64_t>(1, static_cast<int64_t>(w));
+      }
+    }
+  }
+
+  p.estimates = o.estimates;
+  p.probe_rows = o.probe_rows;
+  p.mask_row_budget = o.mask_row_budget;
+  p.return_draws = o.return_draws;
+  p.check_finite = o.check_finite;
+  if (p.check_finite && p.memory == MemorySpace::kHost) RETURN_IF_ERROR(check_finite_inputs(p));
+  return p;
+}
+
+Status check_finite_inputs(const AttentionParams& p) {
+  struct Item {
+    const char* name;
+    const void* data;
+    int64_t rows, heads;
+  };
+  const Item items[] = {{"q", p.q, p.q_len, p.heads}, {"k", p.k, p.kv_len, p.kv_heads}, {"v", p.v, p.kv_len, p.kv_heads}};
+  for (const Item& it : items) {
+    const int64_t n = p.batch * it.rows * it.heads * p.head_dim;
+    const int64_t bad = first_non_finite(it.data, p.dtype, n);
+    if (bad < 0) continue;
+    const int64_t d = bad % p.head_dim;
+    const int64_t h = (bad / p.head_dim) % it.heads;
+    const int64_t r = (bad / (p.head_dim * it.heads)) % it.rows;
+    const int64_t b = bad / (p.head_dim * it.heads * it.rows);
+    const double value = load_element(it.data, p.dtype, bad);
+    return invalid_argument(std::string(it.name) + " has a non-finite value (" + str(value) + ") at [b=" + str(b) +
+                            ", n=" + str(r) + ", h=" + str(h) + ", d=" + str(d) + "], expected finite values");
+  }
+  return Status::Ok();
+}
+
+}  // namespace plsh

@@ -1,0 +1,136 @@
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "cpu/cpu_backend.h"
+#include "plsh/backend.h"
+
+namespace plsh {
+
+namespace {
+
+std::mutex g_registry_mutex;
+
+std::string self_dir() {
+  char buf[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  std::string path(buf, static_cast<size_t>(n));
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+// Candidates for the CUDA backend library, first found wins:
+// $PLSH_CUDA_BACKEND, then beside the executable, ../lib, then the loader's
+// own search path.
+std::vector<std::string> cuda_library_candidates() {
+  std::vector<std::string> c;
+  if (const char* env = std::getenv("PLSH_CUDA_BACKEND"); env != nullptr && *env != '\0') {
+    c.emplace_back(env);
+    return c;
+  }
+  const std::string dir = self_dir();
+  c.push_back(dir + "/libplsh_cuda.so");
+  c.push_back(dir + "/../lib/libplsh_cuda.so");
+  c.emplace_back("libplsh_cuda.so");
+  return c;
+}
+
+}  // namespace
+
+BackendRegistry& BackendRegistry::global() {
+  static BackendRegistry registry;
+  return registry;
+}
+
+void BackendRegistry::discover() {
+  if (discovered_) return;
+  discovered_ = true;
+
+  // CUDA, loaded at run time so that a process that never uses it never
+  // maps cuBLAS (whose thread-local storage breaks civetweb's small thread
+  // stacks) and so that the same binary runs on machines without CUDA.
+  std::string why = "libplsh_cuda.so not found (built without CUDA)";
+  for (const std::string& path : cuda_library_candidates()) {
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      const char* err = dlerror();
+      // A library that exists but cannot load is worth reporting as is.
+      if (path.find('/') != std::string::npos && access(path.c_str(), F_OK) == 0)
+        why = std::string("cannot load ") + path + ": " + (err ? err : "?");
+      continue;
+    }
+    auto create = reinterpret_cast<CreateBackendFn>(dlsym(handle, kCudaBackendSymbol));
+    if (create == nullptr) {
+      why = path + " has no symbol " + kCudaBackendSymbol;
+      continue;
+    }
+    std::string why_not;
+    Backend* backend = create(&why_not);
+    if (backend == nullptr) {
+      why = "cuda backend unavailable: " + why_not;
+      break;
+    }
+    owned_.emplace_back(backend);
+    list_.push_back(backend);
+    why.clear();
+    break;
+  }
+  if (!why.empty()) notes_.push_back("cuda: " + why);
+
+  owned_.push_back(make_cpu_backend());
+  list_.push_back(owned_.back().get());
+}
+
+const std::vector<Backend*>& BackendRegistry::backends() {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  discover();
+  return list_;
+}
+
+const std::vector<std::string>& BackendRegistry::notes() {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  discover();
+  return notes_;
+}
+
+void BackendRegistry::add(std::unique_ptr<Backend> backend) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  discover();
+  list_.insert(list_.begin(), backend.get());
+  owned_.push_back(std::move(backend));
+}
+
+StatusOr<Backend*> BackendRegistry::find(const std::string& name) {
+  if (name != "auto" && name != "cpu" && name != "cuda")
+    return invalid_argument("backend = '" + name + "', expected auto, cpu or cuda");
+  const std::vector<Backend*>& list = backends();
+  if (name == "auto") return list.front();
+  for (Backend* b : list)
+    if (b->name() == name) return b;
+  std::string why;
+  for (const std::string& n : notes())
+    if (n.rfind(name + ":", 0) == 0) why = n.substr(name.size() + 2);
+  return failed_precondition("backend = '" + name + "' is not available" + (why.empty() ? "" : ": " + why));
+}
+
+StatusOr<Backend*> BackendRegistry::select(const std::string& name, const AttentionParams& p) {
+  if (name != "auto") {
+    ASSIGN_OR_RETURN(Backend * b, find(name));
+    RETURN_IF_ERROR(b->supports(p));
+    return b;
+  }
+  Status last;
+  for (Backend* b : backends()) {
+    Status s = b->supports(p);
+    if (s.ok()) return b;
+    last = s;
+  }
+  return last;
+}
+
+}  // namespace plsh

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs every Debian 12 package that plsh's build, tests and tools need.
+# Idempotent; works as root or through sudo. CUDA is not installed here: the
+# build detects nvcc and cuBLAS when present and builds the CPU backend alone
+# otherwise.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git ca-certificates
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev
+  prometheus-cpp-dev libcivetweb-dev
+  libopenblas-dev
+  libgtest-dev libgmock-dev googletest
+  python3-grpcio python3-numpy python3-pytest python3-protobuf
+  prometheus curl
+)
+
+if [ "$(id -u)" -eq 0 ]; then
+  as_root=()
+elif command -v sudo >/dev/null 2>&1; then
+  as_root=(sudo)
+else
+  echo "setup.sh: need root or sudo to install Debian packages" >&2
+  exit 1
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup.sh: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "setup.sh: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${as_root[@]}" apt-get update
+"${as_root[@]}" apt-get install -y --no-install-recommends "${missing[@]}"

@@ -1,0 +1,138 @@
+#include "reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "plsh/draws.h"
+#include "plsh/numeric.h"
+
+namespace plsh::testing {
+
+namespace {
+
+// Draws for every head, made once per params (keyed by address and seed).
+const std::vector<std::vector<Draw>>& head_draws(const AttentionParams& p) {
+  thread_local const AttentionParams* cached_for = nullptr;
+  thread_local uint64_t cached_seed = 0;
+  thread_local int64_t cached_samples = -1;
+  thread_local std::vector<double> cached_slopes;
+  thread_local std::vector<std::vector<Draw>> draws;
+  if (cached_for != &p || cached_seed != p.seed || cached_samples != p.samples || cached_slopes != p.slopes) {
+    draws.assign(static_cast<size_t>(p.heads), {});
+    for (int64_t h = 0; h < p.heads; ++h) draws[static_cast<size_t>(h)] = draw_hashes(p.seed, h, p.sigma(h), p.samples);
+    cached_for = &p;
+    cached_seed = p.seed;
+    cached_samples = p.samples;
+    cached_slopes = p.slopes;
+  }
+  return draws;
+}
+
+}  // namespace
+
+double reference_weight(const AttentionParams& p, int64_t h, int64_t pos_q, int64_t pos_k) {
+  if (p.causal && pos_k > pos_q) return 0;
+  const double distance = std::fabs(static_cast<double>(pos_q - pos_k));
+  const double slope = p.slopes[static_cast<size_t>(h)];
+  switch (p.mode) {
+    case Mode::kExact: return std::exp(-slope * distance);
+    case Mode::kWindow: {
+      const int64_t w = p.window[static_cast<size_t>(h)];
+      if (w != kNoWindow && distance >= static_cast<double>(w)) return 0;
+      return std::exp(-slope * distance);
+    }
+    case Mode::kLsh: {
+      const std::vector<Draw>& draws = head_draws(p)[static_cast<size_t>(h)];
+      int64_t same = 0;
+      for (const Draw& d : draws) same += bin_of(pos_q, d) == bin_of(pos_k, d) ? 1 : 0;
+      return static_cast<double>(same) / static_cast<double>(draws.size());
+    }
+  }
+  return 0;
+}
+
+ReferenceOutput reference_attention(const AttentionParams& p) {
+  ReferenceOutput r;
+  const int64_t D = p.head_dim;
+  r.out.assign(static_cast<size_t>(p.batch * p.q_len * p.heads * D), 0.0);
+  r.lse.assign(static_cast<size_t>(p.batch * p.q_len * p.heads), 0.0);
+  std::vector<double> logits(static_cast<size_t>(p.kv_len));
+  std::vector<double> qrow(static_cast<size_t>(D));
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const int64_t hk = h / p.head_group;
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        const int64_t q_off = b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride;
+        for (int64_t d = 0; d < D; ++d) qrow[static_cast<size_t>(d)] = load_element(p.q, p.dtype, q_off + d);
+        double max_logit = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < p.kv_len; ++j) {
+          const double w = reference_weight(p, h, p.q_pos0 + i, p.k_pos0 + j);
+          if (w <= 0) {
+            logits[static_cast<size_t>(j)] = -std::numeric_limits<double>::infinity();
+            continue;
+          }
+          const int64_t k_off = b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride;
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += qrow[static_cast<size_t>(d)] * load_element(p.k, p.dtype, k_off + d);
+          logits[static_cast<size_t>(j)] = p.scale * dot + std::log(w);
+          max_logit = std::max(max_logit, logits[static_cast<size_t>(j)]);
+        }
+        double sum = 0;
+        double* out = &r.out[static_cast<size_t>(((b * p.q_len + i) * p.heads + h) * D)];
+        for (int64_t j = 0; j < p.kv_len; ++j) {
+          const double l = logits[static_cast<size_t>(j)];
+          if (l == -std::numeric_limits<double>::infinity()) continue;
+          const double e = std::exp(l - max_logit);
+          sum += e;
+          const int64_t v_off = b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride;
+          for (int64_t d = 0; d < D; ++d) out[d] += e * load_element(p.v, p.dtype, v_off + d);
+        }
+        for (int64_t d = 0; d < D; ++d) out[d] /= sum;
+        r.lse[static_cast<size_t>((b * p.q_len + i) * p.heads + h)] = max_logit + std::log(sum);
+      }
+    }
+  }
+  return r;
+}
+
+RandomTensors random_qkv(const AttentionOptions& o, uint64_t seed, double stddev) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, stddev);
+  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const size_t bytes = dtype_bytes(o.dtype);
+  auto fill = [&](int64_t n) {
+    std::vector<uint8_t> buf(static_cast<size_t>(n) * bytes);
+    for (int64_t i = 0; i < n; ++i) store_element(buf.data(), o.dtype, i, static_cast<float>(normal(rng)));
+    return buf;
+  };
+  RandomTensors t;
+  t.q = fill(o.batch * o.q_len * o.heads * o.head_dim);
+  t.k = fill(o.batch * o.kv_len * kv_heads * o.head_dim);
+  t.v = fill(o.batch * o.kv_len * kv_heads * o.head_dim);
+  return t;
+}
+
+std::vector<uint8_t> output_buffer(const AttentionOptions& o) {
+  const DType t = o.out_dtype ? *o.out_dtype : o.dtype;
+  return std::vector<uint8_t>(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(t));
+}
+
+ErrorStats compare(const void* actual, DType t, const std::vector<double>& expected) {
+  double max_abs_err = 0, max_ref = 0, err2 = 0, ref2 = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const double a = load_element(actual, t, static_cast<int64_t>(i));
+    const double e = expected[i];
+    const double diff = std::isfinite(a) ? std::fabs(a - e) : std::numeric_limits<double>::infinity();
+    max_abs_err = std::max(max_abs_err, diff);
+    max_ref = std::max(max_ref, std::fabs(e));
+    err2 += diff * diff;
+    ref2 += e * e;
+  }
+  ErrorStats s;
+  s.max_rel = max_ref > 0 ? max_abs_err / max_ref : max_abs_err;
+  s.rel_l2 = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+  return s;
+}
+
+}  // namespace plsh::testing

@@ -1,0 +1,92 @@
+// SPEC section 5: the draws must be reproduced bit for bit across backends,
+// servers and clients. The vectors below are from the foundation issue.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "plsh/draws.h"
+#include "plsh/params.h"
+
+namespace plsh {
+namespace {
+
+struct DrawVector {
+  uint64_t seed;
+  double sigma;
+  int64_t head;
+  Draw expected[3];
+};
+
+TEST(Draws, ReproduceSpecVectorsTo1e12) {
+  const DrawVector vectors[] = {
+      {0, 1, 0, {{0.96450103661526387, 0.025495400102711691}, {3.3578502298647637, 0.58382225367881713},
+                 {1.4528469846108807, 0.576007302887102}}},
+      {42, 8, 3, {{13.684641122336192, 3.6569602163871684}, {8.9363361362786495, 0.91949601520605606},
+                  {9.4359456880874131, 0.80842349351866305}}},
+      {9223372036854775813ULL, 256, 31, {{55.33994055838842, 18.393322614180224}, {250.23836955274976, 10.707729937915882},
+                                          {795.26960331862722, 254.71675227615404}}},
+  };
+  for (const DrawVector& v : vectors) {
+    const std::vector<Draw> draws = draw_hashes(v.seed, v.head, v.sigma, 3);
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_NEAR(draws[k].pitch, v.expected[k].pitch, 1e-12 * v.expected[k].pitch) << "seed " << v.seed << " sample " << k;
+      EXPECT_NEAR(draws[k].shift, v.expected[k].shift, 1e-12 * v.expected[k].shift) << "seed " << v.seed << " sample " << k;
+    }
+  }
+}
+
+TEST(Draws, ShiftInsidePitch) {
+  for (int64_t k = 0; k < 10000; ++k) {
+    const Draw d = draw_hash(7, 5, k, 3.0);
+    ASSERT_GT(d.pitch, 0);
+    ASSERT_GE(d.shift, 0);
+    ASSERT_LT(d.shift, d.pitch);
+  }
+}
+
+TEST(Draws, BlockEdgesAgreeWithBinOf) {
+  for (int64_t k = 0; k < 200; ++k) {
+    const Draw d = draw_hash(11, 2, k, k % 2 ? 0.7 : 37.0);
+    for (int64_t pos = -300; pos < 300; pos += 7) {
+      const int64_t b = bin_of(pos, d);
+      const int64_t begin = block_begin(pos, d), end = block_end(pos, d);
+      ASSERT_LE(begin, pos);
+      ASSERT_GT(end, pos);
+      EXPECT_EQ(bin_of(begin, d), b);
+      EXPECT_EQ(bin_of(end - 1, d), b);
+      EXPECT_NE(bin_of(begin - 1, d), b);
+      EXPECT_NE(bin_of(end, d), b);
+      // Within one hash every block has floor(delta) or ceil(delta) positions
+      // (or 1 when delta < 1 leaves bins empty).
+      const int64_t len = end - begin;
+      EXPECT_GE(len, std::max<int64_t>(1, static_cast<int64_t>(std::floor(d.pitch))));
+      EXPECT_LE(len, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(d.pitch))));
+    }
+  }
+}
+
+TEST(Slopes, PowerOfTwoHeadsAreGeometric) {
+  const std::vector<double> s = standard_slopes(8);
+  ASSERT_EQ(s.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_DOUBLE_EQ(s[i], std::pow(2.0, -(i + 1)));
+}
+
+TEST(Slopes, NonPowerOfTwoFollowsBloom) {
+  // H = 12: the 8 slopes of P = 8, then slopes 0, 2, 4, 6 of 2P = 16.
+  const std::vector<double> s = standard_slopes(12);
+  ASSERT_EQ(s.size(), 12u);
+  for (int i = 0; i < 8; ++i) EXPECT_DOUBLE_EQ(s[i], std::pow(2.0, -(i + 1)));
+  for (int i = 0; i < 4; ++i) EXPECT_DOUBLE_EQ(s[8 + i], std::pow(2.0, -0.5 * (2 * i + 1)));
+  EXPECT_EQ(standard_slopes(1).size(), 1u);
+  EXPECT_DOUBLE_EQ(standard_slopes(1)[0], std::pow(2.0, -8.0));
+  EXPECT_EQ(standard_slopes(6).size(), 6u);
+}
+
+TEST(Draws, InfinitePitchPutsEverythingInOneBin) {
+  const Draw d = draw_hash(1, 0, 0, INFINITY);
+  EXPECT_EQ(bin_of(0, d), bin_of(1 << 30, d));
+}
+
+}  // namespace
+}  // namespace plsh

@@ -1,27 +1,645 @@
+// Error estimates of SPEC section 6. Everything here works from positions and
+// draws (mask errors) or from host copies of q, k, v and the output (probe);
+// nothing depends on how a backend computed the output.
+//
+// Notation: E = L* - M~ on the allowed (query, key) pairs, L*_ij =
+// exp(-|pos_i - pos_j| / sigma); M~ the mean of the draws' bin indicators
+// (lsh) or L* 1[|d| < W] (window, whose E is then L* 1[|d| >= W]).
 #include "plsh/estimates.h"
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <random>
+
+#include "plsh/numeric.h"
 
 namespace plsh {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Salts that keep the row sample, the Lanczos start and the probe rows of
+// one head independent of each other and of the draws.
+constexpr uint64_t kMaskRowSalt = 0x6d61736b2d726f77ULL;
+constexpr uint64_t kSpectralSalt = 0x737065637472616cULL;
+constexpr uint64_t kProbeSalt = 0x70726f62652d726fULL;
+
+uint64_t head_seed(uint64_t seed, int64_t h, uint64_t salt) {
+  return mix64(mix64(seed ^ salt) + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(h + 1));
+}
+
+bool stop_requested(const ExecContext* ctx) { return ctx != nullptr && !ctx->check_stop().ok(); }
+
+// exp(-gap / sigma) for a non-negative integer distance; 1 for sigma = +inf.
+double decay(int64_t gap, double sigma) { return gap == 0 ? 1.0 : std::exp(-static_cast<double>(gap) / sigma); }
+
+// Largest distance between any query and any key position of the range.
+int64_t max_distance(const PositionRange& r) {
+  const int64_t q_last = r.q_pos0 + r.q_len - 1, k_last = r.k_pos0 + r.kv_len - 1;
+  return std::max(std::llabs(q_last - r.k_pos0), std::llabs(k_last - r.q_pos0));
+}
+
+// True when E is identically zero: a slope-0 head under lsh (L* = M~ = 1), or
+// a window wider than every distance in the request.
+bool mask_is_exact(const HeadMask& m, const PositionRange& r) {
+  if (m.mode == Mode::kLsh) return !std::isfinite(m.sigma);
+  return m.window == kNoWindow || m.window > max_distance(r);
+}
+
+// Which source positions s a target position t sees.
+enum class Allowed { kAll, kSourceNotAfter /* s <= t */, kSourceNotBefore /* s >= t */ };
+
+// sum_s r^|t - s| x_s, r = exp(-1/sigma), split at t, over source positions
+// s0 + [0, n): two first-order recursions (one left to right, one right to
+// left) then O(1) per target, wherever the target lies.
+class ExpSums {
+ public:
+  ExpSums(const double* x, int64_t n, int64_t s0, double sigma)
+      : s0_(s0), last_(s0 + n - 1), sigma_(sigma), left_(static_cast<size_t>(n)), right_(static_cast<size_t>(n)) {
+    const double r = std::exp(-1.0 / sigma);
+    double acc = 0;
+    for (int64_t j = 0; j < n; ++j) left_[static_cast<size_t>(j)] = acc = acc * r + x[j];
+    acc = 0;
+    for (int64_t j = n - 1; j >= 0; --j) right_[static_cast<size_t>(j)] = acc = acc * r + x[j];
+  }
+  // sum over s <= t of r^(t - s) x_s
+  double up_to(int64_t t) const {
+    if (t < s0_) return 0;
+    if (t >= last_) return left_.back() * decay(t - last_, sigma_);
+    return left_[static_cast<size_t>(t - s0_)];
+  }
+  // sum over s >= t of r^(s - t) x_s
+  double from(int64_t t) const {
+    if (t > last_) return 0;
+    if (t <= s0_) return right_.front() * decay(s0_ - t, sigma_);
+    return right_[static_cast<size_t>(t - s0_)];
+  }
+
+ private:
+  int64_t s0_, last_;
+  double sigma_;
+  std::vector<double> left_, right_;
+};
+
+// Largest eigenvalue of the symmetric tridiagonal matrix (diagonal a,
+// off-diagonal b) by Sturm-count bisection: robust and O(n) per step, and n
+// stays at the Lanczos iteration cap.
+double largest_tridiagonal_eigenvalue(const std::vector<double>& a, const std::vector<double>& b) {
+  const size_t n = a.size();
+  double lo = kInf, hi = -kInf;
+  for (size_t i = 0; i < n; ++i) {
+    const double radius = (i > 0 ? std::fabs(b[i - 1]) : 0.0) + (i + 1 < n ? std::fabs(b[i]) : 0.0);
+    lo = std::min(lo, a[i] - radius);
+    hi = std::max(hi, a[i] + radius);
+  }
+  // Eigenvalues below x = negative pivots of the LDL^T factorisation of T - x I.
+  auto count_below = [&](double x) {
+    size_t count = 0;
+    double d = 1;
+    for (size_t i = 0; i < n; ++i) {
+      d = a[i] - x - (i > 0 ? b[i - 1] * b[i - 1] / d : 0.0);
+      if (d == 0) d = -std::numeric_limits<double>::min();
+      if (d < 0) ++count;
+    }
+    return count;
+  };
+  for (int step = 0; step < 200; ++step) {
+    const double mid = 0.5 * (lo + hi);
+    if (!(mid > lo && mid < hi)) break;
+    if (count_below(mid) == n) hi = mid;
+    else lo = mid;
+  }
+  return hi;
+}
+
+double dot(const std::vector<double>& x, const std::vector<double>& y) {
+  double s = 0;
+  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
+  return s;
+}
+
+MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64_t row_budget, uint64_t seed,
+                                const ExecContext* ctx) {
+  MaskMaxError out;
+  const std::vector<int64_t> rows = sample_indices(r.q_len, row_budget, seed);
+  out.rows_checked = static_cast<int64_t>(rows.size());
+  out.rows_sampled = out.rows_checked < r.q_len;
+  if (mask_is_exact(m, r) || m.draws.empty()) return out;
+
+  const size_t s = m.draws.size();
+  const double inv_s = 1.0 / static_cast<double>(s);
+  std::vector<int64_t> begins(s), ends(s), sorted_begins(s), sorted_ends(s), candidates;
+  candidates.reserve(4 * s + 3);
+  bool first = true;
+  for (size_t n = 0; n < rows.size(); ++n) {
+    if (n % 1024 == 0 && stop_requested(ctx)) {
+      out.stopped = true;
+      return out;
+    }
+    const int64_t pos = r.q_pos0 + rows[n];
+    const int64_t k_lo = r.k_pos0;
+    const int64_t k_hi = r.causal ? std::min(r.k_pos0 + r.kv_len - 1, pos) : r.k_pos0 + r.kv_len - 1;
+    if (k_hi < k_lo) continue;
+    // Rows ascend, so each hash's block only moves forward.
+    for (size_t k = 0; k < s; ++k) {
+      if (first || pos >= ends[k]) {
+        begins[k] = block_begin(pos, m.draws[k]);
+        ends[k] = block_end(pos, m.draws[k]);
+      }
+    }
+    first = false;
+    sorted_begins = begins;
+    sorted_ends = ends;
+    std::sort(sorted_begins.begin(), sorted_begins.end());
+    std::sort(sorted_ends.begin(), sorted_ends.end());
+    // M~ is constant between consecutive block edges and L* is monotone on
+    // each side of pos, so |L* - M~| peaks at a piece's first or last key.
+    candidates.clear();
+    auto add = [&](int64_t x) { candidates.push_back(std::clamp(x, k_lo, k_hi)); };
+    add(k_lo);
+    add(k_hi);
+    add(pos);
+    for (size_t k = 0; k < s; ++k) {
+      add(begins[k]);
+      if (begins[k] > k_lo) add(begins[k] - 1);
+      add(ends[k] - 1);
+      if (ends[k] <= k_hi) add(ends[k]);
+    }
+    for (const int64_t x : candidates) {
+      // Hashes whose block holds x: begin <= x < end (every block holds pos).
+      const auto opened = std::upper_bound(sorted_begins.begin(), sorted_begins.end(), x) - sorted_begins.begin();
+      const auto closed = std::upper_bound(sorted_ends.begin(), sorted_ends.end(), x) - sorted_ends.begin();
+      const double mask = static_cast<double>(opened - closed) * inv_s;
+      const double lstar = decay(std::llabs(pos - x), m.sigma);
+      out.value = std::max(out.value, std::fabs(lstar - mask));
+    }
+  }
+  return out;
+}
+
+// Window: the error sits on the excluded pairs, where it equals L*, so the
+// maximum is L* at the smallest excluded distance present in the request.
+MaskMaxError window_mask_max_error(const HeadMask& m, const PositionRange& r) {
+  MaskMaxError out;
+  out.rows_checked = r.q_len;
+  if (mask_is_exact(m, r)) return out;
+  const int64_t w = m.window;  // <= max_distance(r), so pos +- w cannot overflow
+  int64_t nearest = INT64_MAX;
+  for (int64_t i = 0; i < r.q_len; ++i) {
+    const int64_t pos = r.q_pos0 + i;
+    const int64_t k_lo = r.k_pos0;
+    const int64_t k_hi = r.causal ? std::min(r.k_pos0 + r.kv_len - 1, pos) : r.k_pos0 + r.kv_len - 1;
+    if (k_hi < k_lo) continue;
+    const int64_t left = std::min(k_hi, pos - w);  // nearest key at or beyond distance w on the left
+    if (left >= k_lo) nearest = std::min(nearest, pos - left);
+    const int64_t right = std::max(k_lo, pos + w);
+    if (right <= k_hi) nearest = std::min(nearest, right - pos);
+  }
+  if (nearest != INT64_MAX) out.value = decay(nearest, m.sigma);
+  return out;
+}
+
+// Per-head sufficient statistics of the probe rows, pooled at the end.
+struct ProbeStats {
+  int64_t rows = 0;
+  int64_t population = 0;  // B * Nq rows the sample was drawn from
+  double se = 0, sn = 0;   // sums of err2 and ref2
+  double see = 0, snn = 0, sen = 0;
+  double max_abs = 0, bound_max = 0;
+};
+
+// rel_err = sqrt(Q), Q = sum err2 / sum ref2 over the probe rows (pooled over
+// heads). Its standard error is the delta method for a ratio of sample means:
+// Q - Q_true ~ sum_i z_i / sum_i ref2_i with z_i = err2_i - Q ref2_i, whose
+// variance per head is r s_z^2 (1 - r/N) (simple random sampling without
+// replacement of r of the head's N rows; our stratified sample is at least
+// as precise, so this errs on the safe side), summed over heads; then
+// d sqrt(Q) = dQ / (2 sqrt(Q)).
+ProbeEstimate summarize_probe(const std::vector<ProbeStats>& heads) {
+  ProbeEstimate e;
+  double se = 0, sn = 0;
+  for (const ProbeStats& h : heads) {
+    e.rows += h.rows;
+    se += h.se;
+    sn += h.sn;
+    e.max_abs_err = std::max(e.max_abs_err, h.max_abs);
+    e.bound_max = std::max(e.bound_max, h.bound_max);
+  }
+  if (e.rows == 0) return e;
+  if (sn <= 0) {
+    e.rel_err = se > 0 ? kInf : 0;
+    e.rel_err_stderr = se > 0 ? kInf : 0;
+    return e;
+  }
+  const double q = se / sn;
+  e.rel_err = std::sqrt(q);
+  double var = 0;
+  for (const ProbeStats& h : heads) {
+    if (h.rows == 0 || h.rows == h.population) continue;  // a full census has no sampling error
+    if (h.rows < 2) {
+      var = kInf;  // one row of many says nothing about the spread
+      break;
+    }
+    const double r = static_cast<double>(h.rows);
+    const double sum_z = h.se - q * h.sn;
+    const double sum_z2 = std::max(0.0, h.see - 2 * q * h.sen + q * q * h.snn);
+    const double s2 = std::max(0.0, (sum_z2 - sum_z * sum_z / r) / (r - 1));
+    var += r * s2 * (1 - r / static_cast<double>(h.population));
+  }
+  const double se_q = std::sqrt(var) / sn;
+  e.rel_err_stderr = q > 0 ? se_q / (2 * std::sqrt(q)) : 0;
+  return e;
+}
+
+void estimate_head(const AttentionParams& p, const PositionRange& range, int64_t h, const ExecContext& ctx,
+                   HeadEstimate* he, ProbeStats* probe) {
+  HeadMask m = head_mask(p, h);
+  he->head = h;
+  he->slope = p.slopes[static_cast<size_t>(h)];
+  he->sigma = m.sigma;
+  if (p.mode == Mode::kWindow) he->window = m.window;
+  if (p.mode == Mode::kLsh) {
+    he->max_block = max_block_size(m.draws, range);
+    if (p.return_draws) he->draws = m.draws;
+  }
+  if (!p.estimates) return;
+
+  const MaskMaxError max_err = mask_max_error(m, range, p.mask_row_budget, head_seed(p.seed, h, kMaskRowSalt), &ctx);
+  he->mask_max_err = max_err.value;
+  he->mask_rows_checked = max_err.rows_checked;
+  he->mask_rows_sampled = max_err.rows_sampled;
+  if (max_err.stopped) return;
+
+  const SpectralError spectral = mask_spectral_error(m, range, head_seed(p.seed, h, kSpectralSalt), 100, 1e-4, &ctx);
+  he->mask_spectral_err = spectral.value;
+  he->spectral_iterations = spectral.iterations;
+  if (spectral.stopped || probe == nullptr) return;
+
+  const int64_t population = p.batch * p.q_len;
+  const std::vector<int64_t> rows = sample_indices(population, p.probe_rows, head_seed(p.seed, h, kProbeSalt));
+  probe->population = population;
+  for (const int64_t row : rows) {
+    if (stop_requested(&ctx)) return;
+    const ProbeRow pr = probe_row(p, m, h, row / p.q_len, row % p.q_len);
+    ++probe->rows;
+    probe->se += pr.err2;
+    probe->sn += pr.ref2;
+    probe->see += pr.err2 * pr.err2;
+    probe->snn += pr.ref2 * pr.ref2;
+    probe->sen += pr.err2 * pr.ref2;
+    probe->max_abs = std::max(probe->max_abs, pr.max_abs);
+    probe->bound_max = std::max(probe->bound_max, pr.bound);
+  }
+  he->probe = summarize_probe({*probe});
+}
+
+}  // namespace
 
 PositionRange position_range(const AttentionParams& p) {
   return PositionRange{p.q_pos0, p.q_len, p.k_pos0, p.kv_len, p.causal};
 }
 
 int64_t max_block_size(const std::vector<Draw>& draws, const PositionRange& r) {
-  const int64_t lo = std::min(r.q_pos0, r.k_pos0);
-  const int64_t hi = std::max(r.q_pos0 + r.q_len, r.k_pos0 + r.kv_len);  // exclusive
+  // The query and key ranges, merged when they touch: walking the hull of
+  // two far-apart ranges (offsets reach 2^52) would never end.
+  struct Span {
+    int64_t lo, hi;  // [lo, hi)
+  };
+  Span spans[2] = {{r.q_pos0, r.q_pos0 + r.q_len}, {r.k_pos0, r.k_pos0 + r.kv_len}};
+  if (spans[1].lo < spans[0].lo) std::swap(spans[0], spans[1]);
+  int span_count = 2;
+  if (spans[1].lo <= spans[0].hi) {
+    spans[0].hi = std::max(spans[0].hi, spans[1].hi);
+    span_count = 1;
+  }
   int64_t best = 0;
   for (const Draw& d : draws) {
-    if (!std::isfinite(d.pitch)) return hi - lo;
-    for (int64_t pos = lo; pos < hi;) {
-      const int64_t end = std::min(block_end(pos, d), hi);
-      best = std::max(best, end - pos);
-      pos = end;
+    if (!std::isfinite(d.pitch)) {
+      int64_t all = 0;
+      for (int i = 0; i < span_count; ++i) all += spans[i].hi - spans[i].lo;
+      return all;
+    }
+    // A block reaching across the gap counts its positions in both spans.
+    int64_t last_bin = 0, last_size = 0;
+    bool any = false;
+    for (int i = 0; i < span_count; ++i) {
+      for (int64_t pos = spans[i].lo; pos < spans[i].hi;) {
+        const int64_t end = std::min(block_end(pos, d), spans[i].hi);
+        const int64_t bin = bin_of(pos, d);
+        int64_t size = end - pos;
+        if (any && bin == last_bin) size += last_size;
+        best = std::max(best, size);
+        last_bin = bin;
+        last_size = size;
+        any = true;
+        pos = end;
+      }
     }
   }
   return best;
+}
+
+HeadMask head_mask(const AttentionParams& p, int64_t h) {
+  HeadMask m;
+  m.mode = p.mode;
+  m.sigma = p.sigma(h);
+  if (p.mode == Mode::kLsh) m.draws = draw_hashes(p.seed, h, m.sigma, p.samples);
+  if (p.mode == Mode::kWindow && !p.window.empty()) m.window = p.window[static_cast<size_t>(h)];
+  return m;
+}
+
+std::vector<int64_t> sample_indices(int64_t n, int64_t count, uint64_t seed) {
+  std::vector<int64_t> out;
+  if (n <= 0 || count <= 0) return out;
+  if (count >= n) {
+    out.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = i;
+    return out;
+  }
+  out.reserve(static_cast<size_t>(count));
+  using u128 = unsigned __int128;
+  for (int64_t t = 0; t < count; ++t) {
+    // Stratum t is [floor(t n / count), floor((t + 1) n / count)): never
+    // empty since n > count, and disjoint from the others.
+    const int64_t lo = static_cast<int64_t>(static_cast<u128>(t) * static_cast<u128>(n) / static_cast<u128>(count));
+    const int64_t hi =
+        static_cast<int64_t>(static_cast<u128>(t + 1) * static_cast<u128>(n) / static_cast<u128>(count));
+    const double u = static_cast<double>(mix64(seed + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(t + 1)) >> 11) *
+                     0x1.0p-53;
+    const int64_t pick = lo + static_cast<int64_t>(u * static_cast<double>(hi - lo));
+    out.push_back(std::min(pick, hi - 1));
+  }
+  return out;
+}
+
+MaskMaxError mask_max_error(const HeadMask& m, const PositionRange& r, int64_t row_budget, uint64_t sample_seed,
+                            const ExecContext* ctx) {
+  if (m.mode == Mode::kWindow) return window_mask_max_error(m, r);
+  return lsh_mask_max_error(m, r, row_budget, sample_seed, ctx);
+}
+
+void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose) {
+  // Source: the vector's side; target: the output's side.
+  const int64_t s0 = transpose ? r.q_pos0 : r.k_pos0, ns = transpose ? r.q_len : r.kv_len;
+  const int64_t t0 = transpose ? r.k_pos0 : r.q_pos0, nt = transpose ? r.kv_len : r.q_len;
+  const Allowed allowed = !r.causal ? Allowed::kAll : transpose ? Allowed::kSourceNotBefore : Allowed::kSourceNotAfter;
+  std::fill(y, y + nt, 0.0);
+  if (mask_is_exact(m, r) || ns <= 0) return;
+
+  const ExpSums sums(x, ns, s0, m.sigma);
+  const bool left = allowed != Allowed::kSourceNotBefore;   // sources before the target count
+  const bool right = allowed != Allowed::kSourceNotAfter;   // sources after the target count
+  if (m.mode == Mode::kWindow) {
+    // L* 1[|d| >= W] directly: no cancellation against the band.
+    const double edge = decay(m.window, m.sigma);
+    for (int64_t n = 0; n < nt; ++n) {
+      const int64_t t = t0 + n;
+      y[n] = (left ? edge * sums.up_to(t - m.window) : 0.0) + (right ? edge * sums.from(t + m.window) : 0.0);
+    }
+    return;
+  }
+
+  const double step = decay(1, m.sigma);
+  for (int64_t n = 0; n < nt; ++n) {
+    const int64_t t = t0 + n;
+    // The source at t itself counts once whichever side is allowed.
+    y[n] = (left ? sums.up_to(t) : 0.0) + (right ? (left ? step * sums.from(t + 1) : sums.from(t)) : 0.0);
+  }
+
+  // M~ x: per hash, the sum of x over the target's block (clipped to the
+  // allowed side) from prefix sums of x; blocks advance with the targets.
+  std::vector<double> prefix(static_cast<size_t>(ns) + 1, 0.0);
+  for (int64_t j = 0; j < ns; ++j) prefix[static_cast<size_t>(j) + 1] = prefix[static_cast<size_t>(j)] + x[j];
+  const int64_t s_last = s0 + ns - 1;
+  auto range_sum = [&](int64_t a, int64_t b) {  // positions [a, b], inclusive
+    a = std::max(a, s0);
+    b = std::min(b, s_last);
+    return a > b ? 0.0 : prefix[static_cast<size_t>(b - s0) + 1] - prefix[static_cast<size_t>(a - s0)];
+  };
+  const double inv_s = 1.0 / static_cast<double>(m.draws.size());
+  for (const Draw& d : m.draws) {
+    int64_t begin = block_begin(t0, d), end = block_end(t0, d);
+    for (int64_t n = 0; n < nt; ++n) {
+      const int64_t t = t0 + n;
+      while (t >= end) {
+        begin = end;
+        end = block_end(end, d);
+      }
+      y[n] -= inv_s * range_sum(left ? begin : t, right ? end - 1 : t);
+    }
+  }
+}
+
+SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uint64_t start_seed,
+                                  int64_t max_iterations, double tolerance, const ExecContext* ctx) {
+  SpectralError out;
+  if (r.q_len <= 0 || r.kv_len <= 0 || mask_is_exact(m, r)) {
+    out.converged = true;
+    return out;
+  }
+  // Lanczos on the smaller Gram matrix: ||E||_2^2 is its largest eigenvalue.
+  const bool on_keys = r.kv_len <= r.q_len;
+  const size_t n = static_cast<size_t>(on_keys ? r.kv_len : r.q_len);
+  std::vector<double> between(static_cast<size_t>(on_keys ? r.q_len : r.kv_len));
+  auto gram = [&](const std::vector<double>& v, std::vector<double>& w) {
+    apply_mask_error(m, r, v.data(), between.data(), !on_keys);
+    apply_mask_error(m, r, between.data(), w.data(), on_keys);
+  };
+
+  std::vector<double> v(n), v_prev(n, 0.0), w(n);
+  std::mt19937_64 rng(start_seed);
+  std::normal_distribution<double> normal;
+  for (double& x : v) x = normal(rng);
+  const double norm0 = std::sqrt(dot(v, v));
+  for (double& x : v) x /= norm0;
+
+  // Plain three-term Lanczos without reorthogonalisation: lost orthogonality
+  // only duplicates converged Ritz values, and the largest one never exceeds
+  // lambda_max (Paige), which is all we read.
+  std::vector<double> alphas, betas;
+  double beta_prev = 0, previous = -1;
+  int calm = 0;
+  for (int64_t it = 1; it <= max_iterations; ++it) {
+    if (stop_requested(ctx)) {
+      out.stopped = true;
+      return out;
+    }
+    gram(v, w);
+    for (size_t i = 0; i < n; ++i) w[i] -= beta_prev * v_prev[i];
+    const double alpha = dot(w, v);
+    for (size_t i = 0; i < n; ++i) w[i] -= alpha * v[i];
+    // A second pass against v costs O(n) and keeps w orthogonal to it in
+    // floating point.
+    const double again = dot(w, v);
+    for (size_t i = 0; i < n; ++i) w[i] -= again * v[i];
+    const double beta = std::sqrt(dot(w, w));
+    alphas.push_back(alpha + again);
+
+    const double lambda = std::max(0.0, largest_tridiagonal_eigenvalue(alphas, betas));
+    const double estimate = std::sqrt(lambda);
+    out.value = estimate;
+    out.iterations = it;
+    if (beta <= 1e-12 * std::max(lambda, std::numeric_limits<double>::min())) {
+      out.converged = true;  // the Krylov space is invariant: the Ritz value is exact
+      break;
+    }
+    // Twice in a row, so that one slow step is not mistaken for convergence.
+    calm = previous >= 0 && std::fabs(estimate - previous) <= tolerance * estimate ? calm + 1 : 0;
+    previous = estimate;
+    if (calm >= 2) {
+      out.converged = true;
+      break;
+    }
+    betas.push_back(beta);
+    beta_prev = beta;
+    std::swap(v_prev, v);
+    for (size_t i = 0; i < n; ++i) v[i] = w[i] / beta;
+  }
+  return out;
+}
+
+ProbeRow probe_row(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, int64_t i) {
+  ProbeRow row;
+  const int64_t D = p.head_dim;
+  const int64_t hk = h / p.head_group;
+  const int64_t pos = p.q_pos0 + i;
+  const int64_t keys = p.causal ? std::min(p.kv_len, pos - p.k_pos0 + 1) : p.kv_len;  // allowed: [0, keys)
+  if (keys <= 0) return row;  // no key at all: validation rules this out for causal requests
+
+  std::vector<float> buf(static_cast<size_t>(D));
+  std::vector<double> q(static_cast<size_t>(D)), exact(static_cast<size_t>(D), 0.0);
+  load_row(p.q, p.dtype, b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride, D, buf.data());
+  for (int64_t d = 0; d < D; ++d) q[static_cast<size_t>(d)] = buf[static_cast<size_t>(d)];
+
+  // Content logits scale q.k_j, the exact positional weight L*, and M~.
+  std::vector<double> logit(static_cast<size_t>(keys)), lstar(static_cast<size_t>(keys)), mask(static_cast<size_t>(keys));
+  double max_logit = -kInf, max_exact = -kInf;
+  for (int64_t j = 0; j < keys; ++j) {
+    load_row(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
+    double s = 0;
+    for (int64_t d = 0; d < D; ++d) s += q[static_cast<size_t>(d)] * buf[static_cast<size_t>(d)];
+    const double distance = static_cast<double>(std::llabs(pos - (p.k_pos0 + j)));
+    logit[static_cast<size_t>(j)] = p.scale * s;
+    lstar[static_cast<size_t>(j)] = std::exp(-distance / m.sigma);
+    max_logit = std::max(max_logit, p.scale * s);
+    max_exact = std::max(max_exact, p.scale * s - distance / m.sigma);
+  }
+  if (m.mode == Mode::kWindow) {
+    for (int64_t j = 0; j < keys; ++j) {
+      const bool inside = m.window == kNoWindow || std::llabs(pos - (p.k_pos0 + j)) < m.window;
+      mask[static_cast<size_t>(j)] = inside ? lstar[static_cast<size_t>(j)] : 0.0;
+    }
+  } else {
+    // M~ along the row: each hash adds 1/s over its block around pos.
+    std::vector<int64_t> steps(static_cast<size_t>(keys) + 1, 0);
+    for (const Draw& d : m.draws) {
+      const int64_t lo = std::max(block_begin(pos, d), p.k_pos0) - p.k_pos0;
+      const int64_t hi = std::min(block_end(pos, d) - 1, p.k_pos0 + keys - 1) - p.k_pos0;
+      if (lo > hi) continue;
+      ++steps[static_cast<size_t>(lo)];
+      --steps[static_cast<size_t>(hi) + 1];
+    }
+    int64_t count = 0;
+    const double inv_s = 1.0 / static_cast<double>(m.draws.size());
+    for (int64_t j = 0; j < keys; ++j) {
+      count += steps[static_cast<size_t>(j)];
+      mask[static_cast<size_t>(j)] = static_cast<double>(count) * inv_s;
+    }
+  }
+
+  // Exact output in log space (logit - |d| / sigma) so that neither a large
+  // logit nor a small L* can overflow or vanish; the bound's ratio uses
+  // a_ij = exp(logit - max_logit) <= 1, whose common factor cancels.
+  double exact_sum = 0, bound_num = 0, bound_den = 0, max_v2 = 0;
+  for (int64_t j = 0; j < keys; ++j) {
+    const size_t jj = static_cast<size_t>(j);
+    const double distance = static_cast<double>(std::llabs(pos - (p.k_pos0 + j)));
+    const double weight = std::exp(logit[jj] - distance / m.sigma - max_exact);
+    const double a = std::exp(logit[jj] - max_logit);
+    load_row(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
+    double v2 = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const double v = buf[static_cast<size_t>(d)];
+      exact[static_cast<size_t>(d)] += weight * v;
+      v2 += v * v;
+    }
+    exact_sum += weight;
+    max_v2 = std::max(max_v2, v2);
+    bound_num += a * std::fabs(lstar[jj] - mask[jj]);
+    bound_den += a * mask[jj];
+  }
+
+  const int64_t o_off = b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+  for (int64_t d = 0; d < D; ++d) {
+    const double o_star = exact[static_cast<size_t>(d)] / exact_sum;
+    const double o_tilde = load_element(p.out, p.out_dtype, o_off + d);
+    const double diff = std::fabs(o_tilde - o_star);
+    row.err2 += diff * diff;
+    row.ref2 += o_star * o_star;
+    row.max_abs = std::max(row.max_abs, std::isnan(diff) ? kInf : diff);
+  }
+  if (std::isnan(row.err2)) row.err2 = kInf;
+  // The bound holds for o~ in exact arithmetic; the stored output adds its
+  // own rounding (float32 ~1e-7, bf16 ~4e-3 relative) on top.
+  row.bound = bound_den > 0 ? 2 * std::sqrt(max_v2) * bound_num / bound_den : kInf;
+  return row;
+}
+
+Status compute_estimates(const AttentionParams& p, const ExecContext& ctx, AttentionResult* result) {
+  if (result == nullptr) return internal_error("compute_estimates: result = null, expected an AttentionResult");
+  if (p.mode == Mode::kExact) return Status::Ok();
+  const PositionRange range = position_range(p);
+  const int64_t heads = p.heads;
+  result->heads.assign(static_cast<size_t>(heads), HeadEstimate{});
+  // The probe reads q, k, v and the output: only where they are host memory.
+  const bool probe = p.estimates && p.memory == MemorySpace::kHost && p.probe_rows > 0 && p.out != nullptr;
+  std::vector<ProbeStats> probe_stats(static_cast<size_t>(heads));
+
+  std::atomic<bool> failed{false};
+  std::mutex failure_mutex;
+  Status failure;
+  auto fail = [&](Status s) {
+    std::lock_guard<std::mutex> lock(failure_mutex);
+    if (failure.ok()) failure = std::move(s);
+    failed.store(true);
+  };
+  const int threads = ctx.threads > 0 ? ctx.threads : omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t h = 0; h < heads; ++h) {
+    if (failed.load()) continue;
+    Status s = ctx.check_stop();
+    if (!s.ok()) {
+      fail(std::move(s));
+      continue;
+    }
+    // Nothing may escape an OpenMP region; memory is the one thing that can run out here.
+    try {
+      estimate_head(p, range, h, ctx, &result->heads[static_cast<size_t>(h)],
+                    probe ? &probe_stats[static_cast<size_t>(h)] : nullptr);
+    } catch (const std::bad_alloc&) {
+      fail(resource_exhausted("estimates for head " + std::to_string(h) + " ran out of host memory"));
+      continue;
+    }
+    s = ctx.check_stop();
+    if (!s.ok()) fail(std::move(s));
+  }
+  if (!failure.ok()) return failure;
+
+  if (p.estimates) {
+    for (const HeadEstimate& he : result->heads) {
+      result->mask_max_err = std::max(result->mask_max_err, he.mask_max_err);
+      result->mask_spectral_err = std::max(result->mask_spectral_err, he.mask_spectral_err);
+    }
+    if (probe) result->probe = summarize_probe(probe_stats);
+  }
+  return Status::Ok();
 }
 
 }  // namespace plsh

@@ -27,6 +27,61 @@ PositionRange position_range(const AttentionParams& p);
 // query and key positions.
 int64_t max_block_size(const std::vector<Draw>& draws, const PositionRange& r);
 
+// What E = L* - M~ is for one head: lsh (M~ the mean of the draws' bin
+// indicators) or window (M~ = L* 1[|d| < window]). L* = exp(-|d| / sigma).
+struct HeadMask {
+  Mode mode = Mode::kLsh;
+  double sigma = 0;            // +inf for slope 0
+  std::vector<Draw> draws;     // lsh
+  int64_t window = kNoWindow;  // window
+};
+
+HeadMask head_mask(const AttentionParams& p, int64_t h);
+
+// Sorted distinct indices in [0, n): all of them when count >= n, else a
+// seeded stratified sample of `count` (one uniform pick in each of `count`
+// equal strata), so that every part of the range is represented.
+std::vector<int64_t> sample_indices(int64_t n, int64_t count, uint64_t seed);
+
+struct MaskMaxError {
+  double value = 0;           // max |L*_ij - M~_ij| over the rows checked
+  int64_t rows_checked = 0;
+  bool rows_sampled = false;
+  bool stopped = false;       // ctx asked to stop before the rows were done
+};
+
+// Exact over all query rows up to row_budget rows, else over a seeded row
+// sample of row_budget rows. ctx (may be null) is polled for a stop.
+MaskMaxError mask_max_error(const HeadMask& m, const PositionRange& r, int64_t row_budget, uint64_t sample_seed,
+                            const ExecContext* ctx = nullptr);
+
+// y = E x (x over the keys [kv_len], y over the queries [q_len]) or, with
+// transpose, y = E^T x (x [q_len], y [kv_len]), E = (L* - M~) restricted to
+// the allowed (query, key) pairs. O((q_len + kv_len) * samples).
+void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose);
+
+struct SpectralError {
+  double value = 0;           // ~ ||E||_2, a lower bound that converges from below
+  int64_t iterations = 0;
+  bool converged = false;     // relative change under the tolerance (or an exact invariant subspace)
+  bool stopped = false;
+};
+
+// Lanczos on E^T E (or E E^T, whichever is smaller) from a seeded start.
+SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uint64_t start_seed,
+                                  int64_t max_iterations = 100, double tolerance = 1e-4,
+                                  const ExecContext* ctx = nullptr);
+
+// One probe row: query row i of batch item b, head h, computed exactly in
+// float64 and compared with p.out (host memory).
+struct ProbeRow {
+  double err2 = 0;     // ||o~_i - o*_i||^2
+  double ref2 = 0;     // ||o*_i||^2
+  double max_abs = 0;  // max_d |o~_id - o*_id|
+  double bound = 0;    // 2 max_j ||v_j|| sum_j a_ij |L*_ij - M~_ij| / sum_j a_ij M~_ij (+inf if the denominator is 0)
+};
+ProbeRow probe_row(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, int64_t i);
+
 // Fills result->heads (slope, sigma, window, max_block, draws on request) and,
 // when p.estimates, the error estimates per head and their summary. Needs
 // host tensors for the probe; p.out must already hold the output.

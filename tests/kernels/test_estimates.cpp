@@ -1,0 +1,563 @@
+// SPEC section 6: every estimate against a brute-force dense computation
+// from the float64 reference (tests/kernels/reference.h); none of these
+// tests needs a backend.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <random>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "plsh/attention.h"
+#include "plsh/estimates.h"
+#include "plsh/numeric.h"
+#include "reference.h"
+
+namespace plsh {
+namespace {
+
+using testing::reference_attention;
+using testing::reference_weight;
+
+// Options, tensors and resolved params kept together (params point into the
+// tensors).
+struct Problem {
+  AttentionOptions options;
+  testing::RandomTensors tensors;
+  std::vector<uint8_t> out;
+  AttentionParams params;
+};
+
+std::unique_ptr<Problem> make_problem(const AttentionOptions& o, uint64_t seed = 1) {
+  auto pr = std::make_unique<Problem>();
+  pr->options = o;
+  pr->tensors = testing::random_qkv(o, seed);
+  pr->out = testing::output_buffer(o);
+  TensorRefs t;
+  t.q = pr->tensors.q.data();
+  t.k = pr->tensors.k.data();
+  t.v = pr->tensors.v.data();
+  t.out = pr->out.data();
+  StatusOr<AttentionParams> p = make_params(o, t);
+  EXPECT_TRUE(p.ok()) << p.status().to_string();
+  pr->params = *p;
+  return pr;
+}
+
+// Writes the reference output of p's own mode into p.out: the o~ a backend
+// would return, so the probe sees the approximation error only.
+void fill_output_with_reference(Problem* pr) {
+  const testing::ReferenceOutput ref = reference_attention(pr->params);
+  for (size_t i = 0; i < ref.out.size(); ++i)
+    store_element(pr->out.data(), pr->params.out_dtype, static_cast<int64_t>(i), static_cast<float>(ref.out[i]));
+}
+
+AttentionParams as_exact(const AttentionParams& p) {
+  AttentionParams e = p;
+  e.mode = Mode::kExact;
+  return e;
+}
+
+double lstar(const AttentionParams& p, int64_t h, int64_t pos_q, int64_t pos_k) {
+  return std::exp(-std::fabs(static_cast<double>(pos_q - pos_k)) / p.sigma(h));
+}
+
+bool allowed(const AttentionParams& p, int64_t pos_q, int64_t pos_k) { return !p.causal || pos_k <= pos_q; }
+
+// E = L* - M~ on the allowed pairs, dense [q_len][kv_len].
+std::vector<std::vector<double>> dense_error(const AttentionParams& p, int64_t h) {
+  std::vector<std::vector<double>> e(static_cast<size_t>(p.q_len), std::vector<double>(static_cast<size_t>(p.kv_len)));
+  for (int64_t i = 0; i < p.q_len; ++i) {
+    for (int64_t j = 0; j < p.kv_len; ++j) {
+      const int64_t pq = p.q_pos0 + i, pk = p.k_pos0 + j;
+      e[i][j] = allowed(p, pq, pk) ? lstar(p, h, pq, pk) - reference_weight(p, h, pq, pk) : 0.0;
+    }
+  }
+  return e;
+}
+
+double dense_max_abs(const std::vector<std::vector<double>>& e) {
+  double m = 0;
+  for (const auto& row : e)
+    for (double x : row) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// Largest eigenvalue of a dense symmetric matrix by cyclic Jacobi rotations
+// (Golub & Van Loan 8.5), run until the off-diagonal mass is negligible:
+// an independent check on the Lanczos estimate.
+double jacobi_largest_eigenvalue(std::vector<std::vector<double>> a) {
+  const size_t n = a.size();
+  for (int sweep = 0; sweep < 60; ++sweep) {
+    double off = 0, total = 0;
+    for (size_t i = 0; i < n; ++i)
+      for (size_t j = 0; j < n; ++j) {
+        total += a[i][j] * a[i][j];
+        if (i != j) off += a[i][j] * a[i][j];
+      }
+    if (off <= 1e-26 * total) break;
+    for (size_t p = 0; p + 1 < n; ++p) {
+      for (size_t q = p + 1; q < n; ++q) {
+        if (std::fabs(a[p][q]) < 1e-300) continue;
+        const double theta = (a[q][q] - a[p][p]) / (2 * a[p][q]);
+        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1));
+        const double c = 1 / std::sqrt(t * t + 1), s = t * c;
+        for (size_t k = 0; k < n; ++k) {  // columns p, q
+          const double akp = a[k][p], akq = a[k][q];
+          a[k][p] = c * akp - s * akq;
+          a[k][q] = s * akp + c * akq;
+        }
+        for (size_t k = 0; k < n; ++k) {  // rows p, q
+          const double apk = a[p][k], aqk = a[q][k];
+          a[p][k] = c * apk - s * aqk;
+          a[q][k] = s * apk + c * aqk;
+        }
+      }
+    }
+  }
+  double best = -std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < n; ++i) best = std::max(best, a[i][i]);
+  return best;
+}
+
+double dense_spectral_norm(const std::vector<std::vector<double>>& e) {
+  const size_t rows = e.size(), cols = e[0].size();
+  std::vector<std::vector<double>> g(cols, std::vector<double>(cols, 0.0));
+  for (size_t i = 0; i < cols; ++i)
+    for (size_t j = 0; j < cols; ++j) {
+      double s = 0;
+      for (size_t r = 0; r < rows; ++r) s += e[r][i] * e[r][j];
+      g[i][j] = s;
+    }
+  return std::sqrt(std::max(0.0, jacobi_largest_eigenvalue(std::move(g))));
+}
+
+AttentionOptions mask_options(int64_t q_len, int64_t kv_len, bool causal, std::vector<double> slopes) {
+  AttentionOptions o;
+  o.q_len = q_len;
+  o.kv_len = kv_len;
+  o.heads = static_cast<int64_t>(slopes.size());
+  o.head_dim = 2;
+  o.causal = causal;
+  o.slopes = std::move(slopes);
+  o.probe_rows = 0;
+  o.samples = 16;
+  o.seed = 12345;
+  return o;
+}
+
+// Shapes the mask tests sweep: square, causal, Nq != Nk either way, offsets.
+struct Shape {
+  int64_t q_len, kv_len;
+  bool causal;
+  std::optional<int64_t> q_pos0;
+  int64_t k_pos0;
+};
+const Shape kShapes[] = {
+    {160, 160, false, std::nullopt, 0},
+    {160, 160, true, std::nullopt, 0},
+    {48, 220, true, std::nullopt, 0},             // queries at the end of the keys
+    {200, 90, false, std::nullopt, 0},            // more queries than keys: q_pos0 = -110
+    {120, 257, false, int64_t{1000}, 900},        // offsets, queries partly past the keys
+    {97, 150, true, (int64_t{1} << 40) + 60, int64_t{1} << 40},  // far from 0
+};
+// sigma = 1, 8, 256 and 4000 (wider than every request), and slope 0.
+const std::vector<double> kSlopes = {1.0, 1.0 / 8, 1.0 / 256, 1.0 / 4000, 0.0};
+
+AttentionOptions shape_options(const Shape& s, Mode mode) {
+  AttentionOptions o = mask_options(s.q_len, s.kv_len, s.causal, kSlopes);
+  o.q_pos0 = s.q_pos0;
+  o.k_pos0 = s.k_pos0;
+  o.mode = mode;
+  return o;
+}
+
+TEST(Estimates, LshMaskMaxErrorMatchesDense) {
+  for (const Shape& shape : kShapes) {
+    for (const int64_t samples : {1, 3, 16}) {
+      AttentionOptions o = shape_options(shape, Mode::kLsh);
+      o.samples = samples;
+      const auto pr = make_problem(o);
+      const AttentionParams& p = pr->params;
+      AttentionResult result;
+      ASSERT_TRUE(compute_estimates(p, ExecContext{}, &result).ok());
+      ASSERT_EQ(result.heads.size(), kSlopes.size());
+      double overall = 0;
+      for (int64_t h = 0; h < p.heads; ++h) {
+        const double dense = dense_max_abs(dense_error(p, h));
+        const HeadEstimate& he = result.heads[h];
+        EXPECT_NEAR(he.mask_max_err, dense, 1e-12)
+            << "q_len " << p.q_len << " kv_len " << p.kv_len << " causal " << p.causal << " s " << samples << " h " << h;
+        EXPECT_EQ(he.mask_rows_checked, p.q_len);
+        EXPECT_FALSE(he.mask_rows_sampled);
+        overall = std::max(overall, dense);
+      }
+      EXPECT_NEAR(result.mask_max_err, overall, 1e-12);
+      EXPECT_EQ(result.heads[4].mask_max_err, 0.0) << "slope 0: L* = M~ = 1";
+    }
+  }
+}
+
+TEST(Estimates, WindowMaskMaxErrorMatchesDense) {
+  for (const Shape& shape : kShapes) {
+    for (const int64_t width : {0, 1, 5, 40, 100000}) {  // 0: W from window_eps
+      AttentionOptions o = shape_options(shape, Mode::kWindow);
+      o.window_width = width;
+      o.window_eps = 1e-2;
+      const auto pr = make_problem(o);
+      const AttentionParams& p = pr->params;
+      AttentionResult result;
+      ASSERT_TRUE(compute_estimates(p, ExecContext{}, &result).ok());
+      for (int64_t h = 0; h < p.heads; ++h) {
+        const double dense = dense_max_abs(dense_error(p, h));
+        EXPECT_NEAR(result.heads[h].mask_max_err, dense, 1e-12)
+            << "q_len " << p.q_len << " kv_len " << p.kv_len << " causal " << p.causal << " W " << p.window[h];
+        EXPECT_EQ(result.heads[h].window, p.window[h]);
+      }
+    }
+  }
+}
+
+TEST(Estimates, RowSampleReportsItselfAndNeverExceedsTheExactMaximum) {
+  AttentionOptions o = mask_options(3000, 3000, true, {1.0 / 4, 1.0 / 64});
+  const auto full = make_problem(o);
+  o.mask_row_budget = 250;
+  const auto sampled = make_problem(o);
+  AttentionResult exact_result, sampled_result;
+  ASSERT_TRUE(compute_estimates(full->params, ExecContext{}, &exact_result).ok());
+  ASSERT_TRUE(compute_estimates(sampled->params, ExecContext{}, &sampled_result).ok());
+  for (size_t h = 0; h < 2; ++h) {
+    const HeadEstimate& e = exact_result.heads[h];
+    const HeadEstimate& s = sampled_result.heads[h];
+    EXPECT_FALSE(e.mask_rows_sampled);
+    EXPECT_EQ(e.mask_rows_checked, 3000);
+    EXPECT_TRUE(s.mask_rows_sampled);
+    EXPECT_EQ(s.mask_rows_checked, 250);
+    EXPECT_LE(s.mask_max_err, e.mask_max_err);
+    // 250 rows of a stationary mask see errors of the same size.
+    EXPECT_GT(s.mask_max_err, 0.5 * e.mask_max_err);
+  }
+}
+
+TEST(Estimates, SampleIndicesAreSortedDistinctAndSpread) {
+  const std::vector<int64_t> all = sample_indices(10, 64, 3);
+  ASSERT_EQ(all.size(), 10u);
+  for (int64_t i = 0; i < 10; ++i) EXPECT_EQ(all[i], i);
+  const std::vector<int64_t> some = sample_indices(1000, 64, 3);
+  ASSERT_EQ(some.size(), 64u);
+  for (size_t i = 0; i < some.size(); ++i) {
+    EXPECT_GE(some[i], static_cast<int64_t>(i * 1000 / 64));
+    EXPECT_LT(some[i], static_cast<int64_t>((i + 1) * 1000 / 64));
+  }
+  EXPECT_NE(sample_indices(1000, 64, 4), some) << "the seed must matter";
+}
+
+TEST(Estimates, MaskErrorProductMatchesDense) {
+  for (const Shape& shape : kShapes) {
+    for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
+      AttentionOptions o = shape_options(shape, mode);
+      o.window_width = 7;
+      const auto pr = make_problem(o);
+      const AttentionParams& p = pr->params;
+      const PositionRange range = position_range(p);
+      std::mt19937_64 rng(9);
+      std::normal_distribution<double> normal;
+      for (int64_t h = 0; h < p.heads; ++h) {
+        const auto e = dense_error(p, h);
+        const HeadMask m = head_mask(p, h);
+        std::vector<double> x(p.kv_len), y(p.q_len), xt(p.q_len), yt(p.kv_len);
+        for (double& v : x) v = normal(rng);
+        for (double& v : xt) v = normal(rng);
+        apply_mask_error(m, range, x.data(), y.data(), false);
+        apply_mask_error(m, range, xt.data(), yt.data(), true);
+        for (int64_t i = 0; i < p.q_len; ++i) {
+          double want = 0;
+          for (int64_t j = 0; j < p.kv_len; ++j) want += e[i][j] * x[j];
+          ASSERT_NEAR(y[i], want, 1e-10 * (1 + std::fabs(want))) << mode_name(mode) << " h " << h << " row " << i;
+        }
+        for (int64_t j = 0; j < p.kv_len; ++j) {
+          double want = 0;
+          for (int64_t i = 0; i < p.q_len; ++i) want += e[i][j] * xt[i];
+          ASSERT_NEAR(yt[j], want, 1e-10 * (1 + std::fabs(want))) << mode_name(mode) << " h " << h << " col " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST(Estimates, SpectralErrorWithinFivePercentOfDenseEigenSolve) {
+  struct Case {
+    Mode mode;
+    int64_t q_len, kv_len;
+    bool causal;
+    double slope;
+  };
+  const Case cases[] = {
+      {Mode::kLsh, 300, 300, false, 1.0 / 16}, {Mode::kLsh, 300, 300, true, 1.0 / 16},
+      {Mode::kLsh, 300, 300, true, 1.0 / 2},   {Mode::kLsh, 200, 300, true, 1.0 / 64},
+      {Mode::kLsh, 300, 120, false, 1.0 / 8},  {Mode::kWindow, 300, 300, true, 1.0 / 32},
+      {Mode::kWindow, 300, 300, false, 1.0 / 8},
+  };
+  for (const Case& c : cases) {
+    AttentionOptions o = mask_options(c.q_len, c.kv_len, c.causal, {c.slope});
+    o.mode = c.mode;
+    o.window_eps = 0.05;
+    const auto pr = make_problem(o);
+    AttentionResult result;
+    ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+    const double dense = dense_spectral_norm(dense_error(pr->params, 0));
+    const HeadEstimate& he = result.heads[0];
+    ASSERT_GT(dense, 0);
+    EXPECT_NEAR(he.mask_spectral_err, dense, 0.05 * dense) << mode_name(c.mode) << " causal " << c.causal;
+    // Lanczos Ritz values approach the top eigenvalue from below.
+    EXPECT_LE(he.mask_spectral_err, dense * (1 + 1e-9));
+    EXPECT_GE(he.spectral_iterations, 3);
+    EXPECT_LE(he.spectral_iterations, 100);
+    EXPECT_DOUBLE_EQ(result.mask_spectral_err, he.mask_spectral_err);
+    std::printf("%s %ldx%ld causal %d sigma %g: Lanczos %.6f in %ld iterations, dense %.6f\n", mode_name(c.mode),
+                static_cast<long>(c.q_len), static_cast<long>(c.kv_len), c.causal, 1 / c.slope, he.mask_spectral_err,
+                static_cast<long>(he.spectral_iterations), dense);
+  }
+}
+
+TEST(Estimates, SpectralErrorIsZeroWhereTheMaskIsExact) {
+  AttentionOptions o = mask_options(50, 50, true, {0.0});
+  const auto lsh = make_problem(o);
+  o.mode = Mode::kWindow;
+  o.slopes = {0.25};
+  o.window_width = 100;  // wider than every distance
+  const auto window = make_problem(o);
+  for (const auto* pr : {lsh.get(), window.get()}) {
+    AttentionResult result;
+    ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+    EXPECT_EQ(result.heads[0].mask_spectral_err, 0.0);
+    EXPECT_EQ(result.heads[0].mask_max_err, 0.0);
+  }
+}
+
+// The headline use: 64 probe rows tell the user the error of the whole
+// output. n = 4096, s = 16, one head, D = 64, causal (SPEC's setting).
+TEST(Estimates, ProbeErrorWithinFactorOneAndAHalfOfFullError) {
+  AttentionOptions o;
+  o.q_len = o.kv_len = 4096;
+  o.heads = 1;
+  o.head_dim = 64;
+  o.causal = true;
+  o.mode = Mode::kLsh;
+  o.samples = 16;
+  o.seed = 2024;
+  const auto pr = make_problem(o, 77);
+  fill_output_with_reference(pr.get());
+  const testing::ReferenceOutput exact = reference_attention(as_exact(pr->params));
+  const double full = testing::compare(pr->out.data(), DType::kF32, exact.out).rel_l2;
+
+  AttentionResult result;
+  ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+  const ProbeEstimate& probe = result.heads[0].probe;
+  EXPECT_EQ(probe.rows, 64);
+  EXPECT_GT(probe.rel_err, full / 1.5);
+  EXPECT_LT(probe.rel_err, full * 1.5);
+  EXPECT_GT(probe.rel_err_stderr, 0);
+  EXPECT_LT(probe.rel_err_stderr, 0.5 * probe.rel_err);
+  EXPECT_EQ(result.probe.rows, 64);
+  EXPECT_DOUBLE_EQ(result.probe.rel_err, probe.rel_err);
+  EXPECT_GE(probe.bound_max, probe.max_abs_err);
+  std::printf("n=4096 s=16 causal: full rel err %.4f, probe %.4f +- %.4f, max abs %.4f, bound max %.3f\n", full,
+              probe.rel_err, probe.rel_err_stderr, probe.max_abs_err, probe.bound_max);
+}
+
+// With every row probed the sample is a census: the probe is the full
+// relative error and its standard error is 0. Pooled over heads and batch.
+TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
+  for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
+    AttentionOptions o;
+    o.batch = 2;
+    o.q_len = 40;
+    o.kv_len = 70;
+    o.heads = 4;
+    o.kv_heads = 2;
+    o.head_dim = 24;
+    o.causal = true;
+    o.mode = mode;
+    o.samples = 8;
+    o.window_eps = 0.02;
+    o.slopes = {0.5, 0.1, 0.02, 0.0};
+    o.probe_rows = 80;  // = batch * q_len
+    const auto pr = make_problem(o, 5);
+    fill_output_with_reference(pr.get());
+    const testing::ReferenceOutput exact = reference_attention(as_exact(pr->params));
+    const testing::ErrorStats full = testing::compare(pr->out.data(), DType::kF32, exact.out);
+
+    AttentionResult result;
+    ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+    EXPECT_EQ(result.probe.rows, 4 * 80);
+    EXPECT_NEAR(result.probe.rel_err, full.rel_l2, 1e-6 * full.rel_l2) << mode_name(mode);
+    EXPECT_EQ(result.probe.rel_err_stderr, 0.0);
+    double max_abs = 0;
+    for (size_t i = 0; i < exact.out.size(); ++i)
+      max_abs = std::max(max_abs, std::fabs(load_element(pr->out.data(), DType::kF32, i) - exact.out[i]));
+    EXPECT_NEAR(result.probe.max_abs_err, max_abs, 1e-12);
+    for (const HeadEstimate& he : result.heads) EXPECT_EQ(he.probe.rows, 80);
+  }
+}
+
+// SPEC's rigorous bound really bounds each row's error, in both modes, for
+// every row, head and batch item.
+TEST(Estimates, BoundHoldsForEveryRow) {
+  for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
+    for (const bool causal : {false, true}) {
+      AttentionOptions o;
+      o.batch = 2;
+      o.q_len = 60;
+      o.kv_len = 90;
+      o.heads = 3;
+      o.head_dim = 16;
+      o.causal = causal;
+      o.mode = mode;
+      o.samples = 4;
+      o.window_eps = 0.1;
+      o.slopes = {1.0, 0.1, 0.01};
+      const auto pr = make_problem(o, 11);
+      fill_output_with_reference(pr.get());
+      const AttentionParams& p = pr->params;
+      const testing::ReferenceOutput exact = reference_attention(as_exact(p));
+      int64_t tight = 0;
+      for (int64_t h = 0; h < p.heads; ++h) {
+        const HeadMask m = head_mask(p, h);
+        for (int64_t b = 0; b < p.batch; ++b) {
+          for (int64_t i = 0; i < p.q_len; ++i) {
+            const ProbeRow row = probe_row(p, m, h, b, i);
+            double err2 = 0;
+            for (int64_t d = 0; d < p.head_dim; ++d) {
+              const int64_t idx = ((b * p.q_len + i) * p.heads + h) * p.head_dim + d;
+              const double diff = load_element(p.out, DType::kF32, idx) - exact.out[static_cast<size_t>(idx)];
+              err2 += diff * diff;
+            }
+            EXPECT_NEAR(row.err2, err2, 1e-9 * (err2 + 1e-12));
+            // float32 storage of o~ adds up to ~1e-7 per element beyond the bound.
+            EXPECT_LE(std::sqrt(err2), row.bound + 1e-6) << mode_name(mode) << " h " << h << " row " << i;
+            if (std::sqrt(err2) > 0.1 * row.bound) ++tight;
+          }
+        }
+      }
+      // The bound is not vacuous: some rows come within a factor 10 of it.
+      EXPECT_GT(tight, 0) << mode_name(mode) << " causal " << causal;
+    }
+  }
+}
+
+TEST(Estimates, DrawsReturnedEqualDrawHashes) {
+  AttentionOptions o = mask_options(64, 64, true, {0.5, 0.125, 0.0});
+  o.samples = 7;
+  o.seed = 99;
+  o.return_draws = true;
+  const auto pr = make_problem(o);
+  AttentionResult result;
+  ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+  for (int64_t h = 0; h < 3; ++h) {
+    const std::vector<Draw> want = draw_hashes(99, h, pr->params.sigma(h), 7);
+    const HeadEstimate& he = result.heads[h];
+    EXPECT_EQ(he.head, h);
+    EXPECT_EQ(he.slope, o.slopes[h]);
+    ASSERT_EQ(he.draws.size(), 7u);
+    for (size_t k = 0; k < 7; ++k) {
+      EXPECT_EQ(he.draws[k].pitch, want[k].pitch);
+      EXPECT_EQ(he.draws[k].shift, want[k].shift);
+    }
+    EXPECT_EQ(he.max_block, max_block_size(want, position_range(pr->params)));
+  }
+  EXPECT_TRUE(std::isinf(result.heads[2].sigma));
+  o.return_draws = false;
+  const auto without = make_problem(o);
+  ASSERT_TRUE(compute_estimates(without->params, ExecContext{}, &result).ok());
+  for (const HeadEstimate& he : result.heads) EXPECT_TRUE(he.draws.empty());
+}
+
+TEST(Estimates, MaxBlockCountsPositionsInTheRequestOnly) {
+  const std::vector<Draw> draws = draw_hashes(4, 0, 8.0, 5);
+  // Two ranges 2^40 apart: only their own positions count (and it ends).
+  PositionRange far{int64_t{1} << 40, 50, 0, 70, false};
+  int64_t want = 0;
+  for (const Draw& d : draws) {
+    for (const auto& [lo, n] : {std::pair<int64_t, int64_t>{0, 70}, {int64_t{1} << 40, 50}}) {
+      for (int64_t pos = lo; pos < lo + n;) {
+        int64_t end = pos;
+        while (end < lo + n && bin_of(end, d) == bin_of(pos, d)) ++end;
+        want = std::max(want, end - pos);
+        pos = end;
+      }
+    }
+  }
+  EXPECT_EQ(max_block_size(draws, far), want);
+  // Overlapping ranges are one span.
+  PositionRange overlap{30, 50, 0, 70, false};
+  int64_t want_overlap = 0;
+  for (const Draw& d : draws) {
+    for (int64_t pos = 0; pos < 80;) {
+      int64_t end = pos;
+      while (end < 80 && bin_of(end, d) == bin_of(pos, d)) ++end;
+      want_overlap = std::max(want_overlap, end - pos);
+      pos = end;
+    }
+  }
+  EXPECT_EQ(max_block_size(draws, overlap), want_overlap);
+}
+
+TEST(Estimates, DeviceMemoryGetsMaskEstimatesButNoProbe) {
+  AttentionOptions o = mask_options(100, 100, true, {0.25, 0.05});
+  o.probe_rows = 16;
+  const auto host = make_problem(o);
+  AttentionParams device = host->params;
+  device.memory = MemorySpace::kDevice;
+  device.q = device.k = device.v = nullptr;  // must not be read
+  device.out = nullptr;
+  AttentionResult on_host, on_device;
+  ASSERT_TRUE(compute_estimates(host->params, ExecContext{}, &on_host).ok());
+  ASSERT_TRUE(compute_estimates(device, ExecContext{}, &on_device).ok());
+  EXPECT_EQ(on_host.probe.rows, 32);
+  EXPECT_EQ(on_device.probe.rows, 0);
+  for (size_t h = 0; h < 2; ++h) {
+    EXPECT_EQ(on_device.heads[h].probe.rows, 0);
+    EXPECT_EQ(on_device.heads[h].mask_max_err, on_host.heads[h].mask_max_err);
+    EXPECT_EQ(on_device.heads[h].mask_spectral_err, on_host.heads[h].mask_spectral_err);
+  }
+}
+
+TEST(Estimates, WithoutEstimatesOnlyTheHeadsAreDescribed) {
+  AttentionOptions o = mask_options(100, 100, true, {0.25});
+  o.estimates = false;
+  o.probe_rows = 16;
+  const auto pr = make_problem(o);
+  AttentionResult result;
+  ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+  ASSERT_EQ(result.heads.size(), 1u);
+  EXPECT_EQ(result.heads[0].sigma, 4.0);
+  EXPECT_GT(result.heads[0].max_block, 0);
+  EXPECT_EQ(result.heads[0].mask_max_err, 0.0);
+  EXPECT_EQ(result.heads[0].mask_rows_checked, 0);
+  EXPECT_EQ(result.heads[0].probe.rows, 0);
+  EXPECT_EQ(result.mask_spectral_err, 0.0);
+}
+
+TEST(Estimates, StopsOnCancelAndDeadline) {
+  AttentionOptions o = mask_options(200, 200, true, {0.25, 0.5});
+  const auto pr = make_problem(o);
+  std::atomic<bool> cancel{true};
+  ExecContext cancelled_ctx;
+  cancelled_ctx.cancel = &cancel;
+  AttentionResult result;
+  EXPECT_EQ(compute_estimates(pr->params, cancelled_ctx, &result).code(), StatusCode::kCancelled);
+  ExecContext late;
+  late.deadline = std::chrono::steady_clock::now() - std::chrono::seconds(1);
+  EXPECT_EQ(compute_estimates(pr->params, late, &result).code(), StatusCode::kDeadlineExceeded);
+}
+
+}  // namespace
+}  // namespace plsh

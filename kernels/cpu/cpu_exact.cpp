@@ -1,0 +1,92 @@
+// Exact ALiBi attention (SPEC section 2) and its window restriction
+// (section 4): one code path, the window being exact with |pos_i - pos_j| <
+// W_h; only the key tiles inside the tile's band are touched.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "cpu/tiles.h"
+
+namespace plsh::cpu {
+
+namespace {
+
+int64_t saturating_add(int64_t a, int64_t b) {
+  int64_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) return b > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+  return r;
+}
+
+}  // namespace
+
+double exact_tile(const AttentionParams& p, const TileJob& job, Scratch& scratch) {
+  const int64_t dim = p.head_dim;
+  const SliceView qv = q_slice(p, job.b, job.h), kv = k_slice(p, job.b, job.h), vv = v_slice(p, job.b, job.h);
+  const double slope = p.slopes[static_cast<size_t>(job.h)];
+  const int64_t width = p.mode == Mode::kWindow ? p.window[static_cast<size_t>(job.h)] : kNoWindow;
+  const int64_t pos_first = p.q_pos0 + job.i0;
+  const int64_t pos_last = pos_first + job.rows - 1;
+
+  // Key positions [lo, hi) that some row of the tile may see.
+  int64_t lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max();
+  if (width != kNoWindow) {
+    lo = saturating_add(pos_first, -(width - 1));
+    hi = saturating_add(pos_last, width);
+  }
+  if (p.causal) hi = std::min(hi, pos_last + 1);
+  int64_t j0 = 0, j1 = 0;
+  key_rows_of(p, lo, hi, &j0, &j1);
+
+  RowState state = fresh_state(scratch, job.rows, dim);
+  double flops = 0;
+  if (j0 < j1) {
+    int64_t ldq = 0;
+    const float* q = rows_as_f32(qv, job.i0, job.rows, scratch.q.data(), &ldq);
+    // Each row's logits are taken relative to the bias of its nearest key in
+    // [j0, j1), and that constant goes back into lse in double: the float
+    // logits stay small even when a query sits far from every key (a float
+    // bias of -65536 would carry an absolute error of 0.004).
+    const int64_t key_first = p.k_pos0 + j0, key_last = p.k_pos0 + j1 - 1;
+    int64_t nearest[kRowTile];
+    for (int64_t r = 0; r < job.rows; ++r) {
+      const int64_t pos = pos_first + r;
+      nearest[r] = pos < key_first ? key_first - pos : pos > key_last ? pos - key_last : 0;
+      scratch.lse_shift[static_cast<size_t>(r)] = -slope * static_cast<double>(nearest[r]);
+    }
+    const float neg_slope = static_cast<float>(-slope);
+    auto add_bias = [&](float* s, int64_t jt, int64_t len) {
+      for (int64_t r = 0; r < job.rows; ++r) {
+        float* sr = s + r * len;
+        // Column c holds the key at distance d = pi - c from the query.
+        const int64_t pi = pos_first + r - (p.k_pos0 + jt);
+        int64_t cmin = 0, cmax = len;
+        if (width != kNoWindow) {
+          cmin = std::max(cmin, saturating_add(pi, -(width - 1)));
+          cmax = std::min(cmax, saturating_add(pi, width));
+        }
+        if (p.causal) cmax = std::min(cmax, pi + 1);
+        if (cmin >= cmax) {
+          std::fill_n(sr, len, kNegInf);
+          continue;
+        }
+        std::fill(sr, sr + cmin, kNegInf);
+        std::fill(sr + cmax, sr + len, kNegInf);
+        if (slope == 0) continue;
+        // |d| - nearest, split at the query: (pi - nearest) - c on the left,
+        // c - (pi + nearest) on the right; both small by the choice above.
+        const int split = static_cast<int>(std::clamp(pi + 1, cmin, cmax));
+        const float base_left = static_cast<float>(pi - nearest[r]);
+        const float base_right = static_cast<float>(pi + nearest[r]);
+#pragma omp simd
+        for (int c = static_cast<int>(cmin); c < split; ++c) sr[c] += neg_slope * (base_left - static_cast<float>(c));
+#pragma omp simd
+        for (int c = split; c < static_cast<int>(cmax); ++c) sr[c] += neg_slope * (static_cast<float>(c) - base_right);
+      }
+    };
+    flops = attend(q, ldq, job.rows, kv, vv, j0, j1, static_cast<float>(p.scale), add_bias, scratch, state);
+  }
+  write_rows(p, job.b, job.h, job.i0, job.rows, state, scratch.lse_shift.data(), scratch.out_row.data());
+  return flops;
+}
+
+}  // namespace plsh::cpu

@@ -1,0 +1,225 @@
+// The CPU backend's building blocks, shared by the exact/window and lsh
+// paths: a view of one (batch, head) slice of a tensor, per-thread scratch,
+// the online-softmax accumulator, and `attend`, which runs a block of query
+// rows against a contiguous key range with BLAS GEMMs (S = scale Q K^T,
+// bias and mask, row softmax, acc += P V).
+//
+// Internal to kernels/cpu; not a public header.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "plsh/backend.h"
+#include "plsh/draws.h"
+#include "plsh/numeric.h"
+#include "plsh/params.h"
+
+namespace plsh::cpu {
+
+// Query rows per work item and keys per GEMM tile. 64 x 256 keeps S (64 KiB)
+// and a K or V tile (64 KiB at D = 64) in L2 while the GEMMs stay large
+// enough for OpenBLAS to run near its peak.
+inline constexpr int64_t kRowTile = 64;
+inline constexpr int64_t kKeyTile = 256;
+
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// One (batch, head) slice of a [B, N, H, D] tensor: row r starts at element
+// offset + r * row_stride; the D elements of a row are contiguous.
+struct SliceView {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t offset = 0;
+  int64_t row_stride = 0;
+  int64_t dim = 0;
+};
+
+// Rows [r0, r0 + n) as float32 with leading dimension *ld. The one place
+// where the input dtype is dispatched: float32 is read in place (the GEMMs
+// take the tensor's row stride as their leading dimension); float16 and
+// bfloat16 are widened into buf ([n, dim]).
+inline const float* rows_as_f32(const SliceView& t, int64_t r0, int64_t n, float* buf, int64_t* ld) {
+  if (t.dtype == DType::kF32) {
+    *ld = t.row_stride;
+    return static_cast<const float*>(t.data) + t.offset + r0 * t.row_stride;
+  }
+  for (int64_t r = 0; r < n; ++r) load_row(t.data, t.dtype, t.offset + (r0 + r) * t.row_stride, t.dim, buf + r * t.dim);
+  *ld = t.dim;
+  return buf;
+}
+
+// exp(x) for x <= 0 (and -inf), vectorisable: Cephes' expf polynomial
+// (relative error ~2e-7) with round-to-nearest by the 1.5 * 2^23 trick.
+// exp was a third of the exact mode's time with std::exp (a call per
+// element that GCC does not vectorise without -ffast-math).
+inline float exp_nonpositive(float x) {
+  const bool underflow = !(x >= -87.0f);  // also catches -inf
+  const float xc = underflow ? -87.0f : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23
+  const float t = xc * 1.44269504088896341f + shifter;
+  const float n = t - shifter;
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return underflow ? 0.0f : y * scale;
+}
+
+// C[m, n] = alpha A[m, k] B[n, k]^T (row-major, leading dimensions given).
+void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+              float* c, int64_t ldc);
+// C[m, n] += A[m, k] B[k, n].
+void gemm_ab_acc(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                 int64_t ldc);
+
+// Per-thread buffers, sized once per forward call.
+struct Scratch {
+  std::vector<float> q;         // [kRowTile, D] widened query rows (f16/bf16 only)
+  std::vector<float> k, v;      // [kKeyTile, D] widened key/value rows (f16/bf16 only)
+  std::vector<float> s;         // [kRowTile, kKeyTile] logits, then probabilities
+  std::vector<float> acc;       // [kRowTile, D] sum_j w_ij exp(s_ij - m_i) v_j
+  std::vector<float> row_max;   // [kRowTile] running max logit m_i
+  std::vector<float> row_sum;   // [kRowTile] sum_j w_ij exp(s_ij - m_i)
+  std::vector<double> lse_shift;  // [kRowTile] added to the row's lse at the end
+  std::vector<float> out_row;   // [D]
+  // Banded lsh: per row, the block edges of every hash and the merged
+  // piecewise-constant weight log(c_ij / s).
+  std::vector<int64_t> begins, ends;  // [kRowTile, s]
+  std::vector<int64_t> edges;         // [kRowTile, 2s]
+  std::vector<float> edge_log_w;      // [kRowTile, 2s]: log(c/s) right of edge t
+  std::vector<int32_t> edge_count;    // [kRowTile]
+  std::vector<float> log_count;       // [s + 1]: log(c / s), -inf for c = 0
+};
+
+// Bytes of one Scratch for these params (and the lsh algorithm in use).
+int64_t scratch_bytes(const AttentionParams& p, bool banded);
+void size_scratch(const AttentionParams& p, bool banded, Scratch* s);
+
+// The online-softmax state of `rows` consecutive query rows of a tile.
+struct RowState {
+  float* acc = nullptr;      // [rows, D]
+  float* row_max = nullptr;  // [rows]
+  float* row_sum = nullptr;  // [rows]
+
+  RowState offset(int64_t r, int64_t dim) const { return {acc + r * dim, row_max + r, row_sum + r}; }
+};
+
+inline RowState fresh_state(Scratch& s, int64_t rows, int64_t dim) {
+  std::fill_n(s.acc.data(), rows * dim, 0.0f);
+  std::fill_n(s.row_max.data(), rows, kNegInf);
+  std::fill_n(s.row_sum.data(), rows, 0.0f);
+  std::fill_n(s.lse_shift.data(), rows, 0.0);
+  return {s.acc.data(), s.row_max.data(), s.row_sum.data()};
+}
+
+// Runs `rows` query rows (q, leading dimension ldq, already float32) against
+// keys [j0, j1) in tiles of kKeyTile, folding each tile into `state` with the
+// online softmax. add_bias(S, jt, len) adds the additive bias (log weight)
+// to S ([rows, len], leading dimension len) for keys [jt, jt + len) and sets
+// disallowed entries to -inf. Returns the GEMM FLOPs done.
+template <typename AddBias>
+double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, const SliceView& v, int64_t j0,
+              int64_t j1, float scale, AddBias&& add_bias, Scratch& scratch, RowState state);
+
+// Writes rows [i0, i0 + rows) of head h, batch b: out = acc / sum and
+// lse = max + log(sum) + lse_shift; a row that saw no allowed key (sum 0)
+// gets out = 0 and lse = -inf rather than NaN.
+void write_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t rows, const RowState& state,
+                const double* lse_shift, float* out_row);
+
+// Views of q (head h), and k, v (the kv head h reads) for batch item b.
+SliceView q_slice(const AttentionParams& p, int64_t b, int64_t h);
+SliceView k_slice(const AttentionParams& p, int64_t b, int64_t h);
+SliceView v_slice(const AttentionParams& p, int64_t b, int64_t h);
+
+// Clamps a (possibly infinite-block) position range to the key rows:
+// positions [pos_lo, pos_hi) -> key rows [*j0, *j1), maybe empty.
+inline void key_rows_of(const AttentionParams& p, int64_t pos_lo, int64_t pos_hi, int64_t* j0, int64_t* j1) {
+  const int64_t first = p.k_pos0, last = p.k_pos0 + p.kv_len;  // positions, last exclusive
+  *j0 = std::clamp(pos_lo, first, last) - first;
+  *j1 = std::clamp(pos_hi, first, last) - first;
+}
+
+// Work items of one forward call: a row tile of one (batch, head).
+struct TileJob {
+  int64_t b = 0, h = 0, i0 = 0, rows = 0;
+};
+
+// Per-tile kernels (return the GEMM FLOPs done). They read p and write
+// p.out / p.lse for their rows only, so tiles run concurrently.
+double exact_tile(const AttentionParams& p, const TileJob& job, Scratch& scratch);
+double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws,
+                       Scratch& scratch);
+// Checks ctx between samples: a tile is s times the work of an exact
+// tile's block, and s may be large. On a stop it returns early, leaving its
+// rows unwritten; the caller then returns ctx's status.
+double lsh_per_sample_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws,
+                           const ExecContext& ctx, Scratch& scratch);
+
+// Which lsh algorithm kAuto picks, by SPEC section 3's cost models (see the
+// definition for the constants).
+LshAlgorithm choose_lsh_algorithm(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws);
+
+template <typename AddBias>
+double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, const SliceView& v, int64_t j0,
+              int64_t j1, float scale, AddBias&& add_bias, Scratch& scratch, RowState state) {
+  const int64_t dim = k.dim;
+  double flops = 0;
+  float* s = scratch.s.data();
+  for (int64_t jt = j0; jt < j1; jt += kKeyTile) {
+    const int64_t len = std::min(kKeyTile, j1 - jt);
+    int64_t ldk = 0;
+    const float* kt = rows_as_f32(k, jt, len, scratch.k.data(), &ldk);
+    gemm_abt(rows, len, dim, scale, q, ldq, kt, ldk, s, len);
+    add_bias(s, jt, len);
+
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * len;
+      float tile_max = kNegInf;
+#pragma omp simd reduction(max : tile_max)
+      for (int64_t c = 0; c < len; ++c) tile_max = std::max(tile_max, sr[c]);
+      const float old_max = state.row_max[r];
+      const float new_max = std::max(old_max, tile_max);
+      if (new_max == kNegInf) {  // nothing allowed yet in this row
+        std::fill_n(sr, len, 0.0f);
+        continue;
+      }
+      float tile_sum = 0;
+#pragma omp simd reduction(+ : tile_sum)
+      for (int64_t c = 0; c < len; ++c) {
+        const float e = exp_nonpositive(sr[c] - new_max);
+        sr[c] = e;
+        tile_sum += e;
+      }
+      if (new_max != old_max) {
+        const float rescale = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+        float* ar = state.acc + r * dim;
+        for (int64_t d = 0; d < dim; ++d) ar[d] *= rescale;
+        state.row_sum[r] *= rescale;
+        state.row_max[r] = new_max;
+      }
+      state.row_sum[r] += tile_sum;
+    }
+
+    int64_t ldv = 0;
+    const float* vt = rows_as_f32(v, jt, len, scratch.v.data(), &ldv);
+    gemm_ab_acc(rows, dim, len, s, len, vt, ldv, state.acc, dim);
+    flops += 4.0 * static_cast<double>(rows) * static_cast<double>(len) * static_cast<double>(dim);
+  }
+  return flops;
+}
+
+}  // namespace plsh::cpu

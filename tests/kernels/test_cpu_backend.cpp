@@ -1,0 +1,445 @@
+// The CPU backend against the float64 reference (tests/kernels/reference.h)
+// on fresh random inputs: every mode and lsh algorithm, odd sizes, GQA,
+// causal and not, offsets, fp16/bf16, padded strides, and its contract
+// (cancellation, deadlines, host memory only, progress, FLOP counts).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu/cpu_backend.h"
+#include "plsh/numeric.h"
+#include "reference.h"
+
+namespace plsh {
+namespace {
+
+using testing::ReferenceOutput;
+
+// Unit roundoff of the output dtype: storing a value v rounds it by at most
+// u |v| <= u max|ref|, on top of the float32 arithmetic's error.
+double unit_roundoff(DType t) {
+  switch (t) {
+    case DType::kF32: return 0x1.0p-24;
+    case DType::kF16: return 0x1.0p-11;
+    case DType::kBF16: return 0x1.0p-8;
+  }
+  return 1;
+}
+
+// float32 accumulation over ~1e3 keys with a 2e-7 exp: observed ~1e-6.
+constexpr double kF32Tolerance = 1e-5;
+
+double output_tolerance(DType t) { return kF32Tolerance + unit_roundoff(t); }
+
+struct Case {
+  std::string name;
+  Mode mode = Mode::kExact;
+  LshAlgorithm algorithm = LshAlgorithm::kAuto;
+  int64_t batch = 1, q_len = 0, kv_len = 0, heads = 1, kv_heads = 1, head_dim = 0;
+  bool causal = false;
+  std::optional<int64_t> q_pos0;
+  int64_t k_pos0 = 0;
+  DType dtype = DType::kF32;
+  int64_t samples = 16;
+  int64_t window_width = 0;
+  std::vector<double> slopes;
+  bool has_empty_rows = false;  // some rows reach no key (see compare_rows)
+};
+
+AttentionOptions options_of(const Case& c) {
+  AttentionOptions o;
+  o.batch = c.batch;
+  o.q_len = c.q_len;
+  o.kv_len = c.kv_len;
+  o.heads = c.heads;
+  o.kv_heads = c.kv_heads;
+  o.head_dim = c.head_dim;
+  o.causal = c.causal;
+  o.q_pos0 = c.q_pos0;
+  o.k_pos0 = c.k_pos0;
+  o.dtype = c.dtype;
+  o.mode = c.mode;
+  o.samples = c.samples;
+  o.seed = 1234;
+  o.lsh_algorithm = c.algorithm;
+  o.window_width = c.window_width;
+  o.slopes = c.slopes;
+  return o;
+}
+
+// Inputs, output buffers and the params pointing at them.
+struct Problem {
+  testing::RandomTensors tensors;
+  std::vector<uint8_t> out;
+  std::vector<float> lse;
+  AttentionParams params;
+};
+
+Problem make_problem(const AttentionOptions& o, uint64_t seed) {
+  Problem pr;
+  pr.tensors = testing::random_qkv(o, seed);
+  pr.out = testing::output_buffer(o);
+  pr.lse.assign(static_cast<size_t>(o.batch * o.q_len * o.heads), std::nanf(""));
+  TensorRefs refs{pr.tensors.q.data(), pr.tensors.k.data(), pr.tensors.v.data(), pr.out.data(), pr.lse.data()};
+  StatusOr<AttentionParams> p = make_params(o, refs);
+  EXPECT_TRUE(p.ok()) << p.status().to_string();
+  pr.params = p.value();
+  return pr;
+}
+
+// max |a - e| / max(1, |e|) over the lse entries.
+double lse_error(const std::vector<float>& actual, const std::vector<double>& expected) {
+  double worst = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const double a = actual[i];
+    const double diff = std::isfinite(a) ? std::fabs(a - expected[i]) : std::numeric_limits<double>::infinity();
+    worst = std::max(worst, diff / std::max(1.0, std::fabs(expected[i])));
+  }
+  return worst;
+}
+
+// A backend output against the reference, row by row. Rows that no key may
+// reach (lsh with a query position whose blocks hold no key row; window
+// rows far from the keys) are NaN in the reference; the backend must give
+// out = 0 and lse = -inf there, and they are left out of the error figures.
+struct Comparison {
+  double max_rel = 0;   // max |a - e| / max |e| over the other rows
+  double lse_err = 0;   // lse_error over the other rows
+  int64_t empty_rows = 0;
+  int64_t bad_empty_rows = 0;  // empty rows with a nonzero output or a finite lse
+};
+
+Comparison compare_rows(const Problem& pr, const ReferenceOutput& ref) {
+  const AttentionParams& p = pr.params;
+  const int64_t dim = p.head_dim;
+  const int64_t rows = static_cast<int64_t>(ref.lse.size());
+  std::vector<double> expected, expected_lse;
+  std::vector<float> actual, actual_lse;
+  Comparison c;
+  for (int64_t row = 0; row < rows; ++row) {  // row = (b * Nq + i) * H + h, as in the dense layout
+    const bool empty = !std::isfinite(ref.lse[static_cast<size_t>(row)]);
+    if (empty) {
+      ++c.empty_rows;
+      bool ok = pr.lse[static_cast<size_t>(row)] == -std::numeric_limits<float>::infinity();
+      for (int64_t d = 0; d < dim; ++d) ok = ok && load_element(pr.out.data(), p.out_dtype, row * dim + d) == 0.0;
+      if (!ok) ++c.bad_empty_rows;
+      continue;
+    }
+    for (int64_t d = 0; d < dim; ++d) {
+      expected.push_back(ref.out[static_cast<size_t>(row * dim + d)]);
+      actual.push_back(static_cast<float>(load_element(pr.out.data(), p.out_dtype, row * dim + d)));
+    }
+    expected_lse.push_back(ref.lse[static_cast<size_t>(row)]);
+    actual_lse.push_back(pr.lse[static_cast<size_t>(row)]);
+  }
+  // Outputs rounded to f16/bf16 were exact in float; compare as float32.
+  c.max_rel = testing::compare(actual.data(), DType::kF32, expected).max_rel;
+  c.lse_err = lse_error(actual_lse, expected_lse);
+  return c;
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class CpuVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CpuVsReference, MatchesFloat64Reference) {
+  const Case& c = GetParam();
+  const AttentionOptions o = options_of(c);
+  Problem pr = make_problem(o, std::hash<std::string>{}(c.name));
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  ForwardStats stats;
+  ASSERT_TRUE(cpu->forward(pr.params, ExecContext{}, &stats).ok());
+  const ReferenceOutput ref = testing::reference_attention(pr.params);
+
+  const Comparison cmp = compare_rows(pr, ref);
+  EXPECT_LE(cmp.max_rel, output_tolerance(pr.params.out_dtype));
+  EXPECT_LE(cmp.lse_err, kF32Tolerance);
+  EXPECT_EQ(cmp.bad_empty_rows, 0) << "of " << cmp.empty_rows << " rows without keys";
+  EXPECT_EQ(cmp.empty_rows > 0, c.has_empty_rows) << cmp.empty_rows << " rows without keys";
+  EXPECT_GT(stats.flops, 0);
+  if (c.mode == Mode::kLsh) {
+    EXPECT_NE(stats.lsh_algorithm, LshAlgorithm::kAuto);
+    if (c.algorithm != LshAlgorithm::kAuto) EXPECT_EQ(stats.lsh_algorithm, c.algorithm);
+  }
+}
+
+Case make(std::string name, Mode mode, int64_t q_len, int64_t kv_len, int64_t heads, int64_t kv_heads, int64_t dim,
+          bool causal, DType dtype = DType::kF32) {
+  Case c;
+  c.name = std::move(name);
+  c.mode = mode;
+  c.q_len = q_len;
+  c.kv_len = kv_len;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.head_dim = dim;
+  c.causal = causal;
+  c.dtype = dtype;
+  return c;
+}
+
+Case with_offsets(Case c, int64_t q_pos0, int64_t k_pos0) {
+  c.q_pos0 = q_pos0;
+  c.k_pos0 = k_pos0;
+  return c;
+}
+
+Case lsh(Case c, LshAlgorithm a, int64_t samples = 16) {
+  c.algorithm = a;
+  c.samples = samples;
+  return c;
+}
+
+Case with_batch(Case c, int64_t batch) {
+  c.batch = batch;
+  return c;
+}
+
+// Every value of every axis at least once; n = 1025 only with few heads
+// (the float64 reference is O(n^2 d H)).
+std::vector<Case> cases() {
+  const Mode E = Mode::kExact, W = Mode::kWindow, L = Mode::kLsh;
+  const LshAlgorithm PS = LshAlgorithm::kPerSample, BA = LshAlgorithm::kBanded, AU = LshAlgorithm::kAuto;
+  std::vector<Case> v;
+  // exact
+  v.push_back(make("exact_n1_d40_h1", E, 1, 1, 1, 1, 40, false));
+  v.push_back(with_batch(make("exact_n2_d59_h8g2_causal_b2", E, 2, 2, 8, 2, 59, true), 2));
+  v.push_back(make("exact_n97_d128_h12_causal", E, 97, 97, 12, 12, 128, true));
+  v.push_back(make("exact_n1025_d40_h1_causal", E, 1025, 1025, 1, 1, 40, true));
+  v.push_back(make("exact_n1025_d59_h1", E, 1025, 1025, 1, 1, 59, false));
+  v.push_back(with_offsets(make("exact_nq97_nk150_d59_h8g2_offsets", E, 97, 150, 8, 2, 59, false), 1000, 900));
+  v.push_back(with_offsets(make("exact_nq50_nk97_d40_h8g2_causal_offsets", E, 50, 97, 8, 2, 40, true), 60, 0));
+  v.push_back(make("exact_n97_d40_h12_causal_bf16", E, 97, 97, 12, 12, 40, true, DType::kBF16));
+  v.push_back(make("exact_n97_d128_h8g2_f16", E, 97, 97, 8, 2, 128, false, DType::kF16));
+  // window: eps-derived widths (19 .. 2358 positions for 8 heads), a fixed
+  // narrow width, a width beyond n
+  v.push_back(make("window_n1025_d59_h8g2_causal", W, 1025, 1025, 8, 2, 59, true));
+  Case w5 = make("window_n97_d40_h1_width5", W, 97, 97, 1, 1, 40, false);
+  w5.window_width = 5;
+  v.push_back(w5);
+  v.push_back(make("window_n2_d128_h12_f16", W, 2, 2, 12, 12, 128, false, DType::kF16));
+  Case w17 = with_offsets(make("window_nq64_nk97_d59_h8g2_causal_offsets_bf16", W, 64, 97, 8, 2, 59, true,
+                               DType::kBF16), 40, 3);
+  w17.window_width = 17;
+  v.push_back(w17);
+  Case wide = make("window_n97_d40_h8g2_width_beyond_n", W, 97, 97, 8, 2, 40, true);
+  wide.window_width = 5000;
+  v.push_back(wide);
+  // lsh, both algorithms on the same shapes, and the automatic choice
+  for (auto [a, tag] : {std::pair{PS, "per_sample"}, std::pair{BA, "banded"}}) {
+    const std::string t = tag;
+    v.push_back(lsh(make("lsh_" + t + "_n1_d59_h1", L, 1, 1, 1, 1, 59, true), a));
+    v.push_back(lsh(make("lsh_" + t + "_n97_d59_h8g2_causal", L, 97, 97, 8, 2, 59, true), a));
+    v.push_back(lsh(make("lsh_" + t + "_n1025_d40_h1_causal", L, 1025, 1025, 1, 1, 40, true), a));
+    v.push_back(lsh(make("lsh_" + t + "_n2_d128_h12", L, 2, 2, 12, 12, 128, false), a));
+    v.push_back(lsh(with_offsets(make("lsh_" + t + "_nq60_nk97_d40_h8g2_offsets", L, 60, 97, 8, 2, 40, false), 10, 0),
+                    a));
+    // Queries at 347..359 sit past the last key (346): under some hashes
+    // their block holds no key, and for some rows under every hash.
+    Case past_keys = lsh(
+        with_offsets(make("lsh_" + t + "_nq60_nk97_d59_h12_causal_offsets", L, 60, 97, 12, 12, 59, true), 300, 250),
+        a, 7);
+    past_keys.has_empty_rows = true;
+    v.push_back(past_keys);
+    v.push_back(lsh(make("lsh_" + t + "_n97_d40_h8g2_causal_bf16", L, 97, 97, 8, 2, 40, true, DType::kBF16), a));
+    v.push_back(lsh(make("lsh_" + t + "_n97_d128_h12_f16", L, 97, 97, 12, 12, 128, false, DType::kF16), a));
+  }
+  v.push_back(with_batch(lsh(make("lsh_auto_n97_d59_h8g2_causal_b2", L, 97, 97, 8, 2, 59, true), AU, 64), 2));
+  // slope 0 heads: no bias (exact, window) and one bin (lsh)
+  for (auto [m, tag] : {std::pair{E, "exact"}, std::pair{W, "window"}, std::pair{L, "lsh"}}) {
+    Case z = make(std::string(tag) + "_slope0_n97_d40_h2_causal", m, 97, 97, 2, 2, 40, true);
+    z.slopes = {0.0, 0.25};
+    v.push_back(z);
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CpuVsReference, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// Padded q/k/v (head stride > D, row stride > H * head stride): the backend
+// must follow the strides, not assume a dense layout.
+TEST(CpuBackend, FollowsPaddedStrides) {
+  for (Mode mode : {Mode::kExact, Mode::kLsh}) {
+    for (LshAlgorithm a : {LshAlgorithm::kPerSample, LshAlgorithm::kBanded}) {
+      AttentionOptions o = options_of(make("padded", mode, 70, 90, 4, 2, 24, true));
+      o.lsh_algorithm = a;
+      o.batch = 2;
+      Problem pr = make_problem(o, 99);
+      const int64_t pad = 5, dim = o.head_dim;
+      // [B, N, heads, dim + pad] with 3 spare elements after each row.
+      auto padded = [&](const std::vector<uint8_t>& dense, int64_t rows, int64_t heads, std::vector<float>* buf,
+                        int64_t* batch_stride, int64_t* row_stride, int64_t* head_stride) {
+        *head_stride = dim + pad;
+        *row_stride = heads * (dim + pad) + 3;
+        *batch_stride = rows * *row_stride;
+        buf->assign(static_cast<size_t>(o.batch * *batch_stride), std::nanf(""));
+        for (int64_t b = 0; b < o.batch; ++b)
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t h = 0; h < heads; ++h)
+              for (int64_t d = 0; d < dim; ++d)
+                (*buf)[static_cast<size_t>(b * *batch_stride + r * *row_stride + h * *head_stride + d)] =
+                    static_cast<float>(load_element(dense.data(), DType::kF32, ((b * rows + r) * heads + h) * dim + d));
+      };
+      std::vector<float> q, k, v;
+      AttentionParams& p = pr.params;
+      padded(pr.tensors.q, o.q_len, o.heads, &q, &p.q_batch_stride, &p.q_row_stride, &p.q_head_stride);
+      padded(pr.tensors.k, o.kv_len, o.kv_heads, &k, &p.k_batch_stride, &p.k_row_stride, &p.k_head_stride);
+      padded(pr.tensors.v, o.kv_len, o.kv_heads, &v, &p.v_batch_stride, &p.v_row_stride, &p.v_head_stride);
+      p.q = q.data();
+      p.k = k.data();
+      p.v = v.data();
+      ASSERT_TRUE(make_cpu_backend()->forward(p, ExecContext{}, nullptr).ok());
+      const ReferenceOutput ref = testing::reference_attention(p);
+      EXPECT_LE(testing::compare(pr.out.data(), DType::kF32, ref.out).max_rel, kF32Tolerance) << mode_name(mode);
+      EXPECT_LE(lse_error(pr.lse, ref.lse), kF32Tolerance);
+      if (mode == Mode::kExact) break;
+    }
+  }
+}
+
+// The two lsh algorithms compute the same o~ and lse~ (SPEC section 3).
+TEST(CpuBackend, LshAlgorithmsAgree) {
+  struct Shape {
+    int64_t q_len, kv_len, heads, kv_heads, dim;
+    bool causal;
+    int64_t samples;
+  };
+  const Shape shapes[] = {{700, 700, 8, 8, 64, true, 16},  {700, 700, 8, 4, 32, false, 16},
+                          {300, 500, 4, 1, 48, true, 33},  {500, 200, 2, 2, 16, false, 5},
+                          {129, 129, 16, 4, 64, true, 128}};
+  for (const Shape& s : shapes) {
+    AttentionOptions o = options_of(make("agree", Mode::kLsh, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim, s.causal));
+    o.samples = s.samples;
+    if (s.q_len > s.kv_len) o.q_pos0 = 0;
+    o.lsh_algorithm = LshAlgorithm::kPerSample;
+    Problem per_sample = make_problem(o, 5);
+    o.lsh_algorithm = LshAlgorithm::kBanded;
+    Problem banded = make_problem(o, 5);
+    std::unique_ptr<Backend> cpu = make_cpu_backend();
+    ASSERT_TRUE(cpu->forward(per_sample.params, ExecContext{}, nullptr).ok());
+    ASSERT_TRUE(cpu->forward(banded.params, ExecContext{}, nullptr).ok());
+    std::vector<double> expected(per_sample.out.size() / 4);
+    for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_element(per_sample.out.data(), DType::kF32, i);
+    EXPECT_LE(testing::compare(banded.out.data(), DType::kF32, expected).max_rel, 1e-5)
+        << "n " << s.q_len << "x" << s.kv_len << " causal " << s.causal;
+    std::vector<double> expected_lse(per_sample.lse.begin(), per_sample.lse.end());
+    EXPECT_LE(lse_error(banded.lse, expected_lse), 1e-5);
+  }
+}
+
+// Relative L2 error of lsh against exact falls as 1/sqrt(s): s = 256 gives
+// a quarter of s = 16's error in expectation; half leaves room for the
+// spread of one draw pooled over 8 heads x 512 rows.
+TEST(CpuBackend, LshErrorFallsWithSamples) {
+  AttentionOptions o = options_of(make("decay", Mode::kExact, 512, 512, 8, 8, 64, true));
+  Problem exact = make_problem(o, 21);
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  ASSERT_TRUE(cpu->forward(exact.params, ExecContext{}, nullptr).ok());
+  std::vector<double> reference(exact.out.size() / 4);
+  for (size_t i = 0; i < reference.size(); ++i) reference[i] = load_element(exact.out.data(), DType::kF32, i);
+
+  auto lsh_error = [&](int64_t samples) {
+    o.mode = Mode::kLsh;
+    o.samples = samples;
+    o.seed = 77;
+    Problem pr = make_problem(o, 21);
+    EXPECT_TRUE(cpu->forward(pr.params, ExecContext{}, nullptr).ok());
+    return testing::compare(pr.out.data(), DType::kF32, reference).rel_l2;
+  };
+  const double err16 = lsh_error(16), err256 = lsh_error(256);
+  EXPECT_GT(err16, 0.01);  // not vacuous: s = 16 is visibly approximate
+  EXPECT_LT(err256, 0.5 * err16) << "s=16: " << err16 << ", s=256: " << err256;
+}
+
+// Non-causal window whose queries sit far from every key: those rows have
+// no allowed key; out = 0 and lse = -inf, never NaN.
+TEST(CpuBackend, RowsWithoutKeysGiveZeroNotNaN) {
+  for (Mode mode : {Mode::kWindow, Mode::kLsh}) {
+    Case c = with_offsets(make("disjoint", mode, 20, 30, 2, 2, 16, false), 10000, 0);
+    c.window_width = 8;
+    c.slopes = {0.5, 0.25};
+    Problem pr = make_problem(options_of(c), 3);
+    ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ExecContext{}, nullptr).ok());
+    for (size_t i = 0; i < pr.out.size() / 4; ++i) EXPECT_EQ(load_element(pr.out.data(), DType::kF32, i), 0.0);
+    for (float l : pr.lse) EXPECT_EQ(l, -std::numeric_limits<float>::infinity());
+  }
+}
+
+TEST(CpuBackend, ExactFlopsAreTheDenseCount) {
+  Case c = make("flops", Mode::kExact, 200, 300, 4, 2, 32, false);
+  Problem pr = make_problem(options_of(c), 1);
+  ForwardStats stats;
+  ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ExecContext{}, &stats).ok());
+  EXPECT_EQ(stats.flops, 4.0 * 4 * 32 * 200 * 300);
+  EXPECT_GT(stats.workspace_bytes, 0);
+}
+
+TEST(CpuBackend, PresetCancelReturnsCancelled) {
+  Problem pr = make_problem(options_of(make("cancel", Mode::kExact, 300, 300, 4, 4, 32, true)), 1);
+  std::atomic<bool> cancel{true};
+  ExecContext ctx;
+  ctx.cancel = &cancel;
+  EXPECT_EQ(make_cpu_backend()->forward(pr.params, ctx, nullptr).code(), StatusCode::kCancelled);
+}
+
+TEST(CpuBackend, PassedDeadlineReturnsDeadlineExceeded) {
+  Problem pr = make_problem(options_of(make("deadline", Mode::kLsh, 300, 300, 4, 4, 32, true)), 1);
+  ExecContext ctx;
+  ctx.deadline = std::chrono::steady_clock::now() - std::chrono::milliseconds(1);
+  EXPECT_EQ(make_cpu_backend()->forward(pr.params, ctx, nullptr).code(), StatusCode::kDeadlineExceeded);
+}
+
+// A cancel raised while tiles run stops the rest: the progress callback
+// sets it after the first report, and no report follows far behind.
+TEST(CpuBackend, CancelDuringRunStopsPromptly) {
+  Problem pr = make_problem(options_of(make("midway", Mode::kExact, 2048, 2048, 8, 8, 32, true)), 1);
+  std::atomic<bool> cancel{false};
+  std::atomic<double> last{0};
+  ExecContext ctx;
+  ctx.cancel = &cancel;
+  ctx.threads = 2;
+  ctx.progress = [&](double f) {
+    last = f;
+    cancel = true;
+  };
+  EXPECT_EQ(make_cpu_backend()->forward(pr.params, ctx, nullptr).code(), StatusCode::kCancelled);
+  EXPECT_GT(last.load(), 0.0);
+  EXPECT_LT(last.load(), 0.1);  // 256 tiles; at most a few finish after the cancel
+}
+
+TEST(CpuBackend, ProgressReachesOne) {
+  Problem pr = make_problem(options_of(make("progress", Mode::kExact, 500, 500, 2, 2, 32, false)), 1);
+  std::atomic<double> last{0};
+  ExecContext ctx;
+  ctx.progress = [&](double f) { last = std::max(last.load(), f); };
+  ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ctx, nullptr).ok());
+  EXPECT_EQ(last.load(), 1.0);
+}
+
+TEST(CpuBackend, RefusesDeviceMemory) {
+  Problem pr = make_problem(options_of(make("device", Mode::kExact, 4, 4, 1, 1, 8, false)), 1);
+  pr.params.memory = MemorySpace::kDevice;
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  const Status s = cpu->supports(pr.params);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("host"), std::string::npos) << s.message();
+  EXPECT_EQ(cpu->forward(pr.params, ExecContext{}, nullptr).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CpuBackend, NamesItself) {
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  EXPECT_EQ(cpu->name(), "cpu");
+  EXPECT_NE(cpu->device().find("threads"), std::string::npos) << cpu->device();
+  Problem pr = make_problem(options_of(make("ws", Mode::kLsh, 100, 100, 2, 2, 16, false)), 1);
+  EXPECT_GT(cpu->workspace_bytes(pr.params), 0);
+}
+
+}  // namespace
+}  // namespace plsh

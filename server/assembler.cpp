@@ -1,0 +1,101 @@
+#include "server/assembler.h"
+
+#include <cstring>
+#include <iterator>
+#include <string>
+
+namespace plsh::server {
+
+namespace {
+std::string rows_str(int64_t start, int64_t end) {
+  return "rows [" + std::to_string(start) + ", " + std::to_string(end) + ")";
+}
+}  // namespace
+
+Assembler::Assembler(const RequestPlan& plan, RequestBuffers* buffers) {
+  tensors_[0] = {"q", buffers->q.get(), plan.q_rows, plan.q_row_bytes, "batch * q_len", {}, 0};
+  tensors_[1] = {"k", buffers->k.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", {}, 0};
+  tensors_[2] = {"v", buffers->v.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", {}, 0};
+}
+
+Status Assembler::add(const v1::TensorChunk& chunk) {
+  int index = -1;
+  switch (chunk.tensor()) {
+    case v1::TENSOR_Q: index = 0; break;
+    case v1::TENSOR_K: index = 1; break;
+    case v1::TENSOR_V: index = 2; break;
+    default:
+      return invalid_argument("chunk.tensor = " + std::to_string(chunk.tensor()) +
+                              ", expected TENSOR_Q, TENSOR_K or TENSOR_V");
+  }
+  TensorState& t = tensors_[index];
+  const std::string who = std::string("chunk of ") + t.name + ": ";
+  const int64_t start = chunk.row_start();
+  const int64_t count = chunk.row_count();
+  if (start < 0 || start >= t.rows)
+    return invalid_argument(who + "row_start = " + std::to_string(start) + ", expected in [0, " + std::to_string(t.rows) +
+                            ") (" + t.rows_expr + ")");
+  if (count < 1 || count > t.rows - start)
+    return invalid_argument(who + "row_count = " + std::to_string(count) + " from row_start = " + std::to_string(start) +
+                            ", expected in [1, " + std::to_string(t.rows - start) + "] (" + t.rows_expr + " = " +
+                            std::to_string(t.rows) + " rows)");
+  const int64_t end = start + count;
+  const int64_t expected_bytes = count * t.row_bytes;
+  if (static_cast<int64_t>(chunk.data().size()) != expected_bytes)
+    return invalid_argument(who + "data = " + std::to_string(chunk.data().size()) + " bytes, expected " +
+                            std::to_string(expected_bytes) + " (row_count " + std::to_string(count) + " * " +
+                            std::to_string(t.row_bytes) + " bytes per row)");
+
+  // The first range starting at or after `start`, and the one before it.
+  auto next = t.ranges.lower_bound(start);
+  if (next != t.ranges.end() && next->first < end)
+    return invalid_argument(who + rows_str(start, end) + " overlap " + rows_str(next->first, next->second) +
+                            " received before, expected each row once");
+  if (next != t.ranges.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second > start)
+      return invalid_argument(who + rows_str(start, end) + " overlap " + rows_str(prev->first, prev->second) +
+                              " received before, expected each row once");
+  }
+
+  std::memcpy(t.data + start * t.row_bytes, chunk.data().data(), static_cast<size_t>(expected_bytes));
+  t.rows_received += count;
+  received_bytes_ += expected_bytes;
+
+  // Merge with neighbours so the map stays small however many chunks arrive.
+  int64_t merged_start = start, merged_end = end;
+  if (next != t.ranges.end() && next->first == end) {
+    merged_end = next->second;
+    next = t.ranges.erase(next);
+  }
+  if (next != t.ranges.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second == start) {
+      merged_start = prev->first;
+      t.ranges.erase(prev);
+    }
+  }
+  t.ranges[merged_start] = merged_end;
+  return Status::Ok();
+}
+
+Status Assembler::complete() const {
+  for (const TensorState& t : tensors_) {
+    if (t.rows_received == t.rows) continue;
+    // The first gap, to say which rows are missing.
+    int64_t gap_start = 0, gap_end = t.rows;
+    for (const auto& [s, e] : t.ranges) {
+      if (s > gap_start) {
+        gap_end = s;
+        break;
+      }
+      gap_start = e;
+    }
+    return invalid_argument(std::string(t.name) + ": " + rows_str(gap_start, gap_end) + " missing at end of input (" +
+                            std::to_string(t.rows_received) + " of " + std::to_string(t.rows) + " rows received), " +
+                            "expected chunks covering every row of " + t.rows_expr);
+  }
+  return Status::Ok();
+}
+
+}  // namespace plsh::server

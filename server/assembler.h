@@ -1,0 +1,40 @@
+// Puts a streamed request back together: every TensorChunk must name q, k or
+// v, lie inside the tensor's rows, not overlap a chunk already received, and
+// carry exactly its rows' bytes; at the end of input every row must have
+// arrived. Errors name the chunk's fields and the rows involved.
+#pragma once
+
+#include <cstdint>
+#include <map>
+
+#include "plsh/status.h"
+#include "plsh/v1/plsh.pb.h"
+#include "server/request.h"
+
+namespace plsh::server {
+
+class Assembler {
+ public:
+  Assembler(const RequestPlan& plan, RequestBuffers* buffers);
+
+  // Copies the chunk's bytes into place.
+  Status add(const v1::TensorChunk& chunk);
+  // OK when every row of q, k and v has arrived.
+  Status complete() const;
+  int64_t received_bytes() const { return received_bytes_; }
+
+ private:
+  struct TensorState {
+    const char* name = "";
+    uint8_t* data = nullptr;
+    int64_t rows = 0;
+    int64_t row_bytes = 0;
+    const char* rows_expr = "";          // "batch * q_len"
+    std::map<int64_t, int64_t> ranges;   // start -> end (exclusive), disjoint, merged when adjacent
+    int64_t rows_received = 0;
+  };
+  TensorState tensors_[3];
+  int64_t received_bytes_ = 0;
+};
+
+}  // namespace plsh::server

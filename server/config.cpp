@@ -1,0 +1,64 @@
+#include "server/config.h"
+
+#include <CLI/CLI.hpp>
+
+namespace plsh::server {
+
+ParsedConfig parse_config(int argc, char** argv) {
+  ServerConfig c;
+  CLI::App app{"plsh-server: ALiBi attention (exact, positional LSH, window) over gRPC"};
+  app.option_defaults()->always_capture_default();
+  const auto positive = CLI::Range(int64_t{1}, INT64_MAX);
+  const auto non_negative = CLI::Range(int64_t{0}, INT64_MAX);
+
+  app.add_option("--listen", c.listen, "gRPC listen address (port 0: pick a free port)")->envname("PLSH_LISTEN");
+  app.add_option("--metrics-listen", c.metrics_listen, "Prometheus /metrics address; \"\" or off disables")
+      ->envname("PLSH_METRICS_LISTEN");
+  app.add_option("--backend", c.backend, "auto|cpu|cuda")
+      ->envname("PLSH_BACKEND")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--workers", c.workers, "requests computed at once")->envname("PLSH_WORKERS")->check(positive);
+  app.add_option("--threads", c.threads, "CPU threads per request; 0: all cores")
+      ->envname("PLSH_THREADS")
+      ->check(non_negative);
+  app.add_option("--max-concurrent", c.max_concurrent, "streams open at once, queued ones included")
+      ->envname("PLSH_MAX_CONCURRENT")
+      ->check(positive);
+  app.add_option("--queue-depth", c.queue_depth, "requests waiting for a worker")
+      ->envname("PLSH_QUEUE_DEPTH")
+      ->check(non_negative);
+  app.add_option("--max-tokens", c.max_tokens, "per request: batch * max(q_len, kv_len)")
+      ->envname("PLSH_MAX_TOKENS")
+      ->check(positive);
+  app.add_option("--max-request-bytes", c.max_request_bytes, "per request: q + k + v + out (+ lse) bytes")
+      ->envname("PLSH_MAX_REQUEST_BYTES")
+      ->check(positive);
+  app.add_option("--memory-budget", c.memory_budget, "bytes of all in-flight requests together")
+      ->envname("PLSH_MEMORY_BUDGET")
+      ->check(positive);
+  app.add_option("--max-samples", c.max_samples, "lsh samples per request")
+      ->envname("PLSH_MAX_SAMPLES")
+      ->check(positive);
+  // 64 KiB floor: every message carries at least one row plus framing.
+  app.add_option("--max-message-bytes", c.max_message_bytes, "gRPC max receive/send message bytes")
+      ->envname("PLSH_MAX_MESSAGE_BYTES")
+      ->check(CLI::Range(int64_t{64} << 10, int64_t{INT32_MAX}));
+  app.add_option("--log-level", c.log_level, "trace|debug|info|warn|error")
+      ->envname("PLSH_LOG_LEVEL")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
+  app.add_option("--log-format", c.log_format, "text|json")
+      ->envname("PLSH_LOG_FORMAT")
+      ->check(CLI::IsMember({"text", "json"}));
+  app.add_option("--drain-timeout", c.drain_timeout, "seconds to finish in-flight requests on SIGTERM/SIGINT")
+      ->envname("PLSH_DRAIN_TIMEOUT")
+      ->check(CLI::Range(0.0, 86400.0));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return ParsedConfig{std::nullopt, app.exit(e)};
+  }
+  return ParsedConfig{c, 0};
+}
+
+}  // namespace plsh::server

@@ -1,0 +1,125 @@
+#include "server/metrics.h"
+
+#include <prometheus/counter.h>
+
+#include <cmath>
+#include <exception>
+
+namespace plsh::server {
+
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+using prometheus::Histogram;
+
+// Requests run from milliseconds (small exact) to minutes (N = 10^6 exact).
+Histogram::BucketBoundaries duration_buckets() {
+  Histogram::BucketBoundaries b;
+  for (double s = 0.0005; s < 700; s *= 2) b.push_back(s);
+  return b;
+}
+
+// Relative errors from 1e-6 (rounding) to 1 (useless), a few per decade.
+Histogram::BucketBoundaries error_buckets() {
+  Histogram::BucketBoundaries b;
+  for (int e = -6; e <= 0; ++e)
+    for (double m : {1.0, 2.0, 5.0})
+      if (e < 0 || m == 1.0) b.push_back(m * std::pow(10.0, e));
+  return b;
+}
+
+}  // namespace
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      requests_(BuildCounter()
+                    .Name("plsh_requests_total")
+                    .Help("Attention requests finished, by mode, backend and gRPC status code")
+                    .Register(*registry_)),
+      request_duration_(BuildHistogram()
+                            .Name("plsh_request_duration_seconds")
+                            .Help("Whole request as the server saw it, header to status")
+                            .Register(*registry_)),
+      phase_duration_(BuildHistogram()
+                          .Name("plsh_phase_duration_seconds")
+                          .Help("Time per request phase: queued, receiving, computing, sending")
+                          .Register(*registry_)),
+      tokens_(BuildCounter().Name("plsh_tokens_total").Help("Query tokens (B * Nq) of completed requests").Register(*registry_)),
+      received_(BuildCounter()
+                    .Name("plsh_received_bytes_total")
+                    .Help("Tensor payload bytes received")
+                    .Register(*registry_)
+                    .Add({})),
+      sent_(BuildCounter().Name("plsh_sent_bytes_total").Help("Tensor payload bytes sent").Register(*registry_).Add({})),
+      inflight_(BuildGauge().Name("plsh_inflight_requests").Help("Attention streams open").Register(*registry_).Add({})),
+      queue_(BuildGauge().Name("plsh_queue_depth").Help("Requests waiting for a worker").Register(*registry_).Add({})),
+      probe_error_(BuildHistogram()
+                       .Name("plsh_probe_relative_error")
+                       .Help("Probe relative L2 error of lsh and window results (SPEC section 6)")
+                       .Register(*registry_)),
+      mask_error_(BuildHistogram()
+                      .Name("plsh_mask_max_error")
+                      .Help("max |L* - M~| of lsh and window results (SPEC section 6)")
+                      .Register(*registry_)),
+      build_info_(BuildGauge()
+                      .Name("plsh_build_info")
+                      .Help("Always 1; labels say the version, backend and device")
+                      .Register(*registry_)) {
+  for (const char* p : {"queued", "receiving", "computing", "sending"}) phase_duration_.Add({{"phase", p}}, duration_buckets());
+}
+
+Status Metrics::serve(const std::string& addr) {
+  try {
+    // Two threads: scrapes are rare and cheap.
+    exposer_ = std::make_unique<prometheus::Exposer>(addr, 2);
+  } catch (const std::exception& e) {
+    return unavailable(std::string("metrics_listen = '") + addr + "': cannot listen (" + e.what() + ")");
+  }
+  exposer_->RegisterCollectable(registry_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  const std::string host = addr.substr(0, addr.rfind(':'));
+  bound_ = host + ":" + (ports.empty() ? std::string("?") : std::to_string(ports.front()));
+  return Status::Ok();
+}
+
+std::string Metrics::bound_address() const { return bound_; }
+
+void Metrics::set_build_info(const std::string& version, const std::string& backend, const std::string& device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  build_info_.Add({{"version", version}, {"backend", backend}, {"device", device}}).Set(1);
+}
+
+void Metrics::request_done(const std::string& mode, const std::string& backend, const std::string& code, double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  requests_.Add({{"mode", mode}, {"backend", backend}, {"code", code}}).Increment();
+  request_duration_.Add({{"mode", mode}}, duration_buckets()).Observe(seconds);
+}
+
+void Metrics::phase(const std::string& phase, double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  phase_duration_.Add({{"phase", phase}}, duration_buckets()).Observe(seconds);
+}
+
+void Metrics::tokens(const std::string& mode, double count) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  tokens_.Add({{"mode", mode}}).Increment(count);
+}
+
+void Metrics::received_bytes(double bytes) { received_.Increment(bytes); }
+void Metrics::sent_bytes(double bytes) { sent_.Increment(bytes); }
+void Metrics::inflight_add(double delta) { inflight_.Increment(delta); }
+void Metrics::queue_depth(double depth) { queue_.Set(depth); }
+
+void Metrics::probe_relative_error(const std::string& mode, double rel_err) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  probe_error_.Add({{"mode", mode}}, error_buckets()).Observe(rel_err);
+}
+
+void Metrics::mask_max_error(const std::string& mode, double err) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  mask_error_.Add({{"mode", mode}}, error_buckets()).Observe(err);
+}
+
+}  // namespace plsh::server

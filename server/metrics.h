@@ -1,0 +1,65 @@
+// Prometheus metrics (names fixed by the service contract, shared with the
+// deploy rules and dashboards). Exposed by prometheus-cpp's civetweb Exposer
+// on its own port at /metrics.
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "plsh/status.h"
+
+namespace plsh::server {
+
+class Metrics {
+ public:
+  Metrics();
+
+  // Starts the HTTP exposer on addr ("host:port"; port 0 picks a free one).
+  // Must run before the CUDA backend is loaded: civetweb starts its worker
+  // threads here with 100 KiB stacks, which cuBLAS's thread-local storage
+  // would not fit once libcublasLt is mapped.
+  Status serve(const std::string& addr);
+  // "host:port" actually bound, or "" when not serving.
+  std::string bound_address() const;
+
+  void set_build_info(const std::string& version, const std::string& backend, const std::string& device);
+
+  // One finished Attend/AttendUnary request.
+  void request_done(const std::string& mode, const std::string& backend, const std::string& code, double seconds);
+  // phase: queued|receiving|computing|sending
+  void phase(const std::string& phase, double seconds);
+  void tokens(const std::string& mode, double count);
+  void received_bytes(double bytes);
+  void sent_bytes(double bytes);
+  void inflight_add(double delta);
+  void queue_depth(double depth);
+  void probe_relative_error(const std::string& mode, double rel_err);
+  void mask_max_error(const std::string& mode, double err);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string bound_;
+  std::mutex mutex_;  // guards Family::Add, which is not meant for concurrent first use of a label set
+
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& request_duration_;
+  prometheus::Family<prometheus::Histogram>& phase_duration_;
+  prometheus::Family<prometheus::Counter>& tokens_;
+  prometheus::Counter& received_;
+  prometheus::Counter& sent_;
+  prometheus::Gauge& inflight_;
+  prometheus::Gauge& queue_;
+  prometheus::Family<prometheus::Histogram>& probe_error_;
+  prometheus::Family<prometheus::Histogram>& mask_error_;
+  prometheus::Family<prometheus::Gauge>& build_info_;
+};
+
+}  // namespace plsh::server

@@ -1,0 +1,270 @@
+#include "server/request.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cstring>
+
+#include "plsh/backend.h"
+
+namespace plsh::server {
+
+namespace {
+
+std::string dtype_enum_name(int value) {
+  const std::string name = v1::DType_Name(static_cast<v1::DType>(value));
+  return name.empty() ? std::to_string(value) : name + " (" + std::to_string(value) + ")";
+}
+
+StatusOr<DType> to_dtype(const char* field, int value, bool allow_unspecified, DType if_unspecified) {
+  switch (value) {
+    case v1::DTYPE_F32: return DType::kF32;
+    case v1::DTYPE_F16: return DType::kF16;
+    case v1::DTYPE_BF16: return DType::kBF16;
+    case v1::DTYPE_UNSPECIFIED:
+      if (allow_unspecified) return if_unspecified;
+      break;
+    default: break;
+  }
+  return invalid_argument(std::string(field) + " = " + dtype_enum_name(value) +
+                          ", expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16");
+}
+
+StatusOr<Mode> to_mode(int value) {
+  switch (value) {
+    case v1::MODE_UNSPECIFIED:
+    case v1::MODE_LSH: return Mode::kLsh;
+    case v1::MODE_EXACT: return Mode::kExact;
+    case v1::MODE_WINDOW: return Mode::kWindow;
+    default: break;
+  }
+  return invalid_argument("mode = " + std::to_string(value) + ", expected MODE_EXACT, MODE_LSH or MODE_WINDOW");
+}
+
+StatusOr<LshAlgorithm> to_lsh_algorithm(int value) {
+  switch (value) {
+    case v1::LSH_ALGORITHM_AUTO: return LshAlgorithm::kAuto;
+    case v1::LSH_ALGORITHM_PER_SAMPLE: return LshAlgorithm::kPerSample;
+    case v1::LSH_ALGORITHM_BANDED: return LshAlgorithm::kBanded;
+    default: break;
+  }
+  return invalid_argument("lsh_algorithm = " + std::to_string(value) +
+                          ", expected LSH_ALGORITHM_AUTO, LSH_ALGORITHM_PER_SAMPLE or LSH_ALGORITHM_BANDED");
+}
+
+v1::DType to_wire(DType t) {
+  switch (t) {
+    case DType::kF32: return v1::DTYPE_F32;
+    case DType::kF16: return v1::DTYPE_F16;
+    case DType::kBF16: return v1::DTYPE_BF16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+v1::Mode to_wire(Mode m) {
+  switch (m) {
+    case Mode::kExact: return v1::MODE_EXACT;
+    case Mode::kLsh: return v1::MODE_LSH;
+    case Mode::kWindow: return v1::MODE_WINDOW;
+  }
+  return v1::MODE_UNSPECIFIED;
+}
+
+v1::LshAlgorithm to_wire(LshAlgorithm a) {
+  switch (a) {
+    case LshAlgorithm::kAuto: return v1::LSH_ALGORITHM_AUTO;
+    case LshAlgorithm::kPerSample: return v1::LSH_ALGORITHM_PER_SAMPLE;
+    case LshAlgorithm::kBanded: return v1::LSH_ALGORITHM_BANDED;
+  }
+  return v1::LSH_ALGORITHM_AUTO;
+}
+
+Status check_request_id(const std::string& id) {
+  if (id.size() > 128) return invalid_argument("request_id has " + std::to_string(id.size()) + " characters, expected <= 128");
+  for (unsigned char c : id)
+    if (!std::isprint(c)) return invalid_argument("request_id has a non-printable byte, expected printable ASCII");
+  return Status::Ok();
+}
+
+std::string next_request_id() {
+  static std::atomic<uint64_t> counter{0};
+  return "r" + std::to_string(counter.fetch_add(1) + 1);
+}
+
+void fill_probe(const ProbeEstimate& p, v1::ProbeEstimate* w) {
+  w->set_rows(p.rows);
+  w->set_rel_err(p.rel_err);
+  w->set_rel_err_stderr(p.rel_err_stderr);
+  w->set_max_abs_err(p.max_abs_err);
+  w->set_bound_max(p.bound_max);
+}
+
+}  // namespace
+
+const char* wire_mode_name(v1::Mode m) {
+  switch (m) {
+    case v1::MODE_UNSPECIFIED:
+    case v1::MODE_LSH: return "lsh";
+    case v1::MODE_EXACT: return "exact";
+    case v1::MODE_WINDOW: return "window";
+    default: return "unknown";
+  }
+}
+
+StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimits& limits) {
+  RequestPlan plan;
+  RETURN_IF_ERROR(check_request_id(h.request_id()));
+  plan.id = h.request_id().empty() ? next_request_id() : h.request_id();
+
+  AttentionOptions& o = plan.options;
+  o.batch = h.batch() == 0 ? 1 : h.batch();
+  o.q_len = h.q_len();
+  o.kv_len = h.kv_len();
+  o.heads = h.heads();
+  o.kv_heads = h.kv_heads();
+  o.head_dim = h.head_dim();
+  ASSIGN_OR_RETURN(o.dtype, to_dtype("dtype", h.dtype(), false, DType::kF32));
+  ASSIGN_OR_RETURN(DType out_dtype, to_dtype("out_dtype", h.out_dtype(), true, o.dtype));
+  o.out_dtype = out_dtype;
+  if (h.has_scale()) o.scale = h.scale();
+  o.causal = h.causal();
+  o.slopes.assign(h.slopes().begin(), h.slopes().end());
+  if (h.has_q_pos0()) o.q_pos0 = h.q_pos0();
+  o.k_pos0 = h.k_pos0();
+  ASSIGN_OR_RETURN(o.mode, to_mode(h.mode()));
+  if (h.has_samples()) o.samples = h.samples();
+  o.seed = h.seed();
+  ASSIGN_OR_RETURN(o.lsh_algorithm, to_lsh_algorithm(h.lsh_algorithm()));
+  if (h.has_window_eps()) o.window_eps = h.window_eps();
+  o.window_width = h.window_width();
+  if (h.has_estimates()) o.estimates = h.estimates();
+  if (h.has_probe_rows()) o.probe_rows = h.probe_rows();
+  if (h.has_mask_row_budget()) o.mask_row_budget = h.mask_row_budget();
+  o.return_draws = h.return_draws();
+  if (h.has_check_finite()) o.check_finite = h.check_finite();
+  plan.return_lse = h.return_lse();
+
+  if (!h.backend().empty()) {
+    if (h.backend() != "auto" && h.backend() != "cpu" && h.backend() != "cuda")
+      return invalid_argument("backend = '" + h.backend() + "', expected auto, cpu or cuda");
+    plan.backend = h.backend();
+  }
+  if (h.out_chunk_bytes() < 0)
+    return invalid_argument("out_chunk_bytes = " + std::to_string(h.out_chunk_bytes()) + ", expected >= 0 (0: server's largest)");
+
+  RETURN_IF_ERROR(validate_options(o));
+
+  // The server's own limits (SPEC section 7: RESOURCE_EXHAUSTED).
+  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  if (o.mode == Mode::kLsh && o.samples > limits.max_samples)
+    return resource_exhausted("samples = " + std::to_string(o.samples) + ", expected <= " +
+                              std::to_string(limits.max_samples) + " (the server's --max-samples)");
+  // validate_options bounded every element count by 2^50, so these products fit.
+  const int64_t tokens = o.batch * std::max(o.q_len, o.kv_len);
+  if (tokens > limits.max_tokens)
+    return resource_exhausted("batch * max(q_len, kv_len) = " + std::to_string(tokens) + " tokens, expected <= " +
+                              std::to_string(limits.max_tokens) + " (the server's --max-tokens)");
+  plan.q_rows = o.batch * o.q_len;
+  plan.kv_rows = o.batch * o.kv_len;
+  plan.q_row_bytes = o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype));
+  plan.kv_row_bytes = kv_heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype));
+  plan.out_row_bytes = o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(out_dtype));
+  plan.lse_row_bytes = o.heads * static_cast<int64_t>(sizeof(float));
+  plan.total_bytes = plan.q_bytes() + 2 * plan.kv_bytes() + plan.out_bytes() + plan.lse_bytes();
+  if (plan.total_bytes > limits.max_request_bytes)
+    return resource_exhausted("request needs " + std::to_string(plan.total_bytes) +
+                              " bytes (q + k + v + out" + (plan.return_lse ? " + lse" : "") + "), expected <= " +
+                              std::to_string(limits.max_request_bytes) + " (the server's --max-request-bytes)");
+
+  // Every message carries at least one row, so one row must fit in one.
+  const int64_t payload_cap = limits.max_message_bytes - kMessageHeadroom;
+  const int64_t widest_row = std::max({plan.q_row_bytes, plan.kv_row_bytes, plan.out_row_bytes});
+  if (widest_row > payload_cap)
+    return resource_exhausted("heads * head_dim = " + std::to_string(o.heads * o.head_dim) + ": one row is " +
+                              std::to_string(widest_row) + " bytes, expected <= " + std::to_string(payload_cap) +
+                              " (the server's --max-message-bytes less framing)");
+  if (o.return_draws && o.mode == Mode::kLsh) {
+    // ~20 bytes per draw on the wire (two doubles and framing), ~200 per head.
+    const int64_t summary_bytes = o.heads * (200 + 20 * o.samples);
+    if (summary_bytes > payload_cap)
+      return resource_exhausted("return_draws = true with heads * samples = " + std::to_string(o.heads * o.samples) +
+                                " draws needs ~" + std::to_string(summary_bytes) + " bytes in the summary, expected <= " +
+                                std::to_string(payload_cap) + " (the server's --max-message-bytes)");
+  }
+  const int64_t wanted = h.out_chunk_bytes() == 0 ? payload_cap : std::min(h.out_chunk_bytes(), payload_cap);
+  plan.out_chunk_bytes = std::max({wanted, plan.out_row_bytes, plan.return_lse ? plan.lse_row_bytes : 0});
+  return plan;
+}
+
+RequestBuffers RequestBuffers::allocate(const RequestPlan& plan) {
+  RequestBuffers b;
+  // Left uninitialised: the assembler checks that every row is written.
+  b.q.reset(new uint8_t[static_cast<size_t>(plan.q_bytes())]);
+  b.k.reset(new uint8_t[static_cast<size_t>(plan.kv_bytes())]);
+  b.v.reset(new uint8_t[static_cast<size_t>(plan.kv_bytes())]);
+  b.out.reset(new uint8_t[static_cast<size_t>(plan.out_bytes())]);
+  if (plan.return_lse) b.lse.reset(new float[static_cast<size_t>(plan.q_rows * plan.options.heads)]);
+  return b;
+}
+
+TensorRefs RequestBuffers::refs() const {
+  TensorRefs t;
+  t.q = q.get();
+  t.k = k.get();
+  t.v = v.get();
+  t.out = out.get();
+  t.lse = lse.get();
+  t.memory = MemorySpace::kHost;
+  return t;
+}
+
+StatusOr<AttentionResult> compute_request(const RequestPlan& plan, const RequestBuffers& buffers,
+                                          const ExecContext& ctx, const ComputeHooks& hooks) {
+  RETURN_IF_ERROR(ctx.check_stop());
+  ASSIGN_OR_RETURN(AttentionParams params, make_params(plan.options, buffers.refs()));
+  ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().select(plan.backend, params));
+  const int64_t workspace = backend->workspace_bytes(params);
+  RETURN_IF_ERROR(hooks.reserve(workspace));
+  StatusOr<AttentionResult> result = run_attention(*backend, params, ctx);
+  hooks.release(workspace);
+  return result;
+}
+
+void fill_summary(const AttentionResult& r, const RequestPlan& plan, v1::Summary* s) {
+  s->set_request_id(plan.id);
+  s->set_backend(r.backend);
+  s->set_device(r.device);
+  s->set_mode(to_wire(r.mode));
+  s->set_lsh_algorithm(to_wire(r.lsh_algorithm));
+  s->set_samples(r.samples);
+  s->set_seed(r.seed);
+  s->set_out_dtype(to_wire(plan.options.out_dtype.value_or(plan.options.dtype)));
+  s->set_flops(r.flops);
+  s->set_dense_flops(r.dense_flops);
+  s->set_mask_max_err(r.mask_max_err);
+  s->set_mask_spectral_err(r.mask_spectral_err);
+  fill_probe(r.probe, s->mutable_probe());
+  for (const HeadEstimate& h : r.heads) {
+    v1::HeadEstimate* w = s->add_heads();
+    w->set_head(h.head);
+    w->set_slope(h.slope);
+    w->set_sigma(h.sigma);
+    w->set_window(h.window);
+    w->set_max_block(h.max_block);
+    w->set_mask_max_err(h.mask_max_err);
+    w->set_mask_rows_checked(h.mask_rows_checked);
+    w->set_mask_rows_sampled(h.mask_rows_sampled);
+    w->set_mask_spectral_err(h.mask_spectral_err);
+    w->set_spectral_iterations(h.spectral_iterations);
+    fill_probe(h.probe, w->mutable_probe());
+    for (const Draw& d : h.draws) {
+      v1::Draw* wd = w->add_draws();
+      wd->set_pitch(d.pitch);
+      wd->set_shift(d.shift);
+    }
+  }
+  auto* backend_timings = s->mutable_timings()->mutable_backend();
+  for (const auto& [name, seconds] : r.timings) (*backend_timings)[name] = seconds;
+}
+
+}  // namespace plsh::server

@@ -1,0 +1,84 @@
+#include "server/scheduler.h"
+
+#include <string>
+
+namespace plsh::server {
+
+Scheduler::Scheduler(int64_t workers, int64_t queue_depth, int64_t memory_budget,
+                     std::function<void(int64_t)> on_queue_change)
+    : queue_depth_(queue_depth), memory_budget_(memory_budget), on_queue_change_(std::move(on_queue_change)) {
+  for (int64_t i = 0; i < workers; ++i) workers_.emplace_back([this] { work(); });
+}
+
+Scheduler::~Scheduler() { stop(); }
+
+Status Scheduler::reserve(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (bytes > memory_budget_ - reserved_)
+    return resource_exhausted("request needs " + std::to_string(bytes) + " bytes, " +
+                              std::to_string(memory_budget_ - reserved_) + " of the server's --memory-budget " +
+                              std::to_string(memory_budget_) + " are free; retry later");
+  reserved_ += bytes;
+  return Status::Ok();
+}
+
+void Scheduler::release(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reserved_ -= bytes;
+}
+
+int64_t Scheduler::reserved() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_;
+}
+
+Status Scheduler::submit(std::function<void()> job) {
+  int64_t depth = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) return unavailable("server is shutting down");
+    // Jobs an idle worker is about to take do not wait.
+    const int64_t waiting_after = static_cast<int64_t>(queue_.size()) + 1 - idle_;
+    if (waiting_after > queue_depth_)
+      return resource_exhausted("queue full: " + std::to_string(queue_.size()) + " requests wait for " +
+                                std::to_string(workers_.size()) + " workers (the server's --queue-depth " +
+                                std::to_string(queue_depth_) + "); retry later");
+    queue_.push_back(std::move(job));
+    depth = static_cast<int64_t>(queue_.size());
+  }
+  ready_.notify_one();
+  if (on_queue_change_) on_queue_change_(depth);
+  return Status::Ok();
+}
+
+void Scheduler::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_ && workers_.empty()) return;
+    stopping_ = true;
+  }
+  ready_.notify_all();
+  for (std::thread& t : workers_) t.join();
+  workers_.clear();
+}
+
+void Scheduler::work() {
+  for (;;) {
+    std::function<void()> job;
+    int64_t depth = 0;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      ++idle_;
+      ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      --idle_;
+      if (queue_.empty()) return;  // stopping, nothing left
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      depth = static_cast<int64_t>(queue_.size());
+    }
+    if (on_queue_change_) on_queue_change_(depth);
+    job();
+  }
+}
+
+}  // namespace plsh::server

@@ -99,6 +99,12 @@ Status field_error(const char* field, const std::string& value, const std::strin
   return invalid_argument(std::string(field) + " = " + value + ", expected " + expected);
 }
 
+// Non-zero slopes outside [2^-32, 2^10] are refused: sigma up to 2^32
+// positions is wider than any sequence, and a slope of 2^10 already makes
+// exp(-slope) underflow to 0 off the diagonal.
+constexpr double kMinSlope = 0x1.0p-32;
+constexpr double kMaxSlope = 0x1.0p10;
+
 // a * b without overflow, or -1.
 int64_t checked_mul(int64_t a, int64_t b) {
   int64_t r = 0;
@@ -121,8 +127,10 @@ Status validate_options(const AttentionOptions& o) {
     return field_error("head_dim", str(o.head_dim), "in [1, " + str(kMaxHeadDim) + "]");
   const int64_t q_elems = checked_mul(checked_mul(checked_mul(o.batch, o.q_len), o.heads), o.head_dim);
   const int64_t kv_elems = checked_mul(checked_mul(checked_mul(o.batch, o.kv_len), kv_heads), o.head_dim);
-  if (q_elems < 0 || kv_elems < 0 || q_elems > (int64_t{1} << 50) || kv_elems > (int64_t{1} << 50))
+  if (q_elems < 0 || q_elems > (int64_t{1} << 50))
     return field_error("q_len", str(o.q_len), "a shape whose element count fits in 2^50");
+  if (kv_elems < 0 || kv_elems > (int64_t{1} << 50))
+    return field_error("kv_len", str(o.kv_len), "a shape whose element count fits in 2^50");
   if (o.scale && !(std::isfinite(*o.scale) && *o.scale > 0))
     return field_error("scale", str(*o.scale), "a finite number > 0");
   if (!o.slopes.empty()) {
@@ -131,6 +139,11 @@ Status validate_options(const AttentionOptions& o) {
     for (size_t h = 0; h < o.slopes.size(); ++h) {
       if (!(std::isfinite(o.slopes[h]) && o.slopes[h] >= 0))
         return invalid_argument("slopes[" + str(h) + "] = " + str(o.slopes[h]) + ", expected a finite number >= 0");
+      // Beyond these the draws break: a pitch near 1e300 never finds its
+      // block's end (block_end counts up from INT64_MIN), a pitch near 1e-300
+      // overflows bin_of's cast and puts every position in one bin.
+      if (o.slopes[h] != 0 && (o.slopes[h] < kMinSlope || o.slopes[h] > kMaxSlope))
+        return invalid_argument("slopes[" + str(h) + "] = " + str(o.slopes[h]) + ", expected 0 or a number in [2^-32, 2^10]");
     }
   }
   constexpr int64_t kMaxPos = int64_t{1} << 52;  // positions stay exact in double

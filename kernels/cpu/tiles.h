@@ -53,30 +53,13 @@ inline const float* rows_as_f32(const SliceView& t, int64_t r0, int64_t n, float
   return buf;
 }
 
-// exp(x) for x <= 0 (and -inf), vectorisable: Cephes' expf polynomial
-// (relative error ~2e-7) with round-to-nearest by the 1.5 * 2^23 trick.
-// exp was a third of the exact mode's time with std::exp (a call per
-// element that GCC does not vectorise without -ffast-math).
-inline float exp_nonpositive(float x) {
-  const bool underflow = !(x >= -87.0f);  // also catches -inf
-  const float xc = underflow ? -87.0f : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23
-  const float t = xc * 1.44269504088896341f + shifter;
-  const float n = t - shifter;
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  uint32_t bits = static_cast<uint32_t>(e) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return underflow ? 0.0f : y * scale;
-}
+// Folds one row of logits (sr[0, len), -inf where masked) into the row's
+// online-softmax state: updates *row_max and *row_sum, rescales acc_row
+// [dim] when the max grows, and leaves the probabilities exp(s - max) in sr
+// for the P V GEMM. Built for AVX2+FMA too and picked at load time (the
+// library's default flags target baseline x86-64): exp is most of the
+// non-GEMM time.
+void fold_row(float* sr, int64_t len, float* acc_row, int64_t dim, float* row_max, float* row_sum);
 
 // C[m, n] = alpha A[m, k] B[n, k]^T (row-major, leading dimensions given).
 void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
@@ -186,33 +169,8 @@ double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, con
     gemm_abt(rows, len, dim, scale, q, ldq, kt, ldk, s, len);
     add_bias(s, jt, len);
 
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s + r * len;
-      float tile_max = kNegInf;
-#pragma omp simd reduction(max : tile_max)
-      for (int64_t c = 0; c < len; ++c) tile_max = std::max(tile_max, sr[c]);
-      const float old_max = state.row_max[r];
-      const float new_max = std::max(old_max, tile_max);
-      if (new_max == kNegInf) {  // nothing allowed yet in this row
-        std::fill_n(sr, len, 0.0f);
-        continue;
-      }
-      float tile_sum = 0;
-#pragma omp simd reduction(+ : tile_sum)
-      for (int64_t c = 0; c < len; ++c) {
-        const float e = exp_nonpositive(sr[c] - new_max);
-        sr[c] = e;
-        tile_sum += e;
-      }
-      if (new_max != old_max) {
-        const float rescale = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
-        float* ar = state.acc + r * dim;
-        for (int64_t d = 0; d < dim; ++d) ar[d] *= rescale;
-        state.row_sum[r] *= rescale;
-        state.row_max[r] = new_max;
-      }
-      state.row_sum[r] += tile_sum;
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      fold_row(s + r * len, len, state.acc + r * dim, dim, state.row_max + r, state.row_sum + r);
 
     int64_t ldv = 0;
     const float* vt = rows_as_f32(v, jt, len, scratch.v.data(), &ldv);

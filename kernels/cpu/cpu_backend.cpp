@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cblas.h>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <string>
@@ -90,6 +91,13 @@ class CpuBackend final : public Backend {
                                  "out through host pointers");
     if (p.mode == Mode::kLsh && p.samples < 1)
       return invalid_argument("samples = " + std::to_string(p.samples) + ", expected >= 1 in lsh mode");
+    // BLAS takes int leading dimensions.
+    for (auto [name, stride] : {std::pair{"q_row_stride", p.q_row_stride}, std::pair{"k_row_stride", p.k_row_stride},
+                                std::pair{"v_row_stride", p.v_row_stride}}) {
+      if (stride > std::numeric_limits<int>::max())
+        return failed_precondition(std::string(name) + " = " + std::to_string(stride) +
+                                   ", expected <= 2^31 - 1 for the cpu backend's BLAS calls");
+    }
     if (p.mode == Mode::kWindow && static_cast<int64_t>(p.window.size()) != p.heads)
       return invalid_argument("window has " + std::to_string(p.window.size()) + " widths, expected one per head (" +
                               std::to_string(p.heads) + ")");

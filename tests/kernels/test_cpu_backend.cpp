@@ -46,6 +46,7 @@ struct Case {
   std::optional<int64_t> q_pos0;
   int64_t k_pos0 = 0;
   DType dtype = DType::kF32;
+  std::optional<DType> out_dtype;
   int64_t samples = 16;
   int64_t window_width = 0;
   std::vector<double> slopes;
@@ -64,6 +65,7 @@ AttentionOptions options_of(const Case& c) {
   o.q_pos0 = c.q_pos0;
   o.k_pos0 = c.k_pos0;
   o.dtype = c.dtype;
+  o.out_dtype = c.out_dtype;
   o.mode = c.mode;
   o.samples = c.samples;
   o.seed = 1234;
@@ -217,6 +219,9 @@ std::vector<Case> cases() {
   v.push_back(with_offsets(make("exact_nq50_nk97_d40_h8g2_causal_offsets", E, 50, 97, 8, 2, 40, true), 60, 0));
   v.push_back(make("exact_n97_d40_h12_causal_bf16", E, 97, 97, 12, 12, 40, true, DType::kBF16));
   v.push_back(make("exact_n97_d128_h8g2_f16", E, 97, 97, 8, 2, 128, false, DType::kF16));
+  Case widened = make("exact_n97_d59_h1_causal_bf16_in_f32_out", E, 97, 97, 1, 1, 59, true, DType::kBF16);
+  widened.out_dtype = DType::kF32;  // the f32 tolerance then applies
+  v.push_back(widened);
   // window: eps-derived widths (19 .. 2358 positions for 8 heads), a fixed
   // narrow width, a width beyond n
   v.push_back(make("window_n1025_d59_h8g2_causal", W, 1025, 1025, 8, 2, 59, true));

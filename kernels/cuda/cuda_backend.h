@@ -1,0 +1,36 @@
+// The CUDA backend (kernels/cuda): exact, window and lsh through cuBLAS
+// batched GEMMs over the tiles of tile_plan.h, a masked row softmax and a
+// log-sum-exp merge, fp32 accumulation for f32, f16 and bf16 inputs. Built
+// into libplsh_cuda.so, which the registry dlopens, and into a static
+// library that tests and benchmarks call directly.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "plsh/backend.h"
+#include "plsh/draws.h"
+#include "plsh/status.h"
+
+namespace plsh::cuda {
+
+struct CudaBackendOptions {
+  int device = 0;
+  // Device memory the backend may hold at once (staging plus workspace);
+  // 0: $PLSH_CUDA_MEMORY_MB, else 3/4 of the memory free at creation.
+  int64_t memory_budget_bytes = 0;
+};
+
+// nullptr, with the reason in *why_not, when no CUDA device can be used.
+std::unique_ptr<Backend> make_cuda_backend(std::string* why_not, const CudaBackendOptions& options = {});
+
+// bin(pos) of every position under one draw, evaluated on the device the way
+// the lsh masks evaluate it; for tests that the device agrees with bin_of.
+StatusOr<std::vector<int64_t>> device_bins(const Draw& draw, const std::vector<int64_t>& positions, int device = 0);
+
+}  // namespace plsh::cuda
+
+// The registry's entry point (see plsh/backend.h).
+extern "C" plsh::Backend* plsh_create_cuda_backend(std::string* why_not);

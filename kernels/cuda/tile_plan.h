@@ -1,0 +1,253 @@
+// How the CUDA backend cuts one attention call into uniform cuBLAS batches:
+// pure host code (and a few inline functions that the device runs as is),
+// so that every index computed on the GPU is unit-tested on the CPU.
+//
+// One "lane" is a (batch item, query head). Each lane runs one or more
+// "passes": exact and window one, lsh one per hash sample (SPEC section 3,
+// the per-sample reduction). In a pass, the lane's query rows are cut into
+// tiles of T consecutive rows (the last tile is shifted back so that it stays
+// inside the tensor and owns only its new rows); a tile may only see the key
+// rows in its span (every key an owned row can be allowed by the pass's rule),
+// and the span is cut into chunks of Kc key columns. One (tile, chunk) is one
+// GEMM of a batch: T x Kc scores, masked by the rule inside the tile (so
+// several small lsh blocks share a tile and are kept apart by the mask), then
+// T x D partial outputs, merged into per-row accumulators by log-sum-exp.
+// Pointers of a GEMM always stay inside the tensors: the tile's first row and
+// the chunk's first column are clamped, and the valid ranges say which of the
+// rows and columns count.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "plsh/status.h"
+
+#if defined(__CUDACC__)
+#define PLSH_HD __host__ __device__
+#else
+#define PLSH_HD
+#endif
+
+namespace plsh::cuda {
+
+// 64-row tiles: the GEMM's n; small enough that the last, shifted tile wastes
+// little and that lsh blocks of 1-3 rows still share one tile.
+inline constexpr int64_t kTileRows = 64;
+// Widest key chunk of one GEMM (a power of two); wider spans take more chunks.
+inline constexpr int64_t kMaxKeyCols = 512;
+// Narrowest key chunk (keeps the GEMMs' m a multiple of the tensor-core tile).
+inline constexpr int64_t kMinKeyCols = 32;
+
+// Which keys a pass allows for a query, besides causality.
+enum class SpanRule : int32_t {
+  kAll = 0,      // every key, weight exp(-slope |d|) (exact; lsh with slope 0)
+  kWindow = 1,   // |d| < window, weight exp(-slope |d|)
+  kSameBin = 2,  // bin(pos_q) == bin(pos_k) for the pass's hash, weight 1 (lsh)
+};
+
+// The shape every pass of one call shares.
+struct SpanShape {
+  int64_t q_len = 0;      // Nq
+  int64_t kv_len = 0;     // Nk
+  int64_t qk_offset = 0;  // q_pos0 - k_pos0: query row i sits at key row i + qk_offset
+  bool causal = false;
+  int64_t tile_rows = 0;  // T = min(kTileRows, Nq)
+};
+
+// One lane in one pass, as the device reads it.
+struct LanePass {
+  int32_t acc_lane = 0;     // lane index within the chunk's accumulators
+  int32_t batch = 0;        // b
+  int32_t head = 0;         // query head h
+  SpanRule rule = SpanRule::kAll;
+  int64_t reach = -1;       // max |pos_q - pos_k| the rule allows; -1: unbounded
+  double pitch = 0;         // kSameBin: delta
+  double shift = 0;         // kSameBin: u
+  float slope = 0;          // kAll, kWindow: ALiBi slope m_h
+  int32_t pad = 0;
+  int64_t window = 0;       // kWindow: keys with |d| < window
+  int64_t tile_begin = 0;   // this round's tiles of the lane: [tile_begin, tile_end)
+  int64_t tile_end = 0;
+  int64_t slot_begin = 0;   // batch slot of tile_begin
+};
+
+// One uniform batch: every (lane, tile) of it computes chunk `chunk` of its
+// span with `key_cols` columns. Lanes are [lane_begin, lane_end) of the
+// chunk's LanePass table, slots [0, slots).
+struct Round {
+  int64_t pass = 0;
+  int64_t key_cols = 0;
+  int64_t chunk = 0;
+  int64_t lane_begin = 0, lane_end = 0;
+  int64_t slots = 0;
+};
+
+// What the device derives for one slot of a round.
+struct TileDesc {
+  int32_t lane = 0;          // index into the LanePass table
+  int32_t pad = 0;
+  int64_t row0 = 0;          // first query row the GEMM reads (T rows)
+  int64_t own_begin = 0;     // query rows this tile writes
+  int64_t own_end = 0;
+  int64_t col0 = 0;          // first key row the GEMM reads (Kc rows)
+  int64_t valid_begin = 0;   // key rows of this chunk that count
+  int64_t valid_end = 0;
+};
+
+struct TileRows {
+  int64_t row0, own_begin, own_end;
+};
+struct KeySpan {
+  int64_t begin, end;  // key rows, clamped to [0, Nk); empty when begin == end
+};
+struct KeyChunk {
+  int64_t col0, valid_begin, valid_end;
+};
+
+PLSH_HD inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+PLSH_HD inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+PLSH_HD inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+PLSH_HD inline int64_t tile_count(const SpanShape& s) { return ceil_div(s.q_len, s.tile_rows); }
+
+PLSH_HD inline TileRows tile_rows_of(const SpanShape& s, int64_t t) {
+  const int64_t own_begin = t * s.tile_rows;
+  const int64_t own_end = min64(own_begin + s.tile_rows, s.q_len);
+  return {min64(own_begin, s.q_len - s.tile_rows), own_begin, own_end};
+}
+
+// Keys any owned row of tile t may see under a rule of the given reach.
+PLSH_HD inline KeySpan tile_key_span(const SpanShape& s, int64_t reach, int64_t t) {
+  const TileRows r = tile_rows_of(s, t);
+  int64_t lo, hi;
+  if (reach < 0) {
+    lo = 0;
+    hi = s.causal ? s.qk_offset + r.own_end : s.kv_len;
+  } else {
+    lo = s.qk_offset + r.own_begin - reach;
+    hi = s.qk_offset + r.own_end + (s.causal ? 0 : reach);  // exclusive: last row + reach + 1
+  }
+  lo = max64(lo, 0);
+  hi = min64(hi, s.kv_len);
+  if (hi < lo) hi = lo;
+  return {lo, hi};
+}
+
+// Chunk c of a span, Kc = key_cols <= Nk columns read from col0.
+PLSH_HD inline KeyChunk key_chunk(const KeySpan& span, int64_t key_cols, int64_t kv_len, int64_t c) {
+  const int64_t start = span.begin + c * key_cols;
+  const int64_t valid_begin = min64(start, span.end);
+  const int64_t valid_end = min64(start + key_cols, span.end);
+  return {min64(start, kv_len - key_cols), valid_begin, valid_end};
+}
+
+// Widest span any tile of a pass can have.
+PLSH_HD inline int64_t max_span_width(const SpanShape& s, int64_t reach) {
+  if (reach < 0) return s.kv_len;
+  return min64(s.kv_len, s.tile_rows + reach * (s.causal ? 1 : 2));
+}
+
+// bin(p) = floor((p - u) / delta) in IEEE double (SPEC section 5): correctly
+// rounded subtraction and division on both sides, so host and device agree
+// bit for bit.
+PLSH_HD inline int64_t span_bin(int64_t pos, double pitch, double shift) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<int64_t>(floor(__ddiv_rn(__dsub_rn(static_cast<double>(pos), shift), pitch)));
+#else
+  return static_cast<int64_t>(std::floor((static_cast<double>(pos) - shift) / pitch));
+#endif
+}
+
+// Whether a pass lets query position pq see key position pk (causality
+// included). The device evaluates the bins once per tile instead; the tests
+// use this.
+PLSH_HD inline bool pair_allowed(const LanePass& l, bool causal, int64_t pq, int64_t pk) {
+  if (causal && pk > pq) return false;
+  const int64_t d = pq > pk ? pq - pk : pk - pq;
+  switch (l.rule) {
+    case SpanRule::kAll: return true;
+    case SpanRule::kWindow: return d < l.window;
+    case SpanRule::kSameBin: return span_bin(pq, l.pitch, l.shift) == span_bin(pk, l.pitch, l.shift);
+  }
+  return false;
+}
+
+// ---- Host planning ----------------------------------------------------------
+
+// Reach of an lsh hash: two integer positions in one bin are at most
+// ceil(delta) - 1 apart; two more cover a quotient rounded across a bin edge
+// (the host tests fail at ceil(delta) - 2). Pitches too large to matter are
+// unbounded (the mask is exact either way).
+int64_t lsh_reach(double pitch);
+// Reach of a window |d| < w; kNoWindow or beyond 2^53: unbounded.
+int64_t window_reach(int64_t window);
+
+// Key columns for a pass whose spans are at most `width` wide: the next power
+// of two in [kMinKeyCols, kMaxKeyCols], never more than Nk.
+int64_t key_cols_for(int64_t width, int64_t kv_len);
+
+// Sizes that bound the device workspace, whatever N is.
+struct WorkspaceShape {
+  int64_t lanes = 0;      // B * H
+  int64_t q_len = 0;
+  int64_t kv_len = 0;
+  int64_t head_dim = 0;
+  int64_t elem_bytes = 0;  // of q, k, v (and of the probabilities fed to the second GEMM)
+};
+
+struct WorkspacePlan {
+  int64_t tile_rows = 0;        // T
+  int64_t key_cols = 0;         // widest Kc
+  int64_t bytes_per_slot = 0;   // scores, probabilities, partial output, stats, accumulators, pointers
+  int64_t lanes_per_chunk = 0;  // lanes whose accumulators live at once
+  int64_t tiles_per_chunk = 0;  // query tiles per lane at once
+  int64_t slots = 0;            // lanes_per_chunk * tiles_per_chunk: the largest batch
+  int64_t bytes = 0;            // slots * bytes_per_slot
+};
+
+// The largest chunk of (lanes x tiles) whose workspace fits `budget_bytes`;
+// RESOURCE_EXHAUSTED when not even one tile fits.
+StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& shape, int64_t budget_bytes);
+
+// One lane's passes, as the planner needs them: per pass the rule and its
+// parameters (acc_lane, batch and head filled, tiles and slots not).
+struct LaneSetup {
+  std::vector<LanePass> passes;
+};
+
+// The rounds of one chunk: lanes [0, lanes.size()) (acc_lane = index) and
+// query tiles [tile_begin, tile_end). Appends to `table` the LanePass entries
+// each round reads, grouped so that lanes of one round share key_cols.
+std::vector<Round> plan_rounds(const SpanShape& shape, const std::vector<LaneSetup>& lanes, int64_t tile_begin,
+                               int64_t tile_end, std::vector<LanePass>* table);
+
+// The slot of a round: which LanePass (binary search on slot_begin) and tile.
+PLSH_HD inline int64_t find_lane(const LanePass* lanes, int64_t lane_begin, int64_t lane_end, int64_t slot) {
+  int64_t lo = lane_begin, hi = lane_end - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (lanes[mid].slot_begin <= slot) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+PLSH_HD inline TileDesc describe_slot(const SpanShape& s, const Round& round, const LanePass* lanes, int64_t slot) {
+  const int64_t li = find_lane(lanes, round.lane_begin, round.lane_end, slot);
+  const LanePass& l = lanes[li];
+  const int64_t t = l.tile_begin + (slot - l.slot_begin);
+  const TileRows r = tile_rows_of(s, t);
+  const KeyChunk c = key_chunk(tile_key_span(s, l.reach, t), round.key_cols, s.kv_len, round.chunk);
+  TileDesc d;
+  d.lane = static_cast<int32_t>(li);
+  d.row0 = r.row0;
+  d.own_begin = r.own_begin;
+  d.own_end = r.own_end;
+  d.col0 = c.col0;
+  d.valid_begin = c.valid_begin;
+  d.valid_end = c.valid_end;
+  return d;
+}
+
+}  // namespace plsh::cuda

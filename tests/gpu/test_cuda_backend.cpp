@@ -1,0 +1,307 @@
+// The CUDA backend against the CPU backend and the float64 reference on the
+// same random inputs: every mode, f32 / bf16 / f16, odd sizes, GQA, causal
+// and not, position offsets, host and device memory. Label `gpu`; without a
+// device every test skips and says why.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/cpu_backend.h"
+#include "cuda/cuda_backend.h"
+#include "plsh/draws.h"
+#include "plsh/numeric.h"
+#include "plsh/params.h"
+#include "reference.h"
+
+namespace plsh {
+namespace {
+
+using testing::compare;
+using testing::ErrorStats;
+
+// One backend per process: creating cuBLAS handles and the pool once.
+Backend* cuda_backend(std::string* why) {
+  static std::string reason;
+  static std::unique_ptr<Backend> backend = cuda::make_cuda_backend(&reason);
+  *why = reason;
+  return backend.get();
+}
+
+#define REQUIRE_CUDA(backend_var)                         \
+  std::string why_no_cuda;                                \
+  Backend* backend_var = cuda_backend(&why_no_cuda);      \
+  if (backend_var == nullptr) GTEST_SKIP() << why_no_cuda
+
+struct GpuCase {
+  std::string name;
+  int64_t batch, q_len, kv_len, heads, kv_heads, head_dim;
+  DType dtype;
+  Mode mode;
+  bool causal;
+  std::optional<int64_t> q_pos0;
+  int64_t k_pos0;
+  int64_t samples;
+  int64_t window_width;  // window: 0 = from window_eps
+  std::vector<double> slopes;  // empty: standard
+};
+
+// Tolerances on max |a - b| / max |b| and relative L2, by dtype. f32: fp32
+// GEMMs (no TF32) and expf leave ~1e-6; 1e-4 leaves room for long sums.
+// bf16 / f16: the inputs are equal on both sides, but the probabilities fed
+// to the second GEMM and the output are each rounded once to 8 (11)
+// significant bits, at most 2^-9 (2^-12) relative each: two roundings of at
+// most 3.9e-3 (4.9e-4) against the largest output, so 1e-2 (2e-3) with
+// room for the sums.
+double tolerance(DType t) {
+  switch (t) {
+    case DType::kF32: return 1e-4;
+    case DType::kBF16: return 1e-2;
+    case DType::kF16: return 2e-3;
+  }
+  return 0;
+}
+
+// lse = m + log(sum of rounded probabilities): a relative error of at most
+// one rounding (2^-9 bf16, 2^-12 f16) in the sum is that much, absolute, in
+// the log.
+double lse_tolerance(DType t) {
+  switch (t) {
+    case DType::kF32: return 1e-5;
+    case DType::kBF16: return 4e-3;
+    case DType::kF16: return 5e-4;
+  }
+  return 0;
+}
+
+class CudaVsCpu : public ::testing::TestWithParam<GpuCase> {};
+
+TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
+  REQUIRE_CUDA(cuda);
+  const GpuCase& c = GetParam();
+  AttentionOptions o;
+  o.batch = c.batch;
+  o.q_len = c.q_len;
+  o.kv_len = c.kv_len;
+  o.heads = c.heads;
+  o.kv_heads = c.kv_heads;
+  o.head_dim = c.head_dim;
+  o.dtype = c.dtype;
+  o.mode = c.mode;
+  o.causal = c.causal;
+  o.q_pos0 = c.q_pos0;
+  o.k_pos0 = c.k_pos0;
+  o.samples = c.samples;
+  o.seed = 1234;
+  o.window_width = c.window_width;
+  o.slopes = c.slopes;
+  o.estimates = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 77);
+  std::vector<uint8_t> out_gpu = testing::output_buffer(o);
+  std::vector<uint8_t> out_cpu = testing::output_buffer(o);
+  const size_t rows = static_cast<size_t>(o.batch * o.q_len * o.heads);
+  std::vector<float> lse_gpu(rows, std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> lse_cpu(rows);
+  // Poison: every element must be written.
+  std::fill(out_gpu.begin(), out_gpu.end(), 0xFF);
+
+  TensorRefs refs{t.q.data(), t.k.data(), t.v.data(), out_gpu.data(), lse_gpu.data(), MemorySpace::kHost};
+  StatusOr<AttentionParams> p = make_params(o, refs);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  ForwardStats stats;
+  const Status s = cuda->forward(*p, ExecContext{}, &stats);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_GT(stats.flops, 0);
+
+  refs.out = out_cpu.data();
+  refs.lse = lse_cpu.data();
+  StatusOr<AttentionParams> pc = make_params(o, refs);
+  ASSERT_TRUE(pc.ok());
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  ASSERT_TRUE(cpu->forward(*pc, ExecContext{}, nullptr).ok());
+
+  const testing::ReferenceOutput ref = testing::reference_attention(*p);
+  const double tol = tolerance(c.dtype);
+  const ErrorStats vs_ref = compare(out_gpu.data(), c.dtype, ref.out);
+  const ErrorStats cpu_vs_ref = compare(out_cpu.data(), c.dtype, ref.out);
+  std::vector<double> cpu_out(ref.out.size());
+  for (size_t i = 0; i < cpu_out.size(); ++i) cpu_out[i] = load_element(out_cpu.data(), c.dtype, static_cast<int64_t>(i));
+  const ErrorStats vs_cpu = compare(out_gpu.data(), c.dtype, cpu_out);
+  EXPECT_LE(vs_ref.max_rel, tol) << "cuda vs float64 reference (cpu backend: " << cpu_vs_ref.max_rel << ")";
+  EXPECT_LE(vs_cpu.max_rel, c.dtype == DType::kF32 ? tol : 2 * tol) << "cuda vs cpu backend";
+  EXPECT_LE(vs_ref.rel_l2, tol);
+
+  double lse_err = 0;
+  for (size_t i = 0; i < rows; ++i) {
+    ASSERT_TRUE(std::isfinite(lse_gpu[i])) << "lse row " << i;
+    lse_err = std::max(lse_err, std::fabs(lse_gpu[i] - ref.lse[i]) / std::max(1.0, std::fabs(ref.lse[i])));
+    EXPECT_NEAR(lse_gpu[i], lse_cpu[i], 2 * lse_tolerance(c.dtype) * std::max(1.0, std::fabs(static_cast<double>(lse_cpu[i]))))
+        << "row " << i;
+  }
+  EXPECT_LE(lse_err, lse_tolerance(c.dtype));
+}
+
+std::vector<GpuCase> cases() {
+  std::vector<GpuCase> v;
+  const std::vector<double> mixed = {0.9, 0.31, 0.05, 0.0};  // sigma 1.1 .. 20, and no bias
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const std::string d = dtype_name(t);
+    v.push_back({"exact_causal_" + d, 2, 97, 97, 4, 2, 40, t, Mode::kExact, true, std::nullopt, 0, 0, 0, {}});
+    v.push_back({"lsh_causal_gqa_" + d, 1, 300, 300, 4, 2, 64, t, Mode::kLsh, true, std::nullopt, 0, 16, 0, mixed});
+    v.push_back({"window_" + d, 1, 129, 129, 3, 3, 59, t, Mode::kWindow, true, std::nullopt, 0, 0, 0, {}});
+  }
+  // f32: odd sizes, offsets, non-causal, multi-chunk spans, decode-like tails.
+  const DType f = DType::kF32;
+  v.push_back({"exact_noncausal_offsets_f32", 1, 33, 1025, 2, 1, 128, f, Mode::kExact, false, int64_t{5000}, 4100, 0, 0, {}});
+  v.push_back({"exact_causal_decode_f32", 2, 1, 1025, 4, 4, 59, f, Mode::kExact, true, std::nullopt, 0, 0, 0, {}});
+  v.push_back({"exact_one_row_f32", 1, 1, 1, 1, 1, 40, f, Mode::kExact, true, std::nullopt, 0, 0, 0, {}});
+  v.push_back({"lsh_noncausal_f32", 2, 97, 97, 8, 2, 40, f, Mode::kLsh, false, std::nullopt, 0, 7, 0, {}});
+  v.push_back({"lsh_tail_positions_f32", 1, 70, 700, 4, 1, 64, f, Mode::kLsh, true, int64_t{123456 + 630}, 123456, 16, 0,
+               {1.0 / 300, 0.8, 0.2, 0.04}});
+  v.push_back({"lsh_wide_pitch_f32", 1, 600, 600, 2, 2, 128, f, Mode::kLsh, false, std::nullopt, 0, 4, 0, {1.0 / 400, 1.0 / 150}});
+  v.push_back({"window_fixed_width_f32", 1, 257, 300, 2, 1, 64, f, Mode::kWindow, false, std::nullopt, 0, 0, 17, {}});
+  v.push_back({"window_wide_f32", 1, 200, 1100, 2, 2, 40, f, Mode::kWindow, true, std::nullopt, 0, 0, 700, {}});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaVsCpu, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<GpuCase>& info) { return info.param.name; });
+
+// The lsh masks on the device put every position in the same bin as
+// bin_of on the host: the same draws, bit for bit.
+TEST(CudaBins, DeviceBinsEqualHostBinOf) {
+  REQUIRE_CUDA(cuda);
+  (void)cuda;
+  std::mt19937_64 rng(5);
+  std::vector<int64_t> positions;
+  for (int i = 0; i < 4096; ++i) positions.push_back(static_cast<int64_t>(rng() % 2000000) - 1000000);
+  for (int i = 0; i < 256; ++i) positions.push_back((int64_t{1} << 50) + static_cast<int64_t>(rng() % 100000));
+  for (int64_t k = 0; k < 48; ++k) {
+    const Draw d = draw_hash(2024, k % 5, k, k % 3 == 0 ? 1.19 : k % 3 == 1 ? 16.0 : 256.0);
+    StatusOr<std::vector<int64_t>> bins = cuda::device_bins(d, positions);
+    ASSERT_TRUE(bins.ok()) << bins.status().to_string();
+    for (size_t i = 0; i < positions.size(); ++i)
+      ASSERT_EQ((*bins)[i], bin_of(positions[i], d)) << "position " << positions[i] << " pitch " << d.pitch;
+  }
+}
+
+// Device tensors in, device tensors out: the same output as host tensors.
+TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
+  REQUIRE_CUDA(cuda);
+  AttentionOptions o;
+  o.q_len = o.kv_len = 150;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.head_dim = 64;
+  o.dtype = DType::kBF16;
+  o.mode = Mode::kLsh;
+  o.causal = true;
+  o.samples = 8;
+  o.estimates = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 3);
+  std::vector<uint8_t> out_host = testing::output_buffer(o);
+  StatusOr<AttentionParams> ph = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_host.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(ph.ok());
+  ASSERT_TRUE(cuda->forward(*ph, ExecContext{}, nullptr).ok());
+
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dout = nullptr;
+  ASSERT_EQ(cudaMalloc(&dq, t.q.size()), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dk, t.k.size()), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dv, t.v.size()), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dout, out_host.size()), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dq, t.q.data(), t.q.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dk, t.k.data(), t.k.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dv, t.v.data(), t.v.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  StatusOr<AttentionParams> pd = make_params(o, {dq, dk, dv, dout, nullptr, MemorySpace::kDevice});
+  ASSERT_TRUE(pd.ok());
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  ExecContext ctx;
+  ctx.stream = stream;
+  const Status s = cuda->forward(*pd, ctx, nullptr);
+  std::vector<uint8_t> out_dev(out_host.size());
+  ASSERT_EQ(cudaMemcpy(out_dev.data(), dout, out_dev.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaStreamDestroy(stream);
+  cudaFree(dq);
+  cudaFree(dk);
+  cudaFree(dv);
+  cudaFree(dout);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  std::vector<double> host_result(out_host.size() / 2);
+  for (size_t i = 0; i < host_result.size(); ++i) host_result[i] = load_element(out_host.data(), o.dtype, static_cast<int64_t>(i));
+  // Same plan and kernels; only cuBLAS's choice of algorithm could differ.
+  EXPECT_LE(compare(out_dev.data(), o.dtype, host_result).max_rel, tolerance(o.dtype) / 4);
+
+  // Host pointers under memory = device are refused, not dereferenced.
+  StatusOr<AttentionParams> bad = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_host.data(), nullptr, MemorySpace::kDevice});
+  ASSERT_TRUE(bad.ok());
+  const Status refused = cuda->forward(*bad, ExecContext{}, nullptr);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.to_string();
+}
+
+TEST(CudaControl, CancelStopsTheWork) {
+  REQUIRE_CUDA(cuda);
+  AttentionOptions o;
+  o.q_len = o.kv_len = 256;
+  o.heads = 2;
+  o.head_dim = 64;
+  o.mode = Mode::kExact;
+  o.estimates = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 4);
+  std::vector<uint8_t> out = testing::output_buffer(o);
+  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(p.ok());
+  std::atomic<bool> cancel{true};
+  ExecContext ctx;
+  ctx.cancel = &cancel;
+  EXPECT_EQ(cuda->forward(*p, ctx, nullptr).code(), StatusCode::kCancelled);
+}
+
+TEST(CudaControl, BandedIsRefusedWithAReason) {
+  REQUIRE_CUDA(cuda);
+  AttentionOptions o;
+  o.q_len = o.kv_len = 16;
+  o.heads = 1;
+  o.head_dim = 8;
+  o.mode = Mode::kLsh;
+  o.lsh_algorithm = LshAlgorithm::kBanded;
+  o.estimates = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 4);
+  std::vector<uint8_t> out = testing::output_buffer(o);
+  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(p.ok());
+  const Status s = cuda->supports(*p);
+  EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
+  EXPECT_NE(s.message().find("lsh_algorithm"), std::string::npos);
+}
+
+// A budget too small for one tile is refused before any memory is touched.
+TEST(CudaControl, TinyBudgetIsResourceExhausted) {
+  std::string why;
+  cuda::CudaBackendOptions opts;
+  opts.memory_budget_bytes = 4096;
+  std::unique_ptr<Backend> small = cuda::make_cuda_backend(&why, opts);
+  if (small == nullptr) GTEST_SKIP() << why;
+  AttentionOptions o;
+  o.q_len = o.kv_len = 128;
+  o.heads = 1;
+  o.head_dim = 64;
+  o.mode = Mode::kExact;
+  o.estimates = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 4);
+  std::vector<uint8_t> out = testing::output_buffer(o);
+  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(small->forward(*p, ExecContext{}, nullptr).code(), StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace plsh

@@ -1,0 +1,345 @@
+// The CUDA backend's planning, checked on the host: the GPU derives every
+// GEMM operand, mask range and accumulator row from these same functions,
+// so a pair missed or counted twice here would be a wrong output there.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "cuda/tile_plan.h"
+#include "plsh/draws.h"
+#include "plsh/params.h"
+
+namespace plsh::cuda {
+namespace {
+
+struct PlanCase {
+  std::string name;
+  int64_t q_len, kv_len, q_pos0, k_pos0;
+  bool causal;
+  // Passes of the single head: pitches for lsh hashes (inf: slope 0),
+  // window widths, or exact.
+  std::vector<double> pitches;
+  std::vector<int64_t> windows;
+  bool exact;
+  int64_t tiles_per_chunk;  // 0: all
+};
+
+std::vector<LanePass> passes_of(const PlanCase& c, int64_t head) {
+  std::vector<LanePass> passes;
+  for (size_t k = 0; k < c.pitches.size(); ++k) {
+    LanePass l;
+    l.head = static_cast<int32_t>(head);
+    l.rule = SpanRule::kSameBin;
+    l.pitch = c.pitches[k];
+    l.shift = c.pitches[k] * (0.13 + 0.29 * static_cast<double>((k + static_cast<size_t>(head)) % 3));
+    l.reach = lsh_reach(l.pitch);
+    passes.push_back(l);
+  }
+  for (int64_t w : c.windows) {
+    LanePass l;
+    l.head = static_cast<int32_t>(head);
+    l.rule = SpanRule::kWindow;
+    l.window = w;
+    l.reach = window_reach(w);
+    passes.push_back(l);
+  }
+  if (c.exact) {
+    LanePass l;
+    l.head = static_cast<int32_t>(head);
+    l.rule = SpanRule::kAll;
+    l.reach = -1;
+    passes.push_back(l);
+  }
+  return passes;
+}
+
+// Ground truth from plsh::bin_of, independent of span_bin.
+bool truth_allowed(const LanePass& l, bool causal, int64_t pq, int64_t pk) {
+  if (causal && pk > pq) return false;
+  const int64_t d = std::llabs(pq - pk);
+  switch (l.rule) {
+    case SpanRule::kAll: return true;
+    case SpanRule::kWindow: return d < l.window;
+    case SpanRule::kSameBin: {
+      Draw draw;
+      draw.pitch = l.pitch;
+      draw.shift = l.shift;
+      return bin_of(pq, draw) == bin_of(pk, draw);
+    }
+  }
+  return false;
+}
+
+class TilePlanCoverage : public ::testing::TestWithParam<PlanCase> {};
+
+// Every (query, key) pair a pass allows is seen by exactly one slot of one
+// round, inside that slot's GEMM operands; no other pair is let through; each
+// row is owned by one tile per round; and the operands never leave the
+// tensors.
+TEST_P(TilePlanCoverage, EveryAllowedPairExactlyOnceAndOperandsInBounds) {
+  const PlanCase& c = GetParam();
+  SpanShape shape;
+  shape.q_len = c.q_len;
+  shape.kv_len = c.kv_len;
+  shape.qk_offset = c.q_pos0 - c.k_pos0;
+  shape.causal = c.causal;
+  shape.tile_rows = std::min(kTileRows, c.q_len);
+  const int64_t lanes = 3;  // three heads with shifted draws
+  std::vector<LaneSetup> setups(lanes);
+  for (int64_t g = 0; g < lanes; ++g) {
+    setups[g].passes = passes_of(c, g);
+    for (LanePass& l : setups[g].passes) l.acc_lane = static_cast<int32_t>(g);
+  }
+  const size_t passes = setups[0].passes.size();
+  const int64_t tiles = tile_count(shape);
+  const int64_t per_chunk = c.tiles_per_chunk > 0 ? c.tiles_per_chunk : tiles;
+
+  // seen[lane][pass][i * kv_len + j]
+  std::vector<std::vector<std::vector<uint8_t>>> seen(
+      lanes, std::vector<std::vector<uint8_t>>(passes, std::vector<uint8_t>(c.q_len * c.kv_len, 0)));
+  int64_t rounds_total = 0;
+  for (int64_t t0 = 0; t0 < tiles; t0 += per_chunk) {
+    const int64_t t1 = std::min(tiles, t0 + per_chunk);
+    std::vector<LanePass> table;
+    const std::vector<Round> rounds = plan_rounds(shape, setups, t0, t1, &table);
+    rounds_total += static_cast<int64_t>(rounds.size());
+    for (const Round& r : rounds) {
+      ASSERT_GE(r.key_cols, 1);
+      ASSERT_LE(r.key_cols, std::min(kMaxKeyCols, c.kv_len));
+      std::map<std::pair<int32_t, int64_t>, int> owners;  // (lane, row) -> tiles owning it in this round
+      for (int64_t slot = 0; slot < r.slots; ++slot) {
+        const TileDesc d = describe_slot(shape, r, table.data(), slot);
+        ASSERT_GE(d.lane, r.lane_begin);
+        ASSERT_LT(d.lane, r.lane_end);
+        const LanePass& l = table[d.lane];
+        ASSERT_EQ(static_cast<size_t>(r.pass) < setups[l.acc_lane].passes.size(), true);
+        // GEMM operands inside the tensors.
+        ASSERT_GE(d.row0, 0);
+        ASSERT_LE(d.row0 + shape.tile_rows, c.q_len);
+        ASSERT_GE(d.col0, 0);
+        ASSERT_LE(d.col0 + r.key_cols, c.kv_len);
+        // Owned rows and valid keys inside the operands, and inside the chunk's accumulator rows.
+        ASSERT_GE(d.own_begin, d.row0);
+        ASSERT_LE(d.own_end, d.row0 + shape.tile_rows);
+        ASSERT_GE(d.own_begin, t0 * shape.tile_rows);
+        ASSERT_LE(d.own_end, t1 * shape.tile_rows);
+        ASSERT_LE(d.valid_begin, d.valid_end);
+        if (d.valid_begin < d.valid_end) {
+          ASSERT_GE(d.valid_begin, d.col0);
+          ASSERT_LE(d.valid_end, d.col0 + r.key_cols);
+        }
+        for (int64_t i = d.own_begin; i < d.own_end; ++i) {
+          ASSERT_EQ(++owners[std::make_pair(d.lane, i)], 1) << "row " << i << " owned twice in round pass " << r.pass;
+          for (int64_t j = d.valid_begin; j < d.valid_end; ++j) {
+            if (!pair_allowed(l, c.causal, c.q_pos0 + i, c.k_pos0 + j)) continue;
+            ++seen[l.acc_lane][r.pass][i * c.kv_len + j];
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(rounds_total, 0);
+  for (int64_t g = 0; g < lanes; ++g) {
+    for (size_t k = 0; k < passes; ++k) {
+      const LanePass& l = setups[g].passes[k];
+      int64_t allowed = 0;
+      for (int64_t i = 0; i < c.q_len; ++i) {
+        for (int64_t j = 0; j < c.kv_len; ++j) {
+          const bool want = truth_allowed(l, c.causal, c.q_pos0 + i, c.k_pos0 + j);
+          allowed += want ? 1 : 0;
+          ASSERT_EQ(seen[g][k][i * c.kv_len + j], want ? 1 : 0)
+              << "lane " << g << " pass " << k << " query row " << i << " key row " << j;
+        }
+      }
+      // Cannot pass vacuously: every pass allows something here.
+      EXPECT_GT(allowed, 0) << "lane " << g << " pass " << k;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TilePlanCoverage,
+    ::testing::Values(
+        // Pitches near 1 (blocks of 1-3 rows share tiles), a pitch wider than
+        // a tile, and one whose span needs two key chunks.
+        PlanCase{"lsh_self_causal", 197, 197, 0, 0, true, {0.7, 1.3, 2.6, 17.5, 90.0}, {}, false, 0},
+        PlanCase{"lsh_self_noncausal", 131, 131, 0, 0, false, {1.1, 3.9, 300.0}, {}, false, 0},
+        PlanCase{"lsh_decode_tail_offsets", 37, 700, 663 + 1000, 1000, true, {1.6, 45.0, 320.0}, {}, false, 0},
+        PlanCase{"lsh_negative_positions_chunked", 150, 260, -40, -150, false, {2.2, 33.3}, {}, false, 2},
+        PlanCase{"lsh_large_positions", 90, 120, (int64_t{1} << 40) + 30, int64_t{1} << 40, true, {1.9, 12.7}, {}, false, 0},
+        PlanCase{"window", 211, 211, 0, 0, true, {}, {1, 7, 64, 65, 600}, false, 0},
+        PlanCase{"window_noncausal_chunked", 170, 300, 60, 0, false, {}, {3, 129}, false, 1},
+        PlanCase{"exact_causal_two_chunks", 150, 1100, 950, 0, true, {}, {}, true, 0},
+        PlanCase{"exact_noncausal", 70, 600, 0, 0, false, {}, {}, true, 1},
+        PlanCase{"single_row", 1, 1, 0, 0, true, {0.9, 5.0}, {1}, true, 0},
+        PlanCase{"short_keys", 100, 9, 0, 0, false, {1.5, 50.0}, {2}, true, 0}),
+    [](const ::testing::TestParamInfo<PlanCase>& info) { return info.param.name; });
+
+SpanShape self_shape(int64_t n, bool causal) {
+  SpanShape s;
+  s.q_len = s.kv_len = n;
+  s.causal = causal;
+  s.tile_rows = std::min(kTileRows, n);
+  return s;
+}
+
+// Blocks of 1-3 rows must not become one GEMM each: a pass costs one slot
+// per 64-row tile, whatever the number of blocks.
+TEST(TilePlan, SmallPitchesPackManyBlocksPerTile) {
+  const SpanShape shape = self_shape(8192, true);
+  LaneSetup s;
+  LanePass l;
+  l.rule = SpanRule::kSameBin;
+  l.pitch = 1.37;
+  l.shift = 0.5;
+  l.reach = lsh_reach(l.pitch);
+  s.passes.push_back(l);
+  std::vector<LanePass> table;
+  const std::vector<Round> rounds = plan_rounds(shape, {s}, 0, tile_count(shape), &table);
+  ASSERT_EQ(rounds.size(), 1u);
+  EXPECT_EQ(rounds[0].slots, 8192 / kTileRows);
+  EXPECT_EQ(rounds[0].key_cols, kMinKeyCols * 4);  // 64 rows + reach 3: 67 columns -> 128
+  Draw d{l.pitch, l.shift};
+  int64_t blocks = 0;
+  for (int64_t pos = 0; pos < 8192; pos = block_end(pos, d)) ++blocks;
+  EXPECT_GT(blocks, 20 * rounds[0].slots);
+}
+
+// Causal exact: the chunks past a tile's diagonal are not computed.
+TEST(TilePlan, CausalExactSkipsChunksAboveTheDiagonal) {
+  auto slots_for = [](bool causal) {
+    const SpanShape shape = self_shape(4096, causal);
+    LaneSetup s;
+    LanePass l;
+    l.rule = SpanRule::kAll;
+    l.reach = -1;
+    s.passes.push_back(l);
+    std::vector<LanePass> table;
+    int64_t slots = 0;
+    for (const Round& r : plan_rounds(shape, {s}, 0, tile_count(shape), &table)) slots += r.slots;
+    return slots;
+  };
+  const int64_t full = slots_for(false);
+  const int64_t causal = slots_for(true);
+  EXPECT_EQ(full, 64 * 8);  // 64 tiles x 4096 / 512 chunks
+  // Tile t needs ceil(64 (t + 1) / 512) chunks: 288 over the 64 tiles.
+  EXPECT_EQ(causal, 288);
+}
+
+// Lanes with narrow and wide spans go to different batches, so a wide head
+// does not widen every GEMM.
+TEST(TilePlan, LanesGroupByKeyColumns) {
+  const SpanShape shape = self_shape(1024, true);
+  std::vector<LaneSetup> setups(2);
+  for (int g = 0; g < 2; ++g) {
+    LanePass l;
+    l.acc_lane = g;
+    l.rule = SpanRule::kWindow;
+    l.window = g == 0 ? 4 : 1000;
+    l.reach = window_reach(l.window);
+    setups[g].passes.push_back(l);
+  }
+  std::vector<LanePass> table;
+  const std::vector<Round> rounds = plan_rounds(shape, setups, 0, tile_count(shape), &table);
+  // 67 columns (-> 128) for the narrow lane; 1024 (all keys) in two chunks of 512 for the wide one.
+  ASSERT_EQ(rounds.size(), 3u);
+  EXPECT_EQ(rounds[0].key_cols, 128);
+  EXPECT_EQ(rounds[0].lane_end - rounds[0].lane_begin, 1);
+  for (size_t i = 1; i < rounds.size(); ++i) EXPECT_EQ(rounds[i].key_cols, kMaxKeyCols);
+}
+
+TEST(TilePlan, LshReachBoundsEveryBlock) {
+  for (int64_t k = 0; k < 400; ++k) {
+    const double sigma = k % 4 == 0 ? 0.8 : k % 4 == 1 ? 1.19 : k % 4 == 2 ? 6.0 : 70.0;
+    const Draw d = draw_hash(99, k % 7, k, sigma);
+    const int64_t reach = lsh_reach(d.pitch);
+    for (int64_t pos = -500; pos < 3000;) {
+      const int64_t end = block_end(pos, d);
+      ASSERT_LE(end - block_begin(pos, d) - 1, reach) << "pitch " << d.pitch;
+      pos = end;
+    }
+  }
+  EXPECT_EQ(lsh_reach(std::numeric_limits<double>::infinity()), -1);
+  EXPECT_EQ(lsh_reach(1e300), -1);
+  EXPECT_EQ(window_reach(kNoWindow), -1);
+}
+
+TEST(TilePlan, HostBinsMatchBinOf) {
+  for (int64_t k = 0; k < 64; ++k) {
+    const Draw d = draw_hash(5, 3, k, k % 2 ? 1.3 : 211.0);
+    for (int64_t pos : {int64_t{0}, int64_t{1}, int64_t{-7}, int64_t{12345}, (int64_t{1} << 45) + k, -(int64_t{1} << 50)})
+      ASSERT_EQ(span_bin(pos, d.pitch, d.shift), bin_of(pos, d));
+  }
+}
+
+TEST(TilePlan, KeyColumnsArePowersOfTwoWithinLimits) {
+  EXPECT_EQ(key_cols_for(1, 1000), kMinKeyCols);
+  EXPECT_EQ(key_cols_for(33, 1000), 64);
+  EXPECT_EQ(key_cols_for(512, 1000), 512);
+  EXPECT_EQ(key_cols_for(5000, 100000), kMaxKeyCols);
+  EXPECT_EQ(key_cols_for(5000, 300), 300);  // never wider than the keys
+}
+
+WorkspaceShape shape_for(int64_t n) {
+  WorkspaceShape s;
+  s.lanes = 32;
+  s.q_len = n;
+  s.kv_len = n;
+  s.head_dim = 128;
+  s.elem_bytes = 2;
+  return s;
+}
+
+TEST(Workspace, FitsTheBudgetAndDoesNotGrowWithN) {
+  const int64_t budget = int64_t{1} << 30;
+  int64_t per_slot = 0;
+  for (int64_t n : {int64_t{1} << 13, int64_t{1} << 17, int64_t{1} << 19, int64_t{1} << 24}) {
+    StatusOr<WorkspacePlan> p = plan_workspace(shape_for(n), budget);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    EXPECT_LE(p->bytes, budget);
+    EXPECT_EQ(p->slots, p->lanes_per_chunk * p->tiles_per_chunk);
+    EXPECT_EQ(p->bytes, p->slots * p->bytes_per_slot);
+    if (per_slot == 0) per_slot = p->bytes_per_slot;
+    EXPECT_EQ(p->bytes_per_slot, per_slot);
+    // Fills the budget to within one lane's row of tiles.
+    EXPECT_GT(p->bytes + p->lanes_per_chunk * p->bytes_per_slot, budget) << "n " << n;
+  }
+  // 64 rows x 512 columns of fp32 scores and bf16 probabilities, 64 x 128 fp32
+  // partial and accumulator rows, stats and pointers.
+  EXPECT_EQ(per_slot, 64 * 512 * 6 + 64 * 128 * 4 + 64 * 8 + 64 * 130 * 4 + 48 + static_cast<int64_t>(sizeof(TileDesc)));
+}
+
+TEST(Workspace, SmallProblemTakesOneChunk) {
+  WorkspaceShape s = shape_for(1000);
+  s.lanes = 4;
+  StatusOr<WorkspacePlan> p = plan_workspace(s, int64_t{1} << 32);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->lanes_per_chunk, 4);
+  EXPECT_EQ(p->tiles_per_chunk, ceil_div(1000, 64));
+}
+
+TEST(Workspace, TightBudgetChunksOverLanes) {
+  const WorkspaceShape s = shape_for(1 << 16);
+  StatusOr<WorkspacePlan> one = plan_workspace(s, 1 << 20);
+  ASSERT_TRUE(one.ok());
+  EXPECT_LE(one->bytes, 1 << 20);
+  EXPECT_EQ(one->tiles_per_chunk, 1);
+  EXPECT_GE(one->lanes_per_chunk, 1);
+  EXPECT_LT(one->lanes_per_chunk, 32);
+}
+
+TEST(Workspace, RefusesABudgetBelowOneTile) {
+  StatusOr<WorkspacePlan> p = plan_workspace(shape_for(4096), 1000);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(p.status().message().find("budget"), std::string::npos) << p.status().message();
+}
+
+}  // namespace
+}  // namespace plsh::cuda

@@ -377,6 +377,20 @@ TEST(CpuBackend, RowsWithoutKeysGiveZeroNotNaN) {
   }
 }
 
+// kAuto follows SPEC's cost models: one hash of a wide pitch is cheapest
+// block by block (s * E[delta] < 2 max delta); sixteen are cheaper banded.
+TEST(CpuBackend, AutoPicksTheCheaperLshAlgorithm) {
+  for (auto [samples, expected] : {std::pair{int64_t{1}, LshAlgorithm::kPerSample},
+                                   std::pair{int64_t{16}, LshAlgorithm::kBanded}}) {
+    Case c = lsh(make("auto", Mode::kLsh, 2048, 2048, 1, 1, 32, true), LshAlgorithm::kAuto, samples);
+    c.slopes = {1.0 / 256};
+    Problem pr = make_problem(options_of(c), 1);
+    ForwardStats stats;
+    ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ExecContext{}, &stats).ok());
+    EXPECT_EQ(stats.lsh_algorithm, expected) << "samples " << samples;
+  }
+}
+
 TEST(CpuBackend, ExactFlopsAreTheDenseCount) {
   Case c = make("flops", Mode::kExact, 200, 300, 4, 2, 32, false);
   Problem pr = make_problem(options_of(c), 1);

@@ -1,0 +1,221 @@
+#include "cli/flags.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+namespace plsh::cli {
+
+// CLI11 reads integers with strtoll(..., base 0): "010" would be 8. Accept
+// decimal only (and 0x hex for the unsigned seed), stripping leading zeros
+// so that the conversion after this check reads what the user meant.
+CLI::Validator decimal_integer(bool allow_negative) {
+  return CLI::Validator(
+      [allow_negative](std::string& s) -> std::string {
+        const bool hex = !allow_negative && s.size() > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X');
+        if (hex) {
+          for (size_t i = 2; i < s.size(); ++i)
+            if (!std::isxdigit(static_cast<unsigned char>(s[i]))) return "'" + s + "' is not a hexadecimal integer";
+          return {};
+        }
+        size_t i = 0;
+        const bool negative = !s.empty() && s[0] == '-';
+        if (negative && !allow_negative) return "'" + s + "' is negative, expected >= 0";
+        if (negative || (!s.empty() && s[0] == '+')) i = 1;
+        if (i == s.size()) return "'" + s + "' is not an integer";
+        for (size_t j = i; j < s.size(); ++j)
+          if (s[j] < '0' || s[j] > '9') return "'" + s + "' is not a decimal integer";
+        size_t first = i;
+        while (first + 1 < s.size() && s[first] == '0') ++first;
+        s = (negative ? "-" : "") + s.substr(first);
+        return {};
+      },
+      "");
+}
+
+namespace {
+
+std::string str(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+}  // namespace
+
+void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
+  app.add_option("--q", a.q_path, "queries, .npy [B, Nq, H, D] or [Nq, H, D], float32 or float16")->required();
+  app.add_option("--k", a.k_path, "keys, .npy [B, Nk, Hkv, D] (H % Hkv == 0), same dtype as q")->required();
+  app.add_option("--v", a.v_path, "values, .npy, same shape and dtype as k")->required();
+  app.add_flag("--bf16-bits", a.bf16_bits,
+               "read '<u2' (uint16) arrays as bfloat16 bit patterns, and write bf16 outputs the same way");
+
+  app.add_option("--mode", a.mode, "exact, lsh or window")->capture_default_str();
+  app.add_option("--samples", a.samples, "lsh: hashes per head (s)")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--seed", a.seed, "lsh: seed of the hash draws (uint64)")->capture_default_str()->transform(decimal_integer(false));
+  app.add_flag("--causal", a.causal, "mask keys after the query's position");
+  app.add_option("--slopes", a.slopes, "ALiBi slope per query head, comma-separated (default: the standard slopes)");
+  app.add_option_function<double>(
+      "--scale", [&a](const double& v) { a.scale = v; }, "softmax scale (default 1/sqrt(D))");
+  app.add_option("--lsh-algorithm", a.lsh_algorithm, "auto, per_sample or banded")->capture_default_str();
+  app.add_option("--window-eps", a.window_eps, "window: W_h = ceil(sigma_h ln(1/eps))")->capture_default_str();
+  app.add_option("--window-width", a.window_width, "window: one width W for every head (0: from --window-eps)")
+      ->capture_default_str()
+      ->transform(decimal_integer(true));
+  app.add_option_function<int64_t>(
+         "--q-pos0", [&a](const int64_t& v) { a.q_pos0 = v; }, "absolute position of query row 0 (default Nk - Nq)")
+      ->transform(decimal_integer(true));
+  app.add_option("--k-pos0", a.k_pos0, "absolute position of key row 0")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--probe-rows", a.probe_rows, "rows per head computed exactly for the probe estimate (0: none)")
+      ->capture_default_str()
+      ->transform(decimal_integer(true));
+  app.add_flag("--no-estimates", a.no_estimates, "skip the error estimates (lsh and window)");
+  app.add_flag("--return-hashes", a.return_hashes, "put every head's draws (pitch, shift) into the metadata");
+  app.add_option("--out-dtype", a.out_dtype, "f32, f16 or bf16 (default: the inputs' dtype)");
+  app.add_option("--backend", a.backend, "auto, cpu or cuda")->capture_default_str();
+  app.add_option("--threads", a.threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));
+}
+
+void add_output_flags(CLI::App& app, OutputCliArgs& a) {
+  app.add_option("--out", a.out_path, "output .npy, [B, Nq, H, D] (or [Nq, H, D] for rank-3 inputs)")->required();
+  app.add_option("--lse", a.lse_path, "log-sum-exp per row and head, .npy float32 [B, Nq, H] (or [Nq, H])");
+  app.add_option("--meta", a.meta_path, "metadata and error estimates, JSON");
+}
+
+StatusOr<std::vector<double>> parse_slopes(const std::string& text) {
+  std::vector<double> slopes;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, comma - start);
+    char* end = nullptr;
+    errno = 0;
+    const double v = item.empty() ? 0 : std::strtod(item.c_str(), &end);
+    if (item.empty() || end != item.c_str() + item.size() || errno == ERANGE)
+      return invalid_argument("slopes = '" + text + "': item " + std::to_string(slopes.size()) + " ('" + item +
+                              "') is not a number, expected comma-separated numbers, one per query head");
+    slopes.push_back(v);
+    start = comma + 1;
+  }
+  return slopes;
+}
+
+StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
+  AttentionOptions o;
+  ASSIGN_OR_RETURN(o.mode, parse_mode(a.mode));
+  ASSIGN_OR_RETURN(o.lsh_algorithm, parse_lsh_algorithm(a.lsh_algorithm));
+  o.samples = a.samples;
+  o.seed = a.seed;
+  o.causal = a.causal;
+  if (!a.slopes.empty()) {
+    ASSIGN_OR_RETURN(o.slopes, parse_slopes(a.slopes));
+  }
+  o.scale = a.scale;
+  o.window_eps = a.window_eps;
+  o.window_width = a.window_width;
+  o.q_pos0 = a.q_pos0;
+  o.k_pos0 = a.k_pos0;
+  o.probe_rows = a.probe_rows;
+  o.estimates = !a.no_estimates;
+  o.return_draws = a.return_hashes;
+  if (!a.out_dtype.empty()) {
+    ASSIGN_OR_RETURN(DType out, parse_dtype(a.out_dtype));
+    if (out == DType::kBF16 && !a.bf16_bits)
+      return invalid_argument("out_dtype = bf16 needs --bf16-bits (.npy has no bfloat16; it is written as '<u2' bit patterns)");
+    o.out_dtype = out;
+  }
+  if (a.backend != "auto" && a.backend != "cpu" && a.backend != "cuda")
+    return invalid_argument("backend = '" + a.backend + "', expected auto, cpu or cuda");
+  if (a.threads < 0) return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
+  if (!std::isfinite(a.window_eps))
+    return invalid_argument("window_eps = " + str(a.window_eps) + ", expected in (0, 1)");
+  return o;
+}
+
+Status check_output_paths(const OutputCliArgs& a) {
+  const std::pair<const char*, const std::string*> outputs[] = {
+      {"out", &a.out_path}, {"lse", &a.lse_path}, {"meta", &a.meta_path}};
+  for (const auto& [flag, path] : outputs) {
+    if (path->empty()) continue;
+    std::filesystem::path dir = std::filesystem::path(*path).parent_path();
+    if (dir.empty()) dir = ".";
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec))
+      return invalid_argument(std::string(flag) + " = '" + *path + "': directory '" + dir.string() + "' does not exist");
+    if (access(dir.c_str(), W_OK) != 0)
+      return invalid_argument(std::string(flag) + " = '" + *path + "': directory '" + dir.string() +
+                              "' is not writable: " + std::strerror(errno));
+    if (std::filesystem::is_directory(*path, ec))
+      return invalid_argument(std::string(flag) + " = '" + *path + "' is a directory, expected a file name");
+  }
+  return Status::Ok();
+}
+
+Status apply_shapes(const NpyArray& q, const NpyArray& k, const NpyArray& v, const std::string& q_name,
+                    const std::string& k_name, const std::string& v_name, AttentionOptions* o, bool* batched) {
+  const size_t rank = q.shape.size();
+  if (rank != 3 && rank != 4)
+    return invalid_argument(q_name + ": shape " + shape_string(q.shape) + " has rank " + std::to_string(rank) +
+                            ", expected [B, Nq, H, D] or [Nq, H, D]");
+  if (k.shape.size() != rank)
+    return invalid_argument(k_name + ": shape " + shape_string(k.shape) + ", expected rank " + std::to_string(rank) +
+                            " like q " + shape_string(q.shape) + " ([B, Nk, Hkv, D] or [Nk, Hkv, D])");
+  if (v.shape != k.shape)
+    return invalid_argument(v_name + ": shape " + shape_string(v.shape) + ", expected the shape of k " +
+                            shape_string(k.shape));
+  const size_t b = rank == 4 ? 1 : 0;  // index of the sequence axis
+  if (rank == 4 && k.shape[0] != q.shape[0])
+    return invalid_argument(k_name + ": batch = " + std::to_string(k.shape[0]) + ", expected the batch of q (" +
+                            std::to_string(q.shape[0]) + ")");
+  if (k.shape[b + 2] != q.shape[b + 2])
+    return invalid_argument(k_name + ": head_dim = " + std::to_string(k.shape[b + 2]) + ", expected the head_dim of q (" +
+                            std::to_string(q.shape[b + 2]) + ")");
+  if (k.dtype != q.dtype || v.dtype != q.dtype) {
+    const bool k_bad = k.dtype != q.dtype;
+    return invalid_argument((k_bad ? k_name : v_name) + ": dtype " + dtype_name(k_bad ? k.dtype : v.dtype) +
+                            ", expected the dtype of q (" + dtype_name(q.dtype) + ")");
+  }
+  *batched = rank == 4;
+  o->batch = rank == 4 ? q.shape[0] : 1;
+  o->q_len = q.shape[b];
+  o->heads = q.shape[b + 1];
+  o->head_dim = q.shape[b + 2];
+  o->kv_len = k.shape[b];
+  // kv_heads = 0 would mean "same as heads" to the library; an empty kv
+  // head axis must be reported as such instead.
+  o->kv_heads = k.shape[b + 1];
+  if (o->kv_heads == 0) return invalid_argument(k_name + ": kv_heads = 0 (shape " + shape_string(k.shape) + "), expected >= 1");
+  o->dtype = q.dtype;
+  return Status::Ok();
+}
+
+StatusOr<AttentionInputs> load_attention_inputs(const AttentionCliArgs& a) {
+  AttentionInputs in;
+  ASSIGN_OR_RETURN(in.options, options_from_args(a));
+  const NpyReadOptions read_options{a.bf16_bits};
+  ASSIGN_OR_RETURN(in.q, read_npy(a.q_path, read_options));
+  ASSIGN_OR_RETURN(in.k, read_npy(a.k_path, read_options));
+  ASSIGN_OR_RETURN(in.v, read_npy(a.v_path, read_options));
+  RETURN_IF_ERROR(apply_shapes(in.q, in.k, in.v, a.q_path, a.k_path, a.v_path, &in.options, &in.batched));
+  RETURN_IF_ERROR(validate_options(in.options));
+  return in;
+}
+
+std::vector<int64_t> output_shape(const AttentionOptions& o, bool batched) {
+  if (batched) return {o.batch, o.q_len, o.heads, o.head_dim};
+  return {o.q_len, o.heads, o.head_dim};
+}
+
+std::vector<int64_t> lse_shape(const AttentionOptions& o, bool batched) {
+  if (batched) return {o.batch, o.q_len, o.heads};
+  return {o.q_len, o.heads};
+}
+
+}  // namespace plsh::cli

@@ -1,0 +1,91 @@
+// The flags shared by every plsh subcommand that runs attention (compute,
+// and attend, which sends the same request to a server): the input arrays,
+// the attention options, and where the outputs go. One contract, so that
+// `plsh compute ... ` and `plsh attend ...` take the same command line.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/npy.h"
+#include "plsh/params.h"
+#include "plsh/status.h"
+
+namespace plsh::cli {
+
+// What the attention flags hold after parsing; strings stay strings until
+// options_from_args() turns them into typed options with Status errors.
+struct AttentionCliArgs {
+  std::string q_path, k_path, v_path;   // .npy: [B, N, H, D] or [N, H, D]
+  bool bf16_bits = false;               // read/write '<u2' arrays as bfloat16 bit patterns
+  std::string mode = "lsh";             // exact | lsh | window
+  int64_t samples = 16;                 // lsh: hashes per head
+  uint64_t seed = 0;                    // lsh: draws seed
+  bool causal = false;
+  std::string slopes;                   // "a,b,..." one per query head; empty: standard ALiBi slopes
+  std::optional<double> scale;          // default 1/sqrt(D)
+  std::string lsh_algorithm = "auto";   // auto | per_sample | banded
+  double window_eps = 1e-4;             // window: W_h = ceil(sigma_h ln(1/eps))
+  int64_t window_width = 0;             // window: one W for all heads; 0: from window_eps
+  std::optional<int64_t> q_pos0;        // default Nk - Nq
+  int64_t k_pos0 = 0;
+  int64_t probe_rows = 64;              // exact rows per head for the probe estimate
+  bool no_estimates = false;
+  bool return_hashes = false;           // put the draws into the metadata
+  std::string out_dtype;                // f32 | f16 | bf16; empty: the inputs' dtype
+  std::string backend = "auto";         // auto | cpu | cuda
+  int64_t threads = 0;                  // CPU threads; 0: all cores
+};
+
+// Where the results go.
+struct OutputCliArgs {
+  std::string out_path;   // .npy, [B, Nq, H, D] (or [Nq, H, D])
+  std::string lse_path;   // optional .npy float32, [B, Nq, H] (or [Nq, H])
+  std::string meta_path;  // optional JSON metadata and estimates
+};
+
+// An integer flag's transform: base 10 only (CLI11 alone would read "010"
+// as octal), with 0x hex allowed for unsigned values (seeds).
+CLI::Validator decimal_integer(bool allow_negative);
+
+// --q --k --v and every attention option. Integers are read in base 10
+// (CLI11 alone would take "010" as octal); --seed also takes 0x hex.
+void add_attention_flags(CLI::App& app, AttentionCliArgs& args);
+// --out (required) --lse --meta.
+void add_output_flags(CLI::App& app, OutputCliArgs& args);
+
+// "0.5,0.25" -> {0.5, 0.25}; INVALID_ARGUMENT naming the bad item.
+StatusOr<std::vector<double>> parse_slopes(const std::string& text);
+
+// Everything the flags alone determine, checked before any file is read;
+// the shape fields are left for apply_shapes().
+StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& args);
+
+// The output and lse directories exist and are writable, so that a long
+// computation is not lost to a typo in --out.
+Status check_output_paths(const OutputCliArgs& args);
+
+struct AttentionInputs {
+  NpyArray q, k, v;
+  bool batched = true;  // the inputs had a batch axis (rank 4); outputs keep the same form
+  AttentionOptions options;
+};
+
+// Fills batch, lengths, heads, kv_heads, head_dim and dtype from the
+// arrays: q [B, Nq, H, D], k and v [B, Nk, Hkv, D] (or all without B), one
+// dtype. Names are what messages call the arrays (their paths).
+Status apply_shapes(const NpyArray& q, const NpyArray& k, const NpyArray& v, const std::string& q_name,
+                    const std::string& k_name, const std::string& v_name, AttentionOptions* options, bool* batched);
+
+// options_from_args + read the three files + apply_shapes.
+StatusOr<AttentionInputs> load_attention_inputs(const AttentionCliArgs& args);
+
+// [B, Nq, H, D] / [B, Nq, H], without B when the inputs had none.
+std::vector<int64_t> output_shape(const AttentionOptions& o, bool batched);
+std::vector<int64_t> lse_shape(const AttentionOptions& o, bool batched);
+
+}  // namespace plsh::cli

@@ -1,0 +1,81 @@
+#include "cli/meta_json.h"
+
+#include <cmath>
+
+namespace plsh::cli {
+
+namespace {
+nlohmann::ordered_json number(double v) { return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); }
+}  // namespace
+
+nlohmann::ordered_json probe_to_json(const ProbeEstimate& p) {
+  return {{"rows", p.rows},
+          {"rel_err", number(p.rel_err)},
+          {"rel_err_stderr", number(p.rel_err_stderr)},
+          {"max_abs_err", number(p.max_abs_err)},
+          {"bound_max", number(p.bound_max)}};
+}
+
+nlohmann::ordered_json head_to_json(const HeadEstimate& h) {
+  nlohmann::ordered_json j = {{"head", h.head},
+                      {"slope", number(h.slope)},
+                      {"sigma", number(h.sigma)},
+                      {"window", h.window == kNoWindow ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(h.window)},
+                      {"max_block", h.max_block},
+                      {"mask_max_err", number(h.mask_max_err)},
+                      {"mask_rows_checked", h.mask_rows_checked},
+                      {"mask_rows_sampled", h.mask_rows_sampled},
+                      {"mask_spectral_err", number(h.mask_spectral_err)},
+                      {"spectral_iterations", h.spectral_iterations},
+                      {"probe", probe_to_json(h.probe)}};
+  if (!h.draws.empty()) {
+    nlohmann::ordered_json draws = nlohmann::ordered_json::array();
+    for (const Draw& d : h.draws) draws.push_back({number(d.pitch), number(d.shift)});
+    j["draws"] = std::move(draws);
+  }
+  return j;
+}
+
+nlohmann::ordered_json result_to_json(const AttentionResult& r) {
+  nlohmann::ordered_json heads = nlohmann::ordered_json::array();
+  for (const HeadEstimate& h : r.heads) heads.push_back(head_to_json(h));
+  nlohmann::ordered_json timings = nlohmann::ordered_json::object();
+  for (const auto& [name, seconds] : r.timings) timings[name] = number(seconds);
+  return {{"format", "plsh-meta/1"},
+          {"mode", mode_name(r.mode)},
+          {"samples", r.samples},
+          {"seed", r.seed},
+          {"backend", r.backend},
+          {"device", r.device},
+          {"lsh_algorithm", lsh_algorithm_name(r.lsh_algorithm)},
+          {"flops", number(r.flops)},
+          {"dense_flops", number(r.dense_flops)},
+          {"timings", std::move(timings)},
+          {"summary",
+           {{"mask_max_err", number(r.mask_max_err)},
+            {"mask_spectral_err", number(r.mask_spectral_err)},
+            {"probe", probe_to_json(r.probe)}}},
+          {"heads", std::move(heads)}};
+}
+
+void add_params_json(const AttentionParams& p, bool batched, nlohmann::ordered_json* meta) {
+  (*meta)["shape"] = {{"batch", p.batch},
+                      {"q_len", p.q_len},
+                      {"kv_len", p.kv_len},
+                      {"heads", p.heads},
+                      {"kv_heads", p.kv_heads},
+                      {"head_dim", p.head_dim},
+                      {"dtype", dtype_name(p.dtype)},
+                      {"out_dtype", dtype_name(p.out_dtype)},
+                      {"batched", batched}};
+  (*meta)["params"] = {{"scale", number(p.scale)},
+                       {"causal", p.causal},
+                       {"q_pos0", p.q_pos0},
+                       {"k_pos0", p.k_pos0},
+                       {"window_eps", number(p.window_eps)},
+                       {"probe_rows", p.probe_rows},
+                       {"mask_row_budget", p.mask_row_budget},
+                       {"estimates", p.estimates}};
+}
+
+}  // namespace plsh::cli

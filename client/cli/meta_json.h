@@ -1,0 +1,39 @@
+// AttentionResult -> JSON: the metadata file of plsh compute (and, through
+// the client library, of plsh attend). Layout, every number in SI units
+// (seconds, FLOPs):
+//
+//   {"format": "plsh-meta/1", "mode", "samples", "seed", "backend", "device",
+//    "lsh_algorithm", "flops", "dense_flops", "timings": {name: seconds},
+//    "summary": {"mask_max_err", "mask_spectral_err", "probe": {...}},
+//    "heads": [{"head", "slope", "sigma", "window", "max_block",
+//               "mask_max_err", "mask_rows_checked", "mask_rows_sampled",
+//               "mask_spectral_err", "spectral_iterations",
+//               "probe": {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max"},
+//               "draws": [[pitch, shift], ...]}],          (draws: only when asked for)
+//    "shape": {...}, "params": {...}}                       (from params_to_json)
+//
+// JSON has no infinity: sigma of a head with slope 0 (+inf), its pitch, and
+// a window of kNoWindow ("every key") are written as null; any other
+// non-finite number (none is expected) is null too. Seeds are uint64 and
+// written as exact integers; doubles are written with 17 significant
+// digits, so they read back bit for bit.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include "plsh/attention.h"
+#include "plsh/params.h"
+
+namespace plsh::cli {
+
+nlohmann::ordered_json probe_to_json(const ProbeEstimate& p);
+nlohmann::ordered_json head_to_json(const HeadEstimate& h);
+nlohmann::ordered_json result_to_json(const AttentionResult& r);
+
+// "shape": {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim",
+// "dtype", "out_dtype", "batched"} and "params": {"scale", "causal",
+// "q_pos0", "k_pos0", "window_eps", "probe_rows", "mask_row_budget",
+// "estimates"}, merged into `meta`. `batched`: the arrays had a batch axis.
+void add_params_json(const AttentionParams& p, bool batched, nlohmann::ordered_json* meta);
+
+}  // namespace plsh::cli

@@ -1,0 +1,363 @@
+// `plsh compute` and `plsh demo` run as subprocesses of the built binary:
+// the output must be the in-process run_attention result bit for bit (same
+// backend, same thread count), the metadata must carry every documented key
+// and the draws of SPEC section 5, and every bad input must end with exit
+// code 2 and one line on stderr that names the problem.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/npy.h"
+#include "cli_test_util.h"
+#include "plsh/attention.h"
+#include "plsh/backend.h"
+#include "plsh/draws.h"
+#include "plsh/numeric.h"
+#include "reference.h"
+
+namespace plsh::cli {
+namespace {
+
+using testing::RunResult;
+using testing::ScratchDir;
+
+constexpr int kThreads = 2;  // the same in both processes, so the outputs can be compared bit for bit
+
+struct Case {
+  const char* name;
+  AttentionOptions options;        // shapes and options; the flags below must say the same
+  bool batched;                    // rank-4 files, or rank 3 (batch 1)
+  std::vector<std::string> flags;  // besides --q --k --v --out --lse --meta --backend --threads
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> c;
+  {
+    Case e{"exact_gqa_causal", {}, true, {"--mode", "exact", "--causal"}};
+    e.options.batch = 2;
+    e.options.q_len = 33;
+    e.options.kv_len = 40;
+    e.options.heads = 4;
+    e.options.kv_heads = 2;
+    e.options.head_dim = 16;
+    e.options.mode = Mode::kExact;
+    e.options.causal = true;
+    c.push_back(e);
+  }
+  {
+    // A seed above 2^63 checks that uint64 seeds survive the flag and the JSON.
+    Case l{"lsh_gqa_causal_hashes",
+           {},
+           true,
+           {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-hashes"}};
+    l.options.batch = 2;
+    l.options.q_len = l.options.kv_len = 48;
+    l.options.heads = 4;
+    l.options.kv_heads = 1;
+    l.options.head_dim = 8;
+    l.options.mode = Mode::kLsh;
+    l.options.samples = 8;
+    l.options.seed = 12345678901234567890ULL;
+    l.options.causal = true;
+    l.options.return_draws = true;
+    c.push_back(l);
+  }
+  {
+    // Rank 3, float16, a zero slope (sigma = inf), offsets, a window.
+    Case w{"window_rank3_f16_offsets",
+           {},
+           false,
+           {"--mode", "window", "--window-eps", "1e-3", "--slopes", "0.5,0.25,0,0.125", "--q-pos0", "100",
+            "--k-pos0", "90", "--probe-rows", "5"}};
+    w.options.q_len = 20;
+    w.options.kv_len = 37;
+    w.options.heads = 4;
+    w.options.head_dim = 8;
+    w.options.dtype = DType::kF16;
+    w.options.mode = Mode::kWindow;
+    w.options.window_eps = 1e-3;
+    w.options.slopes = {0.5, 0.25, 0, 0.125};
+    w.options.q_pos0 = 100;
+    w.options.k_pos0 = 90;
+    w.options.probe_rows = 5;
+    c.push_back(w);
+  }
+  {
+    Case p{"lsh_per_sample_f16_to_f32",
+           {},
+           true,
+           {"--mode", "lsh", "--samples", "3", "--seed", "7", "--lsh-algorithm", "per_sample", "--scale", "0.3",
+            "--out-dtype", "f32", "--return-hashes"}};
+    p.options.batch = 1;
+    p.options.q_len = 17;
+    p.options.kv_len = 29;
+    p.options.heads = 2;
+    p.options.head_dim = 12;
+    p.options.dtype = DType::kF16;
+    p.options.out_dtype = DType::kF32;
+    p.options.mode = Mode::kLsh;
+    p.options.samples = 3;
+    p.options.seed = 7;
+    p.options.lsh_algorithm = LshAlgorithm::kPerSample;
+    p.options.scale = 0.3;
+    p.options.return_draws = true;
+    c.push_back(p);
+  }
+  return c;
+}
+
+std::vector<int64_t> shape_of(const AttentionOptions& o, bool batched, int64_t rows, int64_t heads, bool with_dim) {
+  std::vector<int64_t> s;
+  if (batched) s.push_back(o.batch);
+  s.push_back(rows);
+  s.push_back(heads);
+  if (with_dim) s.push_back(o.head_dim);
+  return s;
+}
+
+NpyArray read_ok(const std::string& path) {
+  auto a = read_npy(path);
+  EXPECT_TRUE(a.ok()) << a.status().to_string();
+  return a.ok() ? std::move(a).value() : NpyArray{};
+}
+
+void expect_keys(const nlohmann::json& j, const std::vector<const char*>& keys, const std::string& where) {
+  for (const char* k : keys) EXPECT_TRUE(j.contains(k)) << where << " lacks \"" << k << "\"";
+}
+
+class Compute : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
+  const Case& c = GetParam();
+  ScratchDir dir;
+  const AttentionOptions& o = c.options;
+  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const plsh::testing::RandomTensors t = plsh::testing::random_qkv(o, 1234);
+  ASSERT_TRUE(write_npy(dir.path("q.npy"), o.dtype, shape_of(o, c.batched, o.q_len, o.heads, true), t.q.data()).ok());
+  ASSERT_TRUE(write_npy(dir.path("k.npy"), o.dtype, shape_of(o, c.batched, o.kv_len, kv_heads, true), t.k.data()).ok());
+  ASSERT_TRUE(write_npy(dir.path("v.npy"), o.dtype, shape_of(o, c.batched, o.kv_len, kv_heads, true), t.v.data()).ok());
+
+  std::vector<std::string> args = {"compute", "--q", dir.path("q.npy"), "--k", dir.path("k.npy"), "--v",
+                                   dir.path("v.npy"), "--out", dir.path("o.npy"), "--lse", dir.path("lse.npy"),
+                                   "--meta", dir.path("meta.json"), "--backend", "cpu", "--threads",
+                                   std::to_string(kThreads)};
+  args.insert(args.end(), c.flags.begin(), c.flags.end());
+  const RunResult run = testing::run_plsh(args, dir);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.err, "");
+
+  // The same request in this process.
+  std::vector<uint8_t> out = plsh::testing::output_buffer(o);
+  std::vector<float> lse(static_cast<size_t>(o.batch * o.q_len * o.heads));
+  TensorRefs refs;
+  refs.q = t.q.data();
+  refs.k = t.k.data();
+  refs.v = t.v.data();
+  refs.out = out.data();
+  refs.lse = lse.data();
+  auto params = make_params(o, refs);
+  ASSERT_TRUE(params.ok()) << params.status().to_string();
+  auto backend = BackendRegistry::global().select("cpu", *params);
+  ASSERT_TRUE(backend.ok()) << backend.status().to_string();
+  ExecContext ctx;
+  ctx.threads = kThreads;
+  auto expected = run_attention(**backend, *params, ctx);
+  ASSERT_TRUE(expected.ok()) << expected.status().to_string();
+
+  const NpyArray got_out = read_ok(dir.path("o.npy"));
+  EXPECT_EQ(got_out.dtype, o.out_dtype.value_or(o.dtype));
+  EXPECT_EQ(got_out.shape, shape_of(o, c.batched, o.q_len, o.heads, true));
+  EXPECT_TRUE(got_out.data == out) << "output differs from the in-process run";
+  const NpyArray got_lse = read_ok(dir.path("lse.npy"));
+  EXPECT_EQ(got_lse.dtype, DType::kF32);
+  EXPECT_EQ(got_lse.shape, shape_of(o, c.batched, o.q_len, o.heads, false));
+  EXPECT_EQ(got_lse.data.size(), lse.size() * sizeof(float));
+  EXPECT_EQ(std::memcmp(got_lse.data.data(), lse.data(), std::min(got_lse.data.size(), lse.size() * sizeof(float))), 0)
+      << "lse differs from the in-process run";
+
+  const nlohmann::json meta = nlohmann::json::parse(testing::read_file(dir.path("meta.json")));
+  expect_keys(meta, {"mode", "samples", "seed", "heads", "flops", "dense_flops", "timings", "backend", "device",
+                     "lsh_algorithm", "summary", "shape", "params"},
+              "META");
+  expect_keys(meta["timings"], {"compute", "load", "save"}, "timings");
+  expect_keys(meta["summary"], {"mask_max_err", "mask_spectral_err", "probe"}, "summary");
+  expect_keys(meta["shape"], {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "dtype", "out_dtype"}, "shape");
+  EXPECT_EQ(meta["mode"], mode_name(o.mode));
+  EXPECT_EQ(meta["seed"].get<uint64_t>(), expected->seed);
+  EXPECT_EQ(meta["samples"].get<int64_t>(), expected->samples);
+  EXPECT_EQ(meta["backend"], "cpu");
+  EXPECT_EQ(meta["flops"].get<double>(), expected->flops);
+  EXPECT_EQ(meta["dense_flops"].get<double>(), expected->dense_flops);
+  EXPECT_EQ(meta["lsh_algorithm"], lsh_algorithm_name(expected->lsh_algorithm));
+  EXPECT_EQ(meta["shape"]["kv_heads"].get<int64_t>(), kv_heads);
+  EXPECT_EQ(meta["shape"]["batched"].get<bool>(), c.batched);
+
+  ASSERT_EQ(meta["heads"].size(), expected->heads.size());
+  if (o.mode != Mode::kExact) ASSERT_EQ(static_cast<int64_t>(expected->heads.size()), o.heads);
+  for (size_t h = 0; h < expected->heads.size(); ++h) {
+    const nlohmann::json& jh = meta["heads"][h];
+    const HeadEstimate& eh = expected->heads[h];
+    const std::string where = "heads[" + std::to_string(h) + "]";
+    expect_keys(jh, {"head", "slope", "sigma", "window", "max_block", "mask_max_err", "mask_rows_checked",
+                     "mask_rows_sampled", "mask_spectral_err", "spectral_iterations", "probe"},
+                where);
+    expect_keys(jh["probe"], {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max"}, where + ".probe");
+    EXPECT_EQ(jh["head"].get<int64_t>(), eh.head);
+    if (std::isfinite(eh.sigma)) {
+      EXPECT_EQ(jh["sigma"].get<double>(), eh.sigma) << where;
+    } else {
+      EXPECT_TRUE(jh["sigma"].is_null()) << where;
+    }
+    EXPECT_EQ(jh["max_block"].get<int64_t>(), eh.max_block) << where;
+    EXPECT_EQ(jh["mask_max_err"].get<double>(), eh.mask_max_err) << where;
+    EXPECT_EQ(jh["probe"]["rows"].get<int64_t>(), eh.probe.rows) << where;
+
+    // The draws are SPEC section 5's, recomputable from (seed, head, sigma).
+    ASSERT_EQ(jh.contains("draws"), o.return_draws) << where;
+    if (!o.return_draws) continue;
+    const std::vector<Draw> draws = draw_hashes(o.seed, static_cast<int64_t>(h), params->sigma(static_cast<int64_t>(h)), o.samples);
+    ASSERT_EQ(jh["draws"].size(), draws.size()) << where;
+    for (size_t k = 0; k < draws.size(); ++k) {
+      EXPECT_EQ(jh["draws"][k][0].get<double>(), draws[k].pitch) << where << " draw " << k;
+      EXPECT_EQ(jh["draws"][k][1].get<double>(), draws[k].shift) << where << " draw " << k;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Compute, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// Inputs for the bad-input table: q [1, 8, 4, 4] and k, v [1, 8, 2, 4].
+struct BadInputs {
+  ScratchDir dir;
+  BadInputs() {
+    const std::vector<float> q(1 * 8 * 4 * 4, 0.5f), kv(1 * 8 * 2 * 4, 0.25f);
+    write(DType::kF32, "q.npy", {1, 8, 4, 4}, q.data());
+    write(DType::kF32, "k.npy", {1, 8, 2, 4}, kv.data());
+    write(DType::kF32, "v.npy", {1, 8, 2, 4}, kv.data());
+    write(DType::kF32, "v_short.npy", {1, 7, 2, 4}, kv.data());
+    write(DType::kF32, "k3.npy", {1, 8, 3, 4}, std::vector<float>(1 * 8 * 3 * 4, 0.25f).data());
+    write(DType::kF32, "q_rank2.npy", {8, 16}, q.data());
+    std::vector<float> q_nan = q;
+    q_nan[(3 * 4 + 1) * 4 + 2] = std::numeric_limits<float>::quiet_NaN();  // [b=0, n=3, h=1, d=2]
+    write(DType::kF32, "q_nan.npy", {1, 8, 4, 4}, q_nan.data());
+
+    const std::string good = testing::read_file(dir.path("q.npy"));
+    testing::write_file(dir.path("q_truncated.npy"), good.substr(0, good.size() - 5));
+    std::string fortran = good;
+    fortran.replace(fortran.find("False"), 5, "True ");
+    testing::write_file(dir.path("q_fortran.npy"), fortran);
+    std::string f64 = good;
+    f64.replace(f64.find("<f4"), 3, "<f8");
+    f64 += std::string(q.size() * 4, '\0');
+    testing::write_file(dir.path("q_f64.npy"), f64);
+  }
+  void write(DType t, const char* name, const std::vector<int64_t>& shape, const void* data) {
+    ASSERT_TRUE(write_npy(dir.path(name), t, shape, data).ok());
+  }
+  std::vector<std::string> args(const std::string& q, const std::string& k, const std::string& v) const {
+    return {"compute", "--q", dir.path(q), "--k", dir.path(k), "--v", dir.path(v), "--out", dir.path("o.npy")};
+  }
+};
+
+struct BadCase {
+  const char* what;
+  std::vector<std::string> args;
+  int exit_code;
+  std::string expected;  // in the one stderr line
+};
+
+TEST(ComputeErrors, EachBadInputExitsWithOneLineNamingTheProblem) {
+  BadInputs in;
+  auto with = [&](std::vector<std::string> base, std::vector<std::string> extra) {
+    base.insert(base.end(), extra.begin(), extra.end());
+    return base;
+  };
+  const auto plain = in.args("q.npy", "k.npy", "v.npy");
+  std::vector<BadCase> cases = {
+      {"missing file", in.args("nope.npy", "k.npy", "v.npy"), 2, "nope.npy: no such file"},
+      {"wrong dtype", in.args("q_f64.npy", "k.npy", "v.npy"), 2, "q_f64.npy: dtype '<f8', expected '<f4'"},
+      {"mismatched shapes", in.args("q.npy", "k.npy", "v_short.npy"), 2,
+       "v_short.npy: shape [1, 7, 2, 4], expected the shape of k [1, 8, 2, 4]"},
+      {"H % Hkv != 0", in.args("q.npy", "k3.npy", "k3.npy"), 2,
+       "INVALID_ARGUMENT: kv_heads = 3, expected a divisor of heads = 4"},
+      {"rank 2", in.args("q_rank2.npy", "k.npy", "v.npy"), 2, "has rank 2"},
+      {"bad mode", with(plain, {"--mode", "fast"}), 2, "mode = 'fast', expected exact, lsh or window"},
+      {"samples 0", with(plain, {"--samples", "0"}), 2, "samples = 0, expected in [1, "},
+      {"negative slope", with(plain, {"--slopes", "0.5,-0.5,0.1,0.1"}), 2, "slopes[1] = -0.5, expected a finite number >= 0"},
+      {"wrong slope count", with(plain, {"--slopes", "0.5,0.25"}), 2, "slopes = 2 values, expected one per query head (4)"},
+      {"slope not a number", with(plain, {"--slopes", "0.5,x,1,1"}), 2, "('x') is not a number"},
+      {"NaN in q", in.args("q_nan.npy", "k.npy", "v.npy"), 2, "q has a non-finite value (nan) at [b=0, n=3, h=1, d=2]"},
+      {"fortran order", in.args("q_fortran.npy", "k.npy", "v.npy"), 2, "q_fortran.npy: fortran_order = True"},
+      {"truncated file", in.args("q_truncated.npy", "k.npy", "v.npy"), 2, "q_truncated.npy: truncated"},
+      {"causal with no key", with(plain, {"--causal", "--q-pos0", "-1"}), 2, "q_pos0 = -1, expected >= k_pos0 = 0"},
+      {"bad window eps", with(plain, {"--mode", "window", "--window-eps", "2"}), 2, "window_eps = 2"},
+      {"negative probe rows", with(plain, {"--probe-rows", "-3"}), 2, "probe_rows = -3"},
+      {"samples not a number", with(plain, {"--samples", "many"}), 2, "--samples: 'many' is not a decimal integer"},
+      {"unknown flag", with(plain, {"--bogus"}), 2, "--bogus"},
+      {"no --out", {"compute", "--q", in.dir.path("q.npy"), "--k", in.dir.path("k.npy"), "--v", in.dir.path("v.npy")},
+       2, "--out is required"},
+      {"out directory missing", with(in.args("q.npy", "k.npy", "v.npy"), {"--lse", in.dir.path("no/such/dir/l.npy")}),
+       2, "directory '" + in.dir.path("no/such/dir") + "' does not exist"},
+      {"bad backend", with(plain, {"--backend", "tpu"}), 2, "backend = 'tpu', expected auto, cpu or cuda"},
+  };
+  if (!BackendRegistry::global().find("cuda").ok()) {
+    // Not a usage error: the flag is fine, this machine cannot do it.
+    cases.push_back({"cuda not available", with(plain, {"--backend", "cuda"}), 1, "backend = 'cuda' is not available"});
+  }
+  for (const BadCase& c : cases) {
+    std::remove(in.dir.path("o.npy").c_str());
+    const RunResult r = testing::run_plsh(c.args, in.dir);
+    EXPECT_EQ(r.exit_code, c.exit_code) << c.what << ": " << r.err;
+    EXPECT_EQ(r.out, "") << c.what;
+    ASSERT_FALSE(r.err.empty()) << c.what;
+    EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << c.what << ": not one line: " << r.err;
+    EXPECT_EQ(r.err.rfind("plsh compute: ", 0), 0u) << c.what << ": " << r.err;
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.what << ": " << r.err;
+    EXPECT_FALSE(testing::file_exists(in.dir.path("o.npy"))) << c.what << ": wrote an output anyway";
+  }
+}
+
+TEST(Cli, HelpListsSubcommandsAndUnknownOnesFail) {
+  ScratchDir dir;
+  const RunResult help = testing::run_plsh({"--help"}, dir);
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.out.find("compute"), std::string::npos) << help.out;
+  EXPECT_NE(help.out.find("demo"), std::string::npos) << help.out;
+  const RunResult unknown = testing::run_plsh({"frobnicate"}, dir);
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_EQ(unknown.err, "plsh: unknown subcommand 'frobnicate', expected one of: compute, demo\n");
+  const RunResult none = testing::run_plsh({}, dir);
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_EQ(none.err.find('\n'), none.err.size() - 1) << none.err;
+}
+
+TEST(Demo, PrintsOneRowPerModeWithExactAsItsOwnReference) {
+  ScratchDir dir;
+  const RunResult r = testing::run_plsh(
+      {"demo", "--n", "96", "--heads", "2", "--head-dim", "8", "--samples", "4", "--threads", "2", "--per-head"}, dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  for (const char* row : {"\nexact ", "\nwindow ", "\nlsh "})
+    EXPECT_NE(r.out.find(row), std::string::npos) << "no row '" << row + 1 << "' in:\n" << r.out;
+  // exact against itself: relative error exactly 0.
+  const size_t exact = r.out.find("\nexact ");
+  ASSERT_NE(exact, std::string::npos);
+  EXPECT_NE(r.out.substr(exact, r.out.find('\n', exact + 1) - exact).find("0.00e+00"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("lsh, per head:"), std::string::npos) << r.out;
+
+  const RunResult bad = testing::run_plsh({"demo", "--head-dim", "5000"}, dir);
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_EQ(bad.err, "plsh demo: INVALID_ARGUMENT: head_dim = 5000, expected in [1, 1024]\n");
+}
+
+}  // namespace
+}  // namespace plsh::cli

@@ -1,0 +1,132 @@
+// The shared attention flags: parsing, and the checks that turn arrays and
+// flags into AttentionOptions with messages naming what is wrong.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cli/flags.h"
+
+namespace plsh::cli {
+namespace {
+
+NpyArray array(std::vector<int64_t> shape, DType t = DType::kF32) {
+  NpyArray a;
+  a.dtype = t;
+  a.shape = std::move(shape);
+  a.data.resize(static_cast<size_t>(a.elements()) * dtype_bytes(t));
+  return a;
+}
+
+// Parses a command line against the attention flags.
+AttentionCliArgs parse(std::vector<std::string> argv) {
+  CLI::App app;
+  AttentionCliArgs args;
+  add_attention_flags(app, args);
+  argv.insert(argv.begin(), {"--q", "q", "--k", "k", "--v", "v"});
+  std::reverse(argv.begin(), argv.end());  // CLI11 takes a vector in reverse order
+  app.parse(argv);
+  return args;
+}
+
+TEST(Flags, IntegersAreDecimalAndSeedsTakeHex) {
+  EXPECT_EQ(parse({"--samples", "010"}).samples, 10);
+  EXPECT_EQ(parse({"--seed", "18446744073709551615"}).seed, 18446744073709551615ULL);
+  EXPECT_EQ(parse({"--seed", "0x10"}).seed, 16u);
+  EXPECT_EQ(parse({"--q-pos0", "-5"}).q_pos0, -5);
+  EXPECT_THROW(parse({"--seed", "-1"}), CLI::ValidationError);
+  EXPECT_THROW(parse({"--samples", "1e3"}), CLI::ValidationError);
+  EXPECT_THROW(parse({"--samples", "0x10"}), CLI::ValidationError);
+}
+
+TEST(Flags, OptionsFromArgs) {
+  AttentionCliArgs a = parse({"--mode", "window", "--slopes", "0.5,0.25", "--scale", "0.125", "--causal",
+                              "--no-estimates", "--return-hashes", "--lsh-algorithm", "per_sample"});
+  auto o = options_from_args(a);
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  EXPECT_EQ(o->mode, Mode::kWindow);
+  EXPECT_EQ(o->slopes, (std::vector<double>{0.5, 0.25}));
+  EXPECT_EQ(o->scale, 0.125);
+  EXPECT_TRUE(o->causal);
+  EXPECT_FALSE(o->estimates);
+  EXPECT_TRUE(o->return_draws);
+  EXPECT_EQ(o->lsh_algorithm, LshAlgorithm::kPerSample);
+  EXPECT_FALSE(o->q_pos0.has_value());
+
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--mode", "fast"}, "mode = 'fast'"},
+      {{"--lsh-algorithm", "x"}, "lsh_algorithm = 'x'"},
+      {{"--slopes", "0.5,,1"}, "item 1"},
+      {{"--slopes", "0.5,abc"}, "('abc') is not a number"},
+      {{"--out-dtype", "f64"}, "dtype = 'f64'"},
+      {{"--out-dtype", "bf16"}, "--bf16-bits"},
+      {{"--backend", "tpu"}, "backend = 'tpu'"},
+      {{"--threads", "-1"}, "threads = -1"},
+  };
+  for (const auto& [argv, expected] : bad) {
+    auto r = options_from_args(parse(argv));
+    ASSERT_FALSE(r.ok()) << argv[0];
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(expected), std::string::npos) << r.status().message();
+  }
+}
+
+TEST(Flags, ShapesFromArrays) {
+  AttentionOptions o;
+  bool batched = false;
+  ASSERT_TRUE(apply_shapes(array({2, 5, 8, 16}), array({2, 7, 2, 16}), array({2, 7, 2, 16}), "q", "k", "v", &o, &batched).ok());
+  EXPECT_TRUE(batched);
+  EXPECT_EQ(o.batch, 2);
+  EXPECT_EQ(o.q_len, 5);
+  EXPECT_EQ(o.kv_len, 7);
+  EXPECT_EQ(o.heads, 8);
+  EXPECT_EQ(o.kv_heads, 2);
+  EXPECT_EQ(o.head_dim, 16);
+  EXPECT_EQ(output_shape(o, batched), (std::vector<int64_t>{2, 5, 8, 16}));
+  EXPECT_EQ(lse_shape(o, batched), (std::vector<int64_t>{2, 5, 8}));
+
+  ASSERT_TRUE(apply_shapes(array({5, 4, 8}, DType::kF16), array({6, 4, 8}, DType::kF16), array({6, 4, 8}, DType::kF16),
+                           "q", "k", "v", &o, &batched)
+                  .ok());
+  EXPECT_FALSE(batched);
+  EXPECT_EQ(o.batch, 1);
+  EXPECT_EQ(o.dtype, DType::kF16);
+  EXPECT_EQ(output_shape(o, batched), (std::vector<int64_t>{5, 4, 8}));
+  EXPECT_EQ(lse_shape(o, batched), (std::vector<int64_t>{5, 4}));
+
+  struct Bad {
+    NpyArray q, k, v;
+    std::string expected;
+  };
+  const std::vector<Bad> bad = {
+      {array({5, 8}), array({5, 8}), array({5, 8}), "q: shape [5, 8] has rank 2"},
+      {array({1, 5, 4, 8}), array({5, 4, 8}), array({5, 4, 8}), "k: shape [5, 4, 8], expected rank 4"},
+      {array({5, 4, 8}), array({5, 4, 8}), array({6, 4, 8}), "v: shape [6, 4, 8], expected the shape of k [5, 4, 8]"},
+      {array({2, 5, 4, 8}), array({3, 5, 4, 8}), array({3, 5, 4, 8}), "k: batch = 3"},
+      {array({5, 4, 8}), array({5, 4, 16}), array({5, 4, 16}), "k: head_dim = 16"},
+      {array({5, 4, 8}), array({5, 4, 8}, DType::kF16), array({5, 4, 8}, DType::kF16), "k: dtype f16"},
+      {array({5, 4, 8}), array({5, 4, 8}), array({5, 4, 8}, DType::kF16), "v: dtype f16"},
+      {array({5, 4, 8}), array({5, 0, 8}), array({5, 0, 8}), "kv_heads = 0"},
+  };
+  for (const Bad& b : bad) {
+    Status s = apply_shapes(b.q, b.k, b.v, "q", "k", "v", &o, &batched);
+    ASSERT_FALSE(s.ok()) << b.expected;
+    EXPECT_NE(s.message().find(b.expected), std::string::npos) << s.message();
+  }
+}
+
+TEST(Flags, OutputPathsAreCheckedBeforeComputing) {
+  OutputCliArgs a;
+  a.out_path = "/nonexistent-dir/o.npy";
+  Status s = check_output_paths(a);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'/nonexistent-dir' does not exist"), std::string::npos) << s.message();
+  a.out_path = "o.npy";  // the working directory
+  a.lse_path = ::testing::TempDir();
+  s = check_output_paths(a);
+  EXPECT_NE(s.message().find("lse = '" + a.lse_path + "' is a directory"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace plsh::cli

@@ -1,0 +1,76 @@
+// The metadata JSON: legal JSON for every value (no inf/nan literals),
+// uint64 seeds and doubles that read back exactly.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/meta_json.h"
+
+namespace plsh::cli {
+namespace {
+
+TEST(MetaJson, NonFiniteValuesAreNullAndEverythingRoundTrips) {
+  AttentionResult r;
+  r.backend = "cpu";
+  r.device = "test";
+  r.mode = Mode::kLsh;
+  r.lsh_algorithm = LshAlgorithm::kBanded;
+  r.samples = 3;
+  r.seed = std::numeric_limits<uint64_t>::max();
+  r.flops = 1.0 / 3.0;
+  r.dense_flops = 12345678901234567.0;
+  r.timings["compute"] = 0.1;
+  HeadEstimate finite;
+  finite.head = 0;
+  finite.slope = 0.0625;
+  finite.sigma = 16;
+  finite.max_block = 40;
+  finite.mask_max_err = 0.1 + 0.2;  // not representable in a short decimal
+  finite.probe.rows = 64;
+  finite.probe.bound_max = std::numeric_limits<double>::infinity();
+  finite.draws = {{17.25, 3.0000000000000004}, {1e-300, 5e-324}};
+  HeadEstimate flat;  // slope 0: sigma = +inf, one block spanning everything
+  flat.head = 1;
+  flat.slope = 0;
+  flat.sigma = std::numeric_limits<double>::infinity();
+  flat.window = kNoWindow;
+  flat.draws = {{std::numeric_limits<double>::infinity(), 0.0}};
+  r.heads = {finite, flat};
+
+  const std::string text = result_to_json(r).dump(2);
+  EXPECT_EQ(text.find("inf"), std::string::npos) << text;
+  EXPECT_EQ(text.find("nan"), std::string::npos) << text;
+  const nlohmann::json j = nlohmann::json::parse(text);  // throws on anything illegal
+
+  EXPECT_EQ(j["seed"].get<uint64_t>(), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(j["mode"], "lsh");
+  EXPECT_EQ(j["lsh_algorithm"], "banded");
+  EXPECT_EQ(j["flops"].get<double>(), 1.0 / 3.0);
+  EXPECT_EQ(j["dense_flops"].get<double>(), 12345678901234567.0);
+  const auto& h0 = j["heads"][0];
+  EXPECT_EQ(h0["mask_max_err"].get<double>(), 0.1 + 0.2);
+  EXPECT_TRUE(h0["probe"]["bound_max"].is_null());
+  EXPECT_EQ(h0["draws"][0][1].get<double>(), 3.0000000000000004);
+  EXPECT_EQ(h0["draws"][1][0].get<double>(), 1e-300);
+  EXPECT_EQ(h0["draws"][1][1].get<double>(), 5e-324);
+  const auto& h1 = j["heads"][1];
+  EXPECT_TRUE(h1["sigma"].is_null());
+  EXPECT_TRUE(h1["window"].is_null());
+  EXPECT_TRUE(h1["draws"][0][0].is_null());
+  EXPECT_EQ(h1["slope"].get<double>(), 0.0);
+}
+
+TEST(MetaJson, DrawsOnlyWhenPresent) {
+  AttentionResult r;
+  r.heads.resize(1);
+  const nlohmann::json j = nlohmann::json::parse(result_to_json(r).dump());
+  EXPECT_FALSE(j["heads"][0].contains("draws"));
+  EXPECT_TRUE(j["heads"][0].contains("probe"));
+  EXPECT_TRUE(j["summary"]["probe"].contains("rel_err_stderr"));
+}
+
+}  // namespace
+}  // namespace plsh::cli

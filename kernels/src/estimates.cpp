@@ -135,8 +135,7 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
 
   const size_t s = m.draws.size();
   const double inv_s = 1.0 / static_cast<double>(s);
-  std::vector<int64_t> begins(s), ends(s), sorted_begins(s), sorted_ends(s), candidates;
-  candidates.reserve(4 * s + 3);
+  std::vector<int64_t> begins(s), ends(s), sorted_begins(s), sorted_ends(s);
   bool first = true;
   for (size_t n = 0; n < rows.size(); ++n) {
     if (n % 1024 == 0 && stop_requested(ctx)) {
@@ -159,26 +158,26 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
     sorted_ends = ends;
     std::sort(sorted_begins.begin(), sorted_begins.end());
     std::sort(sorted_ends.begin(), sorted_ends.end());
-    // M~ is constant between consecutive block edges and L* is monotone on
-    // each side of pos, so |L* - M~| peaks at a piece's first or last key.
-    candidates.clear();
-    auto add = [&](int64_t x) { candidates.push_back(std::clamp(x, k_lo, k_hi)); };
-    add(k_lo);
-    add(k_hi);
-    add(pos);
-    for (size_t k = 0; k < s; ++k) {
-      add(begins[k]);
-      if (begins[k] > k_lo) add(begins[k] - 1);
-      add(ends[k] - 1);
-      if (ends[k] <= k_hi) add(ends[k]);
+    // M~ is a step function of the key position x: left of pos it is k/s on
+    // [begin_(k), begin_(k+1) - 1] (the sorted block starts), right of pos
+    // (s - k)/s on [end_(k), end_(k+1) - 1]. L* is monotone on each side, so
+    // |L* - M~| peaks at a piece's first or last allowed key.
+    auto piece = [&](int64_t lo, int64_t hi, double mask) {
+      lo = std::max(lo, k_lo);
+      hi = std::min(hi, k_hi);
+      if (lo > hi) return;
+      out.value = std::max({out.value, std::fabs(decay(std::llabs(pos - lo), m.sigma) - mask),
+                            std::fabs(decay(std::llabs(pos - hi), m.sigma) - mask)});
+    };
+    for (size_t k = 0; k <= s; ++k) {
+      const int64_t lo = k == 0 ? INT64_MIN : sorted_begins[k - 1];
+      const int64_t hi = k == s ? pos : sorted_begins[k] - 1;
+      piece(lo, hi, static_cast<double>(k) * inv_s);
     }
-    for (const int64_t x : candidates) {
-      // Hashes whose block holds x: begin <= x < end (every block holds pos).
-      const auto opened = std::upper_bound(sorted_begins.begin(), sorted_begins.end(), x) - sorted_begins.begin();
-      const auto closed = std::upper_bound(sorted_ends.begin(), sorted_ends.end(), x) - sorted_ends.begin();
-      const double mask = static_cast<double>(opened - closed) * inv_s;
-      const double lstar = decay(std::llabs(pos - x), m.sigma);
-      out.value = std::max(out.value, std::fabs(lstar - mask));
+    for (size_t k = 0; k <= s; ++k) {
+      const int64_t lo = k == 0 ? pos : sorted_ends[k - 1];
+      const int64_t hi = k == s ? INT64_MAX : sorted_ends[k] - 1;
+      piece(lo, hi, static_cast<double>(s - k) * inv_s);
     }
   }
   return out;
@@ -258,9 +257,10 @@ ProbeEstimate summarize_probe(const std::vector<ProbeStats>& heads) {
   return e;
 }
 
-void estimate_head(const AttentionParams& p, const PositionRange& range, int64_t h, const ExecContext& ctx,
-                   HeadEstimate* he, ProbeStats* probe) {
-  HeadMask m = head_mask(p, h);
+// The head's description and its mask estimates; the probe runs later, in
+// tasks that spread each head's rows over the threads.
+void estimate_head_masks(const AttentionParams& p, const PositionRange& range, int64_t h, const HeadMask& m,
+                         const ExecContext& ctx, HeadEstimate* he) {
   he->head = h;
   he->slope = p.slopes[static_cast<size_t>(h)];
   he->sigma = m.sigma;
@@ -280,24 +280,22 @@ void estimate_head(const AttentionParams& p, const PositionRange& range, int64_t
   const SpectralError spectral = mask_spectral_error(m, range, head_seed(p.seed, h, kSpectralSalt), 100, 1e-4, &ctx);
   he->mask_spectral_err = spectral.value;
   he->spectral_iterations = spectral.iterations;
-  if (spectral.stopped || probe == nullptr) return;
+}
 
-  const int64_t population = p.batch * p.q_len;
-  const std::vector<int64_t> rows = sample_indices(population, p.probe_rows, head_seed(p.seed, h, kProbeSalt));
-  probe->population = population;
-  for (const int64_t row : rows) {
-    if (stop_requested(&ctx)) return;
-    const ProbeRow pr = probe_row(p, m, h, row / p.q_len, row % p.q_len);
-    ++probe->rows;
-    probe->se += pr.err2;
-    probe->sn += pr.ref2;
-    probe->see += pr.err2 * pr.err2;
-    probe->snn += pr.ref2 * pr.ref2;
-    probe->sen += pr.err2 * pr.ref2;
-    probe->max_abs = std::max(probe->max_abs, pr.max_abs);
-    probe->bound_max = std::max(probe->bound_max, pr.bound);
+ProbeStats probe_stats(const std::vector<ProbeRow>& rows, int64_t population) {
+  ProbeStats st;
+  st.population = population;
+  for (const ProbeRow& pr : rows) {
+    ++st.rows;
+    st.se += pr.err2;
+    st.sn += pr.ref2;
+    st.see += pr.err2 * pr.err2;
+    st.snn += pr.ref2 * pr.ref2;
+    st.sen += pr.err2 * pr.ref2;
+    st.max_abs = std::max(st.max_abs, pr.max_abs);
+    st.bound_max = std::max(st.bound_max, pr.bound);
   }
-  he->probe = summarize_probe({*probe});
+  return st;
 }
 
 }  // namespace
@@ -505,90 +503,154 @@ SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uin
   return out;
 }
 
-ProbeRow probe_row(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, int64_t i) {
-  ProbeRow row;
+void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, const std::vector<int64_t>& rows,
+                ProbeRow* out) {
+  const int64_t R = static_cast<int64_t>(rows.size());
+  if (R == 0) return;
   const int64_t D = p.head_dim;
   const int64_t hk = h / p.head_group;
-  const int64_t pos = p.q_pos0 + i;
-  const int64_t keys = p.causal ? std::min(p.kv_len, pos - p.k_pos0 + 1) : p.kv_len;  // allowed: [0, keys)
-  if (keys <= 0) return row;  // no key at all: validation rules this out for causal requests
+  const size_t s = m.draws.size();
+  const double inv_s = m.mode == Mode::kLsh ? 1.0 / static_cast<double>(s) : 0.0;
 
+  // Per row: online maxima (flash-attention style) for the exact weights
+  // exp(logit - |d| / sigma) and for the bound's a_ij = exp(logit), so that
+  // nothing overflows or vanishes whatever the logits, and the hash blocks
+  // around the row's position for M~.
+  struct RowState {
+    int64_t pos = 0, keys = 0;  // allowed keys: rows [0, keys)
+    double max_e = -kInf, sum_e = 0;
+    double max_a = -kInf, bound_num = 0, bound_den = 0, max_v2 = 0;
+    std::vector<int64_t> begins, ends;  // sorted
+    size_t opened = 0, closed = 0;      // begins / ends at or before the current key
+  };
+  std::vector<RowState> st(static_cast<size_t>(R));
+  int64_t max_keys = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    RowState& row = st[static_cast<size_t>(r)];
+    row.pos = p.q_pos0 + rows[static_cast<size_t>(r)];
+    row.keys = p.causal ? std::clamp<int64_t>(row.pos - p.k_pos0 + 1, 0, p.kv_len) : p.kv_len;
+    max_keys = std::max(max_keys, row.keys);
+    if (m.mode == Mode::kLsh) {
+      for (const Draw& d : m.draws) {
+        row.begins.push_back(block_begin(row.pos, d));
+        row.ends.push_back(block_end(row.pos, d));
+      }
+      std::sort(row.begins.begin(), row.begins.end());
+      std::sort(row.ends.begin(), row.ends.end());
+    }
+  }
+
+  // Keys in tiles converted to double once for all R rows; the products run
+  // with the row index innermost (q transposed) and the head dimension
+  // innermost, so both vectorise without reassociating a sum.
+  constexpr int64_t kTile = 128;
   std::vector<float> buf(static_cast<size_t>(D));
-  std::vector<double> q(static_cast<size_t>(D)), exact(static_cast<size_t>(D), 0.0);
-  load_row(p.q, p.dtype, b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride, D, buf.data());
-  for (int64_t d = 0; d < D; ++d) q[static_cast<size_t>(d)] = buf[static_cast<size_t>(d)];
-
-  // Content logits scale q.k_j, the exact positional weight L*, and M~.
-  std::vector<double> logit(static_cast<size_t>(keys)), lstar(static_cast<size_t>(keys)), mask(static_cast<size_t>(keys));
-  double max_logit = -kInf, max_exact = -kInf;
-  for (int64_t j = 0; j < keys; ++j) {
-    load_row(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
-    double s = 0;
-    for (int64_t d = 0; d < D; ++d) s += q[static_cast<size_t>(d)] * buf[static_cast<size_t>(d)];
-    const double distance = static_cast<double>(std::llabs(pos - (p.k_pos0 + j)));
-    logit[static_cast<size_t>(j)] = p.scale * s;
-    lstar[static_cast<size_t>(j)] = std::exp(-distance / m.sigma);
-    max_logit = std::max(max_logit, p.scale * s);
-    max_exact = std::max(max_exact, p.scale * s - distance / m.sigma);
-  }
-  if (m.mode == Mode::kWindow) {
-    for (int64_t j = 0; j < keys; ++j) {
-      const bool inside = m.window == kNoWindow || std::llabs(pos - (p.k_pos0 + j)) < m.window;
-      mask[static_cast<size_t>(j)] = inside ? lstar[static_cast<size_t>(j)] : 0.0;
-    }
-  } else {
-    // M~ along the row: each hash adds 1/s over its block around pos.
-    std::vector<int64_t> steps(static_cast<size_t>(keys) + 1, 0);
-    for (const Draw& d : m.draws) {
-      const int64_t lo = std::max(block_begin(pos, d), p.k_pos0) - p.k_pos0;
-      const int64_t hi = std::min(block_end(pos, d) - 1, p.k_pos0 + keys - 1) - p.k_pos0;
-      if (lo > hi) continue;
-      ++steps[static_cast<size_t>(lo)];
-      --steps[static_cast<size_t>(hi) + 1];
-    }
-    int64_t count = 0;
-    const double inv_s = 1.0 / static_cast<double>(m.draws.size());
-    for (int64_t j = 0; j < keys; ++j) {
-      count += steps[static_cast<size_t>(j)];
-      mask[static_cast<size_t>(j)] = static_cast<double>(count) * inv_s;
-    }
+  std::vector<double> qt(static_cast<size_t>(D * R)), acc(static_cast<size_t>(R * D), 0.0);
+  std::vector<double> kt(static_cast<size_t>(kTile * D)), vt(static_cast<size_t>(kTile * D)), v2(kTile);
+  std::vector<double> scores(static_cast<size_t>(kTile * R)), logit(kTile), logw(kTile);
+  for (int64_t r = 0; r < R; ++r) {
+    load_row(p.q, p.dtype, b * p.q_batch_stride + rows[static_cast<size_t>(r)] * p.q_row_stride + h * p.q_head_stride, D,
+             buf.data());
+    for (int64_t d = 0; d < D; ++d) qt[static_cast<size_t>(d * R + r)] = buf[static_cast<size_t>(d)];
   }
 
-  // Exact output in log space (logit - |d| / sigma) so that neither a large
-  // logit nor a small L* can overflow or vanish; the bound's ratio uses
-  // a_ij = exp(logit - max_logit) <= 1, whose common factor cancels.
-  double exact_sum = 0, bound_num = 0, bound_den = 0, max_v2 = 0;
-  for (int64_t j = 0; j < keys; ++j) {
-    const size_t jj = static_cast<size_t>(j);
-    const double distance = static_cast<double>(std::llabs(pos - (p.k_pos0 + j)));
-    const double weight = std::exp(logit[jj] - distance / m.sigma - max_exact);
-    const double a = std::exp(logit[jj] - max_logit);
-    load_row(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
-    double v2 = 0;
+  for (int64_t j0 = 0; j0 < max_keys; j0 += kTile) {
+    const int64_t tn = std::min(kTile, max_keys - j0);
+    for (int64_t jj = 0; jj < tn; ++jj) {
+      const int64_t j = j0 + jj;
+      double* kj = &kt[static_cast<size_t>(jj * D)];
+      double* vj = &vt[static_cast<size_t>(jj * D)];
+      load_row(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
+      for (int64_t d = 0; d < D; ++d) kj[d] = buf[static_cast<size_t>(d)];
+      load_row(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
+      double n2 = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        vj[d] = buf[static_cast<size_t>(d)];
+        n2 += vj[d] * vj[d];
+      }
+      v2[static_cast<size_t>(jj)] = n2;
+    }
+    std::fill(scores.begin(), scores.begin() + tn * R, 0.0);
+    for (int64_t jj = 0; jj < tn; ++jj) {
+      double* sj = &scores[static_cast<size_t>(jj * R)];
+      for (int64_t d = 0; d < D; ++d) {
+        const double kd = kt[static_cast<size_t>(jj * D + d)];
+        const double* qd = &qt[static_cast<size_t>(d * R)];
+        for (int64_t r = 0; r < R; ++r) sj[r] += qd[r] * kd;
+      }
+    }
+
+    for (int64_t r = 0; r < R; ++r) {
+      RowState& row = st[static_cast<size_t>(r)];
+      const int64_t n = std::min(tn, row.keys - j0);
+      if (n <= 0) continue;
+      double tile_max_e = -kInf, tile_max_a = -kInf;
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const double distance = static_cast<double>(std::llabs(row.pos - (p.k_pos0 + j0 + jj)));
+        logit[static_cast<size_t>(jj)] = p.scale * scores[static_cast<size_t>(jj * R + r)];
+        logw[static_cast<size_t>(jj)] = logit[static_cast<size_t>(jj)] - distance / m.sigma;
+        tile_max_a = std::max(tile_max_a, logit[static_cast<size_t>(jj)]);
+        tile_max_e = std::max(tile_max_e, logw[static_cast<size_t>(jj)]);
+      }
+      const double max_e = std::max(row.max_e, tile_max_e), max_a = std::max(row.max_a, tile_max_a);
+      const double rescale_e = std::exp(row.max_e - max_e), rescale_a = std::exp(row.max_a - max_a);
+      double* o = &acc[static_cast<size_t>(r * D)];
+      for (int64_t d = 0; d < D; ++d) o[d] *= rescale_e;
+      row.sum_e *= rescale_e;
+      row.bound_num *= rescale_a;
+      row.bound_den *= rescale_a;
+      row.max_e = max_e;
+      row.max_a = max_a;
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const int64_t x = p.k_pos0 + j0 + jj;
+        const double weight = std::exp(logw[static_cast<size_t>(jj)] - max_e);
+        const double* vj = &vt[static_cast<size_t>(jj * D)];
+        for (int64_t d = 0; d < D; ++d) o[d] += weight * vj[d];
+        row.sum_e += weight;
+        row.max_v2 = std::max(row.max_v2, v2[static_cast<size_t>(jj)]);
+
+        const int64_t distance = std::llabs(row.pos - x);
+        const double lstar = decay(distance, m.sigma);
+        double mask;
+        if (m.mode == Mode::kLsh) {
+          // Hashes whose block holds x: begin <= x < end; x only grows.
+          while (row.opened < s && row.begins[row.opened] <= x) ++row.opened;
+          while (row.closed < s && row.ends[row.closed] <= x) ++row.closed;
+          mask = static_cast<double>(row.opened - row.closed) * inv_s;
+        } else {
+          mask = m.window == kNoWindow || distance < m.window ? lstar : 0.0;
+        }
+        const double a = std::exp(logit[static_cast<size_t>(jj)] - max_a);
+        row.bound_num += a * std::fabs(lstar - mask);
+        row.bound_den += a * mask;
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < R; ++r) {
+    const RowState& row = st[static_cast<size_t>(r)];
+    ProbeRow& pr = out[r];
+    pr = ProbeRow{};
+    if (row.keys <= 0) continue;  // no key at all: validation rules this out for causal requests
+    const int64_t o_off = b * p.o_batch_stride + rows[static_cast<size_t>(r)] * p.o_row_stride + h * p.o_head_stride;
     for (int64_t d = 0; d < D; ++d) {
-      const double v = buf[static_cast<size_t>(d)];
-      exact[static_cast<size_t>(d)] += weight * v;
-      v2 += v * v;
+      const double o_star = acc[static_cast<size_t>(r * D + d)] / row.sum_e;
+      const double o_tilde = load_element(p.out, p.out_dtype, o_off + d);
+      const double diff = std::fabs(o_tilde - o_star);
+      pr.err2 += diff * diff;
+      pr.ref2 += o_star * o_star;
+      pr.max_abs = std::max(pr.max_abs, std::isnan(diff) ? kInf : diff);
     }
-    exact_sum += weight;
-    max_v2 = std::max(max_v2, v2);
-    bound_num += a * std::fabs(lstar[jj] - mask[jj]);
-    bound_den += a * mask[jj];
+    if (std::isnan(pr.err2)) pr.err2 = kInf;
+    // The bound holds for o~ in exact arithmetic; the stored output adds its
+    // own rounding (float32 ~1e-7, bf16 ~4e-3 relative) on top.
+    pr.bound = row.bound_den > 0 ? 2 * std::sqrt(row.max_v2) * row.bound_num / row.bound_den : kInf;
   }
+}
 
-  const int64_t o_off = b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-  for (int64_t d = 0; d < D; ++d) {
-    const double o_star = exact[static_cast<size_t>(d)] / exact_sum;
-    const double o_tilde = load_element(p.out, p.out_dtype, o_off + d);
-    const double diff = std::fabs(o_tilde - o_star);
-    row.err2 += diff * diff;
-    row.ref2 += o_star * o_star;
-    row.max_abs = std::max(row.max_abs, std::isnan(diff) ? kInf : diff);
-  }
-  if (std::isnan(row.err2)) row.err2 = kInf;
-  // The bound holds for o~ in exact arithmetic; the stored output adds its
-  // own rounding (float32 ~1e-7, bf16 ~4e-3 relative) on top.
-  row.bound = bound_den > 0 ? 2 * std::sqrt(max_v2) * bound_num / bound_den : kInf;
+ProbeRow probe_row(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, int64_t i) {
+  ProbeRow row;
+  probe_rows(p, m, h, b, {i}, &row);
   return row;
 }
 
@@ -598,9 +660,7 @@ Status compute_estimates(const AttentionParams& p, const ExecContext& ctx, Atten
   const PositionRange range = position_range(p);
   const int64_t heads = p.heads;
   result->heads.assign(static_cast<size_t>(heads), HeadEstimate{});
-  // The probe reads q, k, v and the output: only where they are host memory.
-  const bool probe = p.estimates && p.memory == MemorySpace::kHost && p.probe_rows > 0 && p.out != nullptr;
-  std::vector<ProbeStats> probe_stats(static_cast<size_t>(heads));
+  std::vector<HeadMask> masks(static_cast<size_t>(heads));
 
   std::atomic<bool> failed{false};
   std::mutex failure_mutex;
@@ -610,35 +670,78 @@ Status compute_estimates(const AttentionParams& p, const ExecContext& ctx, Atten
     if (failure.ok()) failure = std::move(s);
     failed.store(true);
   };
-  const int threads = ctx.threads > 0 ? ctx.threads : omp_get_max_threads();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t h = 0; h < heads; ++h) {
-    if (failed.load()) continue;
+  // Polled between units of work; nothing may escape an OpenMP region, and
+  // memory is the one thing that can run out here.
+  auto run = [&](const std::string& what, auto&& work) {
+    if (failed.load()) return;
     Status s = ctx.check_stop();
-    if (!s.ok()) {
-      fail(std::move(s));
-      continue;
-    }
-    // Nothing may escape an OpenMP region; memory is the one thing that can run out here.
+    if (!s.ok()) return fail(std::move(s));
     try {
-      estimate_head(p, range, h, ctx, &result->heads[static_cast<size_t>(h)],
-                    probe ? &probe_stats[static_cast<size_t>(h)] : nullptr);
+      work();
     } catch (const std::bad_alloc&) {
-      fail(resource_exhausted("estimates for head " + std::to_string(h) + " ran out of host memory"));
-      continue;
+      return fail(resource_exhausted(what + " ran out of host memory"));
     }
     s = ctx.check_stop();
     if (!s.ok()) fail(std::move(s));
+  };
+  const int threads = ctx.threads > 0 ? ctx.threads : omp_get_max_threads();
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t h = 0; h < heads; ++h) {
+    run("mask estimates for head " + std::to_string(h), [&] {
+      masks[static_cast<size_t>(h)] = head_mask(p, h);
+      estimate_head_masks(p, range, h, masks[static_cast<size_t>(h)], ctx, &result->heads[static_cast<size_t>(h)]);
+    });
+  }
+  if (!failure.ok()) return failure;
+  if (!p.estimates) return Status::Ok();
+  for (const HeadEstimate& he : result->heads) {
+    result->mask_max_err = std::max(result->mask_max_err, he.mask_max_err);
+    result->mask_spectral_err = std::max(result->mask_spectral_err, he.mask_spectral_err);
+  }
+
+  // The probe reads q, k, v and the output: only where they are host memory.
+  if (p.memory != MemorySpace::kHost || p.probe_rows <= 0 || p.out == nullptr) return Status::Ok();
+  // Tasks of up to kRowsPerTask rows of one (head, batch item): one pass
+  // over that item's keys serves them all, and even a single head's probe
+  // spreads over the threads.
+  constexpr size_t kRowsPerTask = 16;
+  struct Task {
+    int64_t head, batch;
+    size_t first;                // into the head's sample
+    std::vector<int64_t> rows;   // query rows of this batch item
+  };
+  const int64_t population = p.batch * p.q_len;
+  std::vector<std::vector<int64_t>> samples(static_cast<size_t>(heads));
+  std::vector<std::vector<ProbeRow>> probed(static_cast<size_t>(heads));
+  std::vector<Task> tasks;
+  for (int64_t h = 0; h < heads; ++h) {
+    std::vector<int64_t>& sample = samples[static_cast<size_t>(h)];
+    sample = sample_indices(population, p.probe_rows, head_seed(p.seed, h, kProbeSalt));
+    probed[static_cast<size_t>(h)].resize(sample.size());
+    for (size_t n = 0; n < sample.size();) {  // sorted, so each batch item's rows are contiguous
+      Task t{h, sample[n] / p.q_len, n, {}};
+      while (n < sample.size() && sample[n] / p.q_len == t.batch && t.rows.size() < kRowsPerTask)
+        t.rows.push_back(sample[n++] % p.q_len);
+      tasks.push_back(std::move(t));
+    }
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (size_t n = 0; n < tasks.size(); ++n) {
+    const Task& t = tasks[n];
+    run("probe for head " + std::to_string(t.head), [&] {
+      probe_rows(p, masks[static_cast<size_t>(t.head)], t.head, t.batch, t.rows,
+                 &probed[static_cast<size_t>(t.head)][t.first]);
+    });
   }
   if (!failure.ok()) return failure;
 
-  if (p.estimates) {
-    for (const HeadEstimate& he : result->heads) {
-      result->mask_max_err = std::max(result->mask_max_err, he.mask_max_err);
-      result->mask_spectral_err = std::max(result->mask_spectral_err, he.mask_spectral_err);
-    }
-    if (probe) result->probe = summarize_probe(probe_stats);
+  std::vector<ProbeStats> stats(static_cast<size_t>(heads));
+  for (int64_t h = 0; h < heads; ++h) {
+    stats[static_cast<size_t>(h)] = probe_stats(probed[static_cast<size_t>(h)], population);
+    result->heads[static_cast<size_t>(h)].probe = summarize_probe({stats[static_cast<size_t>(h)]});
   }
+  result->probe = summarize_probe(stats);
   return Status::Ok();
 }
 

@@ -453,6 +453,41 @@ TEST(Estimates, BoundHoldsForEveryRow) {
   }
 }
 
+// compute_estimates probes several rows in one pass over the keys (tiles
+// of 128 keys, rows of different causal lengths): the same figures as one
+// row at a time.
+TEST(Estimates, ProbeRowsInOnePassMatchOneRowAtATime) {
+  for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
+    AttentionOptions o;
+    o.batch = 2;
+    o.q_len = 300;
+    o.kv_len = 300;
+    o.heads = 2;
+    o.kv_heads = 1;
+    o.head_dim = 40;
+    o.causal = true;
+    o.mode = mode;
+    o.samples = 5;
+    o.slopes = {0.3, 0.01};
+    const auto pr = make_problem(o, 21);
+    fill_output_with_reference(pr.get());
+    const AttentionParams& p = pr->params;
+    const std::vector<int64_t> rows = {0, 1, 127, 128, 129, 200, 255, 256, 299};
+    for (int64_t h = 0; h < 2; ++h) {
+      const HeadMask m = head_mask(p, h);
+      std::vector<ProbeRow> together(rows.size());
+      probe_rows(p, m, h, 1, rows, together.data());
+      for (size_t n = 0; n < rows.size(); ++n) {
+        const ProbeRow alone = probe_row(p, m, h, 1, rows[n]);
+        EXPECT_NEAR(together[n].err2, alone.err2, 1e-12 * alone.err2 + 1e-300) << "row " << rows[n];
+        EXPECT_NEAR(together[n].ref2, alone.ref2, 1e-12 * alone.ref2);
+        EXPECT_NEAR(together[n].bound, alone.bound, 1e-12 * alone.bound);
+        EXPECT_EQ(together[n].max_abs, alone.max_abs);
+      }
+    }
+  }
+}
+
 TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   AttentionOptions o = mask_options(64, 64, true, {0.5, 0.125, 0.0});
   o.samples = 7;

@@ -81,6 +81,10 @@ struct ProbeRow {
   double bound = 0;    // 2 max_j ||v_j|| sum_j a_ij |L*_ij - M~_ij| / sum_j a_ij M~_ij (+inf if the denominator is 0)
 };
 ProbeRow probe_row(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, int64_t i);
+// The same for several query rows of one batch item in one pass over its
+// keys (what compute_estimates runs); out has rows.size() entries.
+void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, const std::vector<int64_t>& rows,
+                ProbeRow* out);
 
 // Fills result->heads (slope, sigma, window, max_block, draws on request) and,
 // when p.estimates, the error estimates per head and their summary. Needs

@@ -50,7 +50,8 @@ StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& s, int64_t budget_b
                               std::to_string(p.bytes_per_slot) + " bytes, memory budget left is " +
                               std::to_string(budget_bytes) + " bytes");
   const int64_t tiles = ceil_div(s.q_len, T);
-  p.lanes_per_chunk = std::min(s.lanes, max_slots);
+  // Lanes are the finalize kernel's grid.y, at most 65535.
+  p.lanes_per_chunk = std::min({s.lanes, max_slots, int64_t{65535}});
   p.tiles_per_chunk = std::min(tiles, max_slots / p.lanes_per_chunk);
   p.slots = p.lanes_per_chunk * p.tiles_per_chunk;
   p.bytes = p.slots * p.bytes_per_slot;

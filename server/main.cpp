@@ -6,8 +6,11 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <chrono>
+#include <unistd.h>
+
 #include <csignal>
 #include <memory>
+#include <thread>
 
 #include "plsh/backend.h"
 #include "server/config.h"
@@ -20,22 +23,38 @@ namespace {
 
 constexpr const char* kServiceName = "plsh.v1.Attention";
 
-// Signals are taken by sigwait in main, so every thread (gRPC's, civetweb's,
-// the workers) is started with them blocked.
-sigset_t block_shutdown_signals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  return set;
+// SIGTERM/SIGINT only write a byte to a pipe that main waits on. A handler
+// rather than sigwait: libraries start threads before main (OpenBLAS's pool)
+// that would otherwise take the signal with its default action and kill
+// the process mid-drain.
+int g_signal_pipe[2] = {-1, -1};
+
+extern "C" void on_shutdown_signal(int signal_number) {
+  const char byte = static_cast<char>(signal_number);
+  [[maybe_unused]] const ssize_t n = write(g_signal_pipe[1], &byte, 1);
+}
+
+bool install_shutdown_handlers() {
+  if (pipe(g_signal_pipe) != 0) return false;
+  struct sigaction action {};
+  action.sa_handler = on_shutdown_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  return sigaction(SIGTERM, &action, nullptr) == 0 && sigaction(SIGINT, &action, nullptr) == 0;
+}
+
+// Blocks until the first SIGTERM or SIGINT; returns it.
+int wait_for_shutdown_signal() {
+  char byte = 0;
+  while (read(g_signal_pipe[0], &byte, 1) != 1) {
+  }
+  return byte;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   using plsh::server::log_event;
-  const sigset_t shutdown_signals = block_shutdown_signals();
 
   // 1. Configuration.
   plsh::server::ParsedConfig parsed = plsh::server::parse_config(argc, argv);
@@ -44,6 +63,10 @@ int main(int argc, char** argv) {
   if (plsh::Status s = plsh::server::init_logging(config.log_level, config.log_format); !s.ok()) {
     fprintf(stderr, "plsh-server: %s\n", s.to_string().c_str());
     return 2;
+  }
+  if (!install_shutdown_handlers()) {
+    log_event(spdlog::level::err, "startup_failed", {{"error", "cannot install SIGTERM/SIGINT handlers"}});
+    return 1;
   }
 
   // 2. Metrics, before any backend: civetweb's small-stack threads must
@@ -101,19 +124,23 @@ int main(int argc, char** argv) {
              {"version", PLSH_VERSION},
              {"workers", config.workers}});
 
-  int signal_number = 0;
-  sigwait(&shutdown_signals, &signal_number);
+  const int signal_number = wait_for_shutdown_signal();
 
-  // 7. Drain: report NOT_SERVING, refuse new calls, let in-flight ones finish
-  // (cancelling them after --drain-timeout), then stop the workers.
+  // 7. Drain: report NOT_SERVING, refuse new requests (UNAVAILABLE), let
+  // those in flight finish for up to --drain-timeout, then stop gRPC (which
+  // cancels what is left) and the workers.
   log_event(spdlog::level::info, "draining", {{"signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT"},
+                                             {"in_flight", service.open_requests()},
                                              {"drain_timeout_s", config.drain_timeout}});
   health->SetServingStatus(kServiceName, false);
   health->SetServingStatus("", false);
-  const auto deadline = std::chrono::system_clock::now() +
-                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                            std::chrono::duration<double>(config.drain_timeout));
-  server->Shutdown(deadline);
+  service.begin_drain();
+  const auto drain_until = std::chrono::steady_clock::now() + std::chrono::duration<double>(config.drain_timeout);
+  while (service.open_requests() > 0 && std::chrono::steady_clock::now() < drain_until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  // A short grace for final statuses already on their way out. (Without a
+  // deadline, Shutdown waits seconds on idle client connections.)
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   scheduler.stop();
   log_event(spdlog::level::info, "stopped");
   return 0;

@@ -33,7 +33,6 @@ int64_t Scheduler::reserved() const {
 }
 
 Status Scheduler::submit(std::function<void()> job) {
-  int64_t depth = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) return unavailable("server is shutting down");
@@ -44,10 +43,10 @@ Status Scheduler::submit(std::function<void()> job) {
                                 std::to_string(workers_.size()) + " workers (the server's --queue-depth " +
                                 std::to_string(queue_depth_) + "); retry later");
     queue_.push_back(std::move(job));
-    depth = static_cast<int64_t>(queue_.size());
+    // Under the lock, so the gauge sees the changes in order.
+    if (on_queue_change_) on_queue_change_(static_cast<int64_t>(queue_.size()));
   }
   ready_.notify_one();
-  if (on_queue_change_) on_queue_change_(depth);
   return Status::Ok();
 }
 
@@ -65,7 +64,6 @@ void Scheduler::stop() {
 void Scheduler::work() {
   for (;;) {
     std::function<void()> job;
-    int64_t depth = 0;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       ++idle_;
@@ -74,9 +72,8 @@ void Scheduler::work() {
       if (queue_.empty()) return;  // stopping, nothing left
       job = std::move(queue_.front());
       queue_.pop_front();
-      depth = static_cast<int64_t>(queue_.size());
+      if (on_queue_change_) on_queue_change_(static_cast<int64_t>(queue_.size()));
     }
-    if (on_queue_change_) on_queue_change_(depth);
     job();
   }
 }

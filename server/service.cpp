@@ -128,6 +128,10 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
     record_.peer = ctx->peer();
     s_.metrics->inflight_add(1);
     const int64_t open = s_.open_streams.fetch_add(1) + 1;
+    if (s_.draining.load()) {
+      fail(unavailable("server is shutting down; retry on another replica"));
+      return;
+    }
     if (open > s_.config->max_concurrent) {
       fail(resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
                               std::to_string(s_.config->max_concurrent) + " (the server's --max-concurrent); retry later"));
@@ -205,6 +209,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
 
   Status on_header(const v1::AttendHeader& header) {
     if (plan_) return invalid_argument("header received twice, expected exactly one header as the first message");
+    record_.mode = wire_mode_name(header.mode());  // labels a refused request too
     ASSIGN_OR_RETURN(RequestPlan plan, plan_request(header, s_.limits));
     record_.note_plan(plan);
     ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().find(plan.backend));
@@ -412,9 +417,11 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
   Status start() {
     const int64_t open = s_.open_streams.fetch_add(1) + 1;
     counted_open_ = true;
+    if (s_.draining.load()) return unavailable("server is shutting down; retry on another replica");
     if (open > s_.config->max_concurrent)
       return resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
                                 std::to_string(s_.config->max_concurrent) + " (the server's --max-concurrent); retry later");
+    record_.mode = wire_mode_name(request_->header().mode());  // labels a refused request too
     ASSIGN_OR_RETURN(RequestPlan plan, plan_request(request_->header(), s_.limits));
     record_.note_plan(plan);
     ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().find(plan.backend));

@@ -25,6 +25,7 @@ struct ServiceContext {
   Metrics* metrics = nullptr;
   Scheduler* scheduler = nullptr;
   std::atomic<int64_t> open_streams{0};
+  std::atomic<bool> draining{false};  // new requests get UNAVAILABLE
 };
 
 class AttentionService final : public v1::Attention::CallbackService {
@@ -36,6 +37,11 @@ class AttentionService final : public v1::Attention::CallbackService {
                                         v1::AttendUnaryResponse* response) override;
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* ctx, const v1::GetInfoRequest* request,
                                     v1::GetInfoResponse* response) override;
+
+  // Refuses new requests with UNAVAILABLE from now on.
+  void begin_drain() { shared_.draining.store(true); }
+  // Attend and AttendUnary calls not yet finished.
+  int64_t open_requests() const { return shared_.open_streams.load(); }
 
  private:
   ServiceContext shared_;

@@ -1,0 +1,369 @@
+#include "plsh/client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace plsh::client {
+
+namespace {
+
+// Bytes of each message kept for its own fields (the server keeps the same).
+constexpr int64_t kHeadroom = 1024;
+
+v1::DType wire_dtype(DType t) {
+  switch (t) {
+    case DType::kF32: return v1::DTYPE_F32;
+    case DType::kF16: return v1::DTYPE_F16;
+    case DType::kBF16: return v1::DTYPE_BF16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+DType from_wire(v1::DType t) {
+  switch (t) {
+    case v1::DTYPE_F16: return DType::kF16;
+    case v1::DTYPE_BF16: return DType::kBF16;
+    default: return DType::kF32;
+  }
+}
+
+v1::Mode wire_mode(Mode m) {
+  switch (m) {
+    case Mode::kExact: return v1::MODE_EXACT;
+    case Mode::kLsh: return v1::MODE_LSH;
+    case Mode::kWindow: return v1::MODE_WINDOW;
+  }
+  return v1::MODE_UNSPECIFIED;
+}
+
+Mode from_wire(v1::Mode m) {
+  switch (m) {
+    case v1::MODE_EXACT: return Mode::kExact;
+    case v1::MODE_WINDOW: return Mode::kWindow;
+    default: return Mode::kLsh;
+  }
+}
+
+LshAlgorithm from_wire(v1::LshAlgorithm a) {
+  switch (a) {
+    case v1::LSH_ALGORITHM_PER_SAMPLE: return LshAlgorithm::kPerSample;
+    case v1::LSH_ALGORITHM_BANDED: return LshAlgorithm::kBanded;
+    default: return LshAlgorithm::kAuto;
+  }
+}
+
+ProbeEstimate from_wire(const v1::ProbeEstimate& p) {
+  ProbeEstimate e;
+  e.rows = p.rows();
+  e.rel_err = p.rel_err();
+  e.rel_err_stderr = p.rel_err_stderr();
+  e.max_abs_err = p.max_abs_err();
+  e.bound_max = p.bound_max();
+  return e;
+}
+
+void set_deadline(grpc::ClientContext* ctx, double seconds) {
+  if (seconds > 0)
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(seconds)));
+}
+
+grpc::Status protocol_error(const std::string& what) {
+  return grpc::Status(grpc::StatusCode::INTERNAL, "server broke the plsh.v1 protocol: " + what);
+}
+
+struct Sizes {
+  int64_t q_rows, kv_rows, q_row_bytes, kv_row_bytes, out_row_bytes, lse_row_bytes;
+  DType out_dtype;
+};
+
+Sizes sizes_of(const AttentionOptions& o) {
+  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const DType out = o.out_dtype.value_or(o.dtype);
+  const int64_t batch = std::max<int64_t>(1, o.batch);
+  return Sizes{batch * o.q_len,
+               batch * o.kv_len,
+               o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype)),
+               kv_heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype)),
+               o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(out)),
+               o.heads * static_cast<int64_t>(sizeof(float)),
+               out};
+}
+
+void fill_timings(const v1::Summary& s, AttendReply* reply) {
+  reply->timings = ServerTimings{s.timings().queued_seconds(), s.timings().receiving_seconds(),
+                                 s.timings().computing_seconds(), s.timings().sending_seconds(),
+                                 s.timings().total_seconds()};
+  reply->result = result_from_summary(s);
+  reply->out_dtype = from_wire(s.out_dtype());
+  reply->request_id = s.request_id();
+}
+
+}  // namespace
+
+std::string status_code_name(grpc::StatusCode code) {
+  static const char* const names[] = {"OK",
+                                      "CANCELLED",
+                                      "UNKNOWN",
+                                      "INVALID_ARGUMENT",
+                                      "DEADLINE_EXCEEDED",
+                                      "NOT_FOUND",
+                                      "ALREADY_EXISTS",
+                                      "PERMISSION_DENIED",
+                                      "RESOURCE_EXHAUSTED",
+                                      "FAILED_PRECONDITION",
+                                      "ABORTED",
+                                      "OUT_OF_RANGE",
+                                      "UNIMPLEMENTED",
+                                      "INTERNAL",
+                                      "UNAVAILABLE",
+                                      "DATA_LOSS",
+                                      "UNAUTHENTICATED"};
+  const int c = static_cast<int>(code);
+  return c >= 0 && c < static_cast<int>(std::size(names)) ? names[c] : "UNKNOWN";
+}
+
+std::string status_string(const grpc::Status& status) {
+  return status.ok() ? "OK" : status_code_name(status.error_code()) + ": " + status.error_message();
+}
+
+v1::AttendHeader make_header(const AttendCall& call) {
+  const AttentionOptions& o = call.options;
+  v1::AttendHeader h;
+  h.set_request_id(call.request_id);
+  h.set_batch(o.batch);
+  h.set_q_len(o.q_len);
+  h.set_kv_len(o.kv_len);
+  h.set_heads(o.heads);
+  h.set_kv_heads(o.kv_heads);
+  h.set_head_dim(o.head_dim);
+  h.set_dtype(wire_dtype(o.dtype));
+  if (o.out_dtype) h.set_out_dtype(wire_dtype(*o.out_dtype));
+  if (o.scale) h.set_scale(*o.scale);
+  h.set_causal(o.causal);
+  for (double s : o.slopes) h.add_slopes(s);
+  if (o.q_pos0) h.set_q_pos0(*o.q_pos0);
+  h.set_k_pos0(o.k_pos0);
+  h.set_mode(wire_mode(o.mode));
+  h.set_samples(o.samples);
+  h.set_seed(o.seed);
+  h.set_lsh_algorithm(static_cast<v1::LshAlgorithm>(static_cast<int>(o.lsh_algorithm)));
+  h.set_window_eps(o.window_eps);
+  h.set_window_width(o.window_width);
+  h.set_estimates(o.estimates);
+  h.set_probe_rows(o.probe_rows);
+  h.set_mask_row_budget(o.mask_row_budget);
+  h.set_return_draws(o.return_draws);
+  h.set_check_finite(o.check_finite);
+  h.set_return_lse(call.return_lse);
+  h.set_out_chunk_bytes(std::max<int64_t>(0, call.chunk_bytes));
+  h.set_backend(call.backend);
+  return h;
+}
+
+AttentionResult result_from_summary(const v1::Summary& s) {
+  AttentionResult r;
+  r.backend = s.backend();
+  r.device = s.device();
+  r.mode = from_wire(s.mode());
+  r.lsh_algorithm = from_wire(s.lsh_algorithm());
+  r.samples = s.samples();
+  r.seed = s.seed();
+  r.flops = s.flops();
+  r.dense_flops = s.dense_flops();
+  r.mask_max_err = s.mask_max_err();
+  r.mask_spectral_err = s.mask_spectral_err();
+  r.probe = from_wire(s.probe());
+  for (const v1::HeadEstimate& w : s.heads()) {
+    HeadEstimate h;
+    h.head = w.head();
+    h.slope = w.slope();
+    h.sigma = w.sigma();
+    h.window = w.window();
+    h.max_block = w.max_block();
+    h.mask_max_err = w.mask_max_err();
+    h.mask_rows_checked = w.mask_rows_checked();
+    h.mask_rows_sampled = w.mask_rows_sampled();
+    h.mask_spectral_err = w.mask_spectral_err();
+    h.spectral_iterations = w.spectral_iterations();
+    h.probe = from_wire(w.probe());
+    for (const v1::Draw& d : w.draws()) h.draws.push_back(Draw{d.pitch(), d.shift()});
+    r.heads.push_back(std::move(h));
+  }
+  for (const auto& [name, seconds] : s.timings().backend()) r.timings[name] = seconds;
+  return r;
+}
+
+Client::Client(const std::string& target) {
+  grpc::ChannelArguments args;
+  // The server enforces its own limit; the client should never be the one to refuse.
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::Attention::NewStub(channel_);
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel) : channel_(std::move(channel)) {
+  stub_ = v1::Attention::NewStub(channel_);
+}
+
+grpc::Status Client::attend(const AttendCall& call, AttendReply* reply) {
+  *reply = AttendReply{};
+  const Sizes z = sizes_of(call.options);
+  grpc::ClientContext ctx;
+  set_deadline(&ctx, call.deadline_seconds);
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream = stub_->Attend(&ctx);
+
+  auto note = [reply](const google::protobuf::Message& m) {
+    reply->largest_message_bytes = std::max<int64_t>(reply->largest_message_bytes, static_cast<int64_t>(m.ByteSizeLong()));
+    ++reply->messages;
+  };
+  // After a refused write or read the server has closed the stream: what
+  // it said is in Finish.
+  auto finish = [&stream]() {
+    v1::AttendResponse ignored;
+    while (stream->Read(&ignored)) {
+    }
+    return stream->Finish();
+  };
+
+  v1::AttendRequest request;
+  *request.mutable_header() = make_header(call);
+  note(request);
+  if (!stream->Write(request)) return finish();
+
+  // The ack says how large a message may be.
+  v1::AttendResponse response;
+  if (!stream->Read(&response)) return stream->Finish();
+  note(response);
+  if (!response.has_ack()) {
+    ctx.TryCancel();
+    stream->Finish();
+    return protocol_error("first response is not an ack");
+  }
+  const int64_t cap = response.ack().max_message_bytes() - kHeadroom;
+  const int64_t payload = call.chunk_bytes > 0 ? std::min(call.chunk_bytes, cap) : cap;
+
+  bool writing = true;
+  const struct {
+    v1::Tensor tensor;
+    const void* data;
+    int64_t rows, row_bytes;
+  } inputs[] = {{v1::TENSOR_Q, call.q, z.q_rows, z.q_row_bytes},
+                {v1::TENSOR_K, call.k, z.kv_rows, z.kv_row_bytes},
+                {v1::TENSOR_V, call.v, z.kv_rows, z.kv_row_bytes}};
+  for (const auto& in : inputs) {
+    const int64_t per_chunk = std::max<int64_t>(1, payload / std::max<int64_t>(1, in.row_bytes));
+    for (int64_t row = 0; writing && row < in.rows; row += per_chunk) {
+      const int64_t rows = std::min(per_chunk, in.rows - row);
+      request.Clear();
+      v1::TensorChunk* c = request.mutable_chunk();
+      c->set_tensor(in.tensor);
+      c->set_row_start(row);
+      c->set_row_count(rows);
+      c->set_data(static_cast<const char*>(in.data) + row * in.row_bytes, static_cast<size_t>(rows * in.row_bytes));
+      note(request);
+      reply->sent_bytes += rows * in.row_bytes;
+      writing = stream->Write(request);
+    }
+  }
+  if (writing) {
+    request.Clear();
+    request.mutable_end();
+    note(request);
+    writing = stream->Write(request);
+  }
+  if (writing) stream->WritesDone();
+
+  reply->out.assign(static_cast<size_t>(z.q_rows * z.out_row_bytes), 0);
+  if (call.return_lse) reply->lse.assign(static_cast<size_t>(z.q_rows * call.options.heads), 0.0f);
+  int64_t out_rows = 0, lse_rows = 0;
+  bool have_summary = false;
+  v1::Summary summary;
+  while (stream->Read(&response)) {
+    note(response);
+    if (response.has_out_chunk()) {
+      const v1::OutputChunk& c = response.out_chunk();
+      const bool is_lse = c.tensor() == v1::TENSOR_LSE;
+      if (!is_lse && c.tensor() != v1::TENSOR_OUT) return protocol_error("output chunk of tensor " + std::to_string(c.tensor()));
+      if (is_lse && !call.return_lse) return protocol_error("lse chunk not asked for");
+      const int64_t row_bytes = is_lse ? z.lse_row_bytes : z.out_row_bytes;
+      int64_t& next = is_lse ? lse_rows : out_rows;
+      // In row order, each row once: the server's contract.
+      if (c.row_start() != next || c.row_count() < 1 || c.row_count() > z.q_rows - next ||
+          static_cast<int64_t>(c.data().size()) != c.row_count() * row_bytes)
+        return protocol_error("output chunk rows [" + std::to_string(c.row_start()) + ", +" +
+                              std::to_string(c.row_count()) + ") with " + std::to_string(c.data().size()) + " bytes");
+      uint8_t* dst = is_lse ? reinterpret_cast<uint8_t*>(reply->lse.data()) : reply->out.data();
+      std::memcpy(dst + c.row_start() * row_bytes, c.data().data(), c.data().size());
+      next += c.row_count();
+      reply->received_bytes += static_cast<int64_t>(c.data().size());
+    } else if (response.has_summary()) {
+      summary = response.summary();
+      have_summary = true;
+    } else {
+      return protocol_error("unexpected message after the ack");
+    }
+  }
+  const grpc::Status status = stream->Finish();
+  if (!status.ok()) return status;
+  if (!have_summary) return protocol_error("stream ended OK without a summary");
+  if (out_rows != z.q_rows || (call.return_lse && lse_rows != z.q_rows))
+    return protocol_error("output rows missing: " + std::to_string(out_rows) + " of " + std::to_string(z.q_rows));
+  fill_timings(summary, reply);
+  return status;
+}
+
+grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
+  *reply = AttendReply{};
+  const Sizes z = sizes_of(call.options);
+  grpc::ClientContext ctx;
+  set_deadline(&ctx, call.deadline_seconds);
+  v1::AttendUnaryRequest request;
+  *request.mutable_header() = make_header(call);
+  request.set_q(call.q, static_cast<size_t>(z.q_rows * z.q_row_bytes));
+  request.set_k(call.k, static_cast<size_t>(z.kv_rows * z.kv_row_bytes));
+  request.set_v(call.v, static_cast<size_t>(z.kv_rows * z.kv_row_bytes));
+  reply->sent_bytes = static_cast<int64_t>(request.q().size() + request.k().size() + request.v().size());
+  reply->largest_message_bytes = static_cast<int64_t>(request.ByteSizeLong());
+  v1::AttendUnaryResponse response;
+  const grpc::Status status = stub_->AttendUnary(&ctx, request, &response);
+  if (!status.ok()) return status;
+  reply->messages = 2;
+  reply->largest_message_bytes = std::max<int64_t>(reply->largest_message_bytes, static_cast<int64_t>(response.ByteSizeLong()));
+  if (static_cast<int64_t>(response.out().size()) != z.q_rows * z.out_row_bytes)
+    return protocol_error("out has " + std::to_string(response.out().size()) + " bytes");
+  reply->out.assign(response.out().begin(), response.out().end());
+  if (call.return_lse) {
+    if (static_cast<int64_t>(response.lse().size()) != z.q_rows * z.lse_row_bytes)
+      return protocol_error("lse has " + std::to_string(response.lse().size()) + " bytes");
+    reply->lse.resize(static_cast<size_t>(z.q_rows * call.options.heads));
+    std::memcpy(reply->lse.data(), response.lse().data(), response.lse().size());
+  }
+  reply->received_bytes = static_cast<int64_t>(response.out().size() + response.lse().size());
+  fill_timings(response.summary(), reply);
+  return status;
+}
+
+grpc::Status Client::info(v1::GetInfoResponse* info, double deadline_seconds) {
+  grpc::ClientContext ctx;
+  set_deadline(&ctx, deadline_seconds);
+  return stub_->GetInfo(&ctx, v1::GetInfoRequest{}, info);
+}
+
+grpc::Status Client::health(const std::string& service, std::string* status_name, double deadline_seconds) {
+  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  set_deadline(&ctx, deadline_seconds);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&ctx, request, &response);
+  if (status.ok()) *status_name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
+  return status;
+}
+
+}  // namespace plsh::client

@@ -1,0 +1,19 @@
+"""Python client of plsh-server (ALiBi attention: exact, positional LSH, window).
+
+    from plsh_client import Client
+    with Client("127.0.0.1:50051") as c:
+        out, meta = c.attend(q, k, v, mode="lsh", samples=64, causal=True)
+
+q is [B, Nq, H, D] (or [Nq, H, D]), k and v [B, Nk, Hkv, D]; float32 or
+float16 numpy arrays. The request is streamed in chunks of rows sized to the
+server's message limit, so any length goes through. Errors raise PlshError,
+which carries the gRPC status code.
+
+The generated stubs (plsh/v1/plsh_pb2.py, ...) are built by CMake into
+<build>/python; that directory must be on sys.path (PYTHONPATH), or set
+PLSH_PYTHON_STUBS to it.
+"""
+
+from ._client import Client, PlshError
+
+__all__ = ["Client", "PlshError"]

@@ -1,0 +1,262 @@
+"""The implementation behind plsh_client.Client (see the package docstring)."""
+
+import os
+import sys
+import threading
+
+import grpc
+import numpy as np
+
+_stubs = os.environ.get("PLSH_PYTHON_STUBS")
+if _stubs and _stubs not in sys.path:
+    sys.path.insert(0, _stubs)
+try:
+    from plsh.v1 import plsh_pb2 as pb
+    from plsh.v1 import plsh_pb2_grpc as pb_grpc
+except ImportError as e:  # pragma: no cover - a setup problem, not a code path
+    raise ImportError(
+        "plsh_client needs the generated stubs: build the project (CMake target plsh_proto_python) "
+        "and put <build>/python on PYTHONPATH or in PLSH_PYTHON_STUBS") from e
+
+# Bytes of each message kept for its own fields; the server keeps the same.
+_HEADROOM = 1024
+
+_DTYPES = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
+_MODES = {"exact": pb.MODE_EXACT, "lsh": pb.MODE_LSH, "window": pb.MODE_WINDOW}
+_ALGORITHMS = {"auto": pb.LSH_ALGORITHM_AUTO, "per_sample": pb.LSH_ALGORITHM_PER_SAMPLE,
+               "banded": pb.LSH_ALGORITHM_BANDED}
+
+
+class PlshError(Exception):
+    """A failed call: `code` is the grpc.StatusCode, `code_name` its name
+    ("INVALID_ARGUMENT"), `details` the server's message."""
+
+    def __init__(self, code, details):
+        self.code = code
+        self.code_name = code.name if code is not None else "UNKNOWN"
+        self.details = details or ""
+        super().__init__(f"{self.code_name}: {self.details}")
+
+
+def _wire_dtype_of(array, wire_dtype):
+    if wire_dtype is not None:
+        if wire_dtype not in _DTYPES:
+            raise ValueError(f"wire_dtype = {wire_dtype!r}, expected one of {sorted(_DTYPES)}")
+        return wire_dtype
+    if array.dtype == np.float32:
+        return "f32"
+    if array.dtype == np.float16:
+        return "f16"
+    raise ValueError(f"dtype {array.dtype} is not sent as is; pass float32 or float16, or wire_dtype=")
+
+
+def _to_bf16_bits(x):
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+def _from_bf16_bits(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _encode(array, wire):
+    """The array's bytes on the wire, little-endian, C order."""
+    if wire == "f32":
+        return np.ascontiguousarray(array, dtype="<f4")
+    if wire == "f16":
+        return np.ascontiguousarray(array, dtype="<f2")
+    return _to_bf16_bits(array).astype("<u2")
+
+
+def _decode(data, wire, shape):
+    if wire == "f32":
+        return np.frombuffer(data, dtype="<f4").reshape(shape).copy()
+    if wire == "f16":
+        return np.frombuffer(data, dtype="<f2").reshape(shape).copy()
+    return _from_bf16_bits(np.frombuffer(data, dtype="<u2")).reshape(shape)
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _probe(p):
+    return {"rows": p.rows, "rel_err": p.rel_err, "rel_err_stderr": p.rel_err_stderr,
+            "max_abs_err": p.max_abs_err, "bound_max": p.bound_max}
+
+
+def _meta(summary):
+    names = {v: k for k, v in _MODES.items()}
+    algorithms = {v: k for k, v in _ALGORITHMS.items()}
+    t = summary.timings
+    return {
+        "request_id": summary.request_id,
+        "backend": summary.backend,
+        "device": summary.device,
+        "mode": names.get(summary.mode, "lsh"),
+        "lsh_algorithm": algorithms.get(summary.lsh_algorithm, "auto"),
+        "samples": summary.samples,
+        "seed": summary.seed,
+        "flops": summary.flops,
+        "dense_flops": summary.dense_flops,
+        "summary": {"mask_max_err": summary.mask_max_err, "mask_spectral_err": summary.mask_spectral_err,
+                    "probe": _probe(summary.probe)},
+        "heads": [{
+            "head": h.head, "slope": h.slope, "sigma": h.sigma, "window": h.window, "max_block": h.max_block,
+            "mask_max_err": h.mask_max_err, "mask_rows_checked": h.mask_rows_checked,
+            "mask_rows_sampled": h.mask_rows_sampled, "mask_spectral_err": h.mask_spectral_err,
+            "spectral_iterations": h.spectral_iterations, "probe": _probe(h.probe),
+            **({"draws": [[d.pitch, d.shift] for d in h.draws]} if len(h.draws) else {}),
+        } for h in summary.heads],
+        "timings": {"queued": t.queued_seconds, "receiving": t.receiving_seconds,
+                    "computing": t.computing_seconds, "sending": t.sending_seconds,
+                    "total": t.total_seconds, "backend": dict(t.backend)},
+        "received_bytes": summary.received_bytes,
+        "sent_bytes": summary.sent_bytes,
+    }
+
+
+class Client:
+    """A channel to one plsh-server. Thread-safe; close() (or `with`) when done."""
+
+    def __init__(self, target, options=None):
+        opts = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        self._channel = grpc.insecure_channel(target, options=opts + list(options or []))
+        self._stub = pb_grpc.AttentionStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def info(self, timeout=10):
+        """GetInfo as a GetInfoResponse message."""
+        try:
+            return self._stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise PlshError(e.code(), e.details()) from None
+
+    def health(self, service="", timeout=10):
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ...
+
+        The two health messages are encoded by hand: stubs generated from
+        grpc/health/v1/health.proto would be the module grpc.health.v1,
+        which the grpcio package itself shadows (Debian has no
+        grpcio-health-checking)."""
+        encoded = service.encode()
+        request = b"\x0a" + _varint(len(encoded)) + encoded if encoded else b""  # field 1: service
+        check = self._channel.unary_unary("/grpc.health.v1.Health/Check")
+        try:
+            response = check(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise PlshError(e.code(), e.details()) from None
+        status = response[1] if len(response) >= 2 and response[0] == 0x08 else 0  # field 1: status (enum < 128)
+        return {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}.get(status, "UNKNOWN")
+
+    def attend(self, q, k, v, *, mode="lsh", samples=16, seed=0, causal=False, scale=None, slopes=None,
+               q_pos0=None, k_pos0=0, lsh_algorithm="auto", window_eps=1e-4, window_width=0, estimates=True,
+               probe_rows=64, mask_row_budget=65536, return_draws=False, check_finite=True, return_lse=False,
+               out_dtype=None, wire_dtype=None, backend="auto", chunk_bytes=0, deadline=None, request_id=""):
+        """Runs one attention request; returns (out, meta).
+
+        out has q's shape ([B, Nq, H, D] or [Nq, H, D]); float32 or float16
+        as sent (bfloat16 comes back as float32). meta is a dict with the
+        backend, device, error estimates (SPEC section 6: "summary", "heads")
+        and the server's "timings" in seconds; with return_lse, meta["lse"]
+        is the float32 [B, Nq, H] log-sum-exp. chunk_bytes bounds each
+        message's payload (0: the largest the server allows); deadline is in
+        seconds. Raises PlshError with the gRPC status code on failure.
+        """
+        q, k, v = (np.asarray(a) for a in (q, k, v))
+        if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
+            raise ValueError(f"q, k, v ranks {q.ndim}, {k.ndim}, {v.ndim}: expected all 4 ([B, N, H, D]) or all 3")
+        batched = q.ndim == 4
+        if not batched:
+            q, k, v = q[None], k[None], v[None]
+        if k.shape != v.shape:
+            raise ValueError(f"k shape {k.shape} != v shape {v.shape}")
+        wire = _wire_dtype_of(q, wire_dtype)
+        out_wire = out_dtype or wire
+        if out_wire not in _DTYPES:
+            raise ValueError(f"out_dtype = {out_dtype!r}, expected one of {sorted(_DTYPES)}")
+        if mode not in _MODES:
+            raise ValueError(f"mode = {mode!r}, expected one of {sorted(_MODES)}")
+        if lsh_algorithm not in _ALGORITHMS:
+            raise ValueError(f"lsh_algorithm = {lsh_algorithm!r}, expected one of {sorted(_ALGORITHMS)}")
+        B, Nq, H, D = q.shape
+        Nk, Hkv = k.shape[1], k.shape[2]
+
+        header = pb.AttendHeader(
+            request_id=request_id, batch=B, q_len=Nq, kv_len=Nk, heads=H, kv_heads=Hkv, head_dim=D,
+            dtype=_DTYPES[wire], out_dtype=_DTYPES[out_wire], causal=causal, slopes=list(slopes or []),
+            k_pos0=k_pos0, mode=_MODES[mode], samples=samples, seed=seed,
+            lsh_algorithm=_ALGORITHMS[lsh_algorithm], window_eps=window_eps, window_width=window_width,
+            estimates=estimates, probe_rows=probe_rows, mask_row_budget=mask_row_budget,
+            return_draws=return_draws, check_finite=check_finite, return_lse=return_lse,
+            out_chunk_bytes=max(0, chunk_bytes), backend=backend)
+        if scale is not None:
+            header.scale = scale
+        if q_pos0 is not None:
+            header.q_pos0 = q_pos0
+
+        # Rows are flat over batch and sequence: [B * N, heads * D] slabs.
+        tensors = [(pb.TENSOR_Q, _encode(q, wire).reshape(B * Nq, -1)),
+                   (pb.TENSOR_K, _encode(k, wire).reshape(B * Nk, -1)),
+                   (pb.TENSOR_V, _encode(v, wire).reshape(B * Nk, -1))]
+        ack_seen = threading.Event()
+        ack = {}
+
+        def requests():
+            yield pb.AttendRequest(header=header)
+            # Chunk sizes follow the limit the server states in its ack.
+            ack_seen.wait()
+            if "ack" not in ack:
+                return
+            cap = ack["ack"].max_message_bytes - _HEADROOM
+            payload = min(chunk_bytes, cap) if chunk_bytes > 0 else cap
+            for tensor, rows in tensors:
+                per_chunk = max(1, payload // max(1, rows.strides[0]))
+                for start in range(0, rows.shape[0], per_chunk):
+                    part = rows[start:start + per_chunk]
+                    yield pb.AttendRequest(chunk=pb.TensorChunk(
+                        tensor=tensor, row_start=start, row_count=part.shape[0], data=part.tobytes()))
+            yield pb.AttendRequest(end=pb.EndOfInput())
+
+        out_parts, lse_parts, summary = [], [], None
+        call = self._stub.Attend(requests(), timeout=deadline)
+        try:
+            for response in call:
+                kind = response.WhichOneof("kind")
+                if kind == "ack":
+                    ack["ack"] = response.ack
+                    ack_seen.set()
+                elif kind == "out_chunk":
+                    c = response.out_chunk
+                    (lse_parts if c.tensor == pb.TENSOR_LSE else out_parts).append((c.row_start, c.data))
+                elif kind == "summary":
+                    summary = response.summary
+        except grpc.RpcError as e:
+            raise PlshError(e.code(), e.details()) from None
+        finally:
+            ack_seen.set()
+        if summary is None:
+            raise PlshError(grpc.StatusCode.INTERNAL, "the server closed the stream without a summary")
+
+        out = _decode(b"".join(d for _, d in sorted(out_parts, key=lambda p: p[0])), out_wire, (B, Nq, H, D))
+        meta = _meta(summary)
+        if return_lse:
+            lse = np.frombuffer(b"".join(d for _, d in sorted(lse_parts, key=lambda p: p[0])), dtype="<f4")
+            meta["lse"] = lse.reshape(B, Nq, H).copy() if batched else lse.reshape(Nq, H).copy()
+        return (out if batched else out[0]), meta

@@ -1,0 +1,200 @@
+// What happens around requests: metrics that count exactly, cancellation
+// that frees the worker, SIGTERM that drains, /metrics next to CUDA.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <thread>
+
+#include "plsh/client.h"
+#include "server_process.h"
+
+namespace plsh {
+namespace {
+
+using client::AttendCall;
+using client::AttendReply;
+using client::Client;
+using testing::metric_sum;
+using testing::parse_metrics;
+using testing::ServerProcess;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Inputs of zeros are enough here: these tests are about the plumbing.
+struct Request {
+  AttentionOptions options;
+  std::vector<uint8_t> q, k, v;
+  AttendCall call() const {
+    AttendCall c;
+    c.options = options;
+    c.q = q.data();
+    c.k = k.data();
+    c.v = v.data();
+    c.deadline_seconds = 120;
+    return c;
+  }
+};
+
+Request make_request(Mode mode, int64_t n, int64_t heads, DType dtype = DType::kF32) {
+  Request r;
+  r.options.q_len = r.options.kv_len = n;
+  r.options.heads = heads;
+  r.options.head_dim = 64;
+  r.options.dtype = dtype;
+  r.options.mode = mode;
+  r.options.causal = true;
+  const size_t bytes = static_cast<size_t>(n * heads * 64) * dtype_bytes(dtype);
+  r.q.assign(bytes, 0);
+  r.k.assign(bytes, 0);
+  r.v.assign(bytes, 0);
+  // Non-zero values so the probe has something to measure.
+  for (size_t i = 0; i < bytes; i += 4) r.q[i + 3] = r.k[i + 3] = r.v[i + 3] = 0x3f;
+  return r;
+}
+
+std::map<std::string, double> scrape(const ServerProcess& s) {
+  return parse_metrics(testing::http_get(s.metrics_address(), "/metrics"));
+}
+
+TEST(ServiceMetrics, MoveByExactlyTheRequestsMade) {
+  ServerProcess server({"--threads", "2"});
+  ASSERT_TRUE(server.started()) << server.log();
+  const auto before = scrape(server);
+  ASSERT_FALSE(before.empty()) << "no /metrics from " << server.metrics_address();
+  EXPECT_EQ(metric_sum(before, "plsh_build_info", {"backend=\"cpu\""}), 1);
+
+  Client c(server.grpc_address());
+  const Request lsh = make_request(Mode::kLsh, 300, 2);
+  AttendReply a, b, bad;
+  ASSERT_TRUE(c.attend(lsh.call(), &a).ok());
+  ASSERT_TRUE(c.attend_unary(lsh.call(), &b).ok());
+  AttendCall invalid = lsh.call();
+  invalid.options.samples = 0;
+  EXPECT_EQ(c.attend(invalid, &bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  const auto after = scrape(server);
+  auto delta = [&](const std::string& name, const std::vector<std::string>& labels = {}) {
+    return metric_sum(after, name, labels) - metric_sum(before, name, labels);
+  };
+  EXPECT_EQ(delta("plsh_requests_total", {"code=\"OK\"", "mode=\"lsh\"", "backend=\"cpu\""}), 2);
+  EXPECT_EQ(delta("plsh_requests_total", {"code=\"INVALID_ARGUMENT\"", "mode=\"lsh\""}), 1);
+  EXPECT_EQ(delta("plsh_requests_total"), 3);
+  EXPECT_EQ(delta("plsh_request_duration_seconds_count"), 3);
+  EXPECT_EQ(delta("plsh_tokens_total", {"mode=\"lsh\""}), 2 * 300);
+  EXPECT_EQ(delta("plsh_received_bytes_total"), a.sent_bytes + b.sent_bytes);
+  EXPECT_EQ(delta("plsh_sent_bytes_total"), a.received_bytes + b.received_bytes);
+  EXPECT_EQ(delta("plsh_probe_relative_error_count", {"mode=\"lsh\""}), 2);
+  EXPECT_EQ(delta("plsh_mask_max_error_count", {"mode=\"lsh\""}), 2);
+  EXPECT_EQ(delta("plsh_phase_duration_seconds_count", {"phase=\"computing\""}), 2);
+  EXPECT_EQ(metric_sum(after, "plsh_inflight_requests"), 0);
+  EXPECT_EQ(metric_sum(after, "plsh_queue_depth"), 0);
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
+// A long exact request, cancelled once it computes, must free the one
+// worker: a small request sent right after finishes in well under the time
+// the long one would have taken.
+TEST(ServiceLifecycle, CancelMidRequestFreesTheWorker) {
+  ServerProcess server({"--workers", "1", "--threads", "2"});
+  ASSERT_TRUE(server.started()) << server.log();
+  const Request big = make_request(Mode::kExact, 16384, 8, DType::kF16);  // ~0.5 TFLOP: minutes on 2 cores
+
+  std::thread caller;
+  grpc::ClientContext ctx;
+  grpc::Status big_status;
+  {
+    auto stub = v1::Attention::NewStub(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
+    caller = std::thread([&, stub = std::move(stub)] {
+      AttendCall call = big.call();
+      auto stream = stub->Attend(&ctx);
+      v1::AttendRequest m;
+      *m.mutable_header() = client::make_header(call);
+      stream->Write(m);
+      const int64_t row_bytes = 8 * 64 * 2, rows_per = (1 << 20) / row_bytes;
+      for (v1::Tensor t : {v1::TENSOR_Q, v1::TENSOR_K, v1::TENSOR_V})
+        for (int64_t r = 0; r < 16384; r += rows_per) {
+          m.Clear();
+          auto* c = m.mutable_chunk();
+          c->set_tensor(t);
+          c->set_row_start(r);
+          c->set_row_count(rows_per);
+          c->set_data(big.q.data() + r * row_bytes, static_cast<size_t>(rows_per * row_bytes));
+          stream->Write(m);
+        }
+      m.Clear();
+      m.mutable_end();
+      stream->Write(m);
+      stream->WritesDone();
+      v1::AttendResponse resp;
+      while (stream->Read(&resp)) {
+      }
+      big_status = stream->Finish();
+    });
+  }
+  // Wait until the big request is on the worker.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * big.q.size())
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ctx.TryCancel();
+  caller.join();
+  EXPECT_EQ(big_status.error_code(), grpc::StatusCode::CANCELLED);
+
+  const auto t1 = std::chrono::steady_clock::now();
+  const Request small = make_request(Mode::kLsh, 64, 2);
+  AttendReply reply;
+  const grpc::Status s = Client(server.grpc_address()).attend(small.call(), &reply);
+  const double waited = seconds_since(t1);
+  EXPECT_TRUE(s.ok()) << client::status_string(s);
+  EXPECT_LT(waited, 5.0) << "the cancelled request still held the worker";
+  // The server saw the cancellation as such.
+  const auto m = scrape(server);
+  EXPECT_EQ(metric_sum(m, "plsh_requests_total", {"code=\"CANCELLED\"", "mode=\"exact\""}), 1);
+  EXPECT_EQ(metric_sum(m, "plsh_inflight_requests"), 0);
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
+TEST(ServiceLifecycle, SigtermFinishesTheRequestInFlightAndExitsZero) {
+  ServerProcess server({"--threads", "2"});
+  ASSERT_TRUE(server.started()) << server.log();
+  // About a second of exact attention.
+  const Request r = make_request(Mode::kExact, 4096, 4);
+  AttendReply reply;
+  grpc::Status status;
+  std::thread caller([&] { status = Client(server.grpc_address()).attend(r.call(), &reply); });
+  const auto t0 = std::chrono::steady_clock::now();
+  while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * r.q.size())
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  kill(server.pid(), SIGTERM);
+  caller.join();
+  EXPECT_TRUE(status.ok()) << client::status_string(status);
+  EXPECT_EQ(reply.out.size(), r.q.size());
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+  EXPECT_NE(server.log().find("draining"), std::string::npos);
+  // After it: nothing listens any more.
+  std::string health;
+  EXPECT_FALSE(Client(server.grpc_address()).health("", &health, 2).ok());
+}
+
+// civetweb's small thread stacks vs libcublasLt's TLS: the server must serve
+// /metrics in a process that loads the CUDA backend library.
+TEST(ServiceMetrics, ServedWhenTheCudaLibraryIsLoaded) {
+  const std::string lib = PLSH_CUDA_LIBRARY;
+  struct stat st{};
+  if (stat(lib.c_str(), &st) != 0) GTEST_SKIP() << lib << " not built here (no CUDA toolkit): nothing to check";
+  ServerProcess server({}, {"PLSH_CUDA_BACKEND=" + lib});
+  ASSERT_TRUE(server.started()) << server.log();
+  const auto m = scrape(server);
+  EXPECT_EQ(metric_sum(m, "plsh_build_info"), 1) << server.log();
+  std::string health;
+  ASSERT_TRUE(Client(server.grpc_address()).health("", &health).ok());
+  EXPECT_EQ(health, "SERVING");
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
+}  // namespace
+}  // namespace plsh

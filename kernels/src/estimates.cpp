@@ -504,7 +504,7 @@ SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uin
 }
 
 void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, const std::vector<int64_t>& rows,
-                ProbeRow* out) {
+                ProbeRow* out, const ExecContext* ctx) {
   const int64_t R = static_cast<int64_t>(rows.size());
   if (R == 0) return;
   const int64_t D = p.head_dim;
@@ -555,6 +555,8 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
   }
 
   for (int64_t j0 = 0; j0 < max_keys; j0 += kTile) {
+    // Every 64 tiles (~8k keys): a task over a million keys still stops promptly.
+    if (j0 % (64 * kTile) == 0 && j0 > 0 && stop_requested(ctx)) return;
     const int64_t tn = std::min(kTile, max_keys - j0);
     for (int64_t jj = 0; jj < tn; ++jj) {
       const int64_t j = j0 + jj;
@@ -731,7 +733,7 @@ Status compute_estimates(const AttentionParams& p, const ExecContext& ctx, Atten
     const Task& t = tasks[n];
     run("probe for head " + std::to_string(t.head), [&] {
       probe_rows(p, masks[static_cast<size_t>(t.head)], t.head, t.batch, t.rows,
-                 &probed[static_cast<size_t>(t.head)][t.first]);
+                 &probed[static_cast<size_t>(t.head)][t.first], &ctx);
     });
   }
   if (!failure.ok()) return failure;

@@ -594,5 +594,18 @@ TEST(Estimates, StopsOnCancelAndDeadline) {
   EXPECT_EQ(compute_estimates(pr->params, late, &result).code(), StatusCode::kDeadlineExceeded);
 }
 
+// A deadline that passes while the estimates run (here well over 20 ms of
+// work: 2 x 64 probe rows over 32k keys) stops them with DEADLINE_EXCEEDED.
+TEST(Estimates, StopsWhenTheDeadlinePassesMidway) {
+  AttentionOptions o = mask_options(32768, 32768, false, {0.25, 0.01});
+  o.head_dim = 64;
+  o.probe_rows = 64;
+  const auto pr = make_problem(o);
+  ExecContext ctx;
+  ctx.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+  AttentionResult result;
+  EXPECT_EQ(compute_estimates(pr->params, ctx, &result).code(), StatusCode::kDeadlineExceeded);
+}
+
 }  // namespace
 }  // namespace plsh

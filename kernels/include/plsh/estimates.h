@@ -82,9 +82,10 @@ struct ProbeRow {
 };
 ProbeRow probe_row(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, int64_t i);
 // The same for several query rows of one batch item in one pass over its
-// keys (what compute_estimates runs); out has rows.size() entries.
+// keys (what compute_estimates runs); out has rows.size() entries. Returns
+// early, with out unfinished, when ctx (may be null) asks to stop.
 void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, const std::vector<int64_t>& rows,
-                ProbeRow* out);
+                ProbeRow* out, const ExecContext* ctx = nullptr);
 
 // Fills result->heads (slope, sigma, window, max_block, draws on request) and,
 // when p.estimates, the error estimates per head and their summary. Needs

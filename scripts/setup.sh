@@ -14,6 +14,7 @@ packages=(
   libgtest-dev libgmock-dev googletest
   python3-grpcio python3-numpy python3-pytest python3-protobuf
   prometheus curl
+  python3-yaml docker-compose golang-go golang-github-masterminds-sprig-dev golang-github-ghodss-yaml-dev
 )
 
 if [ "$(id -u)" -eq 0 ]; then

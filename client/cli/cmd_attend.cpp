@@ -1,0 +1,172 @@
+// plsh attend: plsh compute's request sent to a plsh-server. Same flags and
+// the same .npy / META.json contract, plus where to send it (--target), the
+// dtype on the wire, the chunk size and a deadline; META.json also gets the
+// server's timings. Errors print the gRPC status name and message.
+#include <grpcpp/grpcpp.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <vector>
+
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "cli/meta_json.h"
+#include "cli/npy.h"
+#include "plsh/client.h"
+#include "plsh/numeric.h"
+
+namespace plsh::cli {
+namespace {
+
+struct AttendArgs {
+  AttentionCliArgs attention;
+  OutputCliArgs outputs;
+  std::string target = "127.0.0.1:50051";
+  std::string wire_dtype;    // f32 | f16 | bf16; empty: the inputs' dtype
+  int64_t chunk_bytes = 0;   // 0: the largest the server allows
+  double deadline = 0;       // seconds; 0: none
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Status write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  if (!out) return failed_precondition(path + ": cannot create: " + std::strerror(errno));
+  out << text;
+  out.close();
+  if (!out) return failed_precondition(path + ": write failed: " + std::strerror(errno));
+  return Status::Ok();
+}
+
+// The array's elements in another dtype (through float, as the backends read them).
+std::vector<uint8_t> convert(const NpyArray& a, DType to) {
+  const int64_t n = a.elements();
+  std::vector<float> values(static_cast<size_t>(n));
+  load_row(a.ptr(), a.dtype, 0, n, values.data());
+  std::vector<uint8_t> out(static_cast<size_t>(n) * dtype_bytes(to));
+  store_row(out.data(), to, 0, n, values.data());
+  return out;
+}
+
+// A failed call: the gRPC status as the server sent it.
+int report_rpc_error(const grpc::Status& s) {
+  std::cerr << "plsh attend: " << client::status_string(s) << std::endl;
+  return s.error_code() == grpc::StatusCode::INVALID_ARGUMENT ? kExitUsage : kExitRuntime;
+}
+
+int attend(const AttendArgs& args) {
+  const auto t_start = std::chrono::steady_clock::now();
+  if (Status s = check_output_paths(args.outputs); !s.ok()) return report_error("attend", s);
+  StatusOr<AttentionInputs> loaded = load_attention_inputs(args.attention);
+  if (!loaded.ok()) return report_error("attend", loaded.status());
+  AttentionInputs& in = *loaded;
+  const double load_seconds = seconds_since(t_start);
+
+  // The output keeps the files' dtype unless asked otherwise, as compute's does.
+  const DType file_dtype = in.options.dtype;
+  if (!in.options.out_dtype) in.options.out_dtype = file_dtype;
+  DType wire = file_dtype;
+  if (!args.wire_dtype.empty()) {
+    StatusOr<DType> parsed = parse_dtype(args.wire_dtype);
+    if (!parsed.ok())
+      return report_error("attend", invalid_argument("--wire-dtype = '" + args.wire_dtype + "', expected f32, f16 or bf16"));
+    wire = *parsed;
+  }
+  std::vector<uint8_t> q, k, v;
+  const void *q_ptr = in.q.ptr(), *k_ptr = in.k.ptr(), *v_ptr = in.v.ptr();
+  if (wire != file_dtype) {
+    q = convert(in.q, wire);
+    k = convert(in.k, wire);
+    v = convert(in.v, wire);
+    q_ptr = q.data();
+    k_ptr = k.data();
+    v_ptr = v.data();
+  }
+
+  client::AttendCall call;
+  call.options = in.options;
+  call.options.dtype = wire;
+  call.q = q_ptr;
+  call.k = k_ptr;
+  call.v = v_ptr;
+  call.return_lse = !args.outputs.lse_path.empty();
+  call.backend = args.attention.backend;
+  call.chunk_bytes = args.chunk_bytes;
+  call.deadline_seconds = args.deadline;
+
+  client::Client c(args.target);
+  client::AttendReply reply;
+  const auto t_call = std::chrono::steady_clock::now();
+  const grpc::Status status = c.attend(call, &reply);
+  const double call_seconds = seconds_since(t_call);
+  if (!status.ok()) return report_rpc_error(status);
+
+  const auto t_save = std::chrono::steady_clock::now();
+  const AttentionOptions& o = in.options;
+  Status saved = write_npy(args.outputs.out_path, reply.out_dtype, output_shape(o, in.batched), reply.out.data());
+  if (saved.ok() && call.return_lse)
+    saved = write_npy(args.outputs.lse_path, DType::kF32, lse_shape(o, in.batched), reply.lse.data());
+  if (!saved.ok()) return report_error("attend", saved);
+
+  if (!args.outputs.meta_path.empty()) {
+    AttentionResult result = reply.result;
+    result.timings["load"] = load_seconds;
+    result.timings["call"] = call_seconds;
+    result.timings["save"] = seconds_since(t_save);
+    nlohmann::ordered_json meta = result_to_json(result);
+    // The params as the server resolved them: the same defaults, the wire
+    // dtype, the pointers of the received output (make_params checks them).
+    AttentionOptions resolved = call.options;
+    resolved.check_finite = false;  // the server already did
+    TensorRefs t;
+    t.q = call.q;
+    t.k = call.k;
+    t.v = call.v;
+    t.out = reply.out.data();
+    StatusOr<AttentionParams> params = make_params(resolved, t);
+    if (!params.ok()) return report_error("attend", params.status());
+    add_params_json(*params, in.batched, &meta);
+    meta["server"] = {{"target", args.target},
+                      {"request_id", reply.request_id},
+                      {"wire_dtype", dtype_name(wire)},
+                      {"timings", {{"queued", reply.timings.queued},
+                                   {"receiving", reply.timings.receiving},
+                                   {"computing", reply.timings.computing},
+                                   {"sending", reply.timings.sending},
+                                   {"total", reply.timings.total}}},
+                      {"messages", reply.messages},
+                      {"largest_message_bytes", reply.largest_message_bytes},
+                      {"sent_bytes", reply.sent_bytes},
+                      {"received_bytes", reply.received_bytes}};
+    if (Status s = write_text(args.outputs.meta_path, meta.dump(2) + "\n"); !s.ok()) return report_error("attend", s);
+  }
+  return kExitOk;
+}
+
+RunFn setup_attend(CLI::App& app) {
+  auto args = std::make_shared<AttendArgs>();
+  add_attention_flags(app, args->attention);
+  add_output_flags(app, args->outputs);
+  app.add_option("--target", args->target, "plsh-server address host:port")->capture_default_str();
+  app.add_option("--wire-dtype", args->wire_dtype, "dtype of q, k, v on the wire: f32, f16 or bf16 (default: the files')")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  app.add_option("--chunk-bytes", args->chunk_bytes, "payload bytes per message (0: the server's largest)")
+      ->capture_default_str()
+      ->transform(decimal_integer(false));
+  app.add_option("--deadline", args->deadline, "seconds for the whole call (0: none)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  return [args] { return attend(*args); };
+}
+
+}  // namespace
+}  // namespace plsh::cli
+
+PLSH_REGISTER_COMMAND(attend, "Send plsh compute's request to a plsh-server (same flags, plus --target)",
+                      plsh::cli::setup_attend);

@@ -1,0 +1,77 @@
+"""plsh attend (the CLI) against the real plsh-server: for every mode the
+output and lse files equal plsh compute's on the same files (1e-6 relative,
+float32), META.json carries the estimates and the server's timings, and
+errors print the gRPC status name and exit non-zero. Also plsh health/info."""
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+PLSH = os.environ.get("PLSH_CLI")
+
+
+def run(*args):
+    return subprocess.run([PLSH, *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    r = np.random.default_rng(12)
+    np.save(d / "q.npy", r.standard_normal((2, 150, 4, 48)).astype(np.float32))
+    np.save(d / "k.npy", r.standard_normal((2, 190, 2, 48)).astype(np.float32))
+    np.save(d / "v.npy", r.standard_normal((2, 190, 2, 48)).astype(np.float32))
+    return d
+
+
+@pytest.mark.parametrize("mode", ["exact", "lsh", "window"])
+def test_attend_equals_compute(server, files, tmp_path, mode):
+    common = ["--q", str(files / "q.npy"), "--k", str(files / "k.npy"), "--v", str(files / "v.npy"),
+              "--mode", mode, "--samples", "24", "--seed", "5", "--causal"]
+    local = run("compute", *common, "--backend", "cpu", "--out", str(tmp_path / "c.npy"),
+                "--lse", str(tmp_path / "c_lse.npy"), "--meta", str(tmp_path / "c.json"))
+    assert local.returncode == 0, local.stderr
+    remote = run("attend", *common, "--target", server.address, "--chunk-bytes", "4096", "--deadline", "60",
+                 "--out", str(tmp_path / "a.npy"), "--lse", str(tmp_path / "a_lse.npy"), "--meta", str(tmp_path / "a.json"))
+    assert remote.returncode == 0, remote.stderr
+    for out, ref in (("a.npy", "c.npy"), ("a_lse.npy", "c_lse.npy")):
+        a, b = np.load(tmp_path / out), np.load(tmp_path / ref)
+        assert a.shape == b.shape and a.dtype == b.dtype == np.float32
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max()
+    meta, ref_meta = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "c.json").read_text())
+    assert meta["mode"] == mode and meta["shape"] == ref_meta["shape"] and meta["params"] == ref_meta["params"]
+    assert meta["summary"]["probe"]["rel_err"] == pytest.approx(ref_meta["summary"]["probe"]["rel_err"], rel=1e-6)
+    server_part = meta["server"]
+    assert set(server_part["timings"]) == {"queued", "receiving", "computing", "sending", "total"}
+    assert server_part["messages"] > 10 and server_part["largest_message_bytes"] <= 4096 + 1024
+
+
+def test_attend_errors_print_the_status_and_exit_non_zero(server, files, tmp_path):
+    inputs = ["--q", str(files / "q.npy"), "--k", str(files / "k.npy"), "--v", str(files / "v.npy"),
+              "--out", str(tmp_path / "o.npy")]
+    bad = run("attend", *inputs, "--target", server.address, "--samples", "0")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("plsh attend: INVALID_ARGUMENT: samples = 0")
+    over = run("attend", *inputs, "--target", server.address, "--samples", "100000")
+    assert over.returncode == 1 and "RESOURCE_EXHAUSTED" in over.stderr and "samples" in over.stderr
+    gone = run("attend", *inputs, "--target", "127.0.0.1:1", "--deadline", "5")
+    assert gone.returncode == 1 and "plsh attend: UNAVAILABLE" in gone.stderr
+
+
+def test_health_and_info(server):
+    ok = run("health", "--target", server.address)
+    assert ok.returncode == 0 and ok.stdout.strip() == "SERVING"
+    service = run("health", "--target", server.address, "--service", "plsh.v1.Attention")
+    assert service.returncode == 0
+    unknown = run("health", "--target", server.address, "--service", "no.such.Service")
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+    info = run("info", "--target", server.address)
+    assert info.returncode == 0
+    parsed = json.loads(info.stdout)
+    assert parsed["limits"]["max_samples"] == "512"  # int64 is a string in proto JSON
+    assert parsed["backends"][-1]["name"] == "cpu"
+    down = run("health", "--target", "127.0.0.1:1", "--deadline", "2")
+    assert down.returncode == 1 and "plsh health: " in down.stderr

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <random>
@@ -383,7 +384,53 @@ MaskMaxError mask_max_error(const HeadMask& m, const PositionRange& r, int64_t r
   return lsh_mask_max_error(m, r, row_budget, sample_seed, ctx);
 }
 
-void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose) {
+namespace {
+
+// Block edges of every hash over one target range, kept across the Lanczos
+// iterations: finding them (block_end, three floor divisions a block) costs
+// more than the product itself when blocks are short.
+class BlockEdges {
+ public:
+  // Per hash: the begin of the block holding t0, then every block end up to
+  // and including the first at or past t_end.
+  static void of_hash(const Draw& d, int64_t t0, int64_t t_end, std::vector<int64_t>* edges) {
+    edges->clear();
+    edges->push_back(block_begin(t0, d));
+    int64_t e = block_end(t0, d);
+    edges->push_back(e);
+    while (e < t_end) {
+      e = block_end(e, d);
+      edges->push_back(e);
+    }
+  }
+  // Gives up (complete() false, nothing kept) past max_entries edges.
+  BlockEdges(const std::vector<Draw>& draws, int64_t t0, int64_t nt, size_t max_entries) : t0_(t0), nt_(nt) {
+    std::vector<int64_t> one;
+    for (const Draw& d : draws) {
+      of_hash(d, t0, t0 + nt, &one);
+      if (flat_.size() + one.size() > max_entries) {
+        std::vector<int64_t>().swap(flat_);
+        offsets_.clear();
+        return;
+      }
+      offsets_.push_back(flat_.size());
+      flat_.insert(flat_.end(), one.begin(), one.end());
+    }
+    complete_ = true;
+  }
+  bool complete() const { return complete_; }
+  bool covers(int64_t t0, int64_t nt) const { return complete_ && t0 == t0_ && nt == nt_; }
+  const int64_t* hash(size_t k) const { return flat_.data() + offsets_[k]; }
+
+ private:
+  int64_t t0_, nt_;
+  bool complete_ = false;
+  std::vector<int64_t> flat_;
+  std::vector<size_t> offsets_;
+};
+
+void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose,
+                           const BlockEdges* cached) {
   // Source: the vector's side; target: the output's side.
   const int64_t s0 = transpose ? r.q_pos0 : r.k_pos0, ns = transpose ? r.q_len : r.kv_len;
   const int64_t t0 = transpose ? r.k_pos0 : r.q_pos0, nt = transpose ? r.kv_len : r.q_len;
@@ -422,17 +469,33 @@ void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x
     return a > b ? 0.0 : prefix[static_cast<size_t>(b - s0) + 1] - prefix[static_cast<size_t>(a - s0)];
   };
   const double inv_s = 1.0 / static_cast<double>(m.draws.size());
-  for (const Draw& d : m.draws) {
-    int64_t begin = block_begin(t0, d), end = block_end(t0, d);
+  if (cached != nullptr && !cached->covers(t0, nt)) cached = nullptr;
+  std::vector<int64_t> scratch;
+  for (size_t k = 0; k < m.draws.size(); ++k) {
+    const int64_t* edges;
+    if (cached != nullptr) {
+      edges = cached->hash(k);
+    } else {
+      BlockEdges::of_hash(m.draws[k], t0, t0 + nt, &scratch);
+      edges = scratch.data();
+    }
+    int64_t begin = edges[0], end = edges[1];
+    size_t next = 2;
     for (int64_t n = 0; n < nt; ++n) {
       const int64_t t = t0 + n;
       while (t >= end) {
         begin = end;
-        end = block_end(end, d);
+        end = edges[next++];
       }
       y[n] -= inv_s * range_sum(left ? begin : t, right ? end - 1 : t);
     }
   }
+}
+
+}  // namespace
+
+void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose) {
+  apply_mask_error_with(m, r, x, y, transpose, nullptr);
 }
 
 SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uint64_t start_seed,
@@ -446,9 +509,23 @@ SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uin
   const bool on_keys = r.kv_len <= r.q_len;
   const size_t n = static_cast<size_t>(on_keys ? r.kv_len : r.q_len);
   std::vector<double> between(static_cast<size_t>(on_keys ? r.q_len : r.kv_len));
+  // Block edges over the query and the key range, kept while they fit in
+  // 64 MiB each (8M edges: s = 256 hashes of sigma = 2 over 65536
+  // positions take 6.6M); else found again in every product, one hash at a
+  // time. Lanczos at sigma = 2, s = 256, n = 65536: 10 s -> 3 s.
+  constexpr size_t kEdgeCacheEntries = 64 * 1024 * 1024 / sizeof(int64_t);
+  std::unique_ptr<BlockEdges> query_edges, key_edges;
+  if (m.mode == Mode::kLsh) {
+    query_edges = std::make_unique<BlockEdges>(m.draws, r.q_pos0, r.q_len, kEdgeCacheEntries);
+    // The same range (the usual self-attention case): one set serves both.
+    if (r.k_pos0 != r.q_pos0 || r.kv_len != r.q_len)
+      key_edges = std::make_unique<BlockEdges>(m.draws, r.k_pos0, r.kv_len, kEdgeCacheEntries);
+  }
+  const BlockEdges* to_queries = query_edges.get();
+  const BlockEdges* to_keys = key_edges ? key_edges.get() : query_edges.get();
   auto gram = [&](const std::vector<double>& v, std::vector<double>& w) {
-    apply_mask_error(m, r, v.data(), between.data(), !on_keys);
-    apply_mask_error(m, r, between.data(), w.data(), on_keys);
+    apply_mask_error_with(m, r, v.data(), between.data(), !on_keys, on_keys ? to_queries : to_keys);
+    apply_mask_error_with(m, r, between.data(), w.data(), on_keys, on_keys ? to_keys : to_queries);
   };
 
   std::vector<double> v(n), v_prev(n, 0.0), w(n);

@@ -172,17 +172,11 @@ __global__ void __launch_bounds__(kThreads) masked_softmax_kernel(DeviceProblem 
       continue;
     }
     const int64_t pos_i = pr.q_pos0 + i;
-    const long long q_bin = same_bin ? span_bin(pos_i, l.pitch, l.shift) : 0;
+    const int64_t q_bin = same_bin ? span_bin(pos_i, l.pitch, l.shift) : 0;
     auto logit = [&](int64_t x, float* s) {
       const int64_t j = d.col0 + x;
-      if (j < d.valid_begin || j >= d.valid_end) return false;
-      const int64_t pos_j = pr.k_pos0 + j;
-      if (pr.shape.causal && pos_j > pos_i) return false;
-      const int64_t dist = pos_i > pos_j ? pos_i - pos_j : pos_j - pos_i;
-      if (l.rule == SpanRule::kWindow && dist >= l.window) return false;
-      if (same_bin && key_bin[x] != q_bin) return false;
-      *s = rb.scores[base + x] - l.slope * static_cast<float>(dist);
-      return true;
+      return slot_logit(l, d, pr.shape.causal, pos_i, j, pr.k_pos0 + j, q_bin, same_bin ? key_bin[x] : 0,
+                        rb.scores[base + x], s);
     };
     float m = -INFINITY;
     for (int64_t x = lane; x < Kc; x += 32) {
@@ -227,23 +221,14 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(DeviceProblem pr, const
     const int64_t idx = acc_lane * a.rows_per_lane + (i - a.row0);
     const float l_acc = a.acc_sum[idx];
     const float m_acc = a.acc_max[idx];
-    float m_new, c_acc, c_part;
-    if (l_acc == 0.0f) {
-      m_new = m_part;
-      c_acc = 0.0f;
-      c_part = 1.0f;
-    } else {
-      m_new = fmaxf(m_acc, m_part);
-      c_acc = expf(m_acc - m_new);
-      c_part = expf(m_part - m_new);
-    }
+    const MergeCoefficients c = merge_coefficients(m_acc, l_acc, m_part);
     float* acc = a.acc + idx * D;
     const float* part = rb.partial + (slot * T + r) * D;
-    for (int64_t x = lane; x < D; x += 32) acc[x] = acc[x] * c_acc + part[x] * c_part;
+    for (int64_t x = lane; x < D; x += 32) acc[x] = acc[x] * c.c_acc + part[x] * c.c_part;
     __syncwarp();
     if (lane == 0) {
-      a.acc_max[idx] = m_new;
-      a.acc_sum[idx] = l_acc * c_acc + l_part * c_part;
+      a.acc_max[idx] = c.m_new;
+      a.acc_sum[idx] = l_acc * c.c_acc + l_part * c.c_part;
     }
   }
 }
@@ -443,8 +428,6 @@ class CudaBackend final : public Backend {
     int64_t total() const { return staging + tables + plan.bytes + 16 * Carver::kAlign; }
   };
 
-  // Per query head: its passes (without batch item or chunk lane).
-  std::vector<LaneSetup> head_setups(const AttentionParams& p, const SpanShape& shape) const;
   StatusOr<Sizing> sizing(const AttentionParams& p, int64_t budget) const;
 
   StatusOr<cublasHandle_t> acquire_handle() {
@@ -474,54 +457,6 @@ class CudaBackend final : public Backend {
   std::vector<cublasHandle_t> free_handles_;
 };
 
-SpanShape span_shape(const AttentionParams& p) {
-  SpanShape s;
-  s.q_len = p.q_len;
-  s.kv_len = p.kv_len;
-  s.qk_offset = p.q_pos0 - p.k_pos0;
-  s.causal = p.causal;
-  s.tile_rows = std::min(kTileRows, p.q_len);
-  return s;
-}
-
-std::vector<LaneSetup> CudaBackend::head_setups(const AttentionParams& p, const SpanShape& shape) const {
-  (void)shape;
-  std::vector<LaneSetup> heads(static_cast<size_t>(p.heads));
-  for (int64_t h = 0; h < p.heads; ++h) {
-    LaneSetup& setup = heads[static_cast<size_t>(h)];
-    LanePass base;
-    base.head = static_cast<int32_t>(h);
-    base.slope = static_cast<float>(p.slopes[static_cast<size_t>(h)]);
-    const double sigma = p.sigma(h);
-    if (p.mode == Mode::kLsh && std::isfinite(sigma)) {
-      // SPEC section 5: the same draws as every other backend.
-      for (const Draw& d : draw_hashes(p.seed, h, sigma, p.samples)) {
-        LanePass l = base;
-        l.rule = SpanRule::kSameBin;
-        l.slope = 0;
-        l.pitch = d.pitch;
-        l.shift = d.shift;
-        l.reach = lsh_reach(d.pitch);
-        setup.passes.push_back(l);
-      }
-    } else if (p.mode == Mode::kWindow && p.window[static_cast<size_t>(h)] != kNoWindow) {
-      LanePass l = base;
-      l.rule = SpanRule::kWindow;
-      l.window = p.window[static_cast<size_t>(h)];
-      l.reach = window_reach(l.window);
-      setup.passes.push_back(l);
-    } else {
-      // Exact; also lsh with slope 0, where every hash puts every position in
-      // one bin, so M~ = 1 and one pass with no bias is the same estimator.
-      LanePass l = base;
-      l.rule = SpanRule::kAll;
-      l.reach = -1;
-      setup.passes.push_back(l);
-    }
-  }
-  return heads;
-}
-
 StatusOr<CudaBackend::Sizing> CudaBackend::sizing(const AttentionParams& p, int64_t budget) const {
   Sizing s;
   const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
@@ -537,7 +472,7 @@ StatusOr<CudaBackend::Sizing> CudaBackend::sizing(const AttentionParams& p, int6
   // Lane tables: one entry per lane, pass and key chunk, at most.
   const SpanShape shape = span_shape(p);
   int64_t entries = 0;
-  for (const LaneSetup& h : head_setups(p, shape)) {
+  for (const LaneSetup& h : head_passes(p)) {
     for (const LanePass& l : h.passes) {
       const int64_t width = max_span_width(shape, l.reach);
       entries += ceil_div(width, key_cols_for(width, shape.kv_len));
@@ -663,7 +598,7 @@ Status CudaBackend::forward(const AttentionParams& p, const ExecContext& ctx, Fo
     rb.desc = c.take<TileDesc>(S);
   }
 
-  const std::vector<LaneSetup> heads = head_setups(p, pr.shape);
+  const std::vector<LaneSetup> heads = head_passes(p);
   DeviceBuffer tables;
   RETURN_IF_ERROR(tables.allocate(pool_, sz.tables, stream));
   float* d_lse_offset = reinterpret_cast<float*>(tables.get());
@@ -671,8 +606,7 @@ Status CudaBackend::forward(const AttentionParams& p, const ExecContext& ctx, Fo
   {
     std::vector<float> lse_offset(static_cast<size_t>(p.heads));
     for (int64_t h = 0; h < p.heads; ++h)
-      lse_offset[static_cast<size_t>(h)] =
-          heads[static_cast<size_t>(h)].passes.front().rule == SpanRule::kSameBin ? std::log(static_cast<float>(p.samples)) : 0.0f;
+      lse_offset[static_cast<size_t>(h)] = cuda::lse_offset(heads[static_cast<size_t>(h)], p.samples);
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_lse_offset, lse_offset.data(), lse_offset.size() * 4, cudaMemcpyHostToDevice, stream));
   }
 

@@ -4,6 +4,8 @@
 #include <map>
 #include <string>
 
+#include "plsh/draws.h"
+
 namespace plsh::cuda {
 
 namespace {
@@ -56,6 +58,55 @@ StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& s, int64_t budget_b
   p.slots = p.lanes_per_chunk * p.tiles_per_chunk;
   p.bytes = p.slots * p.bytes_per_slot;
   return p;
+}
+
+SpanShape span_shape(const AttentionParams& p) {
+  SpanShape s;
+  s.q_len = p.q_len;
+  s.kv_len = p.kv_len;
+  s.qk_offset = p.q_pos0 - p.k_pos0;
+  s.causal = p.causal;
+  s.tile_rows = std::min(kTileRows, p.q_len);
+  return s;
+}
+
+std::vector<LaneSetup> head_passes(const AttentionParams& p) {
+  std::vector<LaneSetup> heads(static_cast<size_t>(p.heads));
+  for (int64_t h = 0; h < p.heads; ++h) {
+    LaneSetup& setup = heads[static_cast<size_t>(h)];
+    LanePass base;
+    base.head = static_cast<int32_t>(h);
+    base.slope = static_cast<float>(p.slopes[static_cast<size_t>(h)]);
+    const double sigma = p.sigma(h);
+    if (p.mode == Mode::kLsh && std::isfinite(sigma)) {
+      for (const Draw& d : draw_hashes(p.seed, h, sigma, p.samples)) {
+        LanePass l = base;
+        l.rule = SpanRule::kSameBin;
+        l.slope = 0;
+        l.pitch = d.pitch;
+        l.shift = d.shift;
+        l.reach = lsh_reach(d.pitch);
+        setup.passes.push_back(l);
+      }
+    } else if (p.mode == Mode::kWindow && p.window[static_cast<size_t>(h)] != kNoWindow) {
+      LanePass l = base;
+      l.rule = SpanRule::kWindow;
+      l.window = p.window[static_cast<size_t>(h)];
+      l.reach = window_reach(l.window);
+      setup.passes.push_back(l);
+    } else {
+      LanePass l = base;
+      l.rule = SpanRule::kAll;
+      l.reach = -1;
+      setup.passes.push_back(l);
+    }
+  }
+  return heads;
+}
+
+float lse_offset(const LaneSetup& head, int64_t samples) {
+  return !head.passes.empty() && head.passes.front().rule == SpanRule::kSameBin ? std::log(static_cast<float>(samples))
+                                                                                : 0.0f;
 }
 
 std::vector<Round> plan_rounds(const SpanShape& shape, const std::vector<LaneSetup>& lanes, int64_t tile_begin,

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "plsh/params.h"
 #include "plsh/status.h"
 
 #if defined(__CUDACC__)
@@ -173,6 +174,32 @@ PLSH_HD inline bool pair_allowed(const LanePass& l, bool causal, int64_t pq, int
   return false;
 }
 
+// The logit of key column j (key row) for query row i of a slot, or false
+// when the pass does not allow the pair there: outside the chunk's valid
+// keys, after the query under causality, outside the window, or in another
+// bin (bins given, evaluated once per row and column by the caller).
+PLSH_HD inline bool slot_logit(const LanePass& l, const TileDesc& d, bool causal, int64_t pos_i, int64_t j,
+                               int64_t pos_j, int64_t q_bin, int64_t k_bin, float score, float* logit) {
+  if (j < d.valid_begin || j >= d.valid_end) return false;
+  if (causal && pos_j > pos_i) return false;
+  const int64_t dist = pos_i > pos_j ? pos_i - pos_j : pos_j - pos_i;
+  if (l.rule == SpanRule::kWindow && dist >= l.window) return false;
+  if (l.rule == SpanRule::kSameBin && k_bin != q_bin) return false;
+  *logit = score - l.slope * static_cast<float>(dist);
+  return true;
+}
+
+// Online log-sum-exp merge of a partial row (max m_part, sum l_part > 0)
+// into a running one (l_acc == 0: empty): acc <- acc * c_acc + part * c_part.
+struct MergeCoefficients {
+  float m_new, c_acc, c_part;
+};
+PLSH_HD inline MergeCoefficients merge_coefficients(float m_acc, float l_acc, float m_part) {
+  if (l_acc == 0.0f) return {m_part, 0.0f, 1.0f};
+  const float m_new = m_acc > m_part ? m_acc : m_part;
+  return {m_new, expf(m_acc - m_new), expf(m_part - m_new)};
+}
+
 // ---- Host planning ----------------------------------------------------------
 
 // Reach of an lsh hash: two integer positions in one bin are at most
@@ -215,6 +242,19 @@ StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& shape, int64_t budg
 struct LaneSetup {
   std::vector<LanePass> passes;
 };
+
+SpanShape span_shape(const AttentionParams& p);
+
+// Per query head (batch 0, acc_lane 0): exact one pass, weight
+// exp(-slope |d|); window one pass, also |d| < W_h (exact where W_h is
+// unbounded); lsh one pass per hash with SPEC section 5's draws, and for a
+// slope of 0 one unbiased pass over every key (every hash then puts every
+// position in one bin: M~ = 1).
+std::vector<LaneSetup> head_passes(const AttentionParams& p);
+
+// Subtracted from m + log(l) to give lse: log(samples) where the passes are
+// hashes (M~ averages them), else 0.
+float lse_offset(const LaneSetup& head, int64_t samples);
 
 // The rounds of one chunk: lanes [0, lanes.size()) (acc_lane = index) and
 // query tiles [tile_begin, tile_end). Appends to `table` the LanePass entries

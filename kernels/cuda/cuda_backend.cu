@@ -178,16 +178,29 @@ __global__ void __launch_bounds__(kThreads) masked_softmax_kernel(DeviceProblem 
       return slot_logit(l, d, pr.shape.causal, pos_i, j, pr.k_pos0 + j, q_bin, same_bin ? key_bin[x] : 0,
                         rb.scores[base + x], s);
     };
+    // The row's logits stay in registers between the max and the exp pass
+    // (Kc <= 512: 16 per lane, indexed by unrolled constants), so the scores
+    // are read from memory once: 12 bytes per score moved instead of 16.
+    constexpr int kPerLane = static_cast<int>(kMaxKeyCols / 32);
+    float logits[kPerLane];
     float m = -INFINITY;
-    for (int64_t x = lane; x < Kc; x += 32) {
-      float s;
-      if (logit(x, &s)) m = fmaxf(m, s);
+#pragma unroll
+    for (int t = 0; t < kPerLane; ++t) {
+      const int64_t x = lane + 32 * t;
+      float s = -INFINITY;
+      if (x >= Kc || !logit(x, &s)) s = -INFINITY;
+      logits[t] = s;
+      m = fmaxf(m, s);
     }
     m = warp_max(m);
     float sum = 0.0f;
-    for (int64_t x = lane; x < Kc; x += 32) {
-      float s;
-      const float p = logit(x, &s) ? expf(s - m) : 0.0f;
+#pragma unroll
+    for (int t = 0; t < kPerLane; ++t) {
+      const int64_t x = lane + 32 * t;
+      if (x >= Kc) continue;
+      // Allowed logits are finite; -inf marks the masked ones (and m = -inf
+      // only when the whole row is masked).
+      const float p = logits[t] == -INFINITY ? 0.0f : expf(logits[t] - m);
       const TP pv = from_float<TP>(p);
       probs[base + x] = pv;
       sum += to_float(pv);

@@ -166,8 +166,11 @@ def main(argv):
             return num.contiguous(), idx.contiguous()
         kv_num, kv_idx = ordered(partial)
         full_num, full_idx = ordered(full)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
-                                        mask_mod=mask_mod, seq_lengths=(n, n))
+        try:
+            return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
+                                            mask_mod=mask_mod, seq_lengths=(n, n))
+        except TypeError:  # a PyTorch without seq_lengths: N is a multiple of BLOCK here anyway
+            return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod)
 
     def band_masks(n, width_per_head, mask_mod):
         """Causal blocks holding a pair with |i - j| < width (None: any); full where every pair is allowed."""

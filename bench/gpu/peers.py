@@ -368,7 +368,7 @@ def write_table(args, rows, device_name, mm_tflops, copy_tbs, elapsed):
                  "FLOP floor ms | byte floor ms |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
     cross = []
-    for res in rows:
+    for res in sorted(rows, key=lambda r: r["n"]):
         n = res["n"]
         if "skipped" in res:
             lines.append(f"| {n} | - | - | skipped ({res['skipped']}) | | | | | |")

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <thread>
 
+#include "plsh/backend.h"
 #include "plsh/client.h"
 #include "server_process.h"
 
@@ -180,6 +181,60 @@ TEST(ServiceLifecycle, SigtermFinishesTheRequestInFlightAndExitsZero) {
   EXPECT_FALSE(Client(server.grpc_address()).health("", &health, 2).ok());
 }
 
+// Every way a request ends gives its memory back: with a budget that holds
+// one request (plus the backend's workspace) and not two, requests that
+// succeed, fail validation after their memory was reserved, or are refused
+// can follow each other indefinitely; one twice the size is refused.
+TEST(ServiceLifecycle, MemoryBudgetIsReleasedOnEveryPath) {
+  const Request one = make_request(Mode::kExact, 1000, 2);
+  const int64_t request_bytes = 4 * static_cast<int64_t>(one.q.size());  // q, k, v, out
+  std::vector<uint8_t> out(one.q.size());
+  TensorRefs t;
+  t.q = one.q.data();
+  t.k = one.k.data();
+  t.v = one.v.data();
+  t.out = out.data();
+  StatusOr<AttentionParams> p = make_params(one.options, t);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  StatusOr<Backend*> cpu = BackendRegistry::global().find("cpu");
+  ASSERT_TRUE(cpu.ok());
+  const int64_t budget = request_bytes + (*cpu)->workspace_bytes(*p) + request_bytes / 2;
+  ServerProcess server({"--memory-budget", std::to_string(budget), "--backend", "cpu"});
+  ASSERT_TRUE(server.started()) << server.log();
+  Client c(server.grpc_address());
+
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    AttendReply reply;
+    grpc::Status s = c.attend(one.call(), &reply);
+    EXPECT_TRUE(s.ok()) << client::status_string(s);
+    // Reserved at the header, then the stream ends without its end message.
+    auto stub = v1::Attention::NewStub(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    auto stream = stub->Attend(&ctx);
+    v1::AttendRequest m;
+    *m.mutable_header() = client::make_header(one.call());
+    stream->Write(m);
+    stream->WritesDone();
+    v1::AttendResponse r;
+    while (stream->Read(&r)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    // A NaN found after the whole input arrived, at make_params.
+    Request nan = one;
+    nan.v[8] = 0xff, nan.v[9] = 0xff, nan.v[10] = 0xc0, nan.v[11] = 0x7f;
+    s = c.attend(nan.call(), &reply);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << client::status_string(s);
+  }
+  const Request two = make_request(Mode::kExact, 2000, 2);
+  AttendReply reply;
+  const grpc::Status refused = c.attend(two.call(), &reply);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.error_message().find("memory-budget"), std::string::npos) << refused.error_message();
+  EXPECT_TRUE(c.attend(one.call(), &reply).ok());
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
 // civetweb's small thread stacks vs libcublasLt's TLS: the server must serve
 // /metrics in a process that loads the CUDA backend library.
 TEST(ServiceMetrics, ServedWhenTheCudaLibraryIsLoaded) {
@@ -188,6 +243,11 @@ TEST(ServiceMetrics, ServedWhenTheCudaLibraryIsLoaded) {
   if (stat(lib.c_str(), &st) != 0) GTEST_SKIP() << lib << " not built here (no CUDA toolkit): nothing to check";
   ServerProcess server({}, {"PLSH_CUDA_BACKEND=" + lib});
   ASSERT_TRUE(server.started()) << server.log();
+  // The library (and with it cuBLAS) really loaded: its factory ran, and
+  // either found a device or said why not.
+  const std::string log = server.log();
+  EXPECT_TRUE(log.find("name=cuda") != std::string::npos || log.find("cuda backend unavailable") != std::string::npos)
+      << log;
   const auto m = scrape(server);
   EXPECT_EQ(metric_sum(m, "plsh_build_info"), 1) << server.log();
   std::string health;

@@ -83,7 +83,7 @@ USER 10001:10001
 # plsh health exits 0 only when the server reports SERVING; the port follows
 # PLSH_LISTEN (the part after its last colon).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
-    CMD plsh health --target "127.0.0.1:${PLSH_LISTEN##*:}" || exit 1
+    CMD plsh health --deadline 3 --target "127.0.0.1:${PLSH_LISTEN##*:}" || exit 1
 # The server drains in-flight requests on SIGTERM for up to
 # PLSH_DRAIN_TIMEOUT seconds: give `docker stop` longer (-t 40).
 STOPSIGNAL SIGTERM

@@ -19,7 +19,7 @@ real server accepts, and the ports and probes agree with it.
 import argparse
 import os
 import re
-import shlex
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -221,6 +221,8 @@ def main():
     chart = os.path.join(deploy, "helm", "plsh")
 
     envs, defaults = server_options(args.server)
+    cli_help = subprocess.run([args.cli, "--help"], capture_output=True, text=True, timeout=30).stdout
+    has_health = re.search(r"^\s+health\b", cli_help, re.M) is not None
     print(f"plsh-server --help: {len(envs)} settings: {' '.join(sorted(envs.values()))}")
     proto = open(os.path.join(args.repo, "proto", "plsh", "v1", "plsh.proto")).read()
     service_name = re.search(r"^package ([\w.]+);", proto, re.M).group(1) + "." + \
@@ -237,7 +239,19 @@ def main():
           f"chart ports.metrics {values['ports']['metrics']} != server default {defaults['--metrics-listen']}")
     env, cargs, used = check_chart(docs, "chart defaults", envs, defaults, service_name, image_uid,
                                    {"gpu": True, "hpa": False, "rules": False})
-    run_server("chart defaults", args.server, env, cargs, used)
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    probe_services = {container[p]["grpc"].get("service", "") for p in ("startupProbe", "livenessProbe", "readinessProbe")}
+
+    def probes(server):
+        # The kubelet's gRPC probes ask grpc.health.v1 for these services.
+        for svc in sorted(probe_services):
+            r = subprocess.run([args.cli, "health", "--target", server.grpc, "--service", svc],
+                               capture_output=True, text=True, timeout=30)
+            check(r.returncode == 0, f"chart probe service {svc!r}: not SERVING on the live server: {r.stdout}{r.stderr}")
+            print(f"chart probe service {svc!r}: SERVING (plsh health exit {r.returncode})")
+
+    run_server("chart defaults", args.server, env, cargs, used,
+               extra=probes if has_health else None)
 
     # 2. Every optional part on, other ports, extra arguments, CPU image.
     full = render(args.helmrender, chart, "--name", "prod", "--namespace", "ml",
@@ -294,9 +308,16 @@ def main():
         check(r.returncode == 0, f"Dockerfile HEALTHCHECK `{health}` exits {r.returncode} on a serving server: "
                                  f"{r.stdout}{r.stderr}")
         print(f"Dockerfile HEALTHCHECK `{health}`: exit {r.returncode} against {server.grpc}")
+        # And it fails where no server listens (a port just released).
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            dead = sock.getsockname()[1]
+        shell_env["PLSH_LISTEN"] = f"0.0.0.0:{dead}"
+        r = subprocess.run(["sh", "-c", health], env=shell_env, capture_output=True, text=True, timeout=30)
+        check(r.returncode != 0, f"Dockerfile HEALTHCHECK exits 0 with no server on port {dead}")
+        print(f"Dockerfile HEALTHCHECK: exit {r.returncode} with no server on port {dead}")
 
-    cli_help = subprocess.run([args.cli, "--help"], capture_output=True, text=True, timeout=30).stdout
-    if re.search(r"^\s+health\b", cli_help, re.M):
+    if has_health:
         run_server("Dockerfile", args.server, denv, [], set(), extra=healthcheck)
     else:
         # `plsh health` is the service issue's; until it is built the

@@ -1,0 +1,176 @@
+#include "bench/attend_load.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+
+#include "plsh/attention.h"
+#include "plsh/backend.h"
+#include "plsh/numeric.h"
+
+namespace plsh::bench {
+
+namespace {
+
+uint64_t mix(uint64_t z) {  // SplitMix64's finaliser, as in SPEC section 5
+  z ^= z >> 30;
+  z *= 0xBF58476D1CE4E5B9ull;
+  z ^= z >> 27;
+  z *= 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// N(0, 1) values in the wire dtype. One generator per tensor, seeded from
+// (seed, tensor), so q does not change when only the kv shape does.
+std::vector<uint8_t> random_tensor(int64_t elements, DType dtype, uint64_t seed, uint64_t tensor) {
+  std::vector<uint8_t> bytes(static_cast<size_t>(elements) * dtype_bytes(dtype));
+  std::mt19937_64 rng(mix(seed + 0x9E3779B97F4A7C15ull * (tensor + 1)));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  constexpr int64_t kRow = 4096;
+  std::vector<float> row(kRow);
+  for (int64_t at = 0; at < elements; at += kRow) {
+    const int64_t n = std::min(kRow, elements - at);
+    for (int64_t i = 0; i < n; ++i) row[static_cast<size_t>(i)] = normal(rng);
+    store_row(bytes.data(), dtype, at, n, row.data());
+  }
+  return bytes;
+}
+
+grpc::ChannelArguments channel_arguments(int connection) {
+  grpc::ChannelArguments args;
+  // The server enforces its own message limit; the client never refuses first.
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  // Channels with equal arguments share one TCP connection through gRPC's
+  // global subchannel pool; a local pool and a distinct argument give each
+  // --connections channel its own.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt("plsh.bench.connection", connection);
+  return args;
+}
+
+}  // namespace
+
+double verify_tolerance(DType out_dtype) {
+  switch (out_dtype) {
+    case DType::kF32: return 1e-5;
+    case DType::kF16: return 2e-3;
+    case DType::kBF16: return 1e-2;
+  }
+  return 0;
+}
+
+bool selected_for_verify(uint64_t seed, int64_t index, double fraction) {
+  if (fraction <= 0) return false;
+  if (fraction >= 1) return true;
+  const uint64_t word = mix(seed ^ mix(static_cast<uint64_t>(index) + 0x632BE59BD9B4E019ull));
+  return static_cast<double>(word >> 11) * 0x1.0p-53 < fraction;
+}
+
+StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig& config) {
+  if (config.connections < 1)
+    return invalid_argument("connections = " + std::to_string(config.connections) + ", expected >= 1");
+  if (!(config.verify_fraction >= 0 && config.verify_fraction <= 1))
+    return invalid_argument("verify = " + std::to_string(config.verify_fraction) + ", expected a fraction in [0, 1]");
+  if (config.chunk_bytes < 0) return invalid_argument("chunk_bytes = " + std::to_string(config.chunk_bytes) + ", expected >= 0");
+  if (config.deadline < 0) return invalid_argument("deadline = " + std::to_string(config.deadline) + ", expected >= 0 seconds");
+  RETURN_IF_ERROR(validate_options(config.options));
+
+  std::unique_ptr<AttendLoad> load(new AttendLoad(config));
+  const AttentionOptions& o = load->config_.options;
+  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  load->q_ = random_tensor(o.batch * o.q_len * o.heads * o.head_dim, o.dtype, config.input_seed, 0);
+  load->k_ = random_tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype, config.input_seed, 1);
+  load->v_ = random_tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype, config.input_seed, 2);
+  load->out_dtype_ = o.out_dtype.value_or(o.dtype);
+  load->reference_size_ = static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(load->out_dtype_);
+  load->tolerance_ = config.verify_tolerance.value_or(verify_tolerance(load->out_dtype_));
+
+  for (int c = 0; c < config.connections; ++c)
+    load->clients_.push_back(std::make_unique<client::Client>(
+        grpc::CreateCustomChannel(config.target, grpc::InsecureChannelCredentials(), channel_arguments(c))));
+  const grpc::Status info = load->clients_.front()->info(&load->info_, 10);
+  if (!info.ok()) return unavailable("target " + config.target + ": GetInfo failed: " + client::status_string(info));
+
+  if (config.verify_fraction > 0) {
+    // The reference needs only the output: no estimates.
+    AttentionOptions ref_options = o;
+    ref_options.estimates = false;
+    std::vector<uint8_t> out(load->reference_size_);
+    TensorRefs t;
+    t.q = load->q_.data();
+    t.k = load->k_.data();
+    t.v = load->v_.data();
+    t.out = out.data();
+    ASSIGN_OR_RETURN(const AttentionParams params, make_params(ref_options, t));
+    ASSIGN_OR_RETURN(Backend * cpu, BackendRegistry::global().select("cpu", params));
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSIGN_OR_RETURN(const AttentionResult result, run_attention(*cpu, params, ExecContext{}));
+    (void)result;
+    load->reference_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const int64_t n = static_cast<int64_t>(load->reference_size_ / dtype_bytes(load->out_dtype_));
+    load->reference_.resize(static_cast<size_t>(n));
+    load_row(out.data(), load->out_dtype_, 0, n, load->reference_.data());
+  }
+  return load;
+}
+
+double AttendLoad::compare_with_reference(const std::vector<uint8_t>& out) const {
+  if (out.size() != reference_size_) return std::numeric_limits<double>::infinity();
+  double max_diff = 0, max_ref = 0;
+  constexpr int64_t kRow = 4096;
+  std::vector<float> row(kRow);
+  const int64_t n = static_cast<int64_t>(reference_.size());
+  for (int64_t at = 0; at < n; at += kRow) {
+    const int64_t m = std::min(kRow, n - at);
+    load_row(out.data(), out_dtype_, at, m, row.data());
+    for (int64_t i = 0; i < m; ++i) {
+      const double ref = reference_[static_cast<size_t>(at + i)];
+      const double got = row[static_cast<size_t>(i)];
+      // NaN anywhere is a mismatch, whatever the tolerance.
+      if (!std::isfinite(got)) return std::numeric_limits<double>::infinity();
+      max_diff = std::max(max_diff, std::fabs(got - ref));
+      max_ref = std::max(max_ref, std::fabs(ref));
+    }
+  }
+  return max_ref > 0 ? max_diff / max_ref : max_diff;
+}
+
+Outcome AttendLoad::call(int worker, int64_t index) {
+  client::AttendCall call;
+  call.options = config_.options;
+  call.q = q_.data();
+  call.k = k_.data();
+  call.v = v_.data();
+  call.backend = config_.backend;
+  call.chunk_bytes = config_.chunk_bytes;
+  call.deadline_seconds = config_.deadline;
+  call.request_id = "bench-" + std::to_string(index);
+  client::AttendReply reply;
+  client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
+  const grpc::Status status = config_.unary ? c.attend_unary(call, &reply) : c.attend(call, &reply);
+
+  Outcome o;
+  o.code = client::status_code_name(status.error_code());
+  o.bytes_up = reply.sent_bytes;
+  o.bytes_down = reply.received_bytes;
+  if (!status.ok()) {
+    o.message = status.error_message();
+    return o;
+  }
+  o.tokens = tokens();
+  o.has_server_timings = true;
+  o.queued = reply.timings.queued;
+  o.receiving = reply.timings.receiving;
+  o.computing = reply.timings.computing;
+  o.sending = reply.timings.sending;
+  if (!reference_.empty() && selected_for_verify(config_.input_seed, index, config_.verify_fraction)) {
+    o.verified = true;
+    o.verify_error = compare_with_reference(reply.out);
+    o.mismatch = !(o.verify_error <= tolerance_);
+  }
+  return o;
+}
+
+}  // namespace plsh::bench

@@ -1,0 +1,318 @@
+// The load generator on plain functions (no server): counts, warmup,
+// failures by code, closed and open loop timing, and the reports.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <chrono>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <unistd.h>
+
+#include "bench/load.h"
+#include "bench/report.h"
+
+namespace plsh::bench {
+namespace {
+
+using namespace std::chrono_literals;
+
+Outcome ok_after(std::chrono::microseconds d) {
+  std::this_thread::sleep_for(d);
+  Outcome o;
+  o.tokens = 10;
+  o.bytes_up = 1000;
+  o.bytes_down = 500;
+  o.has_server_timings = true;
+  o.computing = 0.001;
+  o.receiving = 0.0002;
+  return o;
+}
+
+TEST(Load, ClosedLoopRunsExactlyTheRequestsAsked) {
+  std::atomic<int> in_flight{0}, most{0};
+  std::mutex m;
+  std::set<int64_t> indices;
+  LevelSpec spec;
+  spec.concurrency = 3;
+  spec.requests = 30;
+  const LevelResult r = run_level(spec, [&](int worker, int64_t index) {
+    EXPECT_GE(worker, 0);
+    EXPECT_LT(worker, 3);
+    {
+      std::lock_guard<std::mutex> lock(m);
+      EXPECT_TRUE(indices.insert(index).second) << "index " << index << " twice";
+    }
+    const int now = ++in_flight;
+    int seen = most.load();
+    while (now > seen && !most.compare_exchange_weak(seen, now)) {
+    }
+    Outcome o = ok_after(2ms);
+    --in_flight;
+    return o;
+  });
+  EXPECT_EQ(r.ok, 30);
+  EXPECT_EQ(r.failed, 0);
+  EXPECT_EQ(r.codes.at("OK"), 30);
+  EXPECT_EQ(static_cast<int>(indices.size()), 30);
+  EXPECT_LE(most.load(), 3);
+  EXPECT_EQ(r.latency.count, 30);
+  EXPECT_GE(r.latency.min, 0.002);  // the call slept 2 ms
+  EXPECT_EQ(r.computing.count, 30);
+  EXPECT_DOUBLE_EQ(r.computing.p99, 0.001);
+  // Throughput follows from the window: 30 requests, 10 tokens and 1000 bytes up each.
+  ASSERT_GT(r.window_seconds, 0);
+  EXPECT_NEAR(r.requests_per_second, 30 / r.window_seconds, 1e-9);
+  EXPECT_NEAR(r.tokens_per_second, 300 / r.window_seconds, 1e-9);
+  EXPECT_NEAR(r.mb_up_per_second, 30 * 1000 * 1e-6 / r.window_seconds, 1e-9);
+  EXPECT_NEAR(r.mb_down_per_second, 30 * 500 * 1e-6 / r.window_seconds, 1e-9);
+  // Three at a time, 2 ms each: at least 10 rounds.
+  EXPECT_GE(r.window_seconds, 10 * 0.002);
+}
+
+TEST(Load, FailuresAreCountedByCode) {
+  LevelSpec spec;
+  spec.concurrency = 2;
+  spec.requests = 40;
+  const LevelResult r = run_level(spec, [](int, int64_t index) {
+    Outcome o;
+    if (index % 4 == 1) {
+      o.code = "RESOURCE_EXHAUSTED";
+      o.message = "tokens = 128, expected <= 64";
+    } else if (index % 4 == 2) {
+      o.code = "INVALID_ARGUMENT";
+      o.message = "samples = 0";
+    } else {
+      o.tokens = 1;
+    }
+    return o;
+  });
+  EXPECT_EQ(r.ok, 20);
+  EXPECT_EQ(r.failed, 20);
+  EXPECT_EQ(r.codes.at("OK"), 20);
+  EXPECT_EQ(r.codes.at("RESOURCE_EXHAUSTED"), 10);
+  EXPECT_EQ(r.codes.at("INVALID_ARGUMENT"), 10);
+  EXPECT_EQ(r.first_error.at("RESOURCE_EXHAUSTED"), "tokens = 128, expected <= 64");
+  EXPECT_EQ(r.first_error.count("OK"), 0u);
+  // Latency and server phases come from the ok requests only.
+  EXPECT_EQ(r.latency.count, 20);
+  EXPECT_NEAR(r.ok_per_second * 2, r.requests_per_second, 1e-9);
+}
+
+TEST(Load, WarmupRequestsAreRunButNotMeasured) {
+  LevelSpec spec;
+  spec.concurrency = 2;
+  spec.warmup = 0.1;
+  spec.requests = 10;
+  std::atomic<int64_t> calls{0};
+  const LevelResult r = run_level(spec, [&](int, int64_t) {
+    ++calls;
+    return ok_after(5ms);
+  });
+  EXPECT_EQ(r.ok, 10);
+  // 0.1 s of two workers at ~5 ms: about 40 warmup calls; at least a few.
+  EXPECT_GE(r.warmup_ok, 4);
+  EXPECT_EQ(r.warmup_ok + r.ok, calls.load());
+  EXPECT_EQ(r.latency.count, 10);
+}
+
+TEST(Load, DurationStopsIssuingAtTheEnd) {
+  LevelSpec spec;
+  spec.concurrency = 1;
+  spec.duration = 0.2;
+  const auto t0 = std::chrono::steady_clock::now();
+  const LevelResult r = run_level(spec, [](int, int64_t) { return ok_after(10ms); });
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Requests start while t < 0.2 s and finish 10+ ms later.
+  // At most the 20 that fit; at least a quarter of them even if sleeps
+  // overshoot on a busy machine.
+  EXPECT_GE(r.ok, 5);
+  EXPECT_LE(r.ok, 21);
+  EXPECT_LT(took, 0.2 + 0.2);
+  EXPECT_GE(r.window_seconds, 0.2);
+}
+
+TEST(Load, OpenLoopHoldsTheRate) {
+  LevelSpec spec;
+  spec.rate = 200;
+  spec.concurrency = 8;
+  spec.duration = 1.0;
+  const LevelResult r = run_level(spec, [](int, int64_t) { return ok_after(2ms); });
+  // Constant arrivals at 200/s for 1 s: exactly 200 are scheduled.
+  EXPECT_EQ(r.ok, 200);
+  EXPECT_NEAR(r.started_per_second, 200, 20);
+  EXPECT_NEAR(r.requests_per_second, 200, 20);
+  EXPECT_EQ(r.lag.count, 200);
+}
+
+TEST(Load, OpenLoopLatencyCountsTheWaitForASlot) {
+  // One slot, 20 ms per request, arrivals every 5 ms: requests queue in the
+  // client; their latency must grow with the queue (measured from the
+  // schedule), and the schedule must be reported as not kept.
+  LevelSpec spec;
+  spec.rate = 200;
+  spec.concurrency = 1;
+  spec.requests = 10;
+  const LevelResult r = run_level(spec, [](int, int64_t) { return ok_after(20ms); });
+  EXPECT_EQ(r.ok, 10);
+  // The 10th request was due at 45 ms and started at ~180 ms: ~155 ms late.
+  EXPECT_GT(r.latency.max, 0.15);
+  EXPECT_GE(r.late_starts, 9);
+  EXPECT_GT(r.lag.max, 0.12);
+  EXPECT_LT(r.started_per_second, 60);
+}
+
+TEST(Load, ProgressIsReported) {
+  LevelSpec spec;
+  spec.concurrency = 1;
+  spec.duration = 0.3;
+  std::atomic<int> calls{0};
+  Progress last;
+  std::mutex m;
+  run_level(
+      spec, [](int, int64_t) { return ok_after(1ms); },
+      [&](const Progress& p) {
+        std::lock_guard<std::mutex> lock(m);
+        ++calls;
+        last = p;
+      },
+      0.05);
+  EXPECT_GE(calls.load(), 3);
+  EXPECT_FALSE(last.warming);
+  EXPECT_GT(last.ok, 10);
+  EXPECT_GE(last.in_flight, 0);
+  EXPECT_LE(last.in_flight, 1);
+}
+
+TEST(Load, ClientCpuIsMeasured) {
+  // A request that spins makes its worker thread busy; one that sleeps
+  // does not. (How busy the spinner gets depends on what else runs on the
+  // machine, so only the contrast is checked here; the rule itself is
+  // checked on fixed figures below.)
+  LevelSpec spec;
+  spec.concurrency = 1;
+  spec.duration = 0.3;
+  const LevelResult spin = run_level(spec, [](int, int64_t) {
+    const auto until = std::chrono::steady_clock::now() + 5ms;
+    volatile double x = 0;
+    while (std::chrono::steady_clock::now() < until) x = x + 1;
+    return Outcome{};
+  });
+  const LevelResult idle = run_level(spec, [](int, int64_t) { return ok_after(5ms); });
+  EXPECT_GT(spin.cpu.max_thread_core, 0.2);
+  EXPECT_GT(spin.cpu.process_cores, 0.2);
+  EXPECT_LT(idle.cpu.max_thread_core, 0.1);
+  EXPECT_GT(spin.cpu.max_thread_core, 3 * idle.cpu.max_thread_core);
+  EXPECT_GE(spin.cpu.wall_seconds, 0.3);
+  EXPECT_FALSE(idle.cpu.client_bound) << idle.cpu.reason;
+}
+
+TEST(CpuRule, EachRuleTrips) {
+  const int cores = usable_cores();
+  const long machine_cores = sysconf(_SC_NPROCESSORS_ONLN);
+  CpuSnapshot a, b;
+  a.wall = 100;
+  b.wall = 110;  // 10 s
+  a.machine_total = 1;  // readable /proc/stat
+  b.machine_total = 1001;
+  a.machine_busy = 0;
+  b.machine_busy = 500;  // 50% busy
+
+  // Nothing busy.
+  b.process_cpu = 1;
+  CpuUsage u = cpu_usage(a, b, 1.0);
+  EXPECT_FALSE(u.client_bound) << u.reason;
+  EXPECT_NEAR(u.process_cores, 0.1, 1e-12);
+  EXPECT_NEAR(u.max_thread_core, 0.1, 1e-12);
+  EXPECT_NEAR(u.machine_busy, 0.5, 1e-12);
+
+  // 1: one thread 95% of the wall time.
+  u = cpu_usage(a, b, 9.5);
+  EXPECT_TRUE(u.client_bound);
+  EXPECT_NE(u.reason.find("worker thread was busy 95%"), std::string::npos) << u.reason;
+
+  // 2: the process on 95% of its cores.
+  b.process_cpu = 0.95 * cores * 10;
+  u = cpu_usage(a, b, 1.0);
+  EXPECT_TRUE(u.client_bound);
+  EXPECT_NE(u.reason.find("of its " + std::to_string(cores) + " cores"), std::string::npos) << u.reason;
+
+  // 3: machine 95% busy, the client half of it; then a tenth of it.
+  b.machine_busy = 950;
+  b.process_cpu = 0.5 * 0.95 * static_cast<double>(machine_cores) * 10;
+  if (b.process_cpu <= 0.9 * cores * 10) {  // not already rule 2
+    u = cpu_usage(a, b, 1.0);
+    EXPECT_TRUE(u.client_bound);
+    EXPECT_NE(u.reason.find("took 50%"), std::string::npos) << u.reason;
+  }
+  b.process_cpu = 0.1 * 0.95 * static_cast<double>(machine_cores) * 10;
+  u = cpu_usage(a, b, 1.0);
+  EXPECT_FALSE(u.client_bound) << u.reason;
+
+  // Unreadable /proc/stat: the machine rule is skipped, not guessed.
+  a.machine_total = b.machine_total = 0;
+  u = cpu_usage(a, b, 1.0);
+  EXPECT_EQ(u.machine_busy, -1);
+}
+
+TEST(Report, JsonCsvAndVerdict) {
+  LevelSpec spec;
+  spec.requests = 20;
+  RunReport run;
+  run.target = "127.0.0.1:1";
+  run.p99_threshold = 0.004;
+  for (int c : {1, 2, 4}) {
+    spec.concurrency = c;
+    // 1 ms per request at concurrency 1 and 2; 8 ms at 4: over 4 ms.
+    run.levels.push_back(run_level(spec, [c](int, int64_t) { return ok_after(c == 4 ? 8ms : 1ms); }));
+  }
+  const nlohmann::ordered_json j = report_json(run);
+  EXPECT_EQ(j["schema"], "plsh.bench/1");
+  ASSERT_EQ(j["levels"].size(), 3u);
+  for (const auto& l : j["levels"]) {
+    EXPECT_EQ(l["ok"], 20);
+    EXPECT_EQ(l["failed"], 0);
+    for (const char* k : {"avg", "min", "p50", "p90", "p95", "p99", "max"}) EXPECT_TRUE(l["latency_ms"].contains(k)) << k;
+    EXPECT_TRUE(l["server_ms"]["computing"].contains("p50"));
+    EXPECT_TRUE(l["server_ms"]["queued"]["p99"].is_number());
+  }
+  EXPECT_EQ(j["threshold"]["crossed_at"]["concurrency"], 4);
+  EXPECT_EQ(j["threshold"]["last_under"]["concurrency"], 2);
+  EXPECT_FALSE(j["levels"][1]["over_threshold"].get<bool>());
+  EXPECT_TRUE(j["levels"][2]["over_threshold"].get<bool>());
+  const std::string verdict = threshold_verdict(run);
+  EXPECT_NE(verdict.find("crossed at concurrency 4"), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("highest level under it: concurrency 2"), std::string::npos) << verdict;
+
+  // CSV: a header and one line per level, every line with the header's columns.
+  std::istringstream csv(report_csv(run));
+  std::string line;
+  std::vector<std::string> lines;
+  while (std::getline(csv, line)) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 4u);
+  const auto columns = [](const std::string& s) { return std::count(s.begin(), s.end(), ',') + 1; };
+  for (const std::string& l : lines) EXPECT_EQ(columns(l), columns(lines[0])) << l;
+  EXPECT_NE(lines[0].find(",p50_ms,p90_ms,p95_ms,p99_ms,"), std::string::npos);
+  EXPECT_EQ(lines[1].substr(0, 2), "1,");
+
+  const std::string text = text_report(run);
+  EXPECT_NE(text.find("concurrency 4"), std::string::npos);
+  EXPECT_NE(text.find("crossed at"), std::string::npos);
+}
+
+TEST(Report, FailuresCrossTheThreshold) {
+  LevelResult l;
+  l.ok = 100;
+  l.latency.p99 = 0.001;
+  EXPECT_FALSE(over_threshold(l, 0.01));
+  l.failed = 1;
+  EXPECT_TRUE(over_threshold(l, 0.01));
+  LevelResult none;
+  EXPECT_TRUE(over_threshold(none, 0.01));
+}
+
+}  // namespace
+}  // namespace plsh::bench

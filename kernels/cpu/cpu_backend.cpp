@@ -53,13 +53,14 @@ LshAlgorithm resolve_algorithm(const AttentionParams& p, const std::vector<std::
 // tail short.
 std::vector<cpu::TileJob> tile_jobs(const AttentionParams& p) {
   std::vector<cpu::TileJob> jobs;
-  const int64_t tiles = (p.q_len + cpu::kRowTile - 1) / cpu::kRowTile;
+  const int64_t rows = cpu::row_tile(p.mode);
+  const int64_t tiles = (p.q_len + rows - 1) / rows;
   jobs.reserve(static_cast<size_t>(p.batch * p.heads * tiles));
   for (int64_t t = tiles - 1; t >= 0; --t)
     for (int64_t b = 0; b < p.batch; ++b)
       for (int64_t h = 0; h < p.heads; ++h) {
-        const int64_t i0 = t * cpu::kRowTile;
-        jobs.push_back({b, h, i0, std::min(cpu::kRowTile, p.q_len - i0)});
+        const int64_t i0 = t * rows;
+        jobs.push_back({b, h, i0, std::min(rows, p.q_len - i0)});
       }
   return jobs;
 }
@@ -178,7 +179,8 @@ class CpuBackend final : public Backend {
  private:
   static int64_t workspace_for(const AttentionParams& p, int threads, LshAlgorithm algorithm) {
     const int64_t draws = p.mode == Mode::kLsh ? p.heads * p.samples * static_cast<int64_t>(sizeof(Draw)) : 0;
-    const int64_t jobs = p.batch * p.heads * ((p.q_len + cpu::kRowTile - 1) / cpu::kRowTile);
+    const int64_t rows = cpu::row_tile(p.mode);
+    const int64_t jobs = p.batch * p.heads * ((p.q_len + rows - 1) / rows);
     return threads * cpu::scratch_bytes(p, algorithm == LshAlgorithm::kBanded) + draws +
            jobs * static_cast<int64_t>(sizeof(cpu::TileJob));
   }

@@ -47,7 +47,7 @@ double exact_tile(const AttentionParams& p, const TileJob& job, Scratch& scratch
     // logits stay small even when a query sits far from every key (a float
     // bias of -65536 would carry an absolute error of 0.004).
     const int64_t key_first = p.k_pos0 + j0, key_last = p.k_pos0 + j1 - 1;
-    int64_t nearest[kRowTile];
+    int64_t nearest[kMaxRowTile];
     for (int64_t r = 0; r < job.rows; ++r) {
       const int64_t pos = pos_first + r;
       nearest[r] = pos < key_first ? key_first - pos : pos > key_last ? pos - key_last : 0;

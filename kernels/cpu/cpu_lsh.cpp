@@ -195,9 +195,9 @@ LshAlgorithm choose_lsh_algorithm(const AttentionParams& p, const std::vector<st
       const double pitch = std::min(d.pitch, keys);  // +inf (slope 0) -> one block
       max_pitch = std::max(max_pitch, pitch);
       per_sample += rows * pitch * causal_share * per_key;
-      per_sample += (std::ceil(rows / pitch) + rows / static_cast<double>(kRowTile)) * kBlockVisitFlops;
+      per_sample += (std::ceil(rows / pitch) + rows / static_cast<double>(row_tile(Mode::kLsh))) * kBlockVisitFlops;
     }
-    const double band = std::min(keys, static_cast<double>(kRowTile) + 2.0 * max_pitch);
+    const double band = std::min(keys, static_cast<double>(row_tile(Mode::kLsh)) + 2.0 * max_pitch);
     banded += rows * band * causal_share * per_key;
   }
   return per_sample < banded ? LshAlgorithm::kPerSample : LshAlgorithm::kBanded;

@@ -80,15 +80,16 @@ void fold_row(float* sr, int64_t len, float* acc_row, int64_t dim, float* row_ma
 namespace {
 
 struct ScratchSizes {
-  int64_t widened_q, widened_kv, tile_rows_dim, banded_per_row;
+  int64_t rows, widened_q, widened_kv, tile_rows_dim, banded_per_row;
 };
 
 ScratchSizes scratch_sizes(const AttentionParams& p, bool banded) {
   const bool widen = p.dtype != DType::kF32;
   ScratchSizes z{};
-  z.widened_q = widen ? kRowTile * p.head_dim : 0;
+  z.rows = row_tile(p.mode);
+  z.widened_q = widen ? z.rows * p.head_dim : 0;
   z.widened_kv = widen ? kKeyTile * p.head_dim : 0;
-  z.tile_rows_dim = kRowTile * p.head_dim;
+  z.tile_rows_dim = z.rows * p.head_dim;
   z.banded_per_row = banded ? p.samples : 0;
   return z;
 }
@@ -97,10 +98,10 @@ ScratchSizes scratch_sizes(const AttentionParams& p, bool banded) {
 
 int64_t scratch_bytes(const AttentionParams& p, bool banded) {
   const ScratchSizes z = scratch_sizes(p, banded);
-  const int64_t floats = z.widened_q + 2 * z.widened_kv + kRowTile * kKeyTile + z.tile_rows_dim + 2 * kRowTile +
-                         p.head_dim + kRowTile * 2 * z.banded_per_row + (z.banded_per_row + 1);
-  const int64_t int64s = kRowTile * 4 * z.banded_per_row;
-  return 4 * floats + 8 * int64s + 8 * kRowTile + 4 * kRowTile;
+  const int64_t floats = z.widened_q + 2 * z.widened_kv + z.rows * kKeyTile + z.tile_rows_dim + 2 * z.rows +
+                         p.head_dim + z.rows * 2 * z.banded_per_row + (z.banded_per_row + 1);
+  const int64_t int64s = z.rows * 4 * z.banded_per_row;
+  return 4 * floats + 8 * int64s + 8 * z.rows + 4 * z.rows;
 }
 
 void size_scratch(const AttentionParams& p, bool banded, Scratch* s) {
@@ -108,17 +109,17 @@ void size_scratch(const AttentionParams& p, bool banded, Scratch* s) {
   s->q.resize(static_cast<size_t>(z.widened_q));
   s->k.resize(static_cast<size_t>(z.widened_kv));
   s->v.resize(static_cast<size_t>(z.widened_kv));
-  s->s.resize(static_cast<size_t>(kRowTile * kKeyTile));
+  s->s.resize(static_cast<size_t>(z.rows * kKeyTile));
   s->acc.resize(static_cast<size_t>(z.tile_rows_dim));
-  s->row_max.resize(kRowTile);
-  s->row_sum.resize(kRowTile);
-  s->lse_shift.resize(kRowTile);
+  s->row_max.resize(static_cast<size_t>(z.rows));
+  s->row_sum.resize(static_cast<size_t>(z.rows));
+  s->lse_shift.resize(static_cast<size_t>(z.rows));
   s->out_row.resize(static_cast<size_t>(p.head_dim));
-  s->begins.resize(static_cast<size_t>(kRowTile * z.banded_per_row));
-  s->ends.resize(static_cast<size_t>(kRowTile * z.banded_per_row));
-  s->edges.resize(static_cast<size_t>(kRowTile * 2 * z.banded_per_row));
-  s->edge_log_w.resize(static_cast<size_t>(kRowTile * 2 * z.banded_per_row));
-  s->edge_count.resize(kRowTile);
+  s->begins.resize(static_cast<size_t>(z.rows * z.banded_per_row));
+  s->ends.resize(static_cast<size_t>(z.rows * z.banded_per_row));
+  s->edges.resize(static_cast<size_t>(z.rows * 2 * z.banded_per_row));
+  s->edge_log_w.resize(static_cast<size_t>(z.rows * 2 * z.banded_per_row));
+  s->edge_count.resize(static_cast<size_t>(z.rows));
   s->log_count.resize(static_cast<size_t>(z.banded_per_row + 1));
 }
 

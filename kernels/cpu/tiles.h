@@ -21,12 +21,15 @@
 
 namespace plsh::cpu {
 
-// Query rows per work item and keys per GEMM tile. 64 x 256 keeps S (64
-// KiB) and a K or V tile (64 KiB at D = 64) in L2. 128- and 256-row tiles
-// were within noise for exact at n = 4096 (bench_cpu, one thread, loaded
-// machine) and waste more on the causal diagonal and, for the per-sample
-// reduction, on blocks that straddle a tile (+12% FLOPs at 128 rows).
-inline constexpr int64_t kRowTile = 64;
+// Query rows per work item, and keys per GEMM tile. Measured with bench_cpu
+// at n = 8192, one thread, in CPU seconds: 128-row tiles make exact 13%
+// cheaper than 64 (the K tiles are packed half as often), while lsh is
+// 6-10% dearer with 128 (more work on the causal diagonal and, for the
+// per-sample reduction, on blocks that straddle a tile); 32 rows costs
+// exact 30% more. 512-key tiles were no better than 256, which keeps S
+// (128 KiB at 128 rows) and a K or V tile (64 KiB at D = 64) within L2.
+inline constexpr int64_t kMaxRowTile = 128;
+inline int64_t row_tile(Mode mode) { return mode == Mode::kLsh ? 64 : kMaxRowTile; }
 inline constexpr int64_t kKeyTile = 256;
 
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -72,20 +75,21 @@ void gemm_ab_acc(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, c
 
 // Per-thread buffers, sized once per forward call.
 struct Scratch {
-  std::vector<float> q;         // [kRowTile, D] widened query rows (f16/bf16 only)
+  // Rows below are row_tile(mode).
+  std::vector<float> q;         // [rows, D] widened query rows (f16/bf16 only)
   std::vector<float> k, v;      // [kKeyTile, D] widened key/value rows (f16/bf16 only)
-  std::vector<float> s;         // [kRowTile, kKeyTile] logits, then probabilities
-  std::vector<float> acc;       // [kRowTile, D] sum_j w_ij exp(s_ij - m_i) v_j
-  std::vector<float> row_max;   // [kRowTile] running max logit m_i
-  std::vector<float> row_sum;   // [kRowTile] sum_j w_ij exp(s_ij - m_i)
-  std::vector<double> lse_shift;  // [kRowTile] added to the row's lse at the end
+  std::vector<float> s;         // [rows, kKeyTile] logits, then probabilities
+  std::vector<float> acc;       // [rows, D] sum_j w_ij exp(s_ij - m_i) v_j
+  std::vector<float> row_max;   // [rows] running max logit m_i
+  std::vector<float> row_sum;   // [rows] sum_j w_ij exp(s_ij - m_i)
+  std::vector<double> lse_shift;  // [rows] added to the row's lse at the end
   std::vector<float> out_row;   // [D]
   // Banded lsh: per row, the block edges of every hash and the merged
   // piecewise-constant weight log(c_ij / s).
-  std::vector<int64_t> begins, ends;  // [kRowTile, s]
-  std::vector<int64_t> edges;         // [kRowTile, 2s]
-  std::vector<float> edge_log_w;      // [kRowTile, 2s]: log(c/s) right of edge t
-  std::vector<int32_t> edge_count;    // [kRowTile]
+  std::vector<int64_t> begins, ends;  // [rows, s]
+  std::vector<int64_t> edges;         // [rows, 2s]
+  std::vector<float> edge_log_w;      // [rows, 2s]: log(c/s) right of edge t
+  std::vector<int32_t> edge_count;    // [rows]
   std::vector<float> log_count;       // [s + 1]: log(c / s), -inf for c = 0
 };
 

@@ -480,7 +480,7 @@ StatusOr<CudaBackend::Sizing> CudaBackend::sizing(const AttentionParams& p, int6
     s.staging += extent(p.batch, p.q_len, p.heads, p.head_dim, p.o_batch_stride, p.o_row_stride, p.o_head_stride) *
                  static_cast<int64_t>(dtype_bytes(p.out_dtype));
     if (p.lse != nullptr) s.staging += ((p.batch - 1) * p.lse_batch_stride + (p.q_len - 1) * p.lse_row_stride + p.heads) * 4;
-    s.staging += 4 * Carver::kAlign;
+    s.staging += 6 * Carver::kAlign;  // five carved slices, each padded to the alignment
   }
   // Lane tables: one entry per lane, pass and key chunk, at most.
   const SpanShape shape = span_shape(p);

@@ -324,13 +324,9 @@ StatusOr<NpyArray> read_npy(const std::string& path, const NpyReadOptions& optio
   return a;
 }
 
-std::string npy_bytes(DType dtype, const std::vector<int64_t>& shape, const void* data) {
+std::string npy_header(DType dtype, const std::vector<int64_t>& shape) {
   std::string dict = std::string("{'descr': '") + descr_of(dtype) + "', 'fortran_order': False, 'shape': (";
-  int64_t elements = 1;
-  for (size_t i = 0; i < shape.size(); ++i) {
-    dict += (i ? ", " : "") + std::to_string(shape[i]);
-    elements *= shape[i];
-  }
+  for (size_t i = 0; i < shape.size(); ++i) dict += (i ? ", " : "") + std::to_string(shape[i]);
   if (shape.size() == 1) dict += ",";
   dict += "), }";
 
@@ -352,17 +348,32 @@ std::string npy_bytes(DType dtype, const std::vector<int64_t>& shape, const void
   out += static_cast<char>(major);
   out += '\0';
   for (size_t i = 0; i < (major == 1 ? 2u : 4u); ++i) out += static_cast<char>((header_len >> (8 * i)) & 0xFF);
-  out += dict;
-  const size_t data_bytes = static_cast<size_t>(elements) * dtype_bytes(dtype);
-  if (data_bytes > 0) out.append(static_cast<const char*>(data), data_bytes);
+  return out + dict;
+}
+
+namespace {
+size_t data_bytes(DType dtype, const std::vector<int64_t>& shape) {
+  int64_t elements = 1;
+  for (int64_t d : shape) elements *= d;
+  return static_cast<size_t>(elements) * dtype_bytes(dtype);
+}
+}  // namespace
+
+std::string npy_bytes(DType dtype, const std::vector<int64_t>& shape, const void* data) {
+  std::string out = npy_header(dtype, shape);
+  const size_t n = data_bytes(dtype, shape);
+  if (n > 0) out.append(static_cast<const char*>(data), n);
   return out;
 }
 
 Status write_npy(const std::string& path, DType dtype, const std::vector<int64_t>& shape, const void* data) {
-  const std::string bytes = npy_bytes(dtype, shape, data);
+  // Header, then the data straight from the caller's buffer (no copy of it).
+  const std::string header = npy_header(dtype, shape);
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) return failed_precondition(path + ": cannot create: " + std::strerror(errno));
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.write(header.data(), static_cast<std::streamsize>(header.size()));
+  const size_t n = data_bytes(dtype, shape);
+  if (n > 0) out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
   out.close();
   if (!out) return failed_precondition(path + ": write failed: " + std::strerror(errno));
   return Status::Ok();

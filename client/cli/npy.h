@@ -34,9 +34,11 @@ struct NpyReadOptions {
 StatusOr<NpyArray> parse_npy(std::string_view bytes, const std::string& name, const NpyReadOptions& options = {});
 StatusOr<NpyArray> read_npy(const std::string& path, const NpyReadOptions& options = {});
 
-// The whole file: a version 1.0 header (2.0 when the header would not fit in
-// 64 KiB), padded so the data starts on a 64-byte boundary as NumPy does.
-// bfloat16 is written as '<u2' bit patterns.
+// The header alone (magic, version, length, dict): version 1.0 (2.0 when
+// the dict would not fit in 64 KiB), padded so the data starts on a 64-byte
+// boundary as NumPy does. bfloat16 is written as '<u2' bit patterns.
+std::string npy_header(DType dtype, const std::vector<int64_t>& shape);
+// The whole file: header and data.
 std::string npy_bytes(DType dtype, const std::vector<int64_t>& shape, const void* data);
 // Errors are FAILED_PRECONDITION (the disk, not the request, is at fault).
 Status write_npy(const std::string& path, DType dtype, const std::vector<int64_t>& shape, const void* data);

@@ -317,13 +317,8 @@ def main():
         check(r.returncode != 0, f"Dockerfile HEALTHCHECK exits 0 with no server on port {dead}")
         print(f"Dockerfile HEALTHCHECK: exit {r.returncode} with no server on port {dead}")
 
-    if has_health:
-        run_server("Dockerfile", args.server, denv, [], set(), extra=healthcheck)
-    else:
-        # `plsh health` is the service issue's; until it is built the
-        # HEALTHCHECK cannot run (the image's other settings still are).
-        print("Dockerfile HEALTHCHECK: NOT RUN, this plsh has no `health` subcommand yet")
-        run_server("Dockerfile", args.server, denv, [], set())
+    check(has_health, f"{args.cli} has no `health` subcommand: the image's HEALTHCHECK cannot work")
+    run_server("Dockerfile", args.server, denv, [], set(), extra=healthcheck if has_health else None)
 
     if problems:
         print("\n".join("FAIL: " + p for p in problems), file=sys.stderr)

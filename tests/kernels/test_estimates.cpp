@@ -90,53 +90,51 @@ double dense_max_abs(const std::vector<std::vector<double>>& e) {
   return m;
 }
 
-// Largest eigenvalue of a dense symmetric matrix by cyclic Jacobi rotations
-// (Golub & Van Loan 8.5), run until the off-diagonal mass is negligible:
-// an independent check on the Lanczos estimate.
-double jacobi_largest_eigenvalue(std::vector<std::vector<double>> a) {
-  const size_t n = a.size();
+// ||E||_2 by one-sided Jacobi (Hestenes): rotate pairs of columns until
+// all are orthogonal; the singular values are then the column norms. An
+// independent dense check on the Lanczos estimate, run to convergence, with
+// every access contiguous.
+double dense_spectral_norm(const std::vector<std::vector<double>>& e) {
+  // Columns of E, or of E^T when that has fewer (same singular values).
+  const size_t rows = e.size(), cols = e[0].size();
+  const bool transpose = rows < cols;
+  const size_t n = transpose ? rows : cols, len = transpose ? cols : rows;
+  std::vector<std::vector<double>> u(n, std::vector<double>(len));
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t c = 0; c < cols; ++c) (transpose ? u[r][c] : u[c][r]) = e[r][c];
+  auto dot = [&](const std::vector<double>& x, const std::vector<double>& y) {
+    double s = 0;
+    for (size_t k = 0; k < len; ++k) s += x[k] * y[k];
+    return s;
+  };
+  std::vector<double> norm2(n);
   for (int sweep = 0; sweep < 60; ++sweep) {
-    double off = 0, total = 0;
-    for (size_t i = 0; i < n; ++i)
-      for (size_t j = 0; j < n; ++j) {
-        total += a[i][j] * a[i][j];
-        if (i != j) off += a[i][j] * a[i][j];
-      }
-    if (off <= 1e-26 * total) break;
+    // Squared column norms, refreshed each sweep and updated exactly by
+    // each rotation in between (alpha - t gamma, beta + t gamma).
+    for (size_t p = 0; p < n; ++p) norm2[p] = dot(u[p], u[p]);
+    bool rotated = false;
     for (size_t p = 0; p + 1 < n; ++p) {
       for (size_t q = p + 1; q < n; ++q) {
-        if (std::fabs(a[p][q]) < 1e-300) continue;
-        const double theta = (a[q][q] - a[p][p]) / (2 * a[p][q]);
-        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1));
-        const double c = 1 / std::sqrt(t * t + 1), s = t * c;
-        for (size_t k = 0; k < n; ++k) {  // columns p, q
-          const double akp = a[k][p], akq = a[k][q];
-          a[k][p] = c * akp - s * akq;
-          a[k][q] = s * akp + c * akq;
+        const double alpha = norm2[p], beta = norm2[q], gamma = dot(u[p], u[q]);
+        if (std::fabs(gamma) <= 1e-15 * std::sqrt(alpha * beta)) continue;
+        rotated = true;
+        const double zeta = (beta - alpha) / (2 * gamma);
+        const double t = (zeta >= 0 ? 1.0 : -1.0) / (std::fabs(zeta) + std::sqrt(1 + zeta * zeta));
+        const double c = 1 / std::sqrt(1 + t * t), s = c * t;
+        for (size_t k = 0; k < len; ++k) {
+          const double up = u[p][k], uq = u[q][k];
+          u[p][k] = c * up - s * uq;
+          u[q][k] = s * up + c * uq;
         }
-        for (size_t k = 0; k < n; ++k) {  // rows p, q
-          const double apk = a[p][k], aqk = a[q][k];
-          a[p][k] = c * apk - s * aqk;
-          a[q][k] = s * apk + c * aqk;
-        }
+        norm2[p] = alpha - t * gamma;
+        norm2[q] = beta + t * gamma;
       }
     }
+    if (!rotated) break;
   }
-  double best = -std::numeric_limits<double>::infinity();
-  for (size_t i = 0; i < n; ++i) best = std::max(best, a[i][i]);
+  double best = 0;
+  for (const auto& col : u) best = std::max(best, std::sqrt(dot(col, col)));
   return best;
-}
-
-double dense_spectral_norm(const std::vector<std::vector<double>>& e) {
-  const size_t rows = e.size(), cols = e[0].size();
-  std::vector<std::vector<double>> g(cols, std::vector<double>(cols, 0.0));
-  for (size_t i = 0; i < cols; ++i)
-    for (size_t j = 0; j < cols; ++j) {
-      double s = 0;
-      for (size_t r = 0; r < rows; ++r) s += e[r][i] * e[r][j];
-      g[i][j] = s;
-    }
-  return std::sqrt(std::max(0.0, jacobi_largest_eigenvalue(std::move(g))));
 }
 
 AttentionOptions mask_options(int64_t q_len, int64_t kv_len, bool causal, std::vector<double> slopes) {

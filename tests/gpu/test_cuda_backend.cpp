@@ -283,6 +283,37 @@ TEST(CudaControl, BandedIsRefusedWithAReason) {
   EXPECT_NE(s.message().find("lsh_algorithm"), std::string::npos);
 }
 
+// Under a tight budget the work is cut into chunks of lanes and tiles; the
+// output must not change beyond rounding.
+TEST(CudaControl, TightBudgetChunksAndStillMatches) {
+  std::string why;
+  cuda::CudaBackendOptions opts;
+  opts.memory_budget_bytes = 1536 * 1024;  // staging ~0.6 MB; leaves room for about 5 tile slots
+  std::unique_ptr<Backend> small = cuda::make_cuda_backend(&why, opts);
+  if (small == nullptr) GTEST_SKIP() << why;
+  AttentionOptions o;
+  o.q_len = o.kv_len = 300;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.head_dim = 64;
+  o.dtype = DType::kBF16;
+  o.mode = Mode::kLsh;
+  o.causal = true;
+  o.samples = 8;
+  o.slopes = {0.9, 0.2, 0.03, 0.0};
+  o.estimates = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 8);
+  std::vector<uint8_t> out = testing::output_buffer(o);
+  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(p.ok());
+  ForwardStats stats;
+  const Status s = small->forward(*p, ExecContext{}, &stats);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_LE(stats.workspace_bytes, opts.memory_budget_bytes);
+  const testing::ReferenceOutput ref = testing::reference_attention(*p);
+  EXPECT_LE(compare(out.data(), o.dtype, ref.out).max_rel, tolerance(o.dtype));
+}
+
 // A budget too small for one tile is refused before any memory is touched.
 TEST(CudaControl, TinyBudgetIsResourceExhausted) {
   std::string why;

@@ -374,35 +374,42 @@ TEST(Estimates, ProbeErrorWithinFactorOneAndAHalfOfFullError) {
 // With every row probed the sample is a census: the probe is the full
 // relative error and its standard error is 0. Pooled over heads and batch.
 TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
-  for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
-    AttentionOptions o;
-    o.batch = 2;
-    o.q_len = 40;
-    o.kv_len = 70;
-    o.heads = 4;
-    o.kv_heads = 2;
-    o.head_dim = 24;
-    o.causal = true;
-    o.mode = mode;
-    o.samples = 8;
-    o.window_eps = 0.02;
-    o.slopes = {0.5, 0.1, 0.02, 0.0};
-    o.probe_rows = 80;  // = batch * q_len
-    const auto pr = make_problem(o, 5);
-    fill_output_with_reference(pr.get());
-    const testing::ReferenceOutput exact = reference_attention(as_exact(pr->params));
-    const testing::ErrorStats full = testing::compare(pr->out.data(), DType::kF32, exact.out);
+  struct Types {
+    DType in, out;
+  };
+  for (const Types types : {Types{DType::kF32, DType::kF32}, Types{DType::kF16, DType::kBF16}}) {
+    for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
+      AttentionOptions o;
+      o.batch = 2;
+      o.q_len = 40;
+      o.kv_len = 70;
+      o.heads = 4;
+      o.kv_heads = 2;
+      o.head_dim = 24;
+      o.dtype = types.in;
+      o.out_dtype = types.out;
+      o.causal = true;
+      o.mode = mode;
+      o.samples = 8;
+      o.window_eps = 0.02;
+      o.slopes = {0.5, 0.1, 0.02, 0.0};
+      o.probe_rows = 80;  // = batch * q_len
+      const auto pr = make_problem(o, 5);
+      fill_output_with_reference(pr.get());
+      const testing::ReferenceOutput exact = reference_attention(as_exact(pr->params));
+      const testing::ErrorStats full = testing::compare(pr->out.data(), types.out, exact.out);
 
-    AttentionResult result;
-    ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
-    EXPECT_EQ(result.probe.rows, 4 * 80);
-    EXPECT_NEAR(result.probe.rel_err, full.rel_l2, 1e-6 * full.rel_l2) << mode_name(mode);
-    EXPECT_EQ(result.probe.rel_err_stderr, 0.0);
-    double max_abs = 0;
-    for (size_t i = 0; i < exact.out.size(); ++i)
-      max_abs = std::max(max_abs, std::fabs(load_element(pr->out.data(), DType::kF32, i) - exact.out[i]));
-    EXPECT_NEAR(result.probe.max_abs_err, max_abs, 1e-12);
-    for (const HeadEstimate& he : result.heads) EXPECT_EQ(he.probe.rows, 80);
+      AttentionResult result;
+      ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+      EXPECT_EQ(result.probe.rows, 4 * 80);
+      EXPECT_NEAR(result.probe.rel_err, full.rel_l2, 1e-9 * full.rel_l2) << mode_name(mode) << " " << dtype_name(types.out);
+      EXPECT_EQ(result.probe.rel_err_stderr, 0.0);
+      double max_abs = 0;
+      for (size_t i = 0; i < exact.out.size(); ++i)
+        max_abs = std::max(max_abs, std::fabs(load_element(pr->out.data(), types.out, i) - exact.out[i]));
+      EXPECT_NEAR(result.probe.max_abs_err, max_abs, 1e-12);
+      for (const HeadEstimate& he : result.heads) EXPECT_EQ(he.probe.rows, 80);
+    }
   }
 }
 

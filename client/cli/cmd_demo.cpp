@@ -177,7 +177,8 @@ RunFn setup_demo(CLI::App& app) {
   app.add_option("--head-dim", a->head_dim, "head dimension")->capture_default_str()->transform(decimal_integer(true));
   app.add_option("--samples", a->samples, "lsh hashes per head")->capture_default_str()->transform(decimal_integer(true));
   app.add_option("--seed", a->seed, "seed of q, k, v and of the draws")->capture_default_str()->transform(decimal_integer(false));
-  app.add_flag("--causal,!--no-causal", a->causal, "causal masking (default on)");
+  app.add_flag("--causal", a->causal, "causal masking (the default)");
+  app.add_flag_callback("--no-causal", [a] { a->causal = false; }, "every query sees every key");
   app.add_option("--window-eps", a->window_eps, "window mode: W_h = ceil(sigma_h ln(1/eps))")->capture_default_str();
   app.add_option("--backend", a->backend, "auto, cpu or cuda")->capture_default_str();
   app.add_option("--threads", a->threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));

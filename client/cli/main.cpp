@@ -46,7 +46,7 @@ int report_error(const std::string& command, const Status& status) {
 namespace {
 
 int run_main(int argc, char** argv) {
-  CLI::App app{"plsh: ALiBi attention with positional LSH (SPEC.md)", "plsh"};
+  CLI::App app{"plsh: ALiBi attention with positional LSH, exact and windowed baselines, and error estimates", "plsh"};
   app.set_version_flag("--version", PLSH_VERSION);
   app.require_subcommand(1);
 

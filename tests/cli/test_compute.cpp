@@ -369,6 +369,11 @@ TEST(Demo, PrintsOneRowPerModeWithExactAsItsOwnReference) {
   EXPECT_NE(r.out.substr(exact, r.out.find('\n', exact + 1) - exact).find("0.00e+00"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("lsh, per head:"), std::string::npos) << r.out;
 
+  EXPECT_NE(r.out.find(", causal,"), std::string::npos) << r.out;  // the default
+  const RunResult open = testing::run_plsh({"demo", "--n", "40", "--heads", "1", "--head-dim", "4", "--no-causal"}, dir);
+  ASSERT_EQ(open.exit_code, 0) << open.err;
+  EXPECT_NE(open.out.find(", not causal,"), std::string::npos) << open.out;
+
   const RunResult bad = testing::run_plsh({"demo", "--head-dim", "5000"}, dir);
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_EQ(bad.err, "plsh demo: INVALID_ARGUMENT: head_dim = 5000, expected in [1, 1024]\n");

@@ -48,6 +48,47 @@ def substitute_grafana(expr, rate_interval):
     return expr
 
 
+DOCKER_INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
+                       "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
+
+
+def check_dockerfile(path, ignore_path):
+    text = open(path, encoding="utf-8").read()
+    logical = re.sub(r"\\\n", " ", text)
+    lines = [l.strip() for l in logical.splitlines() if l.strip() and not l.strip().startswith("#")]
+    global_args, stages, variants_used = {}, [], []
+    for line in lines:
+        word, _, rest = line.partition(" ")
+        check(word.upper() in DOCKER_INSTRUCTIONS, f"Dockerfile: unknown instruction {word!r}")
+        if word == "ARG" and not stages:
+            name, _, default = rest.partition("=")
+            global_args[name] = default
+        elif word == "FROM":
+            m = re.fullmatch(r"(\S+)(?: AS (\S+))?", rest)
+            check(m is not None, f"Dockerfile: cannot read FROM {rest!r}")
+            image, name = m.groups()
+            for var in re.findall(r"\$\{(\w+)\}", image):
+                check(var in global_args, f"Dockerfile: FROM uses ${{{var}}}, not declared before the first FROM")
+            if "${PLSH_VARIANT}" in image:
+                variants_used.append(image)
+            stages.append(name)
+        elif word == "COPY" and "--from=" in rest:
+            src = re.search(r"--from=(\S+)", rest).group(1)
+            check(src in stages[:-1], f"Dockerfile: COPY --from={src} names no earlier stage")
+    for variant in ("cuda", "cpu"):
+        for image in variants_used:
+            check(image.replace("${PLSH_VARIANT}", variant) in stages,
+                  f"Dockerfile: PLSH_VARIANT={variant} selects {image}, which is no stage")
+    check(global_args.get("PLSH_VARIANT") == "cuda", "Dockerfile: PLSH_VARIANT should default to cuda")
+    final = text[text.rindex("\nFROM "):]
+    check(re.search(r"^USER \d+:\d+$", final, re.M), "Dockerfile: the runtime stage needs a numeric non-root USER")
+    check(re.search(r"^HEALTHCHECK ", final, re.M), "Dockerfile: no HEALTHCHECK in the runtime stage")
+    ignored = open(ignore_path).read().split()
+    for pattern in (".git", "/build*"):
+        check(pattern in ignored, f".dockerignore: {pattern} should be ignored")
+    print(f"Dockerfile: {len(stages)} stages, both PLSH_VARIANT values resolve, runtime runs as a numeric user")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repo", required=True)
@@ -171,6 +212,10 @@ def main():
     gpu = compose["services"]["plsh"].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
     check(any("gpu" in d.get("capabilities", []) for d in gpu), "compose plsh: no GPU reservation")
     print("cross-references: compose mounts, provisioning, scrape target and rule files agree")
+
+    # 7. Dockerfile: instructions known, stages that the variant argument and
+    #    COPY --from name exist, ARGs used in FROM declared before the first.
+    check_dockerfile(os.path.join(args.repo, "Dockerfile"), os.path.join(args.repo, ".dockerignore"))
 
     if problems:
         print("\n".join("FAIL: " + p for p in problems), file=sys.stderr)

@@ -41,6 +41,24 @@ bool stop_requested(const ExecContext* ctx) { return ctx != nullptr && !ctx->che
 // exp(-gap / sigma) for a non-negative integer distance; 1 for sigma = +inf.
 double decay(int64_t gap, double sigma) { return gap == 0 ? 1.0 : std::exp(-static_cast<double>(gap) / sigma); }
 
+// exp(-d / sigma) for integer distances, tabulated up to 2^20 of them (8
+// MiB): the mask max error reads 4 (s + 1) of them per row.
+class DecayTable {
+ public:
+  DecayTable(double sigma, int64_t max_distance) : sigma_(sigma) {
+    if (max_distance < 0 || max_distance >= (int64_t{1} << 20)) return;
+    table_.resize(static_cast<size_t>(max_distance) + 1);
+    for (size_t d = 0; d < table_.size(); ++d) table_[d] = decay(static_cast<int64_t>(d), sigma);
+  }
+  double operator()(int64_t d) const {
+    return d < static_cast<int64_t>(table_.size()) ? table_[static_cast<size_t>(d)] : decay(d, sigma_);
+  }
+
+ private:
+  double sigma_;
+  std::vector<double> table_;
+};
+
 // Largest distance between any query and any key position of the range.
 int64_t max_distance(const PositionRange& r) {
   const int64_t q_last = r.q_pos0 + r.q_len - 1, k_last = r.k_pos0 + r.kv_len - 1;
@@ -136,7 +154,16 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
 
   const size_t s = m.draws.size();
   const double inv_s = 1.0 / static_cast<double>(s);
+  const DecayTable lstar(m.sigma, max_distance(r));
   std::vector<int64_t> begins(s), ends(s), sorted_begins(s), sorted_ends(s);
+  struct Move {
+    int64_t old_begin, old_end, new_begin, new_end;
+  };
+  std::vector<Move> moves;
+  auto replace_sorted = [](std::vector<int64_t>& v, int64_t old_value, int64_t new_value) {
+    v.erase(std::lower_bound(v.begin(), v.end(), old_value));
+    v.insert(std::upper_bound(v.begin(), v.end(), new_value), new_value);
+  };
   bool first = true;
   for (size_t n = 0; n < rows.size(); ++n) {
     if (n % 1024 == 0 && stop_requested(ctx)) {
@@ -147,18 +174,30 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
     const int64_t k_lo = r.k_pos0;
     const int64_t k_hi = r.causal ? std::min(r.k_pos0 + r.kv_len - 1, pos) : r.k_pos0 + r.kv_len - 1;
     if (k_hi < k_lo) continue;
-    // Rows ascend, so each hash's block only moves forward.
+    // Rows ascend, so each hash's block only moves forward. The sorted
+    // edges are kept up to date move by move while few blocks move (long
+    // blocks, consecutive rows), else sorted afresh.
+    moves.clear();
     for (size_t k = 0; k < s; ++k) {
       if (first || pos >= ends[k]) {
-        begins[k] = block_begin(pos, m.draws[k]);
-        ends[k] = block_end(pos, m.draws[k]);
+        const int64_t b = block_begin(pos, m.draws[k]), e = block_end(pos, m.draws[k]);
+        moves.push_back({begins[k], ends[k], b, e});
+        begins[k] = b;
+        ends[k] = e;
+      }
+    }
+    if (first || moves.size() * 8 > s) {
+      sorted_begins = begins;
+      sorted_ends = ends;
+      std::sort(sorted_begins.begin(), sorted_begins.end());
+      std::sort(sorted_ends.begin(), sorted_ends.end());
+    } else {
+      for (const Move& mv : moves) {
+        replace_sorted(sorted_begins, mv.old_begin, mv.new_begin);
+        replace_sorted(sorted_ends, mv.old_end, mv.new_end);
       }
     }
     first = false;
-    sorted_begins = begins;
-    sorted_ends = ends;
-    std::sort(sorted_begins.begin(), sorted_begins.end());
-    std::sort(sorted_ends.begin(), sorted_ends.end());
     // M~ is a step function of the key position x: left of pos it is k/s on
     // [begin_(k), begin_(k+1) - 1] (the sorted block starts), right of pos
     // (s - k)/s on [end_(k), end_(k+1) - 1]. L* is monotone on each side, so
@@ -167,8 +206,8 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
       lo = std::max(lo, k_lo);
       hi = std::min(hi, k_hi);
       if (lo > hi) return;
-      out.value = std::max({out.value, std::fabs(decay(std::llabs(pos - lo), m.sigma) - mask),
-                            std::fabs(decay(std::llabs(pos - hi), m.sigma) - mask)});
+      out.value = std::max({out.value, std::fabs(lstar(std::llabs(pos - lo)) - mask),
+                            std::fabs(lstar(std::llabs(pos - hi)) - mask)});
     };
     for (size_t k = 0; k <= s; ++k) {
       const int64_t lo = k == 0 ? INT64_MIN : sorted_begins[k - 1];

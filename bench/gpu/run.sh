@@ -36,13 +36,17 @@ cmake --version | head -1
 python=$(command -v python3)
 echo "python: $python"
 
+generator=Ninja
+command -v ninja >/dev/null 2>&1 || generator="Unix Makefiles"
 prefix=()
 blas_args=()
 # GoogleTest: the system's, or the carried sources built here.
 if [ -d .gtest ] && [ -f .gtest/CMakeLists.txt ]; then
   step "GoogleTest from .gtest"
-  cmake -S .gtest -B /tmp/plsh-gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_INSTALL_PREFIX=/tmp/plsh-gtest -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/tmp/plsh-gtest.log 2>&1 &&
+  # POLICY_VERSION_MINIMUM: GoogleTest 1.12 asks for CMake 3.5, which CMake 4 only takes with it.
+  cmake -S .gtest -B /tmp/plsh-gtest-build -G "$generator" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_INSTALL_PREFIX=/tmp/plsh-gtest -DCMAKE_POSITION_INDEPENDENT_CODE=ON \
+    -DCMAKE_POLICY_VERSION_MINIMUM=3.5 >/tmp/plsh-gtest.log 2>&1 &&
     cmake --build /tmp/plsh-gtest-build -j"$jobs" >>/tmp/plsh-gtest.log 2>&1 &&
     cmake --install /tmp/plsh-gtest-build >>/tmp/plsh-gtest.log 2>&1 ||
     { tail -20 /tmp/plsh-gtest.log; echo "GoogleTest build failed"; }
@@ -55,14 +59,33 @@ if [ -d .blas ]; then
   export CPATH="$PWD/.blas/include${CPATH:+:$CPATH}"
   export LD_LIBRARY_PATH="$PWD/.blas/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+# cuBLAS: the toolkit's, else (untested lead) the one PyTorch's wheels carry.
+cuda_root=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
+cublas_lib=$(ls "$cuda_root"/lib64/libcublas.so* "$cuda_root"/lib/libcublas.so* "$cuda_root"/targets/*/lib/libcublas.so* 2>/dev/null | head -1)
+if [ -z "$cublas_lib" ]; then
+  wheel=$("$python" -c 'import glob, os, site
+for d in site.getsitepackages():
+    for lib in sorted(glob.glob(os.path.join(d, "nvidia", "*", "lib", "libcublas.so*"))):
+        print(os.path.dirname(os.path.dirname(lib))); raise SystemExit' 2>/dev/null || true)
+  echo "no libcublas under $cuda_root; wheel candidate: ${wheel:-none}"
+  if [ -n "$wheel" ]; then
+    mkdir -p /tmp/plsh-cublas/lib
+    for f in "$wheel"/lib/libcublas*.so.*; do ln -sf "$f" "/tmp/plsh-cublas/lib/$(basename "$f" | sed 's/\.so\..*/.so/')"; done
+    prefix+=(/tmp/plsh-cublas)
+    export CPATH="$wheel/include${CPATH:+:$CPATH}"
+    export LD_LIBRARY_PATH="$wheel/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+fi
 prefix_path=$(IFS=';'; echo "${prefix[*]:-}")
 
 step "configure and build (kernels only, sm_90)"
 targets=(plsh_cuda plsh_cuda_host_tests plsh_cuda_registry_tests plsh_cuda_gpu_tests bench_cuda)
-if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPLSH_KERNELS_ONLY=ON \
+if ! { cmake -S . -B "$build" -G "$generator" -DCMAKE_BUILD_TYPE=Release -DPLSH_KERNELS_ONLY=ON \
          -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90 ${prefix_path:+-DCMAKE_PREFIX_PATH="$prefix_path"} "${blas_args[@]}" &&
        cmake --build "$build" --target "${targets[@]}" -j"$jobs"; } >"$out/build.log" 2>&1; then
   tail -60 "$out/build.log"
+  grep -q "plsh: CUDA backend ON" "$out/build.log" ||
+    echo "CMake did not enable the CUDA backend (nvcc or cuBLAS not found): see 'plsh: CUDA backend' in build.log"
   echo "BUILD FAILED (see build.log)"
   exit 1
 fi

@@ -20,7 +20,6 @@ class Server:
     def __init__(self, binary, args=(), env=None, startup_timeout=30.0):
         self.lines = []
         self.serving = None
-        self.serving_since = 0.0
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("PLSH_")}
         full_env.update(env or {})
         self.proc = subprocess.Popen([binary, *args], env=full_env, stdin=subprocess.DEVNULL,
@@ -36,7 +35,6 @@ class Server:
                     except ValueError:
                         continue
                     if isinstance(event, dict) and event.get("event") == "serving":
-                        self.serving_since = time.monotonic()
                         self.serving = event
                         ready.set()
             ready.set()
@@ -65,14 +63,6 @@ class Server:
 
     def stop(self, timeout=30.0):
         """SIGTERM (the drain path), then SIGKILL if it hangs; returns the exit code."""
-        # A SIGTERM within ~0.1 s of "serving" sometimes kills the server
-        # instead of draining it (3 of 20 starts): OpenBLAS starts its threads
-        # before main() blocks the signal, so they may take it with the default
-        # action. Reported to the server's owners; these tests check settings,
-        # not that race, so they let the server settle first.
-        settle = self.serving_since + 0.3 - time.monotonic() if self.serving else 0
-        if settle > 0:
-            time.sleep(settle)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

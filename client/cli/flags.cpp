@@ -3,8 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -13,28 +13,37 @@
 
 namespace plsh::cli {
 
-// CLI11 reads integers with strtoll(..., base 0): "010" would be 8. Accept
-// decimal only (and 0x hex for the unsigned seed), stripping leading zeros
-// so that the conversion after this check reads what the user meant.
+// CLI11 reads integers with strtoll(..., base 0): "010" would be 8, and a
+// value past the type's range is clamped to its maximum without a word.
+// Accept decimal only (and 0x hex for the unsigned seed) within range, and
+// strip leading zeros so that the conversion after this check reads what
+// the user meant.
 CLI::Validator decimal_integer(bool allow_negative) {
   return CLI::Validator(
       [allow_negative](std::string& s) -> std::string {
         const bool hex = !allow_negative && s.size() > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X');
-        if (hex) {
-          for (size_t i = 2; i < s.size(); ++i)
-            if (!std::isxdigit(static_cast<unsigned char>(s[i]))) return "'" + s + "' is not a hexadecimal integer";
-          return {};
-        }
-        size_t i = 0;
         const bool negative = !s.empty() && s[0] == '-';
         if (negative && !allow_negative) return "'" + s + "' is negative, expected >= 0";
-        if (negative || (!s.empty() && s[0] == '+')) i = 1;
-        if (i == s.size()) return "'" + s + "' is not an integer";
-        for (size_t j = i; j < s.size(); ++j)
-          if (s[j] < '0' || s[j] > '9') return "'" + s + "' is not a decimal integer";
-        size_t first = i;
-        while (first + 1 < s.size() && s[first] == '0') ++first;
-        s = (negative ? "-" : "") + s.substr(first);
+        const size_t start = hex ? 2 : (negative || (!s.empty() && s[0] == '+')) ? 1 : 0;
+        const char* first = s.data() + start;
+        const char* last = s.data() + s.size();
+        std::from_chars_result r{};
+        if (allow_negative) {
+          int64_t v = 0;
+          r = std::from_chars(negative ? first - 1 : first, last, v);
+        } else {
+          uint64_t v = 0;
+          r = std::from_chars(first, last, v, hex ? 16 : 10);
+        }
+        if (first == last || r.ptr != last || r.ec == std::errc::invalid_argument)
+          return "'" + s + "' is not a " + (hex ? "hexadecimal" : "decimal") + " integer";
+        if (r.ec == std::errc::result_out_of_range)
+          return "'" + s + "' is out of range for a " + (allow_negative ? "64-bit integer" : "64-bit unsigned integer");
+        if (!hex) {
+          size_t digits = start;
+          while (digits + 1 < s.size() && s[digits] == '0') ++digits;
+          s = (negative ? "-" : "") + s.substr(digits);
+        }
         return {};
       },
       "");

@@ -38,6 +38,16 @@ TEST(Flags, IntegersAreDecimalAndSeedsTakeHex) {
   EXPECT_THROW(parse({"--seed", "-1"}), CLI::ValidationError);
   EXPECT_THROW(parse({"--samples", "1e3"}), CLI::ValidationError);
   EXPECT_THROW(parse({"--samples", "0x10"}), CLI::ValidationError);
+  EXPECT_THROW(parse({"--samples", ""}), CLI::ValidationError);
+  EXPECT_THROW(parse({"--samples", "+"}), CLI::ValidationError);
+  EXPECT_EQ(parse({"--samples", "+7"}).samples, 7);
+  EXPECT_EQ(parse({"--k-pos0", "-0009"}).k_pos0, -9);
+  // Out of range is an error, not the type's maximum.
+  EXPECT_THROW(parse({"--seed", "18446744073709551616"}), CLI::ValidationError);
+  EXPECT_THROW(parse({"--seed", "0x10000000000000000"}), CLI::ValidationError);
+  EXPECT_EQ(parse({"--seed", "0xFFFFFFFFFFFFFFFF"}).seed, 18446744073709551615ULL);
+  EXPECT_THROW(parse({"--samples", "9223372036854775808"}), CLI::ValidationError);
+  EXPECT_EQ(parse({"--k-pos0", "-9223372036854775808"}).k_pos0, INT64_MIN);
 }
 
 TEST(Flags, OptionsFromArgs) {

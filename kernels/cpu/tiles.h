@@ -24,7 +24,7 @@ namespace plsh::cpu {
 // Query rows per work item, and keys per GEMM tile. Measured with bench_cpu
 // at n = 8192, one thread, in CPU seconds: 128-row tiles make exact 13%
 // cheaper than 64 (the K tiles are packed half as often), while lsh is
-// 6-10% dearer with 128 (more work on the causal diagonal and, for the
+// 9-12% dearer with 128 (more work on the causal diagonal and, for the
 // per-sample reduction, on blocks that straddle a tile); 32 rows costs
 // exact 30% more. 512-key tiles were no better than 256, which keeps S
 // (128 KiB at 128 rows) and a K or V tile (64 KiB at D = 64) within L2.

@@ -219,6 +219,10 @@ std::vector<Case> cases() {
   v.push_back(with_offsets(make("exact_nq50_nk97_d40_h8g2_causal_offsets", E, 50, 97, 8, 2, 40, true), 60, 0));
   v.push_back(make("exact_n97_d40_h12_causal_bf16", E, 97, 97, 12, 12, 40, true, DType::kBF16));
   v.push_back(make("exact_n97_d128_h8g2_f16", E, 97, 97, 8, 2, 128, false, DType::kF16));
+  // Queries 1e5 positions after the keys (biases near -390).
+  Case far = with_offsets(make("exact_nq20_nk97_d40_h2_far_queries", E, 20, 97, 2, 2, 40, false), 100000, 0);
+  far.slopes = {1.0 / 256, 1.0 / 512};
+  v.push_back(far);
   Case widened = make("exact_n97_d59_h1_causal_bf16_in_f32_out", E, 97, 97, 1, 1, 59, true, DType::kBF16);
   widened.out_dtype = DType::kF32;  // the f32 tolerance then applies
   v.push_back(widened);
@@ -389,6 +393,30 @@ TEST(CpuBackend, AutoPicksTheCheaperLshAlgorithm) {
     ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ExecContext{}, &stats).ok());
     EXPECT_EQ(stats.lsh_algorithm, expected) << "samples " << samples;
   }
+}
+
+// Queries that all sit after all keys: moving them further away adds the
+// same -slope * shift to every logit of a row, so the output must not move
+// and lse must fall by exactly slope * shift. At a shift of 4e6 the bias is
+// near -15600, whose float ulp (0.001) would show if the backend added it
+// to float logits as is (the float64 reference underflows there).
+TEST(CpuBackend, ExactIsShiftInvariantFarFromKeys) {
+  Case c = with_offsets(make("shift", Mode::kExact, 20, 97, 2, 2, 40, false), 200, 0);
+  c.slopes = {1.0 / 256, 1.0 / 512};
+  Problem near = make_problem(options_of(c), 8);
+  const int64_t shift = 4000000;
+  c.q_pos0 = 200 + shift;
+  Problem far = make_problem(options_of(c), 8);
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  ASSERT_TRUE(cpu->forward(near.params, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(cpu->forward(far.params, ExecContext{}, nullptr).ok());
+  std::vector<double> expected(near.out.size() / 4);
+  for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_element(near.out.data(), DType::kF32, i);
+  EXPECT_LE(testing::compare(far.out.data(), DType::kF32, expected).max_rel, 1e-6);
+  std::vector<double> expected_lse(near.lse.size());
+  for (size_t i = 0; i < expected_lse.size(); ++i)
+    expected_lse[i] = near.lse[i] - c.slopes[i % 2] * static_cast<double>(shift);  // lse is [B, Nq, H]
+  EXPECT_LE(lse_error(far.lse, expected_lse), 1e-6);
 }
 
 TEST(CpuBackend, ExactFlopsAreTheDenseCount) {

@@ -88,7 +88,11 @@ Status check_request_id(const std::string& id) {
 
 std::string next_request_id() {
   static std::atomic<uint64_t> counter{0};
-  return "r" + std::to_string(counter.fetch_add(1) + 1);
+  // Appended rather than "r" + to_string(...): GCC 12 warns falsely on the
+  // latter (-Wrestrict, GCC bug 105329).
+  std::string id = "r";
+  id += std::to_string(counter.fetch_add(1) + 1);
+  return id;
 }
 
 void fill_probe(const ProbeEstimate& p, v1::ProbeEstimate* w) {

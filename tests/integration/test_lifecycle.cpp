@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -57,6 +58,38 @@ Request make_request(Mode mode, int64_t n, int64_t heads, DType dtype = DType::k
   return r;
 }
 
+// Sends a whole request on a raw stream under ctx and waits for the end;
+// the caller cancels ctx from another thread when it wants to.
+grpc::Status stream_request(const std::string& target, const Request& r, grpc::ClientContext* ctx) {
+  const AttendCall call = r.call();
+  auto stub = v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  auto stream = stub->Attend(ctx);
+  v1::AttendRequest m;
+  *m.mutable_header() = client::make_header(call);
+  stream->Write(m);
+  const int64_t row_bytes = r.options.heads * r.options.head_dim * static_cast<int64_t>(dtype_bytes(r.options.dtype));
+  const int64_t rows = r.options.q_len, rows_per = std::max<int64_t>(1, (1 << 20) / row_bytes);
+  for (const std::vector<uint8_t>* data : {&r.q, &r.k, &r.v})
+    for (int64_t row = 0; row < rows; row += rows_per) {
+      const int64_t n = std::min(rows_per, rows - row);
+      m.Clear();
+      auto* c = m.mutable_chunk();
+      c->set_tensor(data == &r.q ? v1::TENSOR_Q : data == &r.k ? v1::TENSOR_K : v1::TENSOR_V);
+      c->set_row_start(row);
+      c->set_row_count(n);
+      c->set_data(data->data() + row * row_bytes, static_cast<size_t>(n * row_bytes));
+      stream->Write(m);
+    }
+  m.Clear();
+  m.mutable_end();
+  stream->Write(m);
+  stream->WritesDone();
+  v1::AttendResponse response;
+  while (stream->Read(&response)) {
+  }
+  return stream->Finish();
+}
+
 std::map<std::string, double> scrape(const ServerProcess& s) {
   return parse_metrics(testing::http_get(s.metrics_address(), "/metrics"));
 }
@@ -104,38 +137,9 @@ TEST(ServiceLifecycle, CancelMidRequestFreesTheWorker) {
   ASSERT_TRUE(server.started()) << server.log();
   const Request big = make_request(Mode::kExact, 16384, 8, DType::kF16);  // ~0.5 TFLOP: minutes on 2 cores
 
-  std::thread caller;
   grpc::ClientContext ctx;
   grpc::Status big_status;
-  {
-    auto stub = v1::Attention::NewStub(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
-    caller = std::thread([&, stub = std::move(stub)] {
-      AttendCall call = big.call();
-      auto stream = stub->Attend(&ctx);
-      v1::AttendRequest m;
-      *m.mutable_header() = client::make_header(call);
-      stream->Write(m);
-      const int64_t row_bytes = 8 * 64 * 2, rows_per = (1 << 20) / row_bytes;
-      for (v1::Tensor t : {v1::TENSOR_Q, v1::TENSOR_K, v1::TENSOR_V})
-        for (int64_t r = 0; r < 16384; r += rows_per) {
-          m.Clear();
-          auto* c = m.mutable_chunk();
-          c->set_tensor(t);
-          c->set_row_start(r);
-          c->set_row_count(rows_per);
-          c->set_data(big.q.data() + r * row_bytes, static_cast<size_t>(rows_per * row_bytes));
-          stream->Write(m);
-        }
-      m.Clear();
-      m.mutable_end();
-      stream->Write(m);
-      stream->WritesDone();
-      v1::AttendResponse resp;
-      while (stream->Read(&resp)) {
-      }
-      big_status = stream->Finish();
-    });
-  }
+  std::thread caller([&] { big_status = stream_request(server.grpc_address(), big, &ctx); });
   // Wait until the big request is on the worker.
   const auto t0 = std::chrono::steady_clock::now();
   while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * big.q.size())
@@ -179,6 +183,53 @@ TEST(ServiceLifecycle, SigtermFinishesTheRequestInFlightAndExitsZero) {
   // After it: nothing listens any more.
   std::string health;
   EXPECT_FALSE(Client(server.grpc_address()).health("", &health, 2).ok());
+}
+
+// Admission refuses at once rather than queueing without bound: with one
+// worker and no queue, a second request while the first computes is
+// RESOURCE_EXHAUSTED (queue full); with one stream allowed, a second open
+// stream is too.
+TEST(ServiceLifecycle, FullQueueAndTooManyStreamsAreResourceExhausted) {
+  ServerProcess server({"--workers", "1", "--queue-depth", "0", "--max-concurrent", "2"});
+  ASSERT_TRUE(server.started()) << server.log();
+  const Request big = make_request(Mode::kExact, 16384, 8, DType::kF16);  // minutes of compute: cancelled below
+  grpc::ClientContext big_ctx;
+  grpc::Status big_status;
+  std::thread caller([&] { big_status = stream_request(server.grpc_address(), big, &big_ctx); });
+  const auto t0 = std::chrono::steady_clock::now();
+  while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * big.q.size())
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the end message reaches the worker
+
+  Client c(server.grpc_address());
+  const Request small = make_request(Mode::kLsh, 64, 2);
+  AttendReply reply;
+  const grpc::Status queued = c.attend(small.call(), &reply);
+  EXPECT_EQ(queued.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << client::status_string(queued);
+  EXPECT_NE(queued.error_message().find("queue-depth"), std::string::npos) << queued.error_message();
+
+  // The big stream is one of two allowed; hold a second open, a third is refused.
+  auto stub = v1::Attention::NewStub(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext held_ctx;
+  auto held = stub->Attend(&held_ctx);
+  v1::AttendRequest header;
+  *header.mutable_header() = client::make_header(small.call());
+  ASSERT_TRUE(held->Write(header));
+  v1::AttendResponse ack;
+  ASSERT_TRUE(held->Read(&ack));  // admitted: the stream is open on the server
+  EXPECT_TRUE(ack.has_ack());
+  const grpc::Status third = c.attend(small.call(), &reply);
+  EXPECT_EQ(third.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << client::status_string(third);
+  EXPECT_NE(third.error_message().find("max-concurrent"), std::string::npos) << third.error_message();
+
+  held_ctx.TryCancel();
+  held->Finish();
+  big_ctx.TryCancel();
+  caller.join();
+  EXPECT_EQ(big_status.error_code(), grpc::StatusCode::CANCELLED);
+  const auto m = scrape(server);
+  EXPECT_EQ(metric_sum(m, "plsh_requests_total", {"code=\"RESOURCE_EXHAUSTED\""}), 2);
+  EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
 // Every way a request ends gives its memory back: with a budget that holds

@@ -193,7 +193,8 @@ json level_json(const LevelResult& l, const std::optional<double>& p99_threshold
                     {"sending", summary_json(l.sending, false)}};
   if (l.spec.rate) j["schedule"] = {{"late_starts", l.late_starts}, {"lag_ms", summary_json(l.lag, true)}};
   j["verify"] = {{"checked", l.verified}, {"mismatches", l.mismatches}, {"max_error", l.max_verify_error}};
-  j["client_cpu"] = {{"cores", l.cpu.cores},
+  j["client_cpu"] = {{"wall_s", l.cpu.wall_seconds},
+                     {"cores", l.cpu.cores},
                      {"process_cores", l.cpu.process_cores},
                      {"max_thread_core", l.cpu.max_thread_core},
                      {"machine_busy", l.cpu.machine_busy >= 0 ? json(l.cpu.machine_busy) : json(nullptr)},

@@ -20,6 +20,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 exec > >(tee "$out/run.log") 2>&1
+tee_pid=$!
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }
 step() { echo; echo "== [$(elapsed) s] $*"; }
@@ -136,4 +137,7 @@ PYTHONUNBUFFERED=1 "$python" bench/gpu/peers.py --bench-bin "$bin/bench_cuda" --
 
 step "done in $(elapsed) s, status $status"
 [ -f "$out/results.md" ] && cat "$out/results.md"
+# Let tee write the last lines before the caller reads the output.
+exec >&- 2>&-
+wait "$tee_pid" 2>/dev/null || sleep 1
 exit "$status"

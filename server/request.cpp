@@ -187,12 +187,15 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimit
     return resource_exhausted("heads * head_dim = " + std::to_string(o.heads * o.head_dim) + ": one row is " +
                               std::to_string(widest_row) + " bytes, expected <= " + std::to_string(payload_cap) +
                               " (the server's --max-message-bytes less framing)");
-  if (o.return_draws && o.mode == Mode::kLsh) {
-    // ~20 bytes per draw on the wire (two doubles and framing), ~200 per head.
-    const int64_t summary_bytes = o.heads * (200 + 20 * o.samples);
+  if (o.mode != Mode::kExact) {
+    // The summary is one message: ~200 bytes per head, ~20 per draw (two
+    // doubles and framing) with return_draws.
+    const bool draws = o.return_draws && o.mode == Mode::kLsh;
+    const int64_t summary_bytes = o.heads * (200 + (draws ? 20 * o.samples : 0));
     if (summary_bytes > payload_cap)
-      return resource_exhausted("return_draws = true with heads * samples = " + std::to_string(o.heads * o.samples) +
-                                " draws needs ~" + std::to_string(summary_bytes) + " bytes in the summary, expected <= " +
+      return resource_exhausted(std::string(draws ? "return_draws = true with " : "") + "heads = " +
+                                std::to_string(o.heads) + (draws ? " and samples = " + std::to_string(o.samples) : "") +
+                                ": the summary needs ~" + std::to_string(summary_bytes) + " bytes, expected <= " +
                                 std::to_string(payload_cap) + " (the server's --max-message-bytes)");
   }
   const int64_t wanted = h.out_chunk_bytes() == 0 ? payload_cap : std::min(h.out_chunk_bytes(), payload_cap);

@@ -113,8 +113,9 @@ TEST(Load, WarmupRequestsAreRunButNotMeasured) {
     return ok_after(5ms);
   });
   EXPECT_EQ(r.ok, 10);
-  // 0.1 s of two workers at ~5 ms: about 40 warmup calls; at least a few.
-  EXPECT_GE(r.warmup_ok, 4);
+  // Both workers start at t = 0, inside the 0.1 s warmup: at least two
+  // warmup calls however slow the machine (about 40 on an idle one).
+  EXPECT_GE(r.warmup_ok, 2);
   EXPECT_EQ(r.warmup_ok + r.ok, calls.load());
   EXPECT_EQ(r.latency.count, 10);
 }
@@ -182,7 +183,7 @@ TEST(Load, ProgressIsReported) {
       0.05);
   EXPECT_GE(calls.load(), 3);
   EXPECT_FALSE(last.warming);
-  EXPECT_GT(last.ok, 10);
+  EXPECT_GT(last.ok, 3);
   EXPECT_GE(last.in_flight, 0);
   EXPECT_LE(last.in_flight, 1);
 }
@@ -202,8 +203,10 @@ TEST(Load, ClientCpuIsMeasured) {
     return Outcome{};
   });
   const LevelResult idle = run_level(spec, [](int, int64_t) { return ok_after(5ms); });
-  EXPECT_GT(spin.cpu.max_thread_core, 0.2);
-  EXPECT_GT(spin.cpu.process_cores, 0.2);
+  // Even on two cores shared by a dozen runnable threads, a spinner gets
+  // a sixth of a core.
+  EXPECT_GT(spin.cpu.max_thread_core, 0.05);
+  EXPECT_GT(spin.cpu.process_cores, 0.05);
   EXPECT_LT(idle.cpu.max_thread_core, 0.1);
   EXPECT_GT(spin.cpu.max_thread_core, 3 * idle.cpu.max_thread_core);
   EXPECT_GE(spin.cpu.wall_seconds, 0.3);
@@ -258,17 +261,28 @@ TEST(CpuRule, EachRuleTrips) {
   EXPECT_EQ(u.machine_busy, -1);
 }
 
+// A level with fixed figures: reports are checked on numbers, not on
+// sleeps that a busy machine could stretch.
+LevelResult fixed_level(int concurrency, double p99) {
+  LevelResult l;
+  l.spec.concurrency = concurrency;
+  l.spec.requests = 20;
+  l.ok = 20;
+  l.codes["OK"] = 20;
+  l.window_seconds = 0.5;
+  l.requests_per_second = l.ok_per_second = l.started_per_second = 40;
+  l.latency = Summary{20, p99 / 2, p99 / 4, p99 / 2, p99 * 0.8, p99 * 0.9, p99, p99 * 1.1};
+  l.computing = Summary{20, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001};
+  l.queued = l.receiving = l.sending = Summary{20, 1e-4, 1e-4, 1e-4, 1e-4, 1e-4, 1e-4, 1e-4};
+  return l;
+}
+
 TEST(Report, JsonCsvAndVerdict) {
-  LevelSpec spec;
-  spec.requests = 20;
   RunReport run;
   run.target = "127.0.0.1:1";
   run.p99_threshold = 0.004;
-  for (int c : {1, 2, 4}) {
-    spec.concurrency = c;
-    // 1 ms per request at concurrency 1 and 2; 8 ms at 4: over 4 ms.
-    run.levels.push_back(run_level(spec, [c](int, int64_t) { return ok_after(c == 4 ? 8ms : 1ms); }));
-  }
+  // p99 2 ms at concurrency 1 and 3 ms at 2 (under 4 ms); 8 ms at 4 (over).
+  run.levels = {fixed_level(1, 0.002), fixed_level(2, 0.003), fixed_level(4, 0.008)};
   const nlohmann::ordered_json j = report_json(run);
   EXPECT_EQ(j["schema"], "plsh.bench/1");
   ASSERT_EQ(j["levels"].size(), 3u);
@@ -279,6 +293,8 @@ TEST(Report, JsonCsvAndVerdict) {
     EXPECT_TRUE(l["server_ms"]["computing"].contains("p50"));
     EXPECT_TRUE(l["server_ms"]["queued"]["p99"].is_number());
   }
+  EXPECT_DOUBLE_EQ(j["levels"][2]["latency_ms"]["p99"].get<double>(), 8.0);
+  EXPECT_DOUBLE_EQ(j["levels"][0]["throughput"]["requests_per_s"].get<double>(), 40.0);
   EXPECT_EQ(j["threshold"]["crossed_at"]["concurrency"], 4);
   EXPECT_EQ(j["threshold"]["last_under"]["concurrency"], 2);
   EXPECT_FALSE(j["levels"][1]["over_threshold"].get<bool>());
@@ -297,6 +313,18 @@ TEST(Report, JsonCsvAndVerdict) {
   for (const std::string& l : lines) EXPECT_EQ(columns(l), columns(lines[0])) << l;
   EXPECT_NE(lines[0].find(",p50_ms,p90_ms,p95_ms,p99_ms,"), std::string::npos);
   EXPECT_EQ(lines[1].substr(0, 2), "1,");
+  // The p99_ms column of the last line: 8 ms.
+  const auto field = [](const std::string& l, size_t index) {
+    std::istringstream in(l);
+    std::string f;
+    for (size_t i = 0; i <= index && std::getline(in, f, ','); ++i) {
+    }
+    return f;
+  };
+  size_t p99_column = 0;
+  while (p99_column < 64 && field(lines[0], p99_column) != "p99_ms") ++p99_column;
+  ASSERT_LT(p99_column, 64u) << lines[0];
+  EXPECT_EQ(field(lines[3], p99_column), "8");
 
   const std::string text = text_report(run);
   EXPECT_NE(text.find("concurrency 4"), std::string::npos);

@@ -66,7 +66,8 @@ RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive xargs -a /tmp/runtime-packages.txt \
         apt-get install -y --no-install-recommends \
  && rm -rf /var/lib/apt/lists/* /tmp/runtime-packages.txt \
- && useradd --system --uid 10001 --user-group --no-create-home \
+ && groupadd --gid 10001 plsh \
+ && useradd --uid 10001 --gid 10001 --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin plsh
 # bin/ and lib/ side by side: the server looks for libplsh_cuda.so in
 # ../lib beside its executable (kernels/src/registry.cpp).

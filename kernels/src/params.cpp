@@ -170,6 +170,19 @@ Status validate_options(const AttentionOptions& o) {
       return field_error("q_pos0", str(q_pos0),
                          ">= k_pos0 = " + str(o.k_pos0) + " when causal (query row 0 would see no key)");
   }
+  if (o.mode != Mode::kExact) {
+    // lsh and window weigh only keys near the query (in its block, inside
+    // its window). A query position that is not a key position may have
+    // none, and its output would be empty where exact ALiBi's is not; with
+    // every query position among the key positions, M~_ii = 1 (SPEC 3) and
+    // the distance-0 key is inside every window, so no row is empty.
+    const int64_t k_end = o.k_pos0 + o.kv_len;
+    if (q_pos0 < o.k_pos0 || q_pos0 + o.q_len > k_end)
+      return field_error("q_pos0", str(q_pos0),
+                         "query positions [q_pos0, q_pos0 + q_len) = [" + str(q_pos0) + ", " + str(q_pos0 + o.q_len) +
+                             ") inside the key positions [k_pos0, k_pos0 + kv_len) = [" + str(o.k_pos0) + ", " +
+                             str(k_end) + ") in " + mode_name(o.mode) + " mode");
+  }
   return Status::Ok();
 }
 

@@ -123,11 +123,15 @@ ErrorStats compare(const void* actual, DType t, const std::vector<double>& expec
   for (size_t i = 0; i < expected.size(); ++i) {
     const double a = load_element(actual, t, static_cast<int64_t>(i));
     const double e = expected[i];
-    const double diff = std::isfinite(a) ? std::fabs(a - e) : std::numeric_limits<double>::infinity();
+    // A non-finite value on either side is an infinite error, never skipped.
+    const double diff =
+        std::isfinite(a) && std::isfinite(e) ? std::fabs(a - e) : std::numeric_limits<double>::infinity();
     max_abs_err = std::max(max_abs_err, diff);
-    max_ref = std::max(max_ref, std::fabs(e));
+    if (std::isfinite(e)) {
+      max_ref = std::max(max_ref, std::fabs(e));
+      ref2 += e * e;
+    }
     err2 += diff * diff;
-    ref2 += e * e;
   }
   ErrorStats s;
   s.max_rel = max_ref > 0 ? max_abs_err / max_ref : max_abs_err;

@@ -234,7 +234,7 @@ std::vector<Case> cases() {
   v.push_back(w5);
   v.push_back(make("window_n2_d128_h12_f16", W, 2, 2, 12, 12, 128, false, DType::kF16));
   Case w17 = with_offsets(make("window_nq64_nk97_d59_h8g2_causal_offsets_bf16", W, 64, 97, 8, 2, 59, true,
-                               DType::kBF16), 40, 3);
+                               DType::kBF16), 30, 3);
   w17.window_width = 17;
   v.push_back(w17);
   Case wide = make("window_n97_d40_h8g2_width_beyond_n", W, 97, 97, 8, 2, 40, true);
@@ -249,13 +249,11 @@ std::vector<Case> cases() {
     v.push_back(lsh(make("lsh_" + t + "_n2_d128_h12", L, 2, 2, 12, 12, 128, false), a));
     v.push_back(lsh(with_offsets(make("lsh_" + t + "_nq60_nk97_d40_h8g2_offsets", L, 60, 97, 8, 2, 40, false), 10, 0),
                     a));
-    // Queries at 347..359 sit past the last key (346): under some hashes
-    // their block holds no key, and for some rows under every hash.
-    Case past_keys = lsh(
-        with_offsets(make("lsh_" + t + "_nq60_nk97_d59_h12_causal_offsets", L, 60, 97, 12, 12, 59, true), 300, 250),
-        a, 7);
-    past_keys.has_empty_rows = true;
-    v.push_back(past_keys);
+    // Queries at 280..339 amid keys at 250..346: blocks cut by the key
+    // range's ends and by causality.
+    v.push_back(lsh(
+        with_offsets(make("lsh_" + t + "_nq60_nk97_d59_h12_causal_offsets", L, 60, 97, 12, 12, 59, true), 280, 250),
+        a, 7));
     v.push_back(lsh(make("lsh_" + t + "_n97_d40_h8g2_causal_bf16", L, 97, 97, 8, 2, 40, true, DType::kBF16), a));
     v.push_back(lsh(make("lsh_" + t + "_n97_d128_h12_f16", L, 97, 97, 12, 12, 128, false, DType::kF16), a));
   }
@@ -321,12 +319,12 @@ TEST(CpuBackend, LshAlgorithmsAgree) {
     int64_t samples;
   };
   const Shape shapes[] = {{700, 700, 8, 8, 64, true, 16},  {700, 700, 8, 4, 32, false, 16},
-                          {300, 500, 4, 1, 48, true, 33},  {500, 200, 2, 2, 16, false, 5},
+                          {300, 500, 4, 1, 48, true, 33},  {200, 500, 2, 2, 16, false, 5},
                           {129, 129, 16, 4, 64, true, 128}};
   for (const Shape& s : shapes) {
     AttentionOptions o = options_of(make("agree", Mode::kLsh, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim, s.causal));
     o.samples = s.samples;
-    if (s.q_len > s.kv_len) o.q_pos0 = 0;
+    if (!s.causal) o.q_pos0 = (s.kv_len - s.q_len) / 2;  // queries amid the keys, not at their end
     o.lsh_algorithm = LshAlgorithm::kPerSample;
     Problem per_sample = make_problem(o, 5);
     o.lsh_algorithm = LshAlgorithm::kBanded;
@@ -367,14 +365,18 @@ TEST(CpuBackend, LshErrorFallsWithSamples) {
   EXPECT_LT(err256, 0.5 * err16) << "s=16: " << err16 << ", s=256: " << err256;
 }
 
-// Non-causal window whose queries sit far from every key: those rows have
-// no allowed key; out = 0 and lse = -inf, never NaN.
+// Non-causal window or lsh whose queries sit far from every key: make_params
+// refuses them (a row would have no key to weigh); a backend handed such
+// params anyway (validation bypassed) gives out = 0 and lse = -inf, never NaN.
 TEST(CpuBackend, RowsWithoutKeysGiveZeroNotNaN) {
   for (Mode mode : {Mode::kWindow, Mode::kLsh}) {
-    Case c = with_offsets(make("disjoint", mode, 20, 30, 2, 2, 16, false), 10000, 0);
+    Case c = make("disjoint", mode, 20, 30, 2, 2, 16, false);
     c.window_width = 8;
     c.slopes = {0.5, 0.25};
     Problem pr = make_problem(options_of(c), 3);
+    AttentionOptions far = options_of(with_offsets(c, 10000, 0));
+    EXPECT_EQ(validate_options(far).code(), StatusCode::kInvalidArgument);
+    pr.params.q_pos0 = 10000;  // what validation would have refused
     ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ExecContext{}, nullptr).ok());
     for (size_t i = 0; i < pr.out.size() / 4; ++i) EXPECT_EQ(load_element(pr.out.data(), DType::kF32, i), 0.0);
     for (float l : pr.lse) EXPECT_EQ(l, -std::numeric_limits<float>::infinity());

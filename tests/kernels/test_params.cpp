@@ -98,6 +98,7 @@ TEST(Params, ShapeErrorsNameFieldAndValue) {
 
 TEST(Params, ElementCountLimitNamesTheTensorThatIsTooLarge) {
   AttentionOptions o = valid_options();
+  o.mode = Mode::kExact;       // lsh would also refuse queries past the keys
   o.q_len = int64_t{1} << 40;  // 2 * 2^40 * 8 * 64 = 2^50 elements: the limit itself
   EXPECT_TRUE(validate_options(o).ok());
   o.q_len = int64_t{1} << 41;
@@ -157,6 +158,7 @@ TEST(Params, PositionErrors) {
   expect_refused(o, {"k_pos0 = 9007199254740992", "[-2^52, 2^52]"});
   o.k_pos0 = int64_t{1} << 52;  // the edge is fine
   o.q_pos0 = 0;
+  o.mode = Mode::kExact;  // lsh and window also want the queries among the keys
   EXPECT_TRUE(validate_options(o).ok());
 }
 
@@ -172,7 +174,31 @@ TEST(Params, CausalNeedsAKeyForTheFirstQuery) {
   o.q_len = 105;
   expect_refused(o, {"q_pos0 = -5", "k_pos0 = 0", "causal"});
   o.causal = false;  // without causal every query sees every key
+  o.mode = Mode::kExact;
   EXPECT_TRUE(validate_options(o).ok());
+}
+
+// lsh and window weigh only keys in the query's block or window: a query
+// position that is no key position could have none, so both modes want
+// every query position among the key positions; exact does not.
+TEST(Params, LshAndWindowWantQueriesAmongTheKeys) {
+  for (Mode mode : {Mode::kLsh, Mode::kWindow}) {
+    AttentionOptions o = valid_options();
+    o.mode = mode;
+    o.q_len = 105;  // default q_pos0 = -5
+    expect_refused(o, {"q_pos0 = -5", "[-5, 100)", "[0, 100)", mode_name(mode)});
+    o.q_len = 20;
+    o.q_pos0 = 90;  // [90, 110) runs past the last key
+    expect_refused(o, {"q_pos0 = 90", "[90, 110)", "[0, 100)"});
+    o.q_pos0 = 80;  // [80, 100): the last keys
+    EXPECT_TRUE(validate_options(o).ok()) << mode_name(mode);
+    o.k_pos0 = 50;
+    o.q_pos0 = 50;  // [50, 70) inside [50, 150)
+    EXPECT_TRUE(validate_options(o).ok()) << mode_name(mode);
+    o.mode = Mode::kExact;
+    o.q_pos0 = 1000;
+    EXPECT_TRUE(validate_options(o).ok());
+  }
 }
 
 TEST(Params, ModeSpecificErrors) {
@@ -351,8 +377,10 @@ TEST(Params, DefaultsAreResolved) {
   EXPECT_EQ(p->out_dtype, DType::kBF16);
   EXPECT_EQ(p->samples, 0) << "samples only mean something for lsh";
 
-  // More queries than keys: q_pos0 = Nk - Nq < 0 without causal.
+  // More queries than keys: q_pos0 = Nk - Nq < 0 without causal (exact
+  // only: lsh and window want the queries among the keys).
   o = valid_options();
+  o.mode = Mode::kExact;
   o.q_len = 130;
   Buffers b3(o);
   p = make_params(o, b3.refs());

@@ -15,7 +15,7 @@
 namespace plsh {
 
 struct ProbeEstimate {
-  int64_t rows = 0;             // query rows computed exactly (per batch item, seeded)
+  int64_t rows = 0;             // query rows computed exactly per head, seeded (batch item, row) pairs
   double rel_err = 0;           // ||o~ - o*||_2 / ||o*||_2 over those rows
   double rel_err_stderr = 0;    // standard error of rel_err from the per-row spread
   double max_abs_err = 0;       // max |o~ - o*| over those rows

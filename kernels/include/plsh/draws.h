@@ -24,7 +24,13 @@ std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t
 // slope 0 (sigma = +inf) puts every position in bin 0.
 inline int64_t bin_of(int64_t pos, const Draw& d) {
   if (!std::isfinite(d.pitch)) return 0;
-  return static_cast<int64_t>(std::floor((static_cast<double>(pos) - d.shift) / d.pitch));
+  const double bin = std::floor((static_cast<double>(pos) - d.shift) / d.pitch);
+  // Validated positions (|p| <= 2^52) and slopes keep bins far inside int64
+  // except for pitches of astronomically small probability; clamp those
+  // rather than overflow the cast.
+  if (!(bin < 4.0e18)) return int64_t{4000000000000000000};
+  if (!(bin > -4.0e18)) return int64_t{-4000000000000000000};
+  return static_cast<int64_t>(bin);
 }
 
 // First position p >= pos with bin_of(p) > bin_of(pos): the end (exclusive)

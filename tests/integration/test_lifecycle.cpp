@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -166,22 +167,43 @@ TEST(ServiceLifecycle, CancelMidRequestFreesTheWorker) {
 TEST(ServiceLifecycle, SigtermFinishesTheRequestInFlightAndExitsZero) {
   ServerProcess server({"--threads", "2"});
   ASSERT_TRUE(server.started()) << server.log();
-  // About a second of exact attention.
-  const Request r = make_request(Mode::kExact, 4096, 4);
+  // Seconds of exact attention (~140 GFLOP): long enough to look at the
+  // draining server while it computes.
+  const Request r = make_request(Mode::kExact, 8192, 8);
   AttendReply reply;
   grpc::Status status;
-  std::thread caller([&] { status = Client(server.grpc_address()).attend(r.call(), &reply); });
+  std::atomic<bool> done{false};
+  std::thread caller([&] {
+    status = Client(server.grpc_address()).attend(r.call(), &reply);
+    done = true;
+  });
   const auto t0 = std::chrono::steady_clock::now();
   while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * r.q.size())
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   kill(server.pid(), SIGTERM);
+
+  // While draining: NOT_SERVING, and new requests are UNAVAILABLE.
+  Client c(server.grpc_address());
+  std::string health;
+  for (int i = 0; i < 100 && health != "NOT_SERVING"; ++i) {
+    ASSERT_TRUE(c.health("", &health).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(health, "NOT_SERVING");
+  ASSERT_TRUE(c.health("plsh.v1.Attention", &health).ok());
+  EXPECT_EQ(health, "NOT_SERVING");
+  const Request small = make_request(Mode::kLsh, 64, 2);
+  AttendReply refused_reply;
+  const grpc::Status refused = c.attend(small.call(), &refused_reply);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << client::status_string(refused);
+  EXPECT_FALSE(done.load()) << "the request finished before the draining server could be observed";
+
   caller.join();
   EXPECT_TRUE(status.ok()) << client::status_string(status);
   EXPECT_EQ(reply.out.size(), r.q.size());
   EXPECT_EQ(server.terminate(), 0) << server.log();
   EXPECT_NE(server.log().find("draining"), std::string::npos);
   // After it: nothing listens any more.
-  std::string health;
   EXPECT_FALSE(Client(server.grpc_address()).health("", &health, 2).ok());
 }
 

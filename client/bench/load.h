@@ -20,6 +20,7 @@
 
 #include "bench/arrivals.h"
 #include "bench/cpu_usage.h"
+#include "bench/server_metrics.h"
 #include "bench/stats.h"
 
 namespace plsh::bench {
@@ -80,6 +81,9 @@ struct LevelResult {
   int64_t verified = 0, mismatches = 0;
   double max_verify_error = 0;
   CpuUsage cpu;                    // over the level, warmup included
+  // With --metrics: the change of the server's counters over the level,
+  // warmup included (filled in by the caller, not by run_level).
+  std::optional<ServerCounters> server_counters;
 };
 
 // Open-loop requests that start this much after their scheduled time mean

@@ -66,6 +66,17 @@ std::string opt_ms(const Summary& s, double Summary::*field) { return s.count ==
 
 }  // namespace
 
+bool server_counts_agree(const LevelResult& l) {
+  if (!l.server_counters) return false;
+  double ok = 0, total = 0;
+  for (const auto& [code, n] : l.server_counters->requests_by_code) {
+    total += n;
+    if (code == "OK") ok = n;
+  }
+  return ok == static_cast<double>(l.ok + l.warmup_ok) &&
+         total == static_cast<double>(l.ok + l.failed + l.warmup_ok + l.warmup_failed);
+}
+
 bool over_threshold(const LevelResult& level, double threshold_seconds) {
   return level.ok == 0 || level.failed > 0 || level.latency.p99 > threshold_seconds;
 }
@@ -166,6 +177,17 @@ std::string text_report(const RunReport& run) {
           << ")\n";
     if (l.warmup_ok + l.warmup_failed > 0)
       out << at << "warmup: " << l.warmup_ok << " ok, " << l.warmup_failed << " failed (not in the figures)\n";
+    if (l.server_counters) {
+      double total = 0;
+      std::string codes;
+      for (const auto& [code, n] : l.server_counters->requests_by_code) {
+        total += n;
+        codes += (codes.empty() ? "" : ", ") + code + " " + fixed(n, 0);
+      }
+      out << at << "server's plsh_requests_total rose by " << fixed(total, 0) << (codes.empty() ? "" : " (" + codes + ")")
+          << "; this client sent " << (l.ok + l.failed + l.warmup_ok + l.warmup_failed) << " (warmup included): "
+          << (server_counts_agree(l) ? "agrees" : "DIFFERS (other clients on this server, or requests it never saw)") << "\n";
+    }
   }
   const std::string verdict = threshold_verdict(run);
   if (!verdict.empty()) out << verdict << "\n";
@@ -200,6 +222,14 @@ json level_json(const LevelResult& l, const std::optional<double>& p99_threshold
                      {"machine_busy", l.cpu.machine_busy >= 0 ? json(l.cpu.machine_busy) : json(nullptr)},
                      {"client_bound", l.cpu.client_bound},
                      {"reason", l.cpu.reason}};
+  if (l.server_counters) {
+    const ServerCounters& c = *l.server_counters;
+    j["server_metrics"] = {{"requests", c.requests_by_code},
+                           {"tokens", c.tokens},
+                           {"received_bytes", c.received_bytes},
+                           {"sent_bytes", c.sent_bytes},
+                           {"agrees", server_counts_agree(l)}};
+  }
   if (p99_threshold) j["over_threshold"] = over_threshold(l, *p99_threshold);
   return j;
 }

@@ -34,6 +34,10 @@ std::string level_label(const LevelSpec& spec);
 // One line: label, phase, elapsed, ok, failed, req/s, in flight. No newline.
 std::string progress_line(const LevelSpec& spec, const Progress& p);
 
+// With server counters: whether the server counted every request the
+// client made at this level (warmup included), OK and in total.
+bool server_counts_agree(const LevelResult& level);
+
 // "concurrency 4: ok 120, failed 0, 38.2 req/s, p50 12.1 ms, p99 30.5 ms"
 // (and "CLIENT-BOUND" when the client was the bottleneck).
 std::string level_summary_line(const LevelResult& level);

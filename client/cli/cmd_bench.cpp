@@ -26,6 +26,7 @@
 #include "bench/attend_load.h"
 #include "bench/load.h"
 #include "bench/report.h"
+#include "bench/server_metrics.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
 
@@ -57,6 +58,7 @@ struct BenchArgs {
   std::string json_path, csv_path;
   uint64_t seed = 0;
   std::optional<double> p99_threshold_ms;
+  std::string metrics;              // host:port of the server's /metrics
   bool quiet = false;
 };
 
@@ -256,8 +258,13 @@ Status bench(const BenchArgs& a, int* exit_code) {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 
-  // 2. Inputs (once), the server's info, the reference output.
+  // 2. Inputs (once), the server's info, the reference output; the
+  // server's metrics once, so that a wrong --metrics fails before the run.
   ASSIGN_OR_RETURN(std::unique_ptr<bench::AttendLoad> load, bench::AttendLoad::create(config));
+  if (!a.metrics.empty()) {
+    ASSIGN_OR_RETURN(const bench::ServerCounters probe, bench::scrape_counters(a.metrics));
+    (void)probe;
+  }
 
   bench::RunReport run;
   run.target = a.target;
@@ -302,8 +309,18 @@ Status bench(const BenchArgs& a, int* exit_code) {
           std::cerr << bench::progress_line(spec, p) << "\n";
       };
     }
+    std::optional<bench::ServerCounters> counters_before;
+    if (!a.metrics.empty()) {
+      ASSIGN_OR_RETURN(counters_before, bench::scrape_counters(a.metrics));
+    }
     bench::LevelResult result =
         bench::run_level(spec, [&load](int worker, int64_t index) { return load->call(worker, index); }, progress, tty ? 0.25 : 5.0);
+    // The server counts a request before its final status goes out, so
+    // every request of the level is in the counters once run_level returns.
+    if (counters_before) {
+      ASSIGN_OR_RETURN(const bench::ServerCounters after, bench::scrape_counters(a.metrics));
+      result.server_counters = bench::counters_delta(*counters_before, after);
+    }
     if (!a.quiet) {
       if (tty) std::cerr << "\r\033[K";
       std::cerr << bench::level_summary_line(result) << std::endl;
@@ -371,6 +388,9 @@ RunFn setup_bench(CLI::App& app) {
   app.add_option_function<double>("--p99-threshold", [a](const double& v) { a->p99_threshold_ms = v; },
                                   "milliseconds: stop the sweep at the first level whose p99 exceeds it (or that has "
                                   "failures) and report the last level under it");
+  app.add_option("--metrics", a->metrics,
+                 "the server's metrics address host:port: report its plsh_requests_total change per level next to "
+                 "this client's counts");
   app.add_flag("--quiet", a->quiet, "no progress on stderr");
   return [a] {
     int exit_code = kExitOk;

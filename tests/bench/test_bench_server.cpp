@@ -120,6 +120,7 @@ TEST(BenchServer, OkCountEqualsTheServersRequestCounter) {
 
   std::vector<std::string> args = kSmall;
   for (const char* a : {"--concurrency", "2", "--requests", "25", "--warmup", "0.3"}) args.push_back(a);
+  args.insert(args.end(), {"--metrics", server.metrics_address()});
   const BenchRun run = run_bench(server, args);
   ASSERT_EQ(run.exit_code, 0) << run.err;
   ASSERT_EQ(run.report["levels"].size(), 1u);
@@ -149,6 +150,12 @@ TEST(BenchServer, OkCountEqualsTheServersRequestCounter) {
                                  plsh::testing::metric_sum(before, "plsh_phase_duration_seconds_count", {"phase=\"computing\""});
   EXPECT_EQ(computing_count, 25 + warmup_ok);
   EXPECT_EQ(level["server_ms"]["computing"]["count"], 25);
+
+  // --metrics: the report carries the same comparison for the operator.
+  EXPECT_EQ(level["server_metrics"]["requests"]["OK"], 25 + warmup_ok) << level["server_metrics"];
+  EXPECT_EQ(level["server_metrics"]["tokens"], static_cast<double>((25 + warmup_ok) * kSmallTokens));
+  EXPECT_TRUE(level["server_metrics"]["agrees"].get<bool>());
+  EXPECT_NE(run.out.find("agrees"), std::string::npos) << run.out;
 }
 
 TEST(BenchServer, PercentilesAreOrderedAtEveryLevel) {

@@ -331,6 +331,50 @@ TEST(Report, JsonCsvAndVerdict) {
   EXPECT_NE(text.find("crossed at"), std::string::npos);
 }
 
+TEST(ServerMetrics, ParsesPrometheusTextAndSumsCounters) {
+  const std::string text =
+      "# HELP plsh_requests_total Requests\n"
+      "# TYPE plsh_requests_total counter\n"
+      "plsh_requests_total{backend=\"cpu\",code=\"OK\",mode=\"lsh\"} 10\n"
+      "plsh_requests_total{backend=\"cpu\",code=\"OK\",mode=\"exact\"} 5\n"
+      "plsh_requests_total{backend=\"cpu\",code=\"RESOURCE_EXHAUSTED\",mode=\"lsh\"} 2\n"
+      "plsh_tokens_total{mode=\"lsh\"} 2560\n"
+      "plsh_build_info{version=\"0.1 beta\",backend=\"cpu\",device=\"x86_64, 2 threads\"} 1\n"
+      "plsh_received_bytes_total 1.5e+06\n";
+  const auto m = parse_prometheus(text);
+  EXPECT_EQ(m.size(), 6u);
+  EXPECT_EQ(m.at("plsh_received_bytes_total"), 1.5e6);
+  // A label value with spaces stays inside the key.
+  EXPECT_EQ(m.at("plsh_build_info{version=\"0.1 beta\",backend=\"cpu\",device=\"x86_64, 2 threads\"}"), 1);
+
+  ServerCounters before, after;
+  before.requests_by_code = {{"OK", 3}};
+  after.requests_by_code = {{"OK", 15}, {"RESOURCE_EXHAUSTED", 2}};
+  after.tokens = 2560;
+  const ServerCounters d = counters_delta(before, after);
+  EXPECT_EQ(d.requests_by_code.at("OK"), 12);
+  EXPECT_EQ(d.requests_by_code.at("RESOURCE_EXHAUSTED"), 2);
+  EXPECT_EQ(d.tokens, 2560);
+
+  LevelResult l;
+  l.ok = 10;
+  l.failed = 2;
+  l.warmup_ok = 2;
+  l.server_counters = d;
+  EXPECT_TRUE(server_counts_agree(l));
+  l.warmup_failed = 1;  // one request the server did not count
+  EXPECT_FALSE(server_counts_agree(l));
+}
+
+TEST(ServerMetrics, UnreachableAddressIsUnavailable) {
+  // Port 1 on loopback: nothing listens there in a test environment.
+  const StatusOr<std::string> r = http_get("127.0.0.1:1", "/metrics", 2);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(r.status().message().find("127.0.0.1:1"), std::string::npos);
+  EXPECT_EQ(http_get("no-port", "/metrics").status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(Report, FailuresCrossTheThreshold) {
   LevelResult l;
   l.ok = 100;

@@ -185,6 +185,8 @@ Status bench(const BenchArgs& a, int* exit_code) {
   if (a.p99_threshold_ms && !(*a.p99_threshold_ms > 0))
     return invalid_argument("p99_threshold = " + std::to_string(*a.p99_threshold_ms) + ", expected > 0 milliseconds");
   ASSIGN_OR_RETURN(const bench::Arrivals arrivals, bench::parse_arrivals(a.arrivals));
+  if (a.connections < 1 || a.connections > 1024)
+    return invalid_argument("connections = " + std::to_string(a.connections) + ", expected in [1, 1024]");
 
   bench::AttendLoadConfig config;
   config.target = a.target;
@@ -262,8 +264,7 @@ Status bench(const BenchArgs& a, int* exit_code) {
   // server's metrics once, so that a wrong --metrics fails before the run.
   ASSIGN_OR_RETURN(std::unique_ptr<bench::AttendLoad> load, bench::AttendLoad::create(config));
   if (!a.metrics.empty()) {
-    ASSIGN_OR_RETURN(const bench::ServerCounters probe, bench::scrape_counters(a.metrics));
-    (void)probe;
+    RETURN_IF_ERROR(bench::scrape_counters(a.metrics).status());
   }
 
   bench::RunReport run;

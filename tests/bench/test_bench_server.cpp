@@ -328,6 +328,8 @@ TEST(BenchServer, BadFlagsAndAnUnreachableTargetFailInOneLine) {
       {{"--wire-dtype", "f64"}, 2, "f64"},
       {{"--verify", "1.5"}, 2, "expected a fraction in [0, 1]"},
       {{"--shape", "1,16,3,2,8"}, 2, "kv_heads"},
+      {{"--connections", "0"}, 2, "connections = 0, expected in [1, 1024]"},
+      {{"--metrics", "127.0.0.1:1"}, 1, "metrics 127.0.0.1:1: connect failed"},
   };
   for (const Case& c : cases) {
     const BenchRun run = run_bench(server, c.args);

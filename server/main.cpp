@@ -6,6 +6,9 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
 #include <unistd.h>
 
 #include <csignal>
@@ -44,6 +47,36 @@ bool install_shutdown_handlers() {
 }
 
 // Blocks until the first SIGTERM or SIGINT; returns it.
+// Refreshes plsh_device_memory_*_bytes until destroyed; does nothing for
+// backends without a device.
+class DeviceMemorySampler {
+ public:
+  DeviceMemorySampler(plsh::Backend* backend, plsh::server::Metrics* metrics) {
+    if (!backend->device_memory()) return;
+    thread_ = std::thread([this, backend, metrics] {
+      std::unique_lock<std::mutex> lock(mutex_);
+      do {
+        if (const std::optional<plsh::DeviceMemory> m = backend->device_memory())
+          metrics->device_memory(backend->device(), static_cast<double>(m->used_bytes), static_cast<double>(m->total_bytes));
+      } while (!wake_.wait_for(lock, std::chrono::seconds(5), [this] { return stop_; }));
+    });
+  }
+  ~DeviceMemorySampler() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 int wait_for_shutdown_signal() {
   char byte = 0;
   while (read(g_signal_pipe[0], &byte, 1) != 1) {
@@ -90,6 +123,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   metrics.set_build_info(PLSH_VERSION, (*chosen)->name(), (*chosen)->device());
+
+  // Device memory gauges, sampled every 5 s on a thread of our own (not on
+  // civetweb's small-stack scrape threads), for backends with a device.
+  DeviceMemorySampler sampler(*chosen, &metrics);
 
   // 4. The service: workers and queue, then the gRPC server.
   plsh::server::Scheduler scheduler(config.workers, config.queue_depth, config.memory_budget,

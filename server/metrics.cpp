@@ -66,7 +66,15 @@ Metrics::Metrics()
       build_info_(BuildGauge()
                       .Name("plsh_build_info")
                       .Help("Always 1; labels say the version, backend and device")
-                      .Register(*registry_)) {
+                      .Register(*registry_)),
+      device_memory_used_(BuildGauge()
+                              .Name("plsh_device_memory_used_bytes")
+                              .Help("Memory in use on the backend's device (all processes)")
+                              .Register(*registry_)),
+      device_memory_total_(BuildGauge()
+                               .Name("plsh_device_memory_total_bytes")
+                               .Help("Memory of the backend's device")
+                               .Register(*registry_)) {
   for (const char* p : {"queued", "receiving", "computing", "sending"}) phase_duration_.Add({{"phase", p}}, duration_buckets());
 }
 
@@ -89,6 +97,12 @@ std::string Metrics::bound_address() const { return bound_; }
 void Metrics::set_build_info(const std::string& version, const std::string& backend, const std::string& device) {
   std::lock_guard<std::mutex> lock(mutex_);
   build_info_.Add({{"version", version}, {"backend", backend}, {"device", device}}).Set(1);
+}
+
+void Metrics::device_memory(const std::string& device, double used_bytes, double total_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  device_memory_used_.Add({{"device", device}}).Set(used_bytes);
+  device_memory_total_.Add({{"device", device}}).Set(total_bytes);
 }
 
 void Metrics::request_done(const std::string& mode, const std::string& backend, const std::string& code, double seconds) {

@@ -42,6 +42,7 @@ class Metrics {
   void queue_depth(double depth);
   void probe_relative_error(const std::string& mode, double rel_err);
   void mask_max_error(const std::string& mode, double err);
+  void device_memory(const std::string& device, double used_bytes, double total_bytes);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -60,6 +61,8 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& probe_error_;
   prometheus::Family<prometheus::Histogram>& mask_error_;
   prometheus::Family<prometheus::Gauge>& build_info_;
+  prometheus::Family<prometheus::Gauge>& device_memory_used_;
+  prometheus::Family<prometheus::Gauge>& device_memory_total_;
 };
 
 }  // namespace plsh::server

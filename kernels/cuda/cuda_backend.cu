@@ -413,6 +413,14 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda"; }
   std::string device() const override { return device_name_; }
+  std::optional<DeviceMemory> device_memory() const override {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error so the next call starts clean
+      return std::nullopt;
+    }
+    return DeviceMemory{static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes)};
+  }
 
   Status supports(const AttentionParams& p) const override {
     if (p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kBanded)

@@ -54,6 +54,9 @@ struct GpuCase {
   std::vector<double> slopes;  // empty: standard
 };
 
+// ctest lists a case by its name, not by a byte dump of the struct.
+void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
+
 // Tolerances on max |a - b| / max |b| and relative L2, by dtype. f32: fp32
 // GEMMs (no TF32) and expf leave ~1e-6; 1e-4 leaves room for long sums.
 // bf16 / f16: the inputs are equal on both sides, but the probabilities fed

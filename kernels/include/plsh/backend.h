@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,12 @@ struct ExecContext {
   // CANCELLED or DEADLINE_EXCEEDED when the work should stop, else OK.
   // Backends call it between tiles.
   Status check_stop() const;
+};
+
+// Memory of a backend's device, for the server's gauges.
+struct DeviceMemory {
+  int64_t used_bytes = 0;   // in use on the device, by any process
+  int64_t total_bytes = 0;  // the device's capacity
 };
 
 // What a forward pass did, for the result's metadata.
@@ -50,6 +57,8 @@ class Backend {
   virtual int64_t workspace_bytes(const AttentionParams& p) const = 0;
   // Writes p.out (and p.lse when set).
   virtual Status forward(const AttentionParams& p, const ExecContext& ctx, ForwardStats* stats) = 0;
+  // The device's memory now; nullopt for backends without a device (CPU).
+  virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
 };
 
 // The backends this process can use, best first: CUDA (when the CUDA backend

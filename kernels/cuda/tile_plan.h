@@ -151,8 +151,11 @@ PLSH_HD inline int64_t max_span_width(const SpanShape& s, int64_t reach) {
 
 // bin(p) = floor((p - u) / delta) in IEEE double (SPEC section 5): correctly
 // rounded subtraction and division on both sides, so host and device agree
-// bit for bit.
+// bit for bit. Pitches below kSingletonPitch label each position by itself,
+// as plsh::bin_of does (plsh/draws.h): the same one-position blocks, without
+// a quotient too large for int64.
 PLSH_HD inline int64_t span_bin(int64_t pos, double pitch, double shift) {
+  if (pitch < 0.5) return pos;  // plsh::kSingletonPitch
 #if defined(__CUDA_ARCH__)
   return static_cast<int64_t>(floor(__ddiv_rn(__dsub_rn(static_cast<double>(pos), shift), pitch)));
 #else

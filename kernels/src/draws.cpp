@@ -39,6 +39,7 @@ std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t
 
 int64_t block_end(int64_t pos, const Draw& d) {
   if (!std::isfinite(d.pitch)) return std::numeric_limits<int64_t>::max();
+  if (d.pitch < kSingletonPitch) return pos + 1;
   const int64_t b = bin_of(pos, d);
   // Estimate from the formula, then step so the answer agrees with bin_of
   // exactly whatever the rounding of (p - u) / delta.
@@ -51,6 +52,7 @@ int64_t block_end(int64_t pos, const Draw& d) {
 
 int64_t block_begin(int64_t pos, const Draw& d) {
   if (!std::isfinite(d.pitch)) return std::numeric_limits<int64_t>::min();
+  if (d.pitch < kSingletonPitch) return pos;
   const int64_t b = bin_of(pos, d);
   int64_t s = static_cast<int64_t>(std::floor(static_cast<double>(b) * d.pitch + d.shift));
   if (s > pos) s = pos;

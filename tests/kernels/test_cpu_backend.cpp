@@ -492,3 +492,33 @@ TEST(CpuBackend, NamesItself) {
 
 }  // namespace
 }  // namespace plsh
+
+namespace plsh {
+namespace {
+
+// The steepest slope make_params allows, at positions near 2^52: lsh must
+// finish (blocks are single positions) and match the float64 reference.
+TEST(CpuBackend, SteepSlopeFarFromZeroFinishesAndMatches) {
+  for (LshAlgorithm a : {LshAlgorithm::kPerSample, LshAlgorithm::kBanded}) {
+    AttentionOptions o;
+    o.q_len = o.kv_len = 40;
+    o.heads = o.kv_heads = 2;
+    o.head_dim = 16;
+    o.mode = Mode::kLsh;
+    o.samples = 16;
+    o.lsh_algorithm = a;
+    o.slopes = {1024.0, 0.5};
+    o.k_pos0 = (int64_t{1} << 52) - 40;
+    o.q_pos0 = (int64_t{1} << 52) - 40;
+    testing::RandomTensors t = testing::random_qkv(o, 21);
+    std::vector<uint8_t> out = testing::output_buffer(o);
+    StatusOr<AttentionParams> p = make_params(o, TensorRefs{t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr});
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    ASSERT_TRUE(make_cpu_backend()->forward(*p, ExecContext{}, nullptr).ok());
+    const testing::ErrorStats e = testing::compare(out.data(), DType::kF32, testing::reference_attention(*p).out);
+    EXPECT_LT(e.max_rel, 1e-5) << lsh_algorithm_name(a);
+  }
+}
+
+}  // namespace
+}  // namespace plsh

@@ -90,3 +90,37 @@ TEST(Draws, InfinitePitchPutsEverythingInOneBin) {
 
 }  // namespace
 }  // namespace plsh
+
+namespace plsh {
+namespace {
+
+// Steep slopes draw pitches far below one position; near |p| = 2^52 the
+// quotient (p - u) / delta no longer fits in int64. Blocks are single
+// positions there, found without stepping through bins (which once hung).
+TEST(Draws, TinyPitchesGiveSinglePositionBlocksFarFromZero) {
+  const int64_t far = int64_t{1} << 52;
+  int64_t tiny = 0;
+  for (int64_t k = 0; k < 256; ++k) {
+    const Draw d = draw_hash(3, 0, k, 1.0 / 1024);
+    if (d.pitch >= kSingletonPitch) continue;
+    ++tiny;
+    for (const int64_t pos : {far - 3, far, -far, int64_t{0}, int64_t{17}}) {
+      EXPECT_EQ(block_begin(pos, d), pos);
+      EXPECT_EQ(block_end(pos, d), pos + 1);
+      EXPECT_NE(bin_of(pos, d), bin_of(pos + 1, d));
+      EXPECT_NE(bin_of(pos, d), bin_of(pos - 1, d));
+    }
+  }
+  EXPECT_GT(tiny, 200) << "sigma = 1/1024 should give pitches below 0.5 almost always";
+  // Just above the threshold the formula holds and the blocks agree with it.
+  const Draw d{0.75, 0.3};
+  for (int64_t pos = far - 40; pos < far; ++pos) {
+    const int64_t b = bin_of(pos, d);
+    EXPECT_EQ(b, static_cast<int64_t>(std::floor((static_cast<double>(pos) - 0.3) / 0.75)));
+    EXPECT_EQ(bin_of(block_begin(pos, d), d), b);
+    EXPECT_EQ(bin_of(block_end(pos, d) - 1, d), b);
+  }
+}
+
+}  // namespace
+}  // namespace plsh

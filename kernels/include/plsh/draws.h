@@ -20,17 +20,20 @@ double draw_uniform(uint64_t seed, int64_t head, int64_t sample, int j);
 Draw draw_hash(uint64_t seed, int64_t head, int64_t sample, double sigma);
 std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t samples);
 
+// Below this pitch every block is one position: neighbouring quotients
+// (p - u) / delta differ by more than 2, so their floors differ. Such pitches
+// (rare, from steep slopes) are labelled by the position itself, which gives
+// the same blocks as the formula and keeps the label inside int64 where the
+// quotient would not fit (|p| up to 2^52 over a pitch near 1e-19).
+inline constexpr double kSingletonPitch = 0.5;
+
 // bin(p) = floor((p - u) / delta), evaluated in IEEE double. A head with
-// slope 0 (sigma = +inf) puts every position in bin 0.
+// slope 0 (sigma = +inf) puts every position in bin 0. With pitch >= 0.5 and
+// |p| <= 2^52 (what make_params allows) the quotient fits in int64.
 inline int64_t bin_of(int64_t pos, const Draw& d) {
   if (!std::isfinite(d.pitch)) return 0;
-  const double bin = std::floor((static_cast<double>(pos) - d.shift) / d.pitch);
-  // Validated positions (|p| <= 2^52) and slopes keep bins far inside int64
-  // except for pitches of astronomically small probability; clamp those
-  // rather than overflow the cast.
-  if (!(bin < 4.0e18)) return int64_t{4000000000000000000};
-  if (!(bin > -4.0e18)) return int64_t{-4000000000000000000};
-  return static_cast<int64_t>(bin);
+  if (d.pitch < kSingletonPitch) return pos;
+  return static_cast<int64_t>(std::floor((static_cast<double>(pos) - d.shift) / d.pitch));
 }
 
 // First position p >= pos with bin_of(p) > bin_of(pos): the end (exclusive)

@@ -6,78 +6,11 @@
 #include <cstring>
 
 #include "plsh/backend.h"
+#include "proto/wire.h"
 
 namespace plsh::server {
 
 namespace {
-
-std::string dtype_enum_name(int value) {
-  const std::string name = v1::DType_Name(static_cast<v1::DType>(value));
-  return name.empty() ? std::to_string(value) : name + " (" + std::to_string(value) + ")";
-}
-
-StatusOr<DType> to_dtype(const char* field, int value, bool allow_unspecified, DType if_unspecified) {
-  switch (value) {
-    case v1::DTYPE_F32: return DType::kF32;
-    case v1::DTYPE_F16: return DType::kF16;
-    case v1::DTYPE_BF16: return DType::kBF16;
-    case v1::DTYPE_UNSPECIFIED:
-      if (allow_unspecified) return if_unspecified;
-      break;
-    default: break;
-  }
-  return invalid_argument(std::string(field) + " = " + dtype_enum_name(value) +
-                          ", expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16");
-}
-
-StatusOr<Mode> to_mode(int value) {
-  switch (value) {
-    case v1::MODE_UNSPECIFIED:
-    case v1::MODE_LSH: return Mode::kLsh;
-    case v1::MODE_EXACT: return Mode::kExact;
-    case v1::MODE_WINDOW: return Mode::kWindow;
-    default: break;
-  }
-  return invalid_argument("mode = " + std::to_string(value) + ", expected MODE_EXACT, MODE_LSH or MODE_WINDOW");
-}
-
-StatusOr<LshAlgorithm> to_lsh_algorithm(int value) {
-  switch (value) {
-    case v1::LSH_ALGORITHM_AUTO: return LshAlgorithm::kAuto;
-    case v1::LSH_ALGORITHM_PER_SAMPLE: return LshAlgorithm::kPerSample;
-    case v1::LSH_ALGORITHM_BANDED: return LshAlgorithm::kBanded;
-    default: break;
-  }
-  return invalid_argument("lsh_algorithm = " + std::to_string(value) +
-                          ", expected LSH_ALGORITHM_AUTO, LSH_ALGORITHM_PER_SAMPLE or LSH_ALGORITHM_BANDED");
-}
-
-v1::DType to_wire(DType t) {
-  switch (t) {
-    case DType::kF32: return v1::DTYPE_F32;
-    case DType::kF16: return v1::DTYPE_F16;
-    case DType::kBF16: return v1::DTYPE_BF16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
-v1::Mode to_wire(Mode m) {
-  switch (m) {
-    case Mode::kExact: return v1::MODE_EXACT;
-    case Mode::kLsh: return v1::MODE_LSH;
-    case Mode::kWindow: return v1::MODE_WINDOW;
-  }
-  return v1::MODE_UNSPECIFIED;
-}
-
-v1::LshAlgorithm to_wire(LshAlgorithm a) {
-  switch (a) {
-    case LshAlgorithm::kAuto: return v1::LSH_ALGORITHM_AUTO;
-    case LshAlgorithm::kPerSample: return v1::LSH_ALGORITHM_PER_SAMPLE;
-    case LshAlgorithm::kBanded: return v1::LSH_ALGORITHM_BANDED;
-  }
-  return v1::LSH_ALGORITHM_AUTO;
-}
 
 Status check_request_id(const std::string& id) {
   if (id.size() > 128) return invalid_argument("request_id has " + std::to_string(id.size()) + " characters, expected <= 128");
@@ -95,25 +28,7 @@ std::string next_request_id() {
   return id;
 }
 
-void fill_probe(const ProbeEstimate& p, v1::ProbeEstimate* w) {
-  w->set_rows(p.rows);
-  w->set_rel_err(p.rel_err);
-  w->set_rel_err_stderr(p.rel_err_stderr);
-  w->set_max_abs_err(p.max_abs_err);
-  w->set_bound_max(p.bound_max);
-}
-
 }  // namespace
-
-const char* wire_mode_name(v1::Mode m) {
-  switch (m) {
-    case v1::MODE_UNSPECIFIED:
-    case v1::MODE_LSH: return "lsh";
-    case v1::MODE_EXACT: return "exact";
-    case v1::MODE_WINDOW: return "window";
-    default: return "unknown";
-  }
-}
 
 StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimits& limits) {
   RequestPlan plan;
@@ -127,18 +42,18 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimit
   o.heads = h.heads();
   o.kv_heads = h.kv_heads();
   o.head_dim = h.head_dim();
-  ASSIGN_OR_RETURN(o.dtype, to_dtype("dtype", h.dtype(), false, DType::kF32));
-  ASSIGN_OR_RETURN(DType out_dtype, to_dtype("out_dtype", h.out_dtype(), true, o.dtype));
+  ASSIGN_OR_RETURN(o.dtype, wire::dtype_from_wire("dtype", h.dtype(), std::nullopt));
+  ASSIGN_OR_RETURN(DType out_dtype, wire::dtype_from_wire("out_dtype", h.out_dtype(), o.dtype));
   o.out_dtype = out_dtype;
   if (h.has_scale()) o.scale = h.scale();
   o.causal = h.causal();
   o.slopes.assign(h.slopes().begin(), h.slopes().end());
   if (h.has_q_pos0()) o.q_pos0 = h.q_pos0();
   o.k_pos0 = h.k_pos0();
-  ASSIGN_OR_RETURN(o.mode, to_mode(h.mode()));
+  ASSIGN_OR_RETURN(o.mode, wire::mode_from_wire(h.mode()));
   if (h.has_samples()) o.samples = h.samples();
   o.seed = h.seed();
-  ASSIGN_OR_RETURN(o.lsh_algorithm, to_lsh_algorithm(h.lsh_algorithm()));
+  ASSIGN_OR_RETURN(o.lsh_algorithm, wire::lsh_algorithm_from_wire(h.lsh_algorithm()));
   if (h.has_window_eps()) o.window_eps = h.window_eps();
   o.window_width = h.window_width();
   if (h.has_estimates()) o.estimates = h.estimates();
@@ -148,11 +63,10 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimit
   if (h.has_check_finite()) o.check_finite = h.check_finite();
   plan.return_lse = h.return_lse();
 
-  if (!h.backend().empty()) {
-    if (h.backend() != "auto" && h.backend() != "cpu" && h.backend() != "cuda")
-      return invalid_argument("backend = '" + h.backend() + "', expected auto, cpu or cuda");
-    plan.backend = h.backend();
-  }
+  if (h.backend() != "" && h.backend() != "auto" && h.backend() != "cpu" && h.backend() != "cuda")
+    return invalid_argument("backend = '" + h.backend() + "', expected auto, cpu or cuda");
+  // "" and "auto" leave the choice to the server's --backend.
+  plan.backend = h.backend().empty() || h.backend() == "auto" ? limits.default_backend : h.backend();
   if (h.out_chunk_bytes() < 0)
     return invalid_argument("out_chunk_bytes = " + std::to_string(h.out_chunk_bytes()) + ", expected >= 0 (0: server's largest)");
 
@@ -182,9 +96,11 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimit
 
   // Every message carries at least one row, so one row must fit in one.
   const int64_t payload_cap = limits.max_message_bytes - kMessageHeadroom;
-  const int64_t widest_row = std::max({plan.q_row_bytes, plan.kv_row_bytes, plan.out_row_bytes});
+  const int64_t widest_row =
+      std::max({plan.q_row_bytes, plan.kv_row_bytes, plan.out_row_bytes, plan.return_lse ? plan.lse_row_bytes : 0});
   if (widest_row > payload_cap)
-    return resource_exhausted("heads * head_dim = " + std::to_string(o.heads * o.head_dim) + ": one row is " +
+    return resource_exhausted("heads = " + std::to_string(o.heads) + ", head_dim = " + std::to_string(o.head_dim) +
+                              (plan.return_lse ? " with return_lse" : "") + ": one row is " +
                               std::to_string(widest_row) + " bytes, expected <= " + std::to_string(payload_cap) +
                               " (the server's --max-message-bytes less framing)");
   if (o.mode != Mode::kExact) {
@@ -238,40 +154,9 @@ StatusOr<AttentionResult> compute_request(const RequestPlan& plan, const Request
 }
 
 void fill_summary(const AttentionResult& r, const RequestPlan& plan, v1::Summary* s) {
+  wire::result_to_summary(r, s);
   s->set_request_id(plan.id);
-  s->set_backend(r.backend);
-  s->set_device(r.device);
-  s->set_mode(to_wire(r.mode));
-  s->set_lsh_algorithm(to_wire(r.lsh_algorithm));
-  s->set_samples(r.samples);
-  s->set_seed(r.seed);
-  s->set_out_dtype(to_wire(plan.options.out_dtype.value_or(plan.options.dtype)));
-  s->set_flops(r.flops);
-  s->set_dense_flops(r.dense_flops);
-  s->set_mask_max_err(r.mask_max_err);
-  s->set_mask_spectral_err(r.mask_spectral_err);
-  fill_probe(r.probe, s->mutable_probe());
-  for (const HeadEstimate& h : r.heads) {
-    v1::HeadEstimate* w = s->add_heads();
-    w->set_head(h.head);
-    w->set_slope(h.slope);
-    w->set_sigma(h.sigma);
-    w->set_window(h.window);
-    w->set_max_block(h.max_block);
-    w->set_mask_max_err(h.mask_max_err);
-    w->set_mask_rows_checked(h.mask_rows_checked);
-    w->set_mask_rows_sampled(h.mask_rows_sampled);
-    w->set_mask_spectral_err(h.mask_spectral_err);
-    w->set_spectral_iterations(h.spectral_iterations);
-    fill_probe(h.probe, w->mutable_probe());
-    for (const Draw& d : h.draws) {
-      v1::Draw* wd = w->add_draws();
-      wd->set_pitch(d.pitch);
-      wd->set_shift(d.shift);
-    }
-  }
-  auto* backend_timings = s->mutable_timings()->mutable_backend();
-  for (const auto& [name, seconds] : r.timings) (*backend_timings)[name] = seconds;
+  s->set_out_dtype(wire::to_wire(plan.options.out_dtype.value_or(plan.options.dtype)));
 }
 
 }  // namespace plsh::server

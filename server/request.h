@@ -23,6 +23,7 @@ struct RequestLimits {
   int64_t max_request_bytes = 0;
   int64_t max_samples = 0;
   int64_t max_message_bytes = 0;
+  std::string default_backend = "auto";  // --backend: what a header's "" or "auto" means
 };
 
 // Bytes per response message kept free for the message's own fields, so
@@ -32,7 +33,7 @@ inline constexpr int64_t kMessageHeadroom = 1024;
 
 struct RequestPlan {
   std::string id;
-  std::string backend = "auto";  // the requested backend name
+  std::string backend = "auto";  // the backend to run on: the header's, or the server's --backend
   AttentionOptions options;      // validated
   bool return_lse = false;
   int64_t q_rows = 0, kv_rows = 0;   // B * Nq, B * Nk: flat rows of q and of k, v
@@ -74,8 +75,6 @@ struct ComputeHooks {
 };
 StatusOr<AttentionResult> compute_request(const RequestPlan& plan, const RequestBuffers& buffers,
                                           const ExecContext& ctx, const ComputeHooks& hooks);
-
-const char* wire_mode_name(v1::Mode m);  // "exact", "lsh", "window", "unknown"
 
 void fill_summary(const AttentionResult& result, const RequestPlan& plan, v1::Summary* summary);
 

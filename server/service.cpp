@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "plsh/backend.h"
+#include "proto/wire.h"
 #include "server/assembler.h"
 #include "server/logging.h"
 #include "server/status_map.h"
@@ -162,7 +163,12 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
     {
       std::lock_guard<std::mutex> lock(mu_);
       write_in_flight_ = false;
-      if (!ok && !finish_) finish_ = grpc::Status(grpc::StatusCode::CANCELLED, "client went away during output");
+      if (!ok) {
+        if (!finish_) finish_ = grpc::Status(grpc::StatusCode::CANCELLED, "client went away during output");
+        // A failed ack can come while a worker computes: stop it; its run()
+        // pumps again and finishes the call then.
+        cancel_.store(true);
+      }
     }
     pump();
   }
@@ -172,7 +178,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   void OnDone() override { delete this; }
 
  private:
-  enum class Stage { kReading, kComputing, kSending };
+  enum class Stage { kReading, kComputing, kSending, kFailed };
 
   Status handle(const v1::AttendRequest& request) {
     switch (request.kind_case()) {
@@ -209,7 +215,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
 
   Status on_header(const v1::AttendHeader& header) {
     if (plan_) return invalid_argument("header received twice, expected exactly one header as the first message");
-    record_.mode = wire_mode_name(header.mode());  // labels a refused request too
+    record_.mode = wire::mode_label(header.mode());  // labels a refused request too
     ASSIGN_OR_RETURN(RequestPlan plan, plan_request(header, s_.limits));
     record_.note_plan(plan);
     ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().find(plan.backend));
@@ -256,8 +262,9 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
         result_ = std::move(result).value();
         stage_ = Stage::kSending;
         send_start_ = Clock::now();
-      } else if (!finish_) {
-        finish_ = to_grpc_status(result.status());
+      } else {
+        stage_ = Stage::kFailed;
+        if (!finish_) finish_ = to_grpc_status(result.status());
       }
     }
     pump();  // may finish the call: nothing of `this` may be touched after it
@@ -329,6 +336,9 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_ || write_in_flight_) return;
       if (finish_) {
+        // Never while a worker holds the buffers: finish() frees them and
+        // the call; run() pumps again when the worker is done.
+        if (stage_ == Stage::kComputing) return;
         action = Action::kFinish;
         status = *finish_;
       } else if (ack_ready_ && !ack_sent_) {
@@ -421,7 +431,7 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
     if (open > s_.config->max_concurrent)
       return resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
                                 std::to_string(s_.config->max_concurrent) + " (the server's --max-concurrent); retry later");
-    record_.mode = wire_mode_name(request_->header().mode());  // labels a refused request too
+    record_.mode = wire::mode_label(request_->header().mode());  // labels a refused request too
     ASSIGN_OR_RETURN(RequestPlan plan, plan_request(request_->header(), s_.limits));
     record_.note_plan(plan);
     ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().find(plan.backend));
@@ -529,7 +539,8 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
 
 AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler) {
   shared_.config = &config;
-  shared_.limits = RequestLimits{config.max_tokens, config.max_request_bytes, config.max_samples, config.max_message_bytes};
+  shared_.limits = RequestLimits{config.max_tokens, config.max_request_bytes, config.max_samples, config.max_message_bytes,
+                                 config.backend};
   shared_.metrics = metrics;
   shared_.scheduler = scheduler;
 }

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/wire.h"
 
 namespace plsh::client {
 
@@ -12,58 +13,6 @@ namespace {
 
 // Bytes of each message kept for its own fields (the server keeps the same).
 constexpr int64_t kHeadroom = 1024;
-
-v1::DType wire_dtype(DType t) {
-  switch (t) {
-    case DType::kF32: return v1::DTYPE_F32;
-    case DType::kF16: return v1::DTYPE_F16;
-    case DType::kBF16: return v1::DTYPE_BF16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
-DType from_wire(v1::DType t) {
-  switch (t) {
-    case v1::DTYPE_F16: return DType::kF16;
-    case v1::DTYPE_BF16: return DType::kBF16;
-    default: return DType::kF32;
-  }
-}
-
-v1::Mode wire_mode(Mode m) {
-  switch (m) {
-    case Mode::kExact: return v1::MODE_EXACT;
-    case Mode::kLsh: return v1::MODE_LSH;
-    case Mode::kWindow: return v1::MODE_WINDOW;
-  }
-  return v1::MODE_UNSPECIFIED;
-}
-
-Mode from_wire(v1::Mode m) {
-  switch (m) {
-    case v1::MODE_EXACT: return Mode::kExact;
-    case v1::MODE_WINDOW: return Mode::kWindow;
-    default: return Mode::kLsh;
-  }
-}
-
-LshAlgorithm from_wire(v1::LshAlgorithm a) {
-  switch (a) {
-    case v1::LSH_ALGORITHM_PER_SAMPLE: return LshAlgorithm::kPerSample;
-    case v1::LSH_ALGORITHM_BANDED: return LshAlgorithm::kBanded;
-    default: return LshAlgorithm::kAuto;
-  }
-}
-
-ProbeEstimate from_wire(const v1::ProbeEstimate& p) {
-  ProbeEstimate e;
-  e.rows = p.rows();
-  e.rel_err = p.rel_err();
-  e.rel_err_stderr = p.rel_err_stderr();
-  e.max_abs_err = p.max_abs_err();
-  e.bound_max = p.bound_max();
-  return e;
-}
 
 void set_deadline(grpc::ClientContext* ctx, double seconds) {
   if (seconds > 0)
@@ -93,13 +42,18 @@ Sizes sizes_of(const AttentionOptions& o) {
                out};
 }
 
-void fill_timings(const v1::Summary& s, AttendReply* reply) {
+grpc::Status fill_timings(const v1::Summary& s, AttendReply* reply) {
   reply->timings = ServerTimings{s.timings().queued_seconds(), s.timings().receiving_seconds(),
                                  s.timings().computing_seconds(), s.timings().sending_seconds(),
                                  s.timings().total_seconds()};
-  reply->result = result_from_summary(s);
-  reply->out_dtype = from_wire(s.out_dtype());
+  StatusOr<AttentionResult> result = wire::result_from_summary(s);
+  if (!result.ok()) return protocol_error("summary: " + result.status().message());
+  reply->result = std::move(result).value();
+  StatusOr<DType> out_dtype = wire::dtype_from_wire("out_dtype", s.out_dtype(), std::nullopt);
+  if (!out_dtype.ok()) return protocol_error("summary: " + out_dtype.status().message());
+  reply->out_dtype = *out_dtype;
   reply->request_id = s.request_id();
+  return grpc::Status::OK;
 }
 
 }  // namespace
@@ -140,17 +94,17 @@ v1::AttendHeader make_header(const AttendCall& call) {
   h.set_heads(o.heads);
   h.set_kv_heads(o.kv_heads);
   h.set_head_dim(o.head_dim);
-  h.set_dtype(wire_dtype(o.dtype));
-  if (o.out_dtype) h.set_out_dtype(wire_dtype(*o.out_dtype));
+  h.set_dtype(wire::to_wire(o.dtype));
+  if (o.out_dtype) h.set_out_dtype(wire::to_wire(*o.out_dtype));
   if (o.scale) h.set_scale(*o.scale);
   h.set_causal(o.causal);
   for (double s : o.slopes) h.add_slopes(s);
   if (o.q_pos0) h.set_q_pos0(*o.q_pos0);
   h.set_k_pos0(o.k_pos0);
-  h.set_mode(wire_mode(o.mode));
+  h.set_mode(wire::to_wire(o.mode));
   h.set_samples(o.samples);
   h.set_seed(o.seed);
-  h.set_lsh_algorithm(static_cast<v1::LshAlgorithm>(static_cast<int>(o.lsh_algorithm)));
+  h.set_lsh_algorithm(wire::to_wire(o.lsh_algorithm));
   h.set_window_eps(o.window_eps);
   h.set_window_width(o.window_width);
   h.set_estimates(o.estimates);
@@ -162,39 +116,6 @@ v1::AttendHeader make_header(const AttendCall& call) {
   h.set_out_chunk_bytes(std::max<int64_t>(0, call.chunk_bytes));
   h.set_backend(call.backend);
   return h;
-}
-
-AttentionResult result_from_summary(const v1::Summary& s) {
-  AttentionResult r;
-  r.backend = s.backend();
-  r.device = s.device();
-  r.mode = from_wire(s.mode());
-  r.lsh_algorithm = from_wire(s.lsh_algorithm());
-  r.samples = s.samples();
-  r.seed = s.seed();
-  r.flops = s.flops();
-  r.dense_flops = s.dense_flops();
-  r.mask_max_err = s.mask_max_err();
-  r.mask_spectral_err = s.mask_spectral_err();
-  r.probe = from_wire(s.probe());
-  for (const v1::HeadEstimate& w : s.heads()) {
-    HeadEstimate h;
-    h.head = w.head();
-    h.slope = w.slope();
-    h.sigma = w.sigma();
-    h.window = w.window();
-    h.max_block = w.max_block();
-    h.mask_max_err = w.mask_max_err();
-    h.mask_rows_checked = w.mask_rows_checked();
-    h.mask_rows_sampled = w.mask_rows_sampled();
-    h.mask_spectral_err = w.mask_spectral_err();
-    h.spectral_iterations = w.spectral_iterations();
-    h.probe = from_wire(w.probe());
-    for (const v1::Draw& d : w.draws()) h.draws.push_back(Draw{d.pitch(), d.shift()});
-    r.heads.push_back(std::move(h));
-  }
-  for (const auto& [name, seconds] : s.timings().backend()) r.timings[name] = seconds;
-  return r;
 }
 
 Client::Client(const std::string& target) {
@@ -313,8 +234,7 @@ grpc::Status Client::attend(const AttendCall& call, AttendReply* reply) {
   if (!have_summary) return protocol_error("stream ended OK without a summary");
   if (out_rows != z.q_rows || (call.return_lse && lse_rows != z.q_rows))
     return protocol_error("output rows missing: " + std::to_string(out_rows) + " of " + std::to_string(z.q_rows));
-  fill_timings(summary, reply);
-  return status;
+  return fill_timings(summary, reply);
 }
 
 grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
@@ -344,8 +264,7 @@ grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
     std::memcpy(reply->lse.data(), response.lse().data(), response.lse().size());
   }
   reply->received_bytes = static_cast<int64_t>(response.out().size() + response.lse().size());
-  fill_timings(response.summary(), reply);
-  return status;
+  return fill_timings(response.summary(), reply);
 }
 
 grpc::Status Client::info(v1::GetInfoResponse* info, double deadline_seconds) {

@@ -164,6 +164,52 @@ TEST(ServiceLifecycle, CancelMidRequestFreesTheWorker) {
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
+// A client that sends header, chunks and end without reading the ack, then
+// cancels at once, while the request is queued or computing: the server must
+// stay up, free the reservation and close every stream. (The race this
+// guards against, a failed ack write finishing the call under a working
+// worker, needs the tiny ack's write to stall; this loop does not force
+// that, so service.cpp's pump() rule is what prevents it.)
+TEST(ServiceLifecycle, CancelRightAfterEndWithoutReadingTheAck) {
+  ServerProcess server({"--workers", "1", "--threads", "2"});
+  ASSERT_TRUE(server.started()) << server.log();
+  const Request r = make_request(Mode::kExact, 512, 4);
+  auto stub = v1::Attention::NewStub(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 40; ++i) {
+    grpc::ClientContext ctx;
+    auto stream = stub->Attend(&ctx);
+    v1::AttendRequest m;
+    *m.mutable_header() = client::make_header(r.call());
+    stream->Write(m);
+    const int64_t row_bytes = r.options.heads * r.options.head_dim * 4;
+    for (const std::vector<uint8_t>* data : {&r.q, &r.k, &r.v}) {
+      m.Clear();
+      auto* c = m.mutable_chunk();
+      c->set_tensor(data == &r.q ? v1::TENSOR_Q : data == &r.k ? v1::TENSOR_K : v1::TENSOR_V);
+      c->set_row_start(0);
+      c->set_row_count(r.options.q_len);
+      c->set_data(data->data(), static_cast<size_t>(r.options.q_len * row_bytes));
+      stream->Write(m);
+    }
+    m.Clear();
+    m.mutable_end();
+    stream->Write(m);
+    if (i % 2 == 1) std::this_thread::sleep_for(std::chrono::milliseconds(i % 7));  // vary where the cancel lands
+    ctx.TryCancel();
+    stream->Finish();
+  }
+  // Still serving, nothing in flight, and the whole memory budget free again.
+  const Request small = make_request(Mode::kLsh, 64, 2);
+  AttendReply reply;
+  const grpc::Status s = Client(server.grpc_address()).attend(small.call(), &reply);
+  EXPECT_TRUE(s.ok()) << client::status_string(s);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (seconds_since(t0) < 10 && metric_sum(scrape(server), "plsh_inflight_requests") != 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(metric_sum(scrape(server), "plsh_inflight_requests"), 0);
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
 TEST(ServiceLifecycle, SigtermFinishesTheRequestInFlightAndExitsZero) {
   ServerProcess server({"--threads", "2"});
   ASSERT_TRUE(server.started()) << server.log();

@@ -404,3 +404,34 @@ TEST(ServiceLarge, N65536H8D64F16StreamsUnderTheMessageLimit) {
 
 }  // namespace
 }  // namespace plsh
+
+namespace plsh {
+namespace {
+
+// One lse row (4 bytes per head) can be wider than one out row (2 bytes per
+// element at head_dim 1): with return_lse, that row must fit in a message
+// too, or the server would compute and then fail to send. Refused up front.
+TEST(ServiceLarge, LseRowOverTheMessageLimitIsRefusedBeforeTheAck) {
+  ServerProcess server({"--threads", "2", "--max-message-bytes", "65536"});
+  ASSERT_TRUE(server.started()) << server.log();
+  AttentionOptions o;
+  o.q_len = o.kv_len = 4;
+  o.heads = 16384;  // q/out rows 32 KiB in f16, lse rows 64 KiB
+  o.head_dim = 1;
+  o.dtype = DType::kF16;
+  o.mode = Mode::kExact;
+  const Inputs in = make_inputs(o, 3);
+  client::AttendCall call = call_for(in);
+  call.return_lse = true;
+  AttendReply reply;
+  const grpc::Status s = Client(server.grpc_address()).attend(call, &reply);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << client::status_string(s);
+  EXPECT_NE(s.error_message().find("return_lse"), std::string::npos) << s.error_message();
+  call.return_lse = false;  // without lse the same request fits
+  const grpc::Status ok = Client(server.grpc_address()).attend(call, &reply);
+  EXPECT_TRUE(ok.ok()) << client::status_string(ok);
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
+}  // namespace
+}  // namespace plsh

@@ -77,9 +77,6 @@ class Client {
 
 // The wire header for a call (what the Python client builds too).
 v1::AttendHeader make_header(const AttendCall& call);
-// Summary -> the library's result type, so callers share plsh compute's
-// metadata writers.
-AttentionResult result_from_summary(const v1::Summary& summary);
 
 // "INVALID_ARGUMENT", "UNAVAILABLE", ...
 std::string status_code_name(grpc::StatusCode code);

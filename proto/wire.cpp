@@ -1,0 +1,175 @@
+#include "proto/wire.h"
+
+#include <string>
+
+namespace plsh::wire {
+
+v1::DType to_wire(DType t) {
+  switch (t) {
+    case DType::kF32: return v1::DTYPE_F32;
+    case DType::kF16: return v1::DTYPE_F16;
+    case DType::kBF16: return v1::DTYPE_BF16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+v1::Mode to_wire(Mode m) {
+  switch (m) {
+    case Mode::kExact: return v1::MODE_EXACT;
+    case Mode::kLsh: return v1::MODE_LSH;
+    case Mode::kWindow: return v1::MODE_WINDOW;
+  }
+  return v1::MODE_UNSPECIFIED;
+}
+
+v1::LshAlgorithm to_wire(LshAlgorithm a) {
+  switch (a) {
+    case LshAlgorithm::kAuto: return v1::LSH_ALGORITHM_AUTO;
+    case LshAlgorithm::kPerSample: return v1::LSH_ALGORITHM_PER_SAMPLE;
+    case LshAlgorithm::kBanded: return v1::LSH_ALGORITHM_BANDED;
+  }
+  return v1::LSH_ALGORITHM_AUTO;
+}
+
+namespace {
+
+std::string dtype_enum_name(int value) {
+  const std::string name = v1::DType_Name(static_cast<v1::DType>(value));
+  return name.empty() ? std::to_string(value) : name + " (" + std::to_string(value) + ")";
+}
+
+ProbeEstimate probe_from_wire(const v1::ProbeEstimate& p) {
+  ProbeEstimate e;
+  e.rows = p.rows();
+  e.rel_err = p.rel_err();
+  e.rel_err_stderr = p.rel_err_stderr();
+  e.max_abs_err = p.max_abs_err();
+  e.bound_max = p.bound_max();
+  return e;
+}
+
+void probe_to_wire(const ProbeEstimate& p, v1::ProbeEstimate* w) {
+  w->set_rows(p.rows);
+  w->set_rel_err(p.rel_err);
+  w->set_rel_err_stderr(p.rel_err_stderr);
+  w->set_max_abs_err(p.max_abs_err);
+  w->set_bound_max(p.bound_max);
+}
+
+}  // namespace
+
+StatusOr<DType> dtype_from_wire(const char* field, int value, std::optional<DType> if_unspecified) {
+  switch (value) {
+    case v1::DTYPE_F32: return DType::kF32;
+    case v1::DTYPE_F16: return DType::kF16;
+    case v1::DTYPE_BF16: return DType::kBF16;
+    case v1::DTYPE_UNSPECIFIED:
+      if (if_unspecified) return *if_unspecified;
+      break;
+    default: break;
+  }
+  return invalid_argument(std::string(field) + " = " + dtype_enum_name(value) +
+                          ", expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16");
+}
+
+StatusOr<Mode> mode_from_wire(int value) {
+  switch (value) {
+    case v1::MODE_UNSPECIFIED:
+    case v1::MODE_LSH: return Mode::kLsh;
+    case v1::MODE_EXACT: return Mode::kExact;
+    case v1::MODE_WINDOW: return Mode::kWindow;
+    default: break;
+  }
+  return invalid_argument("mode = " + std::to_string(value) + ", expected MODE_EXACT, MODE_LSH or MODE_WINDOW");
+}
+
+StatusOr<LshAlgorithm> lsh_algorithm_from_wire(int value) {
+  switch (value) {
+    case v1::LSH_ALGORITHM_AUTO: return LshAlgorithm::kAuto;
+    case v1::LSH_ALGORITHM_PER_SAMPLE: return LshAlgorithm::kPerSample;
+    case v1::LSH_ALGORITHM_BANDED: return LshAlgorithm::kBanded;
+    default: break;
+  }
+  return invalid_argument("lsh_algorithm = " + std::to_string(value) +
+                          ", expected LSH_ALGORITHM_AUTO, LSH_ALGORITHM_PER_SAMPLE or LSH_ALGORITHM_BANDED");
+}
+
+const char* mode_label(v1::Mode m) {
+  switch (m) {
+    case v1::MODE_UNSPECIFIED:
+    case v1::MODE_LSH: return "lsh";
+    case v1::MODE_EXACT: return "exact";
+    case v1::MODE_WINDOW: return "window";
+    default: return "unknown";
+  }
+}
+
+void result_to_summary(const AttentionResult& r, v1::Summary* s) {
+  s->set_backend(r.backend);
+  s->set_device(r.device);
+  s->set_mode(to_wire(r.mode));
+  s->set_lsh_algorithm(to_wire(r.lsh_algorithm));
+  s->set_samples(r.samples);
+  s->set_seed(r.seed);
+  s->set_flops(r.flops);
+  s->set_dense_flops(r.dense_flops);
+  s->set_mask_max_err(r.mask_max_err);
+  s->set_mask_spectral_err(r.mask_spectral_err);
+  probe_to_wire(r.probe, s->mutable_probe());
+  for (const HeadEstimate& h : r.heads) {
+    v1::HeadEstimate* w = s->add_heads();
+    w->set_head(h.head);
+    w->set_slope(h.slope);
+    w->set_sigma(h.sigma);
+    w->set_window(h.window);
+    w->set_max_block(h.max_block);
+    w->set_mask_max_err(h.mask_max_err);
+    w->set_mask_rows_checked(h.mask_rows_checked);
+    w->set_mask_rows_sampled(h.mask_rows_sampled);
+    w->set_mask_spectral_err(h.mask_spectral_err);
+    w->set_spectral_iterations(h.spectral_iterations);
+    probe_to_wire(h.probe, w->mutable_probe());
+    for (const Draw& d : h.draws) {
+      v1::Draw* wd = w->add_draws();
+      wd->set_pitch(d.pitch);
+      wd->set_shift(d.shift);
+    }
+  }
+  auto* backend_timings = s->mutable_timings()->mutable_backend();
+  for (const auto& [name, seconds] : r.timings) (*backend_timings)[name] = seconds;
+}
+
+StatusOr<AttentionResult> result_from_summary(const v1::Summary& s) {
+  AttentionResult r;
+  r.backend = s.backend();
+  r.device = s.device();
+  ASSIGN_OR_RETURN(r.mode, mode_from_wire(s.mode()));
+  ASSIGN_OR_RETURN(r.lsh_algorithm, lsh_algorithm_from_wire(s.lsh_algorithm()));
+  r.samples = s.samples();
+  r.seed = s.seed();
+  r.flops = s.flops();
+  r.dense_flops = s.dense_flops();
+  r.mask_max_err = s.mask_max_err();
+  r.mask_spectral_err = s.mask_spectral_err();
+  r.probe = probe_from_wire(s.probe());
+  for (const v1::HeadEstimate& w : s.heads()) {
+    HeadEstimate h;
+    h.head = w.head();
+    h.slope = w.slope();
+    h.sigma = w.sigma();
+    h.window = w.window();
+    h.max_block = w.max_block();
+    h.mask_max_err = w.mask_max_err();
+    h.mask_rows_checked = w.mask_rows_checked();
+    h.mask_rows_sampled = w.mask_rows_sampled();
+    h.mask_spectral_err = w.mask_spectral_err();
+    h.spectral_iterations = w.spectral_iterations();
+    h.probe = probe_from_wire(w.probe());
+    for (const v1::Draw& d : w.draws()) h.draws.push_back(Draw{d.pitch(), d.shift()});
+    r.heads.push_back(std::move(h));
+  }
+  for (const auto& [name, seconds] : s.timings().backend()) r.timings[name] = seconds;
+  return r;
+}
+
+}  // namespace plsh::wire

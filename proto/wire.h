@@ -1,0 +1,34 @@
+// Conversions between the library's types (plsh/params.h, plsh/attention.h)
+// and the plsh.v1 messages, both ways, in one place: the server writes
+// what the clients read, so the two directions sit side by side.
+#pragma once
+
+#include <optional>
+
+#include "plsh/attention.h"
+#include "plsh/params.h"
+#include "plsh/status.h"
+#include "plsh/v1/plsh.pb.h"
+
+namespace plsh::wire {
+
+v1::DType to_wire(DType t);
+v1::Mode to_wire(Mode m);
+v1::LshAlgorithm to_wire(LshAlgorithm a);
+
+// INVALID_ARGUMENT naming `field` for values outside the enum;
+// DTYPE_UNSPECIFIED gives `if_unspecified`, or an error without one.
+StatusOr<DType> dtype_from_wire(const char* field, int value, std::optional<DType> if_unspecified);
+// MODE_UNSPECIFIED is lsh (SPEC section 4's default).
+StatusOr<Mode> mode_from_wire(int value);
+StatusOr<LshAlgorithm> lsh_algorithm_from_wire(int value);
+// "exact", "lsh", "window", "unknown": a metrics label for any wire value.
+const char* mode_label(v1::Mode m);
+
+// The result's estimates, FLOPs and backend timings (not the request id or
+// the output dtype, which belong to the request).
+void result_to_summary(const AttentionResult& result, v1::Summary* summary);
+// The inverse; INVALID_ARGUMENT for enum values outside plsh.v1.
+StatusOr<AttentionResult> result_from_summary(const v1::Summary& summary);
+
+}  // namespace plsh::wire

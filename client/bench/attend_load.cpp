@@ -7,25 +7,18 @@
 
 #include "plsh/attention.h"
 #include "plsh/backend.h"
+#include "plsh/draws.h"
 #include "plsh/numeric.h"
 
 namespace plsh::bench {
 
 namespace {
 
-uint64_t mix(uint64_t z) {  // SplitMix64's finaliser, as in SPEC section 5
-  z ^= z >> 30;
-  z *= 0xBF58476D1CE4E5B9ull;
-  z ^= z >> 27;
-  z *= 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 // N(0, 1) values in the wire dtype. One generator per tensor, seeded from
 // (seed, tensor), so q does not change when only the kv shape does.
 std::vector<uint8_t> random_tensor(int64_t elements, DType dtype, uint64_t seed, uint64_t tensor) {
   std::vector<uint8_t> bytes(static_cast<size_t>(elements) * dtype_bytes(dtype));
-  std::mt19937_64 rng(mix(seed + 0x9E3779B97F4A7C15ull * (tensor + 1)));
+  std::mt19937_64 rng(mix64(seed + 0x9E3779B97F4A7C15ull * (tensor + 1)));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   constexpr int64_t kRow = 4096;
   std::vector<float> row(kRow);
@@ -64,7 +57,7 @@ double verify_tolerance(DType out_dtype) {
 bool selected_for_verify(uint64_t seed, int64_t index, double fraction) {
   if (fraction <= 0) return false;
   if (fraction >= 1) return true;
-  const uint64_t word = mix(seed ^ mix(static_cast<uint64_t>(index) + 0x632BE59BD9B4E019ull));
+  const uint64_t word = mix64(seed ^ mix64(static_cast<uint64_t>(index) + 0x632BE59BD9B4E019ull));
   return static_cast<double>(word >> 11) * 0x1.0p-53 < fraction;
 }
 

@@ -62,6 +62,11 @@ int report_rpc_error(const grpc::Status& s) {
 
 int attend(const AttendArgs& args) {
   const auto t_start = std::chrono::steady_clock::now();
+  // The shared flags include compute's --threads, which means nothing here:
+  // refuse it rather than ignore it.
+  if (args.attention.threads != 0)
+    return report_error("attend", invalid_argument("--threads = " + std::to_string(args.attention.threads) +
+                                                   ", expected 0: the server's own --threads decides"));
   if (Status s = check_output_paths(args.outputs); !s.ok()) return report_error("attend", s);
   StatusOr<AttentionInputs> loaded = load_attention_inputs(args.attention);
   if (!loaded.ok()) return report_error("attend", loaded.status());

@@ -517,13 +517,19 @@ Status CudaBackend::forward(const AttentionParams& p, const ExecContext& ctx, Fo
   cudaStream_t stream = ctx.stream != nullptr ? static_cast<cudaStream_t>(ctx.stream) : cudaStreamPerThread;
 
   if (p.memory == MemorySpace::kDevice) {
-    const void* ptrs[] = {p.q, p.k, p.v, p.out};
-    const char* names[] = {"q", "k", "v", "out"};
-    for (int t = 0; t < 4; ++t) {
+    // lse too when asked for: the finalize kernel writes through it, and a
+    // host pointer there would be a sticky illegal-address error.
+    const void* ptrs[] = {p.q, p.k, p.v, p.out, p.lse};
+    const char* names[] = {"q", "k", "v", "out", "lse"};
+    for (int t = 0; t < 5; ++t) {
+      if (ptrs[t] == nullptr) continue;  // only lse may be null (make_params checked the rest)
       cudaPointerAttributes attr{};
       CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, ptrs[t]));
       if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
         return invalid_argument(std::string(names[t]) + " is not device memory, expected memory = device tensors");
+      if (attr.type == cudaMemoryTypeDevice && attr.device != device_)
+        return invalid_argument(std::string(names[t]) + " is on device " + std::to_string(attr.device) +
+                                ", expected device " + std::to_string(device_) + " (this backend's)");
     }
   }
 

@@ -106,17 +106,30 @@ grpc::Status stopped_status(const Clock::time_point deadline) {
   return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
 }
 
-StatusOr<AttentionResult> compute_guarded(ServiceContext& s, const RequestPlan& plan, const RequestBuffers& buffers,
-                                          const ExecContext& ctx) {
+// On a worker, for both reactors: the computation unless the client left
+// while the request was queued; fills the queued and computing times.
+StatusOr<AttentionResult> compute_on_worker(ServiceContext& s, const RequestPlan& plan, const RequestBuffers& buffers,
+                                            const std::atomic<bool>& cancel, Clock::time_point deadline,
+                                            Clock::time_point queued_at, RequestRecord* record) {
+  const Clock::time_point started = Clock::now();
+  record->queued = seconds_between(queued_at, started);
+  if (cancel.load()) return cancelled("cancelled by the client while queued");
+  ExecContext exec;
+  exec.cancel = &cancel;
+  exec.deadline = deadline;
+  exec.threads = static_cast<int>(s.config->threads);
   ComputeHooks hooks{[&s](int64_t b) { return s.scheduler->reserve(b); },
                      [&s](int64_t b) { s.scheduler->release(b); }};
+  StatusOr<AttentionResult> result = cancelled("not run");
   try {
-    return compute_request(plan, buffers, ctx, hooks);
+    result = compute_request(plan, buffers, exec, hooks);
   } catch (const std::bad_alloc&) {
-    return resource_exhausted("out of host memory while computing request " + plan.id);
+    result = resource_exhausted("out of host memory while computing request " + plan.id);
   } catch (const std::exception& e) {
-    return internal_error(std::string("request ") + plan.id + ": " + e.what());
+    result = internal_error(std::string("request ") + plan.id + ": " + e.what());
   }
+  record->computing = seconds_between(started, Clock::now());
+  return result;
 }
 
 // ---------------------------------------------------------------- Attend
@@ -244,17 +257,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
 
   // On a worker.
   void run() {
-    const Clock::time_point started = Clock::now();
-    record_.queued = seconds_between(end_at_, started);
-    StatusOr<AttentionResult> result = cancelled("cancelled by the client while queued");
-    if (!cancel_.load()) {
-      ExecContext exec;
-      exec.cancel = &cancel_;
-      exec.deadline = deadline_;
-      exec.threads = static_cast<int>(s_.config->threads);
-      result = compute_guarded(s_, *plan_, buffers_, exec);
-      record_.computing = seconds_between(started, Clock::now());
-    }
+    StatusOr<AttentionResult> result = compute_on_worker(s_, *plan_, buffers_, cancel_, deadline_, end_at_, &record_);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (result.ok()) {
@@ -474,17 +477,7 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
   }
 
   void run() {
-    const Clock::time_point started = Clock::now();
-    record_.queued = seconds_between(queued_at_, started);
-    StatusOr<AttentionResult> result = cancelled("cancelled by the client while queued");
-    if (!cancel_.load()) {
-      ExecContext exec;
-      exec.cancel = &cancel_;
-      exec.deadline = deadline_;
-      exec.threads = static_cast<int>(s_.config->threads);
-      result = compute_guarded(s_, *plan_, buffers_, exec);
-      record_.computing = seconds_between(started, Clock::now());
-    }
+    StatusOr<AttentionResult> result = compute_on_worker(s_, *plan_, buffers_, cancel_, deadline_, queued_at_, &record_);
     if (!result.ok()) {
       finish(to_grpc_status(result.status()));
       return;

@@ -114,12 +114,21 @@ class CpuBackend final : public Backend {
     RETURN_IF_ERROR(supports(p));
     RETURN_IF_ERROR(ctx.check_stop());
     const int threads = ctx.threads > 0 ? ctx.threads : default_threads();
-    const std::vector<std::vector<Draw>> draws = head_draws(p);
-    const LshAlgorithm algorithm = resolve_algorithm(p, draws);
-    const bool banded = algorithm == LshAlgorithm::kBanded;
-    const std::vector<cpu::TileJob> jobs = tile_jobs(p);
-
+    // No exception crosses the backend boundary: the draws and the job list
+    // allocate too.
+    std::vector<std::vector<Draw>> draws;
+    std::vector<cpu::TileJob> jobs;
+    LshAlgorithm algorithm = LshAlgorithm::kAuto;
     std::vector<cpu::Scratch> scratch;
+    try {
+      draws = head_draws(p);
+      algorithm = resolve_algorithm(p, draws);
+      jobs = tile_jobs(p);
+    } catch (const std::bad_alloc&) {
+      return resource_exhausted("cpu backend: the draws and tile list for heads = " + std::to_string(p.heads) +
+                                ", samples = " + std::to_string(p.samples) + " could not be allocated");
+    }
+    const bool banded = algorithm == LshAlgorithm::kBanded;
     try {
       scratch.resize(static_cast<size_t>(threads));
       for (cpu::Scratch& s : scratch) cpu::size_scratch(p, banded, &s);

@@ -86,7 +86,7 @@ void BackendRegistry::discover() {
   list_.push_back(owned_.back().get());
 }
 
-const std::vector<Backend*>& BackendRegistry::backends() {
+std::vector<Backend*> BackendRegistry::backends() {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   discover();
   return list_;

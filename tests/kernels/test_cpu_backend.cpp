@@ -467,7 +467,13 @@ TEST(CpuBackend, ProgressReachesOne) {
   Problem pr = make_problem(options_of(make("progress", Mode::kExact, 500, 500, 2, 2, 32, false)), 1);
   std::atomic<double> last{0};
   ExecContext ctx;
-  ctx.progress = [&](double f) { last = std::max(last.load(), f); };
+  // Callbacks come from any thread and may interleave: keep the maximum
+  // with a compare-exchange, not a load then a store.
+  ctx.progress = [&](double f) {
+    double seen = last.load();
+    while (f > seen && !last.compare_exchange_weak(seen, f)) {
+    }
+  };
   ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ctx, nullptr).ok());
   EXPECT_EQ(last.load(), 1.0);
 }

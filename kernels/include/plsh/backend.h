@@ -68,8 +68,9 @@ class BackendRegistry {
  public:
   static BackendRegistry& global();
 
-  // Looks for backends once; later calls return the same list.
-  const std::vector<Backend*>& backends();
+  // Looks for backends once; later calls return the same list (a copy, so
+  // that add() on another thread cannot invalidate a caller's iteration).
+  std::vector<Backend*> backends();
   const std::vector<std::string>& notes();
 
   // "auto": the first backend that supports p; "cpu" / "cuda": that one or a

@@ -169,4 +169,17 @@ std::vector<Round> plan_rounds(const SpanShape& shape, const std::vector<LaneSet
   return rounds;
 }
 
+std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lane0, int64_t lane1) {
+  std::vector<LaneSetup> setups(static_cast<size_t>(lane1 - lane0));
+  for (int64_t g = lane0; g < lane1; ++g) {
+    LaneSetup& s = setups[static_cast<size_t>(g - lane0)];
+    s = heads[static_cast<size_t>(g % num_heads)];
+    for (LanePass& l : s.passes) {
+      l.acc_lane = static_cast<int32_t>(g - lane0);
+      l.batch = static_cast<int32_t>(g / num_heads);
+    }
+  }
+  return setups;
+}
+
 }  // namespace plsh::cuda

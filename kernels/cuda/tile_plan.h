@@ -255,6 +255,11 @@ SpanShape span_shape(const AttentionParams& p);
 // position in one bin: M~ = 1).
 std::vector<LaneSetup> head_passes(const AttentionParams& p);
 
+// The lanes [lane0, lane1) of a chunk (lane g = batch item g / H, head
+// g % H), each a copy of its head's passes pointed at its accumulator slot
+// and batch item.
+std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lane0, int64_t lane1);
+
 // Subtracted from m + log(l) to give lse: log(samples) where the passes are
 // hashes (M~ averages them), else 0.
 float lse_offset(const LaneSetup& head, int64_t samples);

@@ -69,15 +69,7 @@ Emulated emulate(const AttentionParams& p, int64_t budget) {
   const int64_t tiles_total = tile_count(shape);
   for (int64_t lane0 = 0; lane0 < lanes_total; lane0 += plan.lanes_per_chunk) {
     const int64_t lane1 = std::min(lanes_total, lane0 + plan.lanes_per_chunk);
-    std::vector<LaneSetup> setups(static_cast<size_t>(lane1 - lane0));
-    for (int64_t g = lane0; g < lane1; ++g) {
-      LaneSetup& s = setups[static_cast<size_t>(g - lane0)];
-      s = heads[static_cast<size_t>(g % p.heads)];
-      for (LanePass& l : s.passes) {
-        l.acc_lane = static_cast<int32_t>(g - lane0);
-        l.batch = static_cast<int32_t>(g / p.heads);
-      }
-    }
+    const std::vector<LaneSetup> setups = chunk_lanes(heads, p.heads, lane0, lane1);
     for (int64_t t0 = 0; t0 < tiles_total; t0 += plan.tiles_per_chunk) {
       const int64_t t1 = std::min(tiles_total, t0 + plan.tiles_per_chunk);
       ++e.chunks;

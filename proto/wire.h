@@ -5,12 +5,20 @@
 
 #include <optional>
 
-#include "plsh/attention.h"
+#include <cstdint>
+
 #include "plsh/params.h"
+#include "plsh/result.h"
 #include "plsh/status.h"
 #include "plsh/v1/plsh.pb.h"
 
 namespace plsh::wire {
+
+// Bytes per message kept free for the message's own fields, so that a
+// chunk's payload plus framing never exceeds the max message size (a
+// chunk's fields take < 40 bytes). The server tells clients the payload cap
+// (Ack and GetInfo: max_chunk_payload_bytes), so clients need not know it.
+inline constexpr int64_t kMessageHeadroom = 1024;
 
 v1::DType to_wire(DType t);
 v1::Mode to_wire(Mode m);

@@ -2,6 +2,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "plsh/params.h"
+
 namespace plsh::server {
 
 ParsedConfig parse_config(int argc, char** argv) {
@@ -33,12 +35,21 @@ ParsedConfig parse_config(int argc, char** argv) {
   app.add_option("--max-request-bytes", c.max_request_bytes, "per request: q + k + v + out (+ lse) bytes")
       ->envname("PLSH_MAX_REQUEST_BYTES")
       ->check(positive);
-  app.add_option("--memory-budget", c.memory_budget, "bytes of all in-flight requests together")
+  app.add_option("--memory-budget", c.memory_budget,
+                 "host bytes of all in-flight requests together (tensors and host workspace)")
       ->envname("PLSH_MEMORY_BUDGET")
       ->check(positive);
-  app.add_option("--max-samples", c.max_samples, "lsh samples per request")
+  app.add_option("--device-memory-budget", c.device_memory_budget,
+                 "device bytes of all in-flight requests together (GPU staging and workspace); 0: the GPU "
+                 "backend's own budget (3/4 of the device's free memory at start, or PLSH_CUDA_MEMORY_MB); each of "
+                 "the --workers requests computed at once may take an equal share")
+      ->envname("PLSH_DEVICE_MEMORY_BUDGET")
+      ->check(non_negative);
+  // The library's bound is the draws' index field (2^24 samples per head);
+  // the default keeps one request's draws and per-sample passes modest.
+  app.add_option("--max-samples", c.max_samples, "lsh samples per request, at most 2^24")
       ->envname("PLSH_MAX_SAMPLES")
-      ->check(positive);
+      ->check(CLI::Range(int64_t{1}, plsh::kMaxSamples));
   // 64 KiB floor: every message carries at least one row plus framing.
   app.add_option("--max-message-bytes", c.max_message_bytes, "gRPC max receive/send message bytes")
       ->envname("PLSH_MAX_MESSAGE_BYTES")

@@ -19,8 +19,9 @@ struct ServerConfig {
   int64_t queue_depth = 16;                        // requests waiting for a worker
   int64_t max_tokens = int64_t{1} << 20;           // per request, B * max(Nq, Nk)
   int64_t max_request_bytes = int64_t{8} << 30;    // q + k + v + out (+ lse)
-  int64_t memory_budget = int64_t{16} << 30;       // all in-flight requests together
-  int64_t max_samples = 4096;                      // lsh samples per request
+  int64_t memory_budget = int64_t{16} << 30;       // host bytes of all in-flight requests together
+  int64_t device_memory_budget = 0;                // device bytes of all in-flight requests; 0: the device backend's own budget
+  int64_t max_samples = 4096;                      // lsh samples per request, <= plsh::kMaxSamples (2^24)
   int64_t max_message_bytes = int64_t{4} << 20;    // gRPC max receive/send message
   std::string log_level = "info";                  // trace|debug|info|warn|error
   std::string log_format = "text";                 // text|json

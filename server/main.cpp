@@ -129,7 +129,13 @@ int main(int argc, char** argv) {
   DeviceMemorySampler sampler(*chosen, &metrics);
 
   // 4. The service: workers and queue, then the gRPC server.
-  plsh::server::Scheduler scheduler(config.workers, config.queue_depth, config.memory_budget,
+  // Budgets by memory space: host from --memory-budget, device from
+  // --device-memory-budget or, by default, the device backend's own.
+  plsh::server::MemoryCharge budget{config.memory_budget, config.device_memory_budget};
+  if (budget.device_bytes == 0)
+    for (plsh::Backend* b : registry.backends())
+      if (const std::optional<plsh::DeviceMemory> m = b->device_memory()) budget.device_bytes += m->budget_bytes;
+  plsh::server::Scheduler scheduler(config.workers, config.queue_depth, budget,
                                     [&metrics](int64_t depth) { metrics.queue_depth(static_cast<double>(depth)); });
   plsh::server::AttentionService service(config, &metrics, &scheduler);
 

@@ -63,17 +63,16 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimit
   if (h.has_check_finite()) o.check_finite = h.check_finite();
   plan.return_lse = h.return_lse();
 
-  if (h.backend() != "" && h.backend() != "auto" && h.backend() != "cpu" && h.backend() != "cuda")
-    return invalid_argument("backend = '" + h.backend() + "', expected auto, cpu or cuda");
+  if (!h.backend().empty()) RETURN_IF_ERROR(check_backend_name(h.backend()));
   // "" and "auto" leave the choice to the server's --backend.
-  plan.backend = h.backend().empty() || h.backend() == "auto" ? limits.default_backend : h.backend();
+  plan.backend_name = h.backend().empty() || h.backend() == "auto" ? limits.default_backend : h.backend();
   if (h.out_chunk_bytes() < 0)
     return invalid_argument("out_chunk_bytes = " + std::to_string(h.out_chunk_bytes()) + ", expected >= 0 (0: server's largest)");
 
   RETURN_IF_ERROR(validate_options(o));
 
   // The server's own limits (SPEC section 7: RESOURCE_EXHAUSTED).
-  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   if (o.mode == Mode::kLsh && o.samples > limits.max_samples)
     return resource_exhausted("samples = " + std::to_string(o.samples) + ", expected <= " +
                               std::to_string(limits.max_samples) + " (the server's --max-samples)");
@@ -103,20 +102,35 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimit
                               (plan.return_lse ? " with return_lse" : "") + ": one row is " +
                               std::to_string(widest_row) + " bytes, expected <= " + std::to_string(payload_cap) +
                               " (the server's --max-message-bytes less framing)");
-  if (o.mode != Mode::kExact) {
-    // The summary is one message: ~200 bytes per head, ~20 per draw (two
-    // doubles and framing) with return_draws.
+  if (summary_bytes(o) > payload_cap) {
     const bool draws = o.return_draws && o.mode == Mode::kLsh;
-    const int64_t summary_bytes = o.heads * (200 + (draws ? 20 * o.samples : 0));
-    if (summary_bytes > payload_cap)
-      return resource_exhausted(std::string(draws ? "return_draws = true with " : "") + "heads = " +
-                                std::to_string(o.heads) + (draws ? " and samples = " + std::to_string(o.samples) : "") +
-                                ": the summary needs ~" + std::to_string(summary_bytes) + " bytes, expected <= " +
-                                std::to_string(payload_cap) + " (the server's --max-message-bytes)");
+    return resource_exhausted(std::string(draws ? "return_draws = true with " : "") + "heads = " +
+                              std::to_string(o.heads) + (draws ? " and samples = " + std::to_string(o.samples) : "") +
+                              ": the summary needs ~" + std::to_string(summary_bytes(o)) + " bytes, expected <= " +
+                              std::to_string(payload_cap) + " (the server's --max-message-bytes)");
   }
   const int64_t wanted = h.out_chunk_bytes() == 0 ? payload_cap : std::min(h.out_chunk_bytes(), payload_cap);
   plan.out_chunk_bytes = std::max({wanted, plan.out_row_bytes, plan.return_lse ? plan.lse_row_bytes : 0});
+
+  // The backend and its plan, before any tensor byte: a request whose
+  // workspace cannot fit is refused here, with the header.
+  ASSIGN_OR_RETURN(const AttentionParams params, resolve_params(o));
+  ASSIGN_OR_RETURN(plan.backend, BackendRegistry::global().select(plan.backend_name, params));
+  PlanLimits plan_limits;
+  plan_limits.threads = limits.threads;
+  plan_limits.device_bytes = limits.device_bytes_per_request;
+  ASSIGN_OR_RETURN(plan.kernel, plan_attention(*plan.backend, params, plan_limits));
+  const Workspace workspace = plan.kernel.workspace();
+  plan.charge.host_bytes = plan.total_bytes + workspace.host_bytes;
+  plan.charge.device_bytes = workspace.device_bytes;
   return plan;
+}
+
+int64_t summary_bytes(const AttentionOptions& o) {
+  // The fixed fields fit in kMessageHeadroom; exact has no per-head entries.
+  if (o.mode == Mode::kExact) return 0;
+  const bool draws = o.return_draws && o.mode == Mode::kLsh;
+  return o.heads * (200 + (draws ? 20 * o.samples : 0));
 }
 
 RequestBuffers RequestBuffers::allocate(const RequestPlan& plan) {
@@ -141,16 +155,10 @@ TensorRefs RequestBuffers::refs() const {
   return t;
 }
 
-StatusOr<AttentionResult> compute_request(const RequestPlan& plan, const RequestBuffers& buffers,
-                                          const ExecContext& ctx, const ComputeHooks& hooks) {
+StatusOr<AttentionResult> compute_request(RequestPlan& plan, const RequestBuffers& buffers, const ExecContext& ctx) {
   RETURN_IF_ERROR(ctx.check_stop());
-  ASSIGN_OR_RETURN(AttentionParams params, make_params(plan.options, buffers.refs()));
-  ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().select(plan.backend, params));
-  const int64_t workspace = backend->workspace_bytes(params);
-  RETURN_IF_ERROR(hooks.reserve(workspace));
-  StatusOr<AttentionResult> result = run_attention(*backend, params, ctx);
-  hooks.release(workspace);
-  return result;
+  RETURN_IF_ERROR(bind_tensors(&plan.kernel.params, buffers.refs()));
+  return run_attention(*plan.backend, plan.kernel, ctx);
 }
 
 void fill_summary(const AttentionResult& r, const RequestPlan& plan, v1::Summary* s) {

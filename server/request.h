@@ -1,19 +1,24 @@
-// A request as the server holds it: the wire header turned into
-// plsh::AttentionOptions and checked against the server's limits (the plan),
-// the host buffers its tensors live in, and the way back from the library's
-// AttentionResult to the wire Summary. No maths here: the options'
-// validation is plsh::validate_options, the computation a Backend's.
+// A request as the server holds it, from its header on: the header checked
+// against the wire rules and the server's limits, its backend chosen and its
+// kernels' plan made (plsh::Plan: draws, algorithm, workspace by memory
+// space), what it will be charged by memory space, the host buffers its
+// tensors live in, and the way back from the library's AttentionResult to
+// the wire Summary. No maths here: validation is plsh::validate_options, the
+// plan and the computation a Backend's.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 
 #include "plsh/attention.h"
+#include "plsh/backend.h"
 #include "plsh/params.h"
+#include "plsh/plan.h"
 #include "plsh/status.h"
 #include "plsh/v1/plsh.pb.h"
+#include "proto/wire.h"
+#include "server/scheduler.h"
 
 namespace plsh::server {
 
@@ -24,17 +29,16 @@ struct RequestLimits {
   int64_t max_samples = 0;
   int64_t max_message_bytes = 0;
   std::string default_backend = "auto";  // --backend: what a header's "" or "auto" means
+  int threads = 0;                       // --threads: CPU threads per request (0: all cores)
+  int64_t device_bytes_per_request = 0;  // a request's share of --device-memory-budget (0: the backend's own cap)
 };
 
-// Bytes per response message kept free for the message's own fields, so
-// that a chunk's payload plus framing never exceeds max_message_bytes
-// (an OutputChunk's fields take < 40 bytes).
-inline constexpr int64_t kMessageHeadroom = 1024;
+using wire::kMessageHeadroom;
 
 struct RequestPlan {
   std::string id;
-  std::string backend = "auto";  // the backend to run on: the header's, or the server's --backend
-  AttentionOptions options;      // validated
+  std::string backend_name = "auto";  // as asked: the header's, or the server's --backend
+  AttentionOptions options;           // validated
   bool return_lse = false;
   int64_t q_rows = 0, kv_rows = 0;   // B * Nq, B * Nk: flat rows of q and of k, v
   int64_t q_row_bytes = 0;           // H * D * dtype bytes
@@ -44,6 +48,10 @@ struct RequestPlan {
   int64_t out_chunk_bytes = 0;       // payload per output chunk, >= one row of out and of lse
   int64_t total_bytes = 0;           // q + k + v + out + lse
 
+  Backend* backend = nullptr;  // chosen for these params (registry.select: auto falls back to the CPU)
+  Plan kernel;                 // the backend's plan; its tensors are bound on the worker
+  MemoryCharge charge;         // host: tensors + host workspace; device: device workspace
+
   int64_t q_bytes() const { return q_rows * q_row_bytes; }
   int64_t kv_bytes() const { return kv_rows * kv_row_bytes; }
   int64_t out_bytes() const { return q_rows * out_row_bytes; }
@@ -51,8 +59,16 @@ struct RequestPlan {
   int64_t tokens() const { return q_rows; }
 };
 
+// Bytes of a successful request's per-head summary entries: ~200 per head,
+// ~20 per draw (two doubles and framing) with return_draws; the fixed fields
+// fit in kMessageHeadroom. The one estimate both the streamed summary and
+// the unary response are checked against.
+int64_t summary_bytes(const AttentionOptions& options);
+
 // Header -> plan: INVALID_ARGUMENT naming the wire field for malformed
-// headers, RESOURCE_EXHAUSTED for sizes over the server's limits.
+// headers, RESOURCE_EXHAUSTED for sizes over the server's limits,
+// FAILED_PRECONDITION for a backend that is not there; then the backend and
+// its plan, and the request's charge. Touches no tensor memory.
 StatusOr<RequestPlan> plan_request(const v1::AttendHeader& header, const RequestLimits& limits);
 
 // The host memory of one request's tensors.
@@ -64,17 +80,9 @@ struct RequestBuffers {
   TensorRefs refs() const;
 };
 
-// The whole of what a worker does for one request: params (which checks
-// every input value is finite), the backend, its workspace against the
-// memory budget, then plsh::run_attention.
-struct ComputeHooks {
-  // Reserves extra bytes (the backend's workspace) against the memory
-  // budget, or RESOURCE_EXHAUSTED; release() undoes it.
-  std::function<Status(int64_t)> reserve;
-  std::function<void(int64_t)> release;
-};
-StatusOr<AttentionResult> compute_request(const RequestPlan& plan, const RequestBuffers& buffers,
-                                          const ExecContext& ctx, const ComputeHooks& hooks);
+// On a worker: binds the received tensors to the plan (which checks every
+// input value is finite) and runs plsh::run_attention on the plan's backend.
+StatusOr<AttentionResult> compute_request(RequestPlan& plan, const RequestBuffers& buffers, const ExecContext& ctx);
 
 void fill_summary(const AttentionResult& result, const RequestPlan& plan, v1::Summary* summary);
 

@@ -4,30 +4,38 @@
 
 namespace plsh::server {
 
-Scheduler::Scheduler(int64_t workers, int64_t queue_depth, int64_t memory_budget,
+Scheduler::Scheduler(int64_t workers, int64_t queue_depth, MemoryCharge budget,
                      std::function<void(int64_t)> on_queue_change)
-    : queue_depth_(queue_depth), memory_budget_(memory_budget), on_queue_change_(std::move(on_queue_change)) {
+    : queue_depth_(queue_depth), budget_(budget), on_queue_change_(std::move(on_queue_change)) {
   for (int64_t i = 0; i < workers; ++i) workers_.emplace_back([this] { work(); });
 }
 
 Scheduler::~Scheduler() { stop(); }
 
-Status Scheduler::reserve(int64_t bytes) {
+Status Scheduler::reserve(const MemoryCharge& c) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (bytes > memory_budget_ - reserved_)
-    return resource_exhausted("request needs " + std::to_string(bytes) + " bytes, " +
-                              std::to_string(memory_budget_ - reserved_) + " of the server's --memory-budget " +
-                              std::to_string(memory_budget_) + " are free; retry later");
-  reserved_ += bytes;
+  const int64_t host_free = budget_.host_bytes - reserved_.host_bytes;
+  const int64_t device_free = budget_.device_bytes - reserved_.device_bytes;
+  if (c.host_bytes > host_free)
+    return resource_exhausted("request needs " + std::to_string(c.host_bytes) + " bytes of host memory, " +
+                              std::to_string(host_free) + " of the server's --memory-budget " +
+                              std::to_string(budget_.host_bytes) + " are free; retry later");
+  if (c.device_bytes > device_free)
+    return resource_exhausted("request needs " + std::to_string(c.device_bytes) + " bytes of device memory, " +
+                              std::to_string(device_free) + " of the server's --device-memory-budget " +
+                              std::to_string(budget_.device_bytes) + " are free; retry later");
+  reserved_.host_bytes += c.host_bytes;
+  reserved_.device_bytes += c.device_bytes;
   return Status::Ok();
 }
 
-void Scheduler::release(int64_t bytes) {
+void Scheduler::release(const MemoryCharge& c) {
   std::lock_guard<std::mutex> lock(mutex_);
-  reserved_ -= bytes;
+  reserved_.host_bytes -= c.host_bytes;
+  reserved_.device_bytes -= c.device_bytes;
 }
 
-int64_t Scheduler::reserved() const {
+MemoryCharge Scheduler::reserved() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return reserved_;
 }

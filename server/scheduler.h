@@ -1,6 +1,8 @@
 // Admission and execution: a fixed pool of workers (--workers requests
-// computed at once), a bounded queue in front of them (--queue-depth), and a
-// memory budget shared by every request in flight (--memory-budget).
+// computed at once), a bounded queue in front of them (--queue-depth), and
+// two memory budgets shared by every request in flight, one per memory
+// space: host (--memory-budget: tensors and host workspace) and device
+// (--device-memory-budget: a GPU backend's staging and workspace).
 // Refusals are RESOURCE_EXHAUSTED at once rather than waits: a client that
 // is told to back off can retry elsewhere, a client that waits blindly
 // cannot.
@@ -18,16 +20,24 @@
 
 namespace plsh::server {
 
+// Bytes by memory space: what a request is charged, or a budget.
+struct MemoryCharge {
+  int64_t host_bytes = 0;
+  int64_t device_bytes = 0;
+};
+
 class Scheduler {
  public:
   // on_queue_change(depth) is called whenever the number of waiting jobs changes.
-  Scheduler(int64_t workers, int64_t queue_depth, int64_t memory_budget, std::function<void(int64_t)> on_queue_change);
+  Scheduler(int64_t workers, int64_t queue_depth, MemoryCharge budget, std::function<void(int64_t)> on_queue_change);
   ~Scheduler();
 
-  // Reserves bytes against the budget, or RESOURCE_EXHAUSTED naming it.
-  Status reserve(int64_t bytes);
-  void release(int64_t bytes);
-  int64_t reserved() const;
+  // Reserves both parts against their budgets, all or nothing, or
+  // RESOURCE_EXHAUSTED naming the budget's flag.
+  Status reserve(const MemoryCharge& charge);
+  void release(const MemoryCharge& charge);
+  MemoryCharge reserved() const;
+  MemoryCharge budget() const { return budget_; }
 
   // Queues a job for a worker, or RESOURCE_EXHAUSTED when --queue-depth jobs
   // already wait, or UNAVAILABLE once stopping.
@@ -40,13 +50,13 @@ class Scheduler {
   void work();
 
   const int64_t queue_depth_;
-  const int64_t memory_budget_;
+  const MemoryCharge budget_;
   std::function<void(int64_t)> on_queue_change_;
   mutable std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<std::function<void()>> queue_;
   int64_t idle_ = 0;
-  int64_t reserved_ = 0;
+  MemoryCharge reserved_;
   bool stopping_ = false;
   std::vector<std::thread> workers_;
 };

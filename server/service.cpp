@@ -1,17 +1,14 @@
 #include "server/service.h"
 
-#include <chrono>
 #include <cstring>
-#include <exception>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <optional>
 
 #include "plsh/backend.h"
 #include "proto/wire.h"
 #include "server/assembler.h"
-#include "server/logging.h"
+#include "server/call.h"
 #include "server/status_map.h"
 
 #ifndef PLSH_VERSION
@@ -22,133 +19,14 @@ namespace plsh::server {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_between(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-// gRPC reports deadlines on the system clock; the backends check the steady one.
-Clock::time_point steady_deadline(const grpc::CallbackServerContext* ctx) {
-  const auto deadline = ctx->deadline();
-  const auto left = deadline - std::chrono::system_clock::now();
-  if (deadline == std::chrono::system_clock::time_point::max() || left > std::chrono::hours(24 * 365))
-    return Clock::time_point::max();
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
-}
-
-std::string shape_of(const RequestPlan& p) {
-  const AttentionOptions& o = p.options;
-  return "B=" + std::to_string(o.batch) + " Nq=" + std::to_string(o.q_len) + " Nk=" + std::to_string(o.kv_len) +
-         " H=" + std::to_string(o.heads) + " Hkv=" + std::to_string(o.kv_heads == 0 ? o.heads : o.kv_heads) +
-         " D=" + std::to_string(o.head_dim) + " " + dtype_name(o.dtype);
-}
-
-// What one request leaves behind in the log and the metrics.
-struct RequestRecord {
-  std::string method;
-  std::string id;
-  std::string peer;
-  std::string shape;
-  std::string mode = "unknown";
-  std::string backend = "none";
-  Clock::time_point start = Clock::now();
-  double queued = -1, receiving = -1, computing = -1, sending = -1;  // < 0: phase not reached
-  int64_t received_bytes = 0, sent_bytes = 0, tokens = 0;
-  std::optional<double> probe_rel_err, mask_max_err;
-
-  void note_plan(const RequestPlan& plan) {
-    id = plan.id;
-    shape = shape_of(plan);
-    mode = mode_name(plan.options.mode);
-    tokens = plan.tokens();
-  }
-  void note_result(const AttentionResult& r, const RequestPlan& plan) {
-    backend = r.backend;
-    if (r.mode != Mode::kExact && plan.options.estimates) {
-      if (r.probe.rows > 0) probe_rel_err = r.probe.rel_err;
-      mask_max_err = r.mask_max_err;
-    }
-  }
-};
-
-void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Status& status) {
-  const double total = seconds_between(r.start, Clock::now());
-  const std::string code = grpc_code_name(status.error_code());
-  Metrics& m = *s.metrics;
-  m.request_done(r.mode, r.backend, code, total);
-  if (r.queued >= 0) m.phase("queued", r.queued);
-  if (r.receiving >= 0) m.phase("receiving", r.receiving);
-  if (r.computing >= 0) m.phase("computing", r.computing);
-  if (r.sending >= 0) m.phase("sending", r.sending);
-  if (status.ok()) {
-    m.tokens(r.mode, static_cast<double>(r.tokens));
-    if (r.probe_rel_err) m.probe_relative_error(r.mode, *r.probe_rel_err);
-    if (r.mask_max_err) m.mask_max_error(r.mode, *r.mask_max_err);
-  }
-  nlohmann::json fields = {{"method", r.method}, {"id", r.id},           {"peer", r.peer},
-                           {"shape", r.shape},   {"mode", r.mode},       {"backend", r.backend},
-                           {"status", code},     {"total_s", total},     {"received_bytes", r.received_bytes},
-                           {"sent_bytes", r.sent_bytes}};
-  if (r.queued >= 0) fields["queued_s"] = r.queued;
-  if (r.receiving >= 0) fields["receiving_s"] = r.receiving;
-  if (r.computing >= 0) fields["computing_s"] = r.computing;
-  if (r.sending >= 0) fields["sending_s"] = r.sending;
-  if (!status.ok()) fields["message"] = status.error_message();
-  const auto level = status.error_code() == grpc::StatusCode::INTERNAL ? spdlog::level::err : spdlog::level::info;
-  log_event(level, "request", fields);
-}
-
-// A cancelled request's code: the deadline's when it has passed.
-grpc::Status stopped_status(const Clock::time_point deadline) {
-  if (deadline != Clock::time_point::max() && Clock::now() >= deadline)
-    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed");
-  return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
-}
-
-// On a worker, for both reactors: the computation unless the client left
-// while the request was queued; fills the queued and computing times.
-StatusOr<AttentionResult> compute_on_worker(ServiceContext& s, const RequestPlan& plan, const RequestBuffers& buffers,
-                                            const std::atomic<bool>& cancel, Clock::time_point deadline,
-                                            Clock::time_point queued_at, RequestRecord* record) {
-  const Clock::time_point started = Clock::now();
-  record->queued = seconds_between(queued_at, started);
-  if (cancel.load()) return cancelled("cancelled by the client while queued");
-  ExecContext exec;
-  exec.cancel = &cancel;
-  exec.deadline = deadline;
-  exec.threads = static_cast<int>(s.config->threads);
-  ComputeHooks hooks{[&s](int64_t b) { return s.scheduler->reserve(b); },
-                     [&s](int64_t b) { s.scheduler->release(b); }};
-  StatusOr<AttentionResult> result = cancelled("not run");
-  try {
-    result = compute_request(plan, buffers, exec, hooks);
-  } catch (const std::bad_alloc&) {
-    result = resource_exhausted("out of host memory while computing request " + plan.id);
-  } catch (const std::exception& e) {
-    result = internal_error(std::string("request ") + plan.id + ": " + e.what());
-  }
-  record->computing = seconds_between(started, Clock::now());
-  return result;
-}
-
 // ---------------------------------------------------------------- Attend
 
-class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
+class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>, private CallBase {
  public:
-  AttendReactor(ServiceContext& s, grpc::CallbackServerContext* ctx)
-      : s_(s), ctx_(ctx), deadline_(steady_deadline(ctx)) {
-    record_.method = "Attend";
-    record_.peer = ctx->peer();
-    s_.metrics->inflight_add(1);
-    const int64_t open = s_.open_streams.fetch_add(1) + 1;
-    if (s_.draining.load()) {
-      fail(unavailable("server is shutting down; retry on another replica"));
-      return;
-    }
-    if (open > s_.config->max_concurrent) {
-      fail(resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
-                              std::to_string(s_.config->max_concurrent) + " (the server's --max-concurrent); retry later"));
+  AttendReactor(ServiceContext& s, grpc::CallbackServerContext* ctx) : CallBase(s, ctx, "Attend") {
+    const Status opened = open();
+    if (!opened.ok()) {
+      fail(opened);
       return;
     }
     StartRead(&request_);
@@ -228,25 +106,14 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
 
   Status on_header(const v1::AttendHeader& header) {
     if (plan_) return invalid_argument("header received twice, expected exactly one header as the first message");
-    record_.mode = wire::mode_label(header.mode());  // labels a refused request too
-    ASSIGN_OR_RETURN(RequestPlan plan, plan_request(header, s_.limits));
-    record_.note_plan(plan);
-    ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().find(plan.backend));
-    record_.backend = backend->name();
-    RETURN_IF_ERROR(s_.scheduler->reserve(plan.total_bytes));
-    reserved_ = plan.total_bytes;
-    try {
-      buffers_ = RequestBuffers::allocate(plan);
-    } catch (const std::bad_alloc&) {
-      return resource_exhausted("out of host memory for the request's " + std::to_string(plan.total_bytes) + " bytes");
-    }
-    plan_ = std::move(plan);
+    RETURN_IF_ERROR(plan(header));
+    RETURN_IF_ERROR(reserve_and_allocate());
     assembler_ = std::make_unique<Assembler>(*plan_, &buffers_);
     {
       std::lock_guard<std::mutex> lock(mu_);
       ack_.set_request_id(plan_->id);
-      ack_.set_backend(backend->name());
-      ack_.set_device(backend->device());
+      ack_.set_backend(plan_->backend->name());
+      ack_.set_device(plan_->backend->device());
       ack_.set_out_chunk_bytes(plan_->out_chunk_bytes);
       ack_.set_max_message_bytes(s_.limits.max_message_bytes);
       ack_ready_ = true;
@@ -257,11 +124,10 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
 
   // On a worker.
   void run() {
-    StatusOr<AttentionResult> result = compute_on_worker(s_, *plan_, buffers_, cancel_, deadline_, end_at_, &record_);
+    StatusOr<AttentionResult> result = compute(end_at_);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (result.ok()) {
-        record_.note_result(*result, *plan_);
         result_ = std::move(result).value();
         stage_ = Stage::kSending;
         send_start_ = Clock::now();
@@ -315,18 +181,8 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
 
   void set_summary() {
     response_.Clear();
-    v1::Summary* s = response_.mutable_summary();
-    fill_summary(*result_, *plan_, s);
-    const Clock::time_point now = Clock::now();
-    record_.sending = seconds_between(send_start_, now);
-    v1::Timings* t = s->mutable_timings();
-    t->set_queued_seconds(record_.queued);
-    t->set_receiving_seconds(record_.receiving);
-    t->set_computing_seconds(record_.computing);
-    t->set_sending_seconds(record_.sending);
-    t->set_total_seconds(seconds_between(record_.start, now));
-    s->set_received_bytes(record_.received_bytes);
-    s->set_sent_bytes(record_.sent_bytes);
+    record_.sending = seconds_between(send_start_, Clock::now());
+    fill_summary_message(*result_, response_.mutable_summary());
   }
 
   // Starts the next write or the finish, whichever is due; one write at a
@@ -369,30 +225,14 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   }
 
   void finish(grpc::Status status) {
-    if (!status.ok() && (cancel_.load() || ctx_->IsCancelled())) status = stopped_status(deadline_);
-    record_request(s_, record_, status);
-    if (reserved_ > 0) s_.scheduler->release(reserved_);
-    reserved_ = 0;
-    buffers_ = RequestBuffers{};
-    s_.open_streams.fetch_sub(1);
-    s_.metrics->inflight_add(-1);
-    Finish(status);  // last: OnDone may delete this at once
+    Finish(close(std::move(status)));  // last: OnDone may delete this at once
   }
-
-  ServiceContext& s_;
-  grpc::CallbackServerContext* ctx_;
-  const Clock::time_point deadline_;
-  std::atomic<bool> cancel_{false};
-  RequestRecord record_;
 
   // Reading side (reactions run one at a time).
   v1::AttendRequest request_;
   bool end_received_ = false;
   Clock::time_point end_at_;
-  std::optional<RequestPlan> plan_;
-  RequestBuffers buffers_;
   std::unique_ptr<Assembler> assembler_;
-  int64_t reserved_ = 0;
 
   // Writing side, shared by reactions and the worker.
   std::mutex mu_;
@@ -411,14 +251,11 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
 
 // ----------------------------------------------------------- AttendUnary
 
-class UnaryReactor final : public grpc::ServerUnaryReactor {
+class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
  public:
   UnaryReactor(ServiceContext& s, grpc::CallbackServerContext* ctx, const v1::AttendUnaryRequest* request,
                v1::AttendUnaryResponse* response)
-      : s_(s), ctx_(ctx), deadline_(steady_deadline(ctx)), request_(request), response_(response) {
-    record_.method = "AttendUnary";
-    record_.peer = ctx->peer();
-    s_.metrics->inflight_add(1);
+      : CallBase(s, ctx, "AttendUnary"), request_(request), response_(response) {
     const Status status = start();
     if (!status.ok()) finish(to_grpc_status(status));
   }
@@ -428,17 +265,26 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
 
  private:
   Status start() {
-    const int64_t open = s_.open_streams.fetch_add(1) + 1;
-    counted_open_ = true;
-    if (s_.draining.load()) return unavailable("server is shutting down; retry on another replica");
-    if (open > s_.config->max_concurrent)
-      return resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
-                                std::to_string(s_.config->max_concurrent) + " (the server's --max-concurrent); retry later");
-    record_.mode = wire::mode_label(request_->header().mode());  // labels a refused request too
-    ASSIGN_OR_RETURN(RequestPlan plan, plan_request(request_->header(), s_.limits));
-    record_.note_plan(plan);
-    ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().find(plan.backend));
-    record_.backend = backend->name();
+    RETURN_IF_ERROR(open());
+    RETURN_IF_ERROR(plan(request_->header()));
+    // Sizes before memory: a response that cannot fit is refused before any
+    // memory is reserved.
+    RETURN_IF_ERROR(check_sizes());
+    RETURN_IF_ERROR(reserve_and_allocate());
+    std::memcpy(buffers_.q.get(), request_->q().data(), request_->q().size());
+    std::memcpy(buffers_.k.get(), request_->k().data(), request_->k().size());
+    std::memcpy(buffers_.v.get(), request_->v().data(), request_->v().size());
+    record_.received_bytes = plan_->q_bytes() + 2 * plan_->kv_bytes();
+    s_.metrics->received_bytes(static_cast<double>(record_.received_bytes));
+    record_.receiving = seconds_between(record_.start, Clock::now());
+    queued_at_ = Clock::now();
+    return s_.scheduler->submit([this] { run(); });
+  }
+
+  // q, k and v have their shapes' bytes, and out, lse and the summary fit in
+  // one response message.
+  Status check_sizes() const {
+    const RequestPlan& plan = *plan_;
     const struct {
       const char* name;
       const std::string& data;
@@ -452,79 +298,37 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
         return invalid_argument(std::string(in.name) + " = " + std::to_string(in.data.size()) + " bytes, expected " +
                                 std::to_string(in.expected) + " (" + in.shape + " * dtype bytes)");
     }
-    const int64_t response_bytes = plan.out_bytes() + plan.lse_bytes() + kMessageHeadroom +
-                                   plan.options.heads * (200 + (plan.options.return_draws ? 20 * plan.options.samples : 0));
+    const int64_t response_bytes = plan.out_bytes() + plan.lse_bytes() + kMessageHeadroom + summary_bytes(plan.options);
     if (response_bytes > s_.limits.max_message_bytes)
       return resource_exhausted("the response needs ~" + std::to_string(response_bytes) + " bytes, expected <= " +
                                 std::to_string(s_.limits.max_message_bytes) +
                                 " (the server's --max-message-bytes); use the streaming Attend");
-    RETURN_IF_ERROR(s_.scheduler->reserve(plan.total_bytes));
-    reserved_ = plan.total_bytes;
-    try {
-      buffers_ = RequestBuffers::allocate(plan);
-    } catch (const std::bad_alloc&) {
-      return resource_exhausted("out of host memory for the request's " + std::to_string(plan.total_bytes) + " bytes");
-    }
-    std::memcpy(buffers_.q.get(), request_->q().data(), request_->q().size());
-    std::memcpy(buffers_.k.get(), request_->k().data(), request_->k().size());
-    std::memcpy(buffers_.v.get(), request_->v().data(), request_->v().size());
-    record_.received_bytes = plan.q_bytes() + 2 * plan.kv_bytes();
-    s_.metrics->received_bytes(static_cast<double>(record_.received_bytes));
-    plan_ = std::move(plan);
-    record_.receiving = seconds_between(record_.start, Clock::now());
-    queued_at_ = Clock::now();
-    return s_.scheduler->submit([this] { run(); });
+    return Status::Ok();
   }
 
   void run() {
-    StatusOr<AttentionResult> result = compute_on_worker(s_, *plan_, buffers_, cancel_, deadline_, queued_at_, &record_);
+    StatusOr<AttentionResult> result = compute(queued_at_);
     if (!result.ok()) {
       finish(to_grpc_status(result.status()));
       return;
     }
-    record_.note_result(*result, *plan_);
     const Clock::time_point send_start = Clock::now();
-    v1::Summary* s = response_->mutable_summary();
-    fill_summary(*result, *plan_, s);
     response_->set_out(buffers_.out.get(), static_cast<size_t>(plan_->out_bytes()));
     if (plan_->return_lse)
       response_->set_lse(reinterpret_cast<const char*>(buffers_.lse.get()), static_cast<size_t>(plan_->lse_bytes()));
     record_.sent_bytes = plan_->out_bytes() + plan_->lse_bytes();
     s_.metrics->sent_bytes(static_cast<double>(record_.sent_bytes));
     record_.sending = seconds_between(send_start, Clock::now());
-    v1::Timings* t = s->mutable_timings();
-    t->set_queued_seconds(record_.queued);
-    t->set_receiving_seconds(record_.receiving);
-    t->set_computing_seconds(record_.computing);
-    t->set_sending_seconds(record_.sending);
-    t->set_total_seconds(seconds_between(record_.start, Clock::now()));
-    s->set_received_bytes(record_.received_bytes);
-    s->set_sent_bytes(record_.sent_bytes);
+    fill_summary_message(*result, response_->mutable_summary());
     finish(grpc::Status::OK);
   }
 
   void finish(grpc::Status status) {
-    if (!status.ok() && (cancel_.load() || ctx_->IsCancelled())) status = stopped_status(deadline_);
-    record_request(s_, record_, status);
-    if (reserved_ > 0) s_.scheduler->release(reserved_);
-    reserved_ = 0;
-    buffers_ = RequestBuffers{};
-    if (counted_open_) s_.open_streams.fetch_sub(1);
-    s_.metrics->inflight_add(-1);
-    Finish(status);  // last: OnDone may delete this at once
+    Finish(close(std::move(status)));  // last: OnDone may delete this at once
   }
 
-  ServiceContext& s_;
-  grpc::CallbackServerContext* ctx_;
-  const Clock::time_point deadline_;
   const v1::AttendUnaryRequest* request_;
   v1::AttendUnaryResponse* response_;
-  std::atomic<bool> cancel_{false};
-  RequestRecord record_;
-  bool counted_open_ = false;
-  std::optional<RequestPlan> plan_;
-  RequestBuffers buffers_;
-  int64_t reserved_ = 0;
   Clock::time_point queued_at_;
 };
 
@@ -532,8 +336,14 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
 
 AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler) {
   shared_.config = &config;
-  shared_.limits = RequestLimits{config.max_tokens, config.max_request_bytes, config.max_samples, config.max_message_bytes,
-                                 config.backend};
+  shared_.limits.max_tokens = config.max_tokens;
+  shared_.limits.max_request_bytes = config.max_request_bytes;
+  shared_.limits.max_samples = config.max_samples;
+  shared_.limits.max_message_bytes = config.max_message_bytes;
+  shared_.limits.default_backend = config.backend;
+  shared_.limits.threads = static_cast<int>(config.threads);
+  // Every worker may hold a request at once: each gets an equal share.
+  shared_.limits.device_bytes_per_request = scheduler->budget().device_bytes / std::max<int64_t>(1, config.workers);
   shared_.metrics = metrics;
   shared_.scheduler = scheduler;
 }

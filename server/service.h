@@ -1,7 +1,9 @@
-// plsh.v1.Attention on gRPC's callback API. The service assembles requests
-// from chunks (Assembler), plans and admits them (plan_request, Scheduler),
-// runs them on a worker (compute_request: the backend does the maths) and
-// streams the output back in chunks no larger than the message limit.
+// plsh.v1.Attention on gRPC's callback API. Each call goes through CallBase
+// (call.h): admitted and planned at its header (plan_request: limits,
+// backend, the kernels' plan), charged to the host and device budgets
+// (Scheduler), assembled from chunks (Assembler), computed on a worker
+// (compute_request: the backend does the maths), and streamed back in chunks
+// no larger than the message limit.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -11,22 +13,12 @@
 #include <string>
 
 #include "plsh/v1/plsh.grpc.pb.h"
+#include "server/call.h"
 #include "server/config.h"
 #include "server/metrics.h"
-#include "server/request.h"
 #include "server/scheduler.h"
 
 namespace plsh::server {
-
-// What every request's reactor shares.
-struct ServiceContext {
-  const ServerConfig* config = nullptr;
-  RequestLimits limits;
-  Metrics* metrics = nullptr;
-  Scheduler* scheduler = nullptr;
-  std::atomic<int64_t> open_streams{0};
-  std::atomic<bool> draining{false};  // new requests get UNAVAILABLE
-};
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:

@@ -72,7 +72,7 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
 
   std::unique_ptr<AttendLoad> load(new AttendLoad(config));
   const AttentionOptions& o = load->config_.options;
-  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   load->q_ = random_tensor(o.batch * o.q_len * o.heads * o.head_dim, o.dtype, config.input_seed, 0);
   load->k_ = random_tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype, config.input_seed, 1);
   load->v_ = random_tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype, config.input_seed, 2);
@@ -99,7 +99,7 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
     ASSIGN_OR_RETURN(const AttentionParams params, make_params(ref_options, t));
     ASSIGN_OR_RETURN(Backend * cpu, BackendRegistry::global().select("cpu", params));
     const auto t0 = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(const AttentionResult result, run_attention(*cpu, params, ExecContext{}));
+    ASSIGN_OR_RETURN(const AttentionResult result, run_attention(*cpu, params, PlanLimits{}, ExecContext{}));
     (void)result;
     load->reference_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const int64_t n = static_cast<int64_t>(load->reference_size_ / dtype_bytes(load->out_dtype_));

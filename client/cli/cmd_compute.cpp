@@ -51,9 +51,9 @@ Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs) {
   t.lse = lse.empty() ? nullptr : lse.data();
   ASSIGN_OR_RETURN(const AttentionParams params, make_params(o, t));
   ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().select(args.backend, params));
-  ExecContext ctx;
-  ctx.threads = static_cast<int>(args.threads);
-  ASSIGN_OR_RETURN(AttentionResult result, run_attention(*backend, params, ctx));
+  PlanLimits limits;
+  limits.threads = static_cast<int>(args.threads);
+  ASSIGN_OR_RETURN(AttentionResult result, run_attention(*backend, params, limits, ExecContext{}));
 
   const auto t_save = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(write_npy(outputs.out_path, out_dtype, output_shape(o, in.batched), out.data()));

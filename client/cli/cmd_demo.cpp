@@ -91,9 +91,9 @@ StatusOr<ModeRun> run_mode(const DemoArgs& a, Mode mode, const std::vector<float
   t.out = run.out.data();
   ASSIGN_OR_RETURN(const AttentionParams p, make_params(o, t));
   ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().select(a.backend, p));
-  ExecContext ctx;
-  ctx.threads = static_cast<int>(a.threads);
-  ASSIGN_OR_RETURN(run.result, run_attention(*backend, p, ctx));
+  PlanLimits limits;
+  limits.threads = static_cast<int>(a.threads);
+  ASSIGN_OR_RETURN(run.result, run_attention(*backend, p, limits, ExecContext{}));
   return run;
 }
 

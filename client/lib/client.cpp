@@ -30,7 +30,7 @@ struct Sizes {
 };
 
 Sizes sizes_of(const AttentionOptions& o) {
-  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   const DType out = o.out_dtype.value_or(o.dtype);
   const int64_t batch = std::max<int64_t>(1, o.batch);
   return Sizes{batch * o.q_len,

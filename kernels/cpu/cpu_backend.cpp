@@ -19,8 +19,6 @@ namespace plsh {
 
 namespace {
 
-int default_threads() { return std::max(1, omp_get_num_procs()); }
-
 std::string blas_name() {
 #ifdef PLSH_OPENBLAS
   // "OpenBLAS 0.3.21 DYNAMIC_ARCH ..." -> "OpenBLAS 0.3.21 (Zen)"
@@ -31,21 +29,6 @@ std::string blas_name() {
 #else
   return "CBLAS";
 #endif
-}
-
-// The draws of every head, or nothing outside lsh mode.
-std::vector<std::vector<Draw>> head_draws(const AttentionParams& p) {
-  std::vector<std::vector<Draw>> draws;
-  if (p.mode != Mode::kLsh) return draws;
-  draws.reserve(static_cast<size_t>(p.heads));
-  for (int64_t h = 0; h < p.heads; ++h) draws.push_back(draw_hashes(p.seed, h, p.sigma(h), p.samples));
-  return draws;
-}
-
-LshAlgorithm resolve_algorithm(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws) {
-  if (p.mode != Mode::kLsh) return LshAlgorithm::kAuto;
-  if (p.lsh_algorithm != LshAlgorithm::kAuto) return p.lsh_algorithm;
-  return cpu::choose_lsh_algorithm(p, draws);
 }
 
 // Row tiles of every (batch, head), the last rows first: under causal they
@@ -81,7 +64,7 @@ class CpuBackend final : public Backend {
   std::string device() const override {
     utsname u{};
     const std::string arch = uname(&u) == 0 ? u.machine : "unknown";
-    const int threads = default_threads();
+    const int threads = plan_threads(0);
     return arch + ", " + std::to_string(threads) + (threads == 1 ? " thread" : " threads") + " (OpenMP), " +
            blas_name();
   }
@@ -105,35 +88,44 @@ class CpuBackend final : public Backend {
     return Status::Ok();
   }
 
-  // Per-thread tile buffers for the default thread count, and the draws.
-  int64_t workspace_bytes(const AttentionParams& p) const override {
-    return workspace_for(p, default_threads(), resolve_algorithm(p, head_draws(p)));
-  }
-
-  Status forward(const AttentionParams& p, const ExecContext& ctx, ForwardStats* stats) override {
+  StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
     RETURN_IF_ERROR(supports(p));
-    RETURN_IF_ERROR(ctx.check_stop());
-    const int threads = ctx.threads > 0 ? ctx.threads : default_threads();
-    // No exception crosses the backend boundary: the draws and the job list
-    // allocate too.
-    std::vector<std::vector<Draw>> draws;
-    std::vector<cpu::TileJob> jobs;
-    LshAlgorithm algorithm = LshAlgorithm::kAuto;
-    std::vector<cpu::Scratch> scratch;
+    Plan plan;
+    plan.params = p;
+    plan.backend = name();
+    plan.threads = plan_threads(limits.threads);
     try {
-      draws = head_draws(p);
-      algorithm = resolve_algorithm(p, draws);
-      jobs = tile_jobs(p);
+      plan.draws = plan_draws(p);
     } catch (const std::bad_alloc&) {
-      return resource_exhausted("cpu backend: the draws and tile list for heads = " + std::to_string(p.heads) +
+      return resource_exhausted("cpu backend: the draws for heads = " + std::to_string(p.heads) +
                                 ", samples = " + std::to_string(p.samples) + " could not be allocated");
     }
-    const bool banded = algorithm == LshAlgorithm::kBanded;
+    if (p.mode == Mode::kLsh)
+      plan.lsh_algorithm =
+          p.lsh_algorithm != LshAlgorithm::kAuto ? p.lsh_algorithm : cpu::choose_lsh_algorithm(p, plan.draws);
+    plan.forward_workspace.host_bytes = workspace_for(p, plan.threads, plan.lsh_algorithm);
+    return plan;
+  }
+
+  Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override {
+    if (plan.backend != name())
+      return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cpu backend");
+    const AttentionParams& p = plan.params;
+    if (p.q == nullptr || p.out == nullptr)
+      return failed_precondition("cpu backend: the plan's tensors are not bound, expected bind_tensors first");
+    RETURN_IF_ERROR(supports(p));
+    RETURN_IF_ERROR(ctx.check_stop());
+    const int threads = plan.threads;
+    // No exception crosses the backend boundary: the job list allocates too.
+    std::vector<cpu::TileJob> jobs;
+    std::vector<cpu::Scratch> scratch;
+    const bool banded = plan.lsh_algorithm == LshAlgorithm::kBanded;
     try {
+      jobs = tile_jobs(p);
       scratch.resize(static_cast<size_t>(threads));
       for (cpu::Scratch& s : scratch) cpu::size_scratch(p, banded, &s);
     } catch (const std::bad_alloc&) {
-      return resource_exhausted("cpu backend workspace of " + std::to_string(workspace_for(p, threads, algorithm)) +
+      return resource_exhausted("cpu backend workspace of " + std::to_string(plan.forward_workspace.host_bytes) +
                                 " bytes could not be allocated");
     }
 
@@ -159,7 +151,7 @@ class CpuBackend final : public Backend {
           if (p.mode != Mode::kLsh) {
             f = cpu::exact_tile(p, job, s);
           } else {
-            const std::vector<Draw>& d = draws[static_cast<size_t>(job.h)];
+            const std::vector<Draw>& d = plan.draws[static_cast<size_t>(job.h)];
             f = banded ? cpu::lsh_banded_tile(p, job, d, s) : cpu::lsh_per_sample_tile(p, job, d, ctx, s);
           }
           flops[static_cast<size_t>(t)] += f;
@@ -179,8 +171,8 @@ class CpuBackend final : public Backend {
     if (stats != nullptr) {
       stats->flops = 0;
       for (double f : flops) stats->flops += f;
-      stats->lsh_algorithm = algorithm;
-      stats->workspace_bytes = workspace_for(p, threads, algorithm);
+      stats->lsh_algorithm = plan.lsh_algorithm;
+      stats->workspace = plan.forward_workspace;
     }
     return Status::Ok();
   }

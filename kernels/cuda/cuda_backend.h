@@ -3,6 +3,10 @@
 // log-sum-exp merge, fp32 accumulation for f32, f16 and bf16 inputs. Built
 // into libplsh_cuda.so, which the registry dlopens, and into a static
 // library that tests and benchmarks call directly.
+//   tile_plan.h/.cpp      host planning: tiles, lanes, rounds, the workspace layout
+//   cuda_kernels.h/.cu    device kernels and their launchers
+//   device_memory.h       the memory pool, its reservations, stream-ordered buffers
+//   cuda_backend.cpp      the Backend: plan, then forward over the rounds
 #pragma once
 
 #include <cstdint>
@@ -32,5 +36,5 @@ StatusOr<std::vector<int64_t>> device_bins(const Draw& draw, const std::vector<i
 
 }  // namespace plsh::cuda
 
-// The registry's entry point (see plsh/backend.h).
-extern "C" plsh::Backend* plsh_create_cuda_backend(std::string* why_not);
+// The registry's entry point (plsh/backend.h, kBackendPluginSymbol).
+extern "C" const plsh::PlshBackendPlugin* plsh_backend_plugin();

@@ -14,6 +14,8 @@ namespace {
 constexpr double kMaxBoundedReach = 4.0e15;
 // cuBLAS takes the batch count as an int, and one slot is one thread block.
 constexpr int64_t kMaxSlots = int64_t{1} << 22;
+// Lanes of a chunk are the finalize kernel's grid.y.
+constexpr int64_t kMaxLanesPerChunk = 65535;
 }  // namespace
 
 int64_t lsh_reach(double pitch) {
@@ -33,6 +35,70 @@ int64_t key_cols_for(int64_t width, int64_t kv_len) {
   return std::min(cols, kv_len);
 }
 
+int64_t carve_work(int64_t slots, int64_t tile_rows, int64_t key_cols, int64_t head_dim, int64_t elem_bytes, char* base,
+                   RoundBuffers* round, Accumulators* acc) {
+  const int64_t S = slots, T = tile_rows, Kc = key_cols, D = head_dim;
+  RoundBuffers r;
+  Accumulators a;
+  Carver c(base);
+  r.scores = c.take<float>(S * T * Kc);
+  r.probs = c.take<char>(S * T * Kc * elem_bytes);
+  r.partial = c.take<float>(S * T * D);
+  r.row_max = c.take<float>(S * T);
+  r.row_sum = c.take<float>(S * T);
+  a.acc = c.take<float>(S * T * D);
+  a.acc_max = c.take<float>(S * T);
+  a.acc_sum = c.take<float>(S * T);
+  r.q_ptr = c.take<const void*>(S);
+  r.k_ptr = c.take<const void*>(S);
+  r.v_ptr = c.take<const void*>(S);
+  r.score_ptr = c.take<float*>(S);
+  r.prob_ptr = c.take<void*>(S);
+  r.partial_ptr = c.take<float*>(S);
+  r.desc = c.take<TileDesc>(S);
+  if (round != nullptr) *round = r;
+  if (acc != nullptr) *acc = a;
+  return c.bytes();
+}
+
+namespace {
+// Elements a tensor spans: the last element's offset + 1.
+int64_t extent(int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t bs, int64_t rs, int64_t hs) {
+  return (batch - 1) * bs + (rows - 1) * rs + (heads - 1) * hs + dim;
+}
+}  // namespace
+
+int64_t carve_staging(const AttentionParams& p, char* base, StagingBuffers* out) {
+  const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
+  StagingBuffers b;
+  b.q_bytes = extent(p.batch, p.q_len, p.heads, p.head_dim, p.q_batch_stride, p.q_row_stride, p.q_head_stride) * esz;
+  b.k_bytes = extent(p.batch, p.kv_len, p.kv_heads, p.head_dim, p.k_batch_stride, p.k_row_stride, p.k_head_stride) * esz;
+  b.v_bytes = extent(p.batch, p.kv_len, p.kv_heads, p.head_dim, p.v_batch_stride, p.v_row_stride, p.v_head_stride) * esz;
+  b.out_bytes = extent(p.batch, p.q_len, p.heads, p.head_dim, p.o_batch_stride, p.o_row_stride, p.o_head_stride) *
+                static_cast<int64_t>(dtype_bytes(p.out_dtype));
+  // A plan made before the tensors are bound cannot see p.lse: lse is
+  // sized whenever the params could carry it, i.e. always.
+  b.lse_bytes = ((p.batch - 1) * p.lse_batch_stride + (p.q_len - 1) * p.lse_row_stride + p.heads) * 4;
+  Carver c(base);
+  b.q = c.take<char>(b.q_bytes);
+  b.k = c.take<char>(b.k_bytes);
+  b.v = c.take<char>(b.v_bytes);
+  b.out = c.take<char>(b.out_bytes);
+  b.lse = c.take<float>(b.lse_bytes / 4);
+  if (out != nullptr) *out = b;
+  return c.bytes();
+}
+
+int64_t carve_tables(int64_t heads, int64_t entries, char* base, TableBuffers* out) {
+  TableBuffers t;
+  Carver c(base);
+  t.lse_offset = c.take<float>(heads);
+  t.lanes = c.take<LanePass>(entries);
+  t.entries = entries;
+  if (out != nullptr) *out = t;
+  return c.bytes();
+}
+
 StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& s, int64_t budget_bytes) {
   if (s.lanes < 1 || s.q_len < 1 || s.kv_len < 1 || s.head_dim < 1 || s.elem_bytes < 1)
     return invalid_argument("workspace shape: lanes, q_len, kv_len, head_dim and elem_bytes must be >= 1");
@@ -40,20 +106,21 @@ StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& s, int64_t budget_b
   p.tile_rows = std::min(kTileRows, s.q_len);
   p.key_cols = std::min(kMaxKeyCols, s.kv_len);
   const int64_t T = p.tile_rows;
-  p.bytes_per_slot = T * p.key_cols * (4 + s.elem_bytes)  // fp32 scores, probabilities in the input dtype
-                     + T * s.head_dim * 4                  // fp32 partial output of the second GEMM
-                     + T * 2 * 4                           // its row max and row sum
-                     + T * (s.head_dim + 2) * 4            // running accumulators, max and sum
-                     + 6 * 8                               // cuBLAS pointer arrays
-                     + static_cast<int64_t>(sizeof(TileDesc));
-  const int64_t max_slots = std::min(kMaxSlots, budget_bytes / p.bytes_per_slot);
+  auto work_bytes = [&](int64_t slots) {
+    return carve_work(slots, T, p.key_cols, s.head_dim, s.elem_bytes, nullptr, nullptr, nullptr);
+  };
+  // kSliceAlign slots make every slice a multiple of the alignment: no
+  // padding, so this is the exact per-slot sum of carve_work's slices.
+  p.bytes_per_slot = work_bytes(kSliceAlign) / kSliceAlign;
+  int64_t max_slots = std::min(kMaxSlots, std::max<int64_t>(budget_bytes, 0) / p.bytes_per_slot);
+  while (max_slots > 0 && work_bytes(max_slots) > budget_bytes) --max_slots;  // the slices' padding
   if (max_slots < 1)
     return resource_exhausted("cuda workspace: one " + std::to_string(T) + "-row tile needs " +
-                              std::to_string(p.bytes_per_slot) + " bytes, memory budget left is " +
+                              std::to_string(work_bytes(1)) + " bytes, the request's device memory left is " +
                               std::to_string(budget_bytes) + " bytes");
   const int64_t tiles = ceil_div(s.q_len, T);
   // Lanes are the finalize kernel's grid.y, at most 65535.
-  p.lanes_per_chunk = std::min({s.lanes, max_slots, int64_t{65535}});
+  p.lanes_per_chunk = std::min({s.lanes, max_slots, kMaxLanesPerChunk});
   p.tiles_per_chunk = std::min(tiles, max_slots / p.lanes_per_chunk);
   p.slots = p.lanes_per_chunk * p.tiles_per_chunk;
   p.bytes = p.slots * p.bytes_per_slot;
@@ -70,7 +137,7 @@ SpanShape span_shape(const AttentionParams& p) {
   return s;
 }
 
-std::vector<LaneSetup> head_passes(const AttentionParams& p) {
+std::vector<LaneSetup> head_passes(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws) {
   std::vector<LaneSetup> heads(static_cast<size_t>(p.heads));
   for (int64_t h = 0; h < p.heads; ++h) {
     LaneSetup& setup = heads[static_cast<size_t>(h)];
@@ -79,7 +146,7 @@ std::vector<LaneSetup> head_passes(const AttentionParams& p) {
     base.slope = static_cast<float>(p.slopes[static_cast<size_t>(h)]);
     const double sigma = p.sigma(h);
     if (p.mode == Mode::kLsh && std::isfinite(sigma)) {
-      for (const Draw& d : draw_hashes(p.seed, h, sigma, p.samples)) {
+      for (const Draw& d : draws[static_cast<size_t>(h)]) {
         LanePass l = base;
         l.rule = SpanRule::kSameBin;
         l.slope = 0;
@@ -180,6 +247,47 @@ std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t 
     }
   }
   return setups;
+}
+
+int64_t lane_table_entries(const SpanShape& shape, const std::vector<LaneSetup>& heads, int64_t lanes_per_chunk) {
+  // A chunk of lanes holds at most lanes_per_chunk lanes, each some head's
+  // copy: bound each by the head with the most entries.
+  int64_t most = 0;
+  for (const LaneSetup& h : heads) {
+    int64_t entries = 0;
+    for (const LanePass& l : h.passes) {
+      const int64_t width = max_span_width(shape, l.reach);
+      entries += ceil_div(width, key_cols_for(width, shape.kv_len));
+    }
+    most = std::max(most, entries);
+  }
+  return most * lanes_per_chunk;
+}
+
+StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws,
+                                 int64_t device_cap_bytes) {
+  CudaLayout layout;
+  layout.heads = head_passes(p, draws);
+  layout.staging_bytes = p.memory == MemorySpace::kHost ? carve_staging(p, nullptr, nullptr) : 0;
+  const SpanShape shape = span_shape(p);
+  const int64_t lanes = p.batch * p.heads;
+  layout.table_entries = lane_table_entries(shape, layout.heads, std::min(lanes, kMaxLanesPerChunk));
+  layout.table_bytes = carve_tables(p.heads, layout.table_entries, nullptr, nullptr);
+  WorkspaceShape ws;
+  ws.lanes = lanes;
+  ws.q_len = p.q_len;
+  ws.kv_len = p.kv_len;
+  ws.head_dim = p.head_dim;
+  ws.elem_bytes = static_cast<int64_t>(dtype_bytes(p.dtype));
+  const int64_t left = device_cap_bytes - layout.staging_bytes - layout.table_bytes;
+  if (left <= 0)
+    return resource_exhausted("cuda workspace: staging (" + std::to_string(layout.staging_bytes) + " bytes) and lane tables (" +
+                              std::to_string(layout.table_bytes) + " bytes) alone exceed the request's device memory of " +
+                              std::to_string(device_cap_bytes) + " bytes");
+  ASSIGN_OR_RETURN(layout.work, plan_workspace(ws, left));
+  layout.work_bytes = carve_work(layout.work.slots, layout.work.tile_rows, layout.work.key_cols, p.head_dim,
+                                 ws.elem_bytes, nullptr, nullptr, nullptr);
+  return layout;
 }
 
 }  // namespace plsh::cuda

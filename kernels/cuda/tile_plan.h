@@ -21,7 +21,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "plsh/draws.h"
 #include "plsh/params.h"
+#include "plsh/plan.h"
 #include "plsh/status.h"
 
 #if defined(__CUDACC__)
@@ -229,15 +231,90 @@ struct WorkspaceShape {
 struct WorkspacePlan {
   int64_t tile_rows = 0;        // T
   int64_t key_cols = 0;         // widest Kc
-  int64_t bytes_per_slot = 0;   // scores, probabilities, partial output, stats, accumulators, pointers
+  int64_t bytes_per_slot = 0;   // every slice of the work buffer for one slot (work_slices)
   int64_t lanes_per_chunk = 0;  // lanes whose accumulators live at once
   int64_t tiles_per_chunk = 0;  // query tiles per lane at once
   int64_t slots = 0;            // lanes_per_chunk * tiles_per_chunk: the largest batch
-  int64_t bytes = 0;            // slots * bytes_per_slot
+  int64_t bytes = 0;            // slots * bytes_per_slot, before the slices' alignment padding
 };
 
-// The largest chunk of (lanes x tiles) whose workspace fits `budget_bytes`;
-// RESOURCE_EXHAUSTED when not even one tile fits.
+// Every slice of device memory starts at a multiple of this (cuBLAS wants
+// 16 bytes; 256 keeps each slice on its own cache lines).
+inline constexpr int64_t kSliceAlign = 256;
+inline int64_t align_slice(int64_t bytes) { return (bytes + kSliceAlign - 1) / kSliceAlign * kSliceAlign; }
+
+// Slices of one allocation, in order, each aligned. With base == nullptr it
+// only measures: the sizing and the carving of a buffer are then the same
+// code, called twice.
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  template <typename T>
+  T* take(int64_t count) {
+    const int64_t at = offset_;
+    offset_ += align_slice(count * static_cast<int64_t>(sizeof(T)));
+    return base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + at);
+  }
+  int64_t bytes() const { return offset_; }
+
+ private:
+  char* base_;
+  int64_t offset_ = 0;
+};
+
+// One round's slices of the work buffer (device pointers on the GPU).
+struct RoundBuffers {
+  TileDesc* desc = nullptr;
+  const void** q_ptr = nullptr;     // cuBLAS pointer arrays, one entry per slot
+  const void** k_ptr = nullptr;
+  const void** v_ptr = nullptr;
+  float** score_ptr = nullptr;
+  void** prob_ptr = nullptr;
+  float** partial_ptr = nullptr;
+  float* scores = nullptr;   // [slot][T][Kc] float32
+  char* probs = nullptr;     // [slot][T][Kc] input dtype
+  float* partial = nullptr;  // [slot][T][D]
+  float* row_max = nullptr;  // [slot][T]
+  float* row_sum = nullptr;  // [slot][T]
+};
+
+// The running per-row accumulators of a chunk of lanes and tiles.
+struct Accumulators {
+  float* acc = nullptr;      // [lane][row][D]
+  float* acc_max = nullptr;  // [lane][row]
+  float* acc_sum = nullptr;  // [lane][row]
+  int64_t row0 = 0;           // first query row of the chunk
+  int64_t rows_per_lane = 0;  // tiles_per_chunk * T
+};
+
+// The work buffer for `slots` slots: the round's slices and the
+// accumulators. Returns its bytes, alignment included.
+int64_t carve_work(int64_t slots, int64_t tile_rows, int64_t key_cols, int64_t head_dim, int64_t elem_bytes, char* base,
+                   RoundBuffers* round, Accumulators* acc);
+
+// Device copies of host tensors: q, k, v, out and (when the params ask for
+// it) lse, each spanning its strided extent.
+struct StagingBuffers {
+  char* q = nullptr;
+  char* k = nullptr;
+  char* v = nullptr;
+  char* out = nullptr;
+  float* lse = nullptr;
+  // Bytes of each tensor's extent (what is copied in or out).
+  int64_t q_bytes = 0, k_bytes = 0, v_bytes = 0, out_bytes = 0, lse_bytes = 0;
+};
+int64_t carve_staging(const AttentionParams& p, char* base, StagingBuffers* out);
+
+// The per-head lse offsets and the lane table of the largest chunk.
+struct TableBuffers {
+  float* lse_offset = nullptr;  // [H]
+  LanePass* lanes = nullptr;    // [entries]
+  int64_t entries = 0;
+};
+int64_t carve_tables(int64_t heads, int64_t entries, char* base, TableBuffers* out);
+
+// The largest chunk of (lanes x tiles) whose work buffer (carve_work) fits
+// `budget_bytes`; RESOURCE_EXHAUSTED when not even one tile fits.
 StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& shape, int64_t budget_bytes);
 
 // One lane's passes, as the planner needs them: per pass the rule and its
@@ -250,10 +327,33 @@ SpanShape span_shape(const AttentionParams& p);
 
 // Per query head (batch 0, acc_lane 0): exact one pass, weight
 // exp(-slope |d|); window one pass, also |d| < W_h (exact where W_h is
-// unbounded); lsh one pass per hash with SPEC section 5's draws, and for a
-// slope of 0 one unbiased pass over every key (every hash then puts every
-// position in one bin: M~ = 1).
-std::vector<LaneSetup> head_passes(const AttentionParams& p);
+// unbounded); lsh one pass per hash of the plan's draws (SPEC section 5),
+// and for a slope of 0 one unbiased pass over every key (every hash then
+// puts every position in one bin: M~ = 1).
+std::vector<LaneSetup> head_passes(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws);
+
+// The lane-table entries one chunk of `lanes` lanes can need at most: one
+// per lane, pass and key chunk.
+int64_t lane_table_entries(const SpanShape& shape, const std::vector<LaneSetup>& heads, int64_t lanes_per_chunk);
+
+// The whole device layout of one request, made once by the CUDA backend's
+// plan() and read by its forward(): what plan.forward_workspace.device_bytes
+// counts is exactly what forward allocates.
+struct CudaLayout : BackendLayout {
+  std::vector<LaneSetup> heads;  // head_passes of the plan's draws
+  WorkspacePlan work;
+  int64_t staging_bytes = 0;     // carve_staging (0 for device tensors)
+  int64_t table_entries = 0;     // lane_table_entries of the largest chunk of lanes
+  int64_t table_bytes = 0;       // carve_tables
+  int64_t work_bytes = 0;        // carve_work for work.slots
+  int64_t device_bytes() const { return staging_bytes + table_bytes + work_bytes; }
+};
+
+// Plans the layout against a device-memory cap: staging and tables first,
+// the work buffer gets the rest (at most what all lanes and tiles at once
+// would use). RESOURCE_EXHAUSTED when even one tile does not fit.
+StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws,
+                                 int64_t device_cap_bytes);
 
 // The lanes [lane0, lane1) of a chunk (lane g = batch item g / H, head
 // g % H), each a copy of its head's passes pointed at its accumulator slot

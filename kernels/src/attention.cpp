@@ -35,8 +35,14 @@ double dense_flops(const AttentionParams& p) {
   return 4.0 * static_cast<double>(p.batch) * static_cast<double>(p.heads) * static_cast<double>(p.head_dim) * pairs;
 }
 
-StatusOr<AttentionResult> run_attention(Backend& backend, const AttentionParams& p, const ExecContext& ctx) {
-  RETURN_IF_ERROR(backend.supports(p));
+StatusOr<Plan> plan_attention(const Backend& backend, const AttentionParams& p, const PlanLimits& limits) {
+  ASSIGN_OR_RETURN(Plan plan, backend.plan(p, limits));
+  plan.estimates_workspace.host_bytes = estimates_host_bytes(p, plan.threads);
+  return plan;
+}
+
+StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, const ExecContext& ctx) {
+  const AttentionParams& p = plan.params;
   AttentionResult result;
   result.backend = backend.name();
   result.device = backend.device();
@@ -46,7 +52,7 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const AttentionParams&
 
   ForwardStats stats;
   const auto t0 = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(backend.forward(p, ctx, &stats));
+  RETURN_IF_ERROR(backend.forward(plan, ctx, &stats));
   result.timings["compute"] = seconds_since(t0);
   result.flops = stats.flops;
   result.lsh_algorithm = stats.lsh_algorithm;
@@ -54,10 +60,16 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const AttentionParams&
 
   if (p.mode != Mode::kExact) {
     const auto t1 = std::chrono::steady_clock::now();
-    RETURN_IF_ERROR(compute_estimates(p, ctx, &result));
+    RETURN_IF_ERROR(compute_estimates(plan, ctx, &result));
     result.timings["estimates"] = seconds_since(t1);
   }
   return result;
+}
+
+StatusOr<AttentionResult> run_attention(Backend& backend, const AttentionParams& p, const PlanLimits& limits,
+                                        const ExecContext& ctx) {
+  ASSIGN_OR_RETURN(const Plan plan, plan_attention(backend, p, limits));
+  return run_attention(backend, plan, ctx);
 }
 
 }  // namespace plsh

@@ -120,7 +120,7 @@ Status validate_options(const AttentionOptions& o) {
   if (o.kv_len < 1) return field_error("kv_len", str(o.kv_len), ">= 1");
   if (o.heads < 1 || o.heads > kMaxHeads) return field_error("heads", str(o.heads), "in [1, " + str(kMaxHeads) + "]");
   if (o.kv_heads < 0) return field_error("kv_heads", str(o.kv_heads), ">= 1 (or 0 for kv_heads = heads)");
-  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   if (kv_heads > o.heads || o.heads % kv_heads != 0)
     return field_error("kv_heads", str(kv_heads), "a divisor of heads = " + str(o.heads));
   if (o.head_dim < 1 || o.head_dim > kMaxHeadDim)
@@ -186,26 +186,14 @@ Status validate_options(const AttentionOptions& o) {
   return Status::Ok();
 }
 
-StatusOr<AttentionParams> make_params(const AttentionOptions& o, const TensorRefs& t) {
+StatusOr<AttentionParams> resolve_params(const AttentionOptions& o) {
   RETURN_IF_ERROR(validate_options(o));
-  if (t.q == nullptr) return invalid_argument("q = null, expected a tensor [B, Nq, H, D]");
-  if (t.k == nullptr) return invalid_argument("k = null, expected a tensor [B, Nk, Hkv, D]");
-  if (t.v == nullptr) return invalid_argument("v = null, expected a tensor [B, Nk, Hkv, D]");
-  if (t.out == nullptr) return invalid_argument("out = null, expected a tensor [B, Nq, H, D]");
-
   AttentionParams p{};
-  p.q = t.q;
-  p.k = t.k;
-  p.v = t.v;
-  p.out = t.out;
-  p.lse = t.lse;
-  p.memory = t.memory;
-
   p.batch = o.batch;
   p.q_len = o.q_len;
   p.kv_len = o.kv_len;
   p.heads = o.heads;
-  p.kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  p.kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   p.head_dim = o.head_dim;
   p.head_group = p.heads / p.kv_heads;
 
@@ -254,7 +242,27 @@ StatusOr<AttentionParams> make_params(const AttentionOptions& o, const TensorRef
   p.mask_row_budget = o.mask_row_budget;
   p.return_draws = o.return_draws;
   p.check_finite = o.check_finite;
-  if (p.check_finite && p.memory == MemorySpace::kHost) RETURN_IF_ERROR(check_finite_inputs(p));
+  return p;
+}
+
+Status bind_tensors(AttentionParams* p, const TensorRefs& t) {
+  if (t.q == nullptr) return invalid_argument("q = null, expected a tensor [B, Nq, H, D]");
+  if (t.k == nullptr) return invalid_argument("k = null, expected a tensor [B, Nk, Hkv, D]");
+  if (t.v == nullptr) return invalid_argument("v = null, expected a tensor [B, Nk, Hkv, D]");
+  if (t.out == nullptr) return invalid_argument("out = null, expected a tensor [B, Nq, H, D]");
+  p->q = t.q;
+  p->k = t.k;
+  p->v = t.v;
+  p->out = t.out;
+  p->lse = t.lse;
+  p->memory = t.memory;
+  if (p->check_finite && p->memory == MemorySpace::kHost) RETURN_IF_ERROR(check_finite_inputs(*p));
+  return Status::Ok();
+}
+
+StatusOr<AttentionParams> make_params(const AttentionOptions& o, const TensorRefs& t) {
+  ASSIGN_OR_RETURN(AttentionParams p, resolve_params(o));
+  RETURN_IF_ERROR(bind_tensors(&p, t));
   return p;
 }
 

@@ -64,15 +64,23 @@ void BackendRegistry::discover() {
         why = std::string("cannot load ") + path + ": " + (err ? err : "?");
       continue;
     }
-    auto create = reinterpret_cast<CreateBackendFn>(dlsym(handle, kCudaBackendSymbol));
-    if (create == nullptr) {
-      why = path + " has no symbol " + kCudaBackendSymbol;
+    auto entry = reinterpret_cast<BackendPluginFn>(dlsym(handle, kBackendPluginSymbol));
+    if (entry == nullptr) {
+      why = path + " has no symbol " + kBackendPluginSymbol + " (a library older than the versioned plugin boundary)";
       continue;
     }
-    std::string why_not;
-    Backend* backend = create(&why_not);
+    const PlshBackendPlugin* plugin = entry();
+    if (plugin == nullptr || plugin->api_version != kBackendApiVersion) {
+      // Nothing else of a mismatched library is called: its Backend may
+      // not even have our vtable.
+      why = path + " speaks backend API version " + (plugin ? std::to_string(plugin->api_version) : "?") +
+            ", this process " + std::to_string(kBackendApiVersion) + ": rebuild both from one tree";
+      break;
+    }
+    char why_not[512] = {0};
+    Backend* backend = plugin->create(why_not, sizeof(why_not));
     if (backend == nullptr) {
-      why = "cuda backend unavailable: " + why_not;
+      why = std::string("cuda backend unavailable: ") + why_not;
       break;
     }
     owned_.emplace_back(backend);
@@ -92,7 +100,7 @@ std::vector<Backend*> BackendRegistry::backends() {
   return list_;
 }
 
-const std::vector<std::string>& BackendRegistry::notes() {
+std::vector<std::string> BackendRegistry::notes() {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   discover();
   return notes_;
@@ -105,10 +113,19 @@ void BackendRegistry::add(std::unique_ptr<Backend> backend) {
   owned_.push_back(std::move(backend));
 }
 
+Status check_backend_name(const std::string& name, const char* field) {
+  for (const char* known : kBackendNames)
+    if (name == known) return Status::Ok();
+  std::string expected;
+  for (const char* known : kBackendNames) expected += (expected.empty() ? "" : ", ") + std::string(known);
+  // Echo at most 64 characters of a client's string.
+  const std::string shown = name.size() > 64 ? name.substr(0, 64) + "..." : name;
+  return invalid_argument(std::string(field) + " = '" + shown + "', expected one of " + expected);
+}
+
 StatusOr<Backend*> BackendRegistry::find(const std::string& name) {
-  if (name != "auto" && name != "cpu" && name != "cuda")
-    return invalid_argument("backend = '" + name + "', expected auto, cpu or cuda");
-  const std::vector<Backend*>& list = backends();
+  RETURN_IF_ERROR(check_backend_name(name));
+  const std::vector<Backend*> list = backends();
   if (name == "auto") return list.front();
   for (Backend* b : list)
     if (b->name() == name) return b;

@@ -150,7 +150,7 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   const Case& c = GetParam();
   ScratchDir dir;
   const AttentionOptions& o = c.options;
-  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   const plsh::testing::RandomTensors t = plsh::testing::random_qkv(o, 1234);
   ASSERT_TRUE(write_npy(dir.path("q.npy"), o.dtype, shape_of(o, c.batched, o.q_len, o.heads, true), t.q.data()).ok());
   ASSERT_TRUE(write_npy(dir.path("k.npy"), o.dtype, shape_of(o, c.batched, o.kv_len, kv_heads, true), t.k.data()).ok());
@@ -178,9 +178,9 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   ASSERT_TRUE(params.ok()) << params.status().to_string();
   auto backend = BackendRegistry::global().select("cpu", *params);
   ASSERT_TRUE(backend.ok()) << backend.status().to_string();
-  ExecContext ctx;
-  ctx.threads = kThreads;
-  auto expected = run_attention(**backend, *params, ctx);
+  PlanLimits limits;
+  limits.threads = kThreads;
+  auto expected = run_attention(**backend, *params, limits, ExecContext{});
   ASSERT_TRUE(expected.ok()) << expected.status().to_string();
 
   const NpyArray got_out = read_ok(dir.path("o.npy"));
@@ -212,7 +212,9 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   EXPECT_EQ(meta["shape"]["batched"].get<bool>(), c.batched);
 
   ASSERT_EQ(meta["heads"].size(), expected->heads.size());
-  if (o.mode != Mode::kExact) ASSERT_EQ(static_cast<int64_t>(expected->heads.size()), o.heads);
+  if (o.mode != Mode::kExact) {
+    ASSERT_EQ(static_cast<int64_t>(expected->heads.size()), o.heads);
+  }
   for (size_t h = 0; h < expected->heads.size(); ++h) {
     const nlohmann::json& jh = meta["heads"][h];
     const HeadEstimate& eh = expected->heads[h];

@@ -120,7 +120,7 @@ TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
   StatusOr<AttentionParams> p = make_params(o, refs);
   ASSERT_TRUE(p.ok()) << p.status().to_string();
   ForwardStats stats;
-  const Status s = cuda->forward(*p, ExecContext{}, &stats);
+  const Status s = testing::plan_and_forward(*cuda, *p, ExecContext{}, &stats);
   ASSERT_TRUE(s.ok()) << s.to_string();
   EXPECT_GT(stats.flops, 0);
 
@@ -129,7 +129,7 @@ TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
   StatusOr<AttentionParams> pc = make_params(o, refs);
   ASSERT_TRUE(pc.ok());
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  ASSERT_TRUE(cpu->forward(*pc, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::plan_and_forward(*cpu, *pc, ExecContext{}, nullptr).ok());
 
   const testing::ReferenceOutput ref = testing::reference_attention(*p);
   const double tol = tolerance(c.dtype);
@@ -213,7 +213,7 @@ TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
   std::vector<uint8_t> out_host = testing::output_buffer(o);
   StatusOr<AttentionParams> ph = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_host.data(), nullptr, MemorySpace::kHost});
   ASSERT_TRUE(ph.ok());
-  ASSERT_TRUE(cuda->forward(*ph, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::plan_and_forward(*cuda, *ph, ExecContext{}, nullptr).ok());
 
   void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dout = nullptr;
   ASSERT_EQ(cudaMalloc(&dq, t.q.size()), cudaSuccess);
@@ -229,7 +229,7 @@ TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   ExecContext ctx;
   ctx.stream = stream;
-  const Status s = cuda->forward(*pd, ctx, nullptr);
+  const Status s = testing::plan_and_forward(*cuda, *pd, ctx, nullptr);
   std::vector<uint8_t> out_dev(out_host.size());
   ASSERT_EQ(cudaMemcpy(out_dev.data(), dout, out_dev.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   cudaStreamDestroy(stream);
@@ -246,7 +246,7 @@ TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
   // Host pointers under memory = device are refused, not dereferenced.
   StatusOr<AttentionParams> bad = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_host.data(), nullptr, MemorySpace::kDevice});
   ASSERT_TRUE(bad.ok());
-  const Status refused = cuda->forward(*bad, ExecContext{}, nullptr);
+  const Status refused = testing::plan_and_forward(*cuda, *bad, ExecContext{}, nullptr);
   EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.to_string();
 }
 
@@ -265,7 +265,7 @@ TEST(CudaControl, CancelStopsTheWork) {
   std::atomic<bool> cancel{true};
   ExecContext ctx;
   ctx.cancel = &cancel;
-  EXPECT_EQ(cuda->forward(*p, ctx, nullptr).code(), StatusCode::kCancelled);
+  EXPECT_EQ(testing::plan_and_forward(*cuda, *p, ctx, nullptr).code(), StatusCode::kCancelled);
 }
 
 TEST(CudaControl, BandedIsRefusedWithAReason) {
@@ -310,9 +310,9 @@ TEST(CudaControl, TightBudgetChunksAndStillMatches) {
   StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
   ASSERT_TRUE(p.ok());
   ForwardStats stats;
-  const Status s = small->forward(*p, ExecContext{}, &stats);
+  const Status s = testing::plan_and_forward(*small, *p, ExecContext{}, &stats);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  EXPECT_LE(stats.workspace_bytes, opts.memory_budget_bytes);
+  EXPECT_LE(stats.workspace.device_bytes, opts.memory_budget_bytes);
   const testing::ReferenceOutput ref = testing::reference_attention(*p);
   EXPECT_LE(compare(out.data(), o.dtype, ref.out).max_rel, tolerance(o.dtype));
 }
@@ -334,7 +334,7 @@ TEST(CudaControl, TinyBudgetIsResourceExhausted) {
   std::vector<uint8_t> out = testing::output_buffer(o);
   StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
   ASSERT_TRUE(p.ok());
-  EXPECT_EQ(small->forward(*p, ExecContext{}, nullptr).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(testing::plan_and_forward(*small, *p, ExecContext{}, nullptr).code(), StatusCode::kResourceExhausted);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cuda/tile_plan.h"
+#include "plsh/plan.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
 #include "reference.h"
@@ -42,7 +43,7 @@ struct Emulated {
 
 Emulated emulate(const AttentionParams& p, int64_t budget) {
   const SpanShape shape = span_shape(p);
-  const std::vector<LaneSetup> heads = head_passes(p);
+  const std::vector<LaneSetup> heads = head_passes(p, plan_draws(p));
   WorkspaceShape ws;
   ws.lanes = p.batch * p.heads;
   ws.q_len = p.q_len;

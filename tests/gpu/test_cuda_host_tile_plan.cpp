@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/tile_plan.h"
+#include "plsh/plan.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
 
@@ -302,13 +303,17 @@ TEST(Workspace, FitsTheBudgetAndDoesNotGrowWithN) {
   for (int64_t n : {int64_t{1} << 13, int64_t{1} << 17, int64_t{1} << 19, int64_t{1} << 24}) {
     StatusOr<WorkspacePlan> p = plan_workspace(shape_for(n), budget);
     ASSERT_TRUE(p.ok()) << p.status().to_string();
-    EXPECT_LE(p->bytes, budget);
+    const WorkspaceShape s = shape_for(n);
+    auto carved = [&](int64_t slots) {
+      return carve_work(slots, p->tile_rows, p->key_cols, s.head_dim, s.elem_bytes, nullptr, nullptr, nullptr);
+    };
+    EXPECT_LE(carved(p->slots), budget);
     EXPECT_EQ(p->slots, p->lanes_per_chunk * p->tiles_per_chunk);
     EXPECT_EQ(p->bytes, p->slots * p->bytes_per_slot);
     if (per_slot == 0) per_slot = p->bytes_per_slot;
     EXPECT_EQ(p->bytes_per_slot, per_slot);
-    // Fills the budget to within one lane's row of tiles.
-    EXPECT_GT(p->bytes + p->lanes_per_chunk * p->bytes_per_slot, budget) << "n " << n;
+    // Fills the budget to within one lane's row of tiles, alignment included.
+    EXPECT_GT(carved(p->slots + p->lanes_per_chunk), budget) << "n " << n;
   }
   // 64 rows x 512 columns of fp32 scores and bf16 probabilities, 64 x 128 fp32
   // partial and accumulator rows, stats and pointers.
@@ -338,7 +343,110 @@ TEST(Workspace, RefusesABudgetBelowOneTile) {
   StatusOr<WorkspacePlan> p = plan_workspace(shape_for(4096), 1000);
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(p.status().code(), StatusCode::kResourceExhausted);
-  EXPECT_NE(p.status().message().find("budget"), std::string::npos) << p.status().message();
+  EXPECT_NE(p.status().message().find("device memory"), std::string::npos) << p.status().message();
+}
+
+// The work buffer's slices, as forward carves them from one allocation:
+// aligned, disjoint, in order, and inside the size the plan charged.
+TEST(Layout, WorkSlicesAreAlignedDisjointAndInside) {
+  for (int64_t slots : {int64_t{1}, int64_t{3}, int64_t{1000}}) {
+    const int64_t bytes = carve_work(slots, 64, 512, 40, 2, nullptr, nullptr, nullptr);
+    std::vector<char> buffer(static_cast<size_t>(bytes));
+    char* base = buffer.data();
+    RoundBuffers r;
+    Accumulators a;
+    ASSERT_EQ(carve_work(slots, 64, 512, 40, 2, base, &r, &a), bytes);
+    const struct {
+      const void* at;
+      int64_t bytes;
+    } slices[] = {{r.scores, slots * 64 * 512 * 4}, {r.probs, slots * 64 * 512 * 2}, {r.partial, slots * 64 * 40 * 4},
+                  {r.row_max, slots * 64 * 4},      {r.row_sum, slots * 64 * 4},      {a.acc, slots * 64 * 40 * 4},
+                  {a.acc_max, slots * 64 * 4},      {a.acc_sum, slots * 64 * 4},      {r.q_ptr, slots * 8},
+                  {r.k_ptr, slots * 8},             {r.v_ptr, slots * 8},             {r.score_ptr, slots * 8},
+                  {r.prob_ptr, slots * 8},          {r.partial_ptr, slots * 8},
+                  {r.desc, slots * static_cast<int64_t>(sizeof(TileDesc))}};
+    int64_t end = 0;
+    for (const auto& s : slices) {
+      const int64_t at = static_cast<const char*>(s.at) - base;
+      EXPECT_EQ(at % kSliceAlign, 0);
+      EXPECT_GE(at, end) << "slices overlap";
+      end = at + s.bytes;
+    }
+    EXPECT_LE(end, bytes);
+  }
+}
+
+AttentionParams layout_params(Mode mode, int64_t n, int64_t heads, int64_t samples) {
+  AttentionOptions o;
+  o.q_len = o.kv_len = n;
+  o.heads = heads;
+  o.head_dim = 64;
+  o.dtype = DType::kBF16;
+  o.mode = mode;
+  o.samples = samples;
+  o.causal = true;
+  StatusOr<AttentionParams> p = resolve_params(o);
+  EXPECT_TRUE(p.ok()) << p.status().to_string();
+  return *p;
+}
+
+// What the plan charges is exactly what forward allocates (staging, tables,
+// work), it stays under the cap, and a smaller cap makes smaller chunks.
+TEST(Layout, PlanChargesWhatForwardAllocatesWithinTheCap) {
+  const AttentionParams p = layout_params(Mode::kLsh, 8192, 8, 16);
+  const std::vector<std::vector<Draw>> draws = plan_draws(p);
+  for (int64_t cap : {int64_t{1} << 26, int64_t{1} << 30}) {
+    StatusOr<CudaLayout> l = plan_layout(p, draws, cap);
+    ASSERT_TRUE(l.ok()) << l.status().to_string();
+    EXPECT_LE(l->device_bytes(), cap);
+    EXPECT_EQ(l->staging_bytes, carve_staging(p, nullptr, nullptr));
+    EXPECT_EQ(l->table_bytes, carve_tables(p.heads, l->table_entries, nullptr, nullptr));
+    EXPECT_EQ(l->work_bytes, carve_work(l->work.slots, l->work.tile_rows, l->work.key_cols, p.head_dim, 2, nullptr,
+                                        nullptr, nullptr));
+    EXPECT_EQ(l->device_bytes(), l->staging_bytes + l->table_bytes + l->work_bytes);
+  }
+  StatusOr<CudaLayout> small = plan_layout(p, draws, int64_t{1} << 26);
+  StatusOr<CudaLayout> large = plan_layout(p, draws, int64_t{1} << 30);
+  ASSERT_TRUE(small.ok() && large.ok());
+  EXPECT_LT(small->work.slots, large->work.slots);
+  EXPECT_EQ(plan_layout(p, draws, carve_staging(p, nullptr, nullptr)).status().code(), StatusCode::kResourceExhausted);
+}
+
+// The passes are the plan's draws, not draws made again: changing the
+// plan's draws changes the passes.
+TEST(Layout, PassesReadThePlanDraws) {
+  const AttentionParams p = layout_params(Mode::kLsh, 1000, 2, 5);
+  std::vector<std::vector<Draw>> draws = plan_draws(p);
+  draws[1][3].pitch = 123.25;
+  draws[1][3].shift = 7.5;
+  const std::vector<LaneSetup> heads = head_passes(p, draws);
+  ASSERT_EQ(heads.size(), 2u);
+  ASSERT_EQ(heads[1].passes.size(), 5u);
+  for (size_t h = 0; h < 2; ++h)
+    for (size_t k = 0; k < 5; ++k) {
+      EXPECT_EQ(heads[h].passes[k].pitch, draws[h][k].pitch);
+      EXPECT_EQ(heads[h].passes[k].shift, draws[h][k].shift);
+    }
+}
+
+// Every lane table a chunk builds fits the entries the plan sized.
+TEST(Layout, LaneTablesFitThePlannedEntries) {
+  for (const Mode mode : {Mode::kExact, Mode::kWindow, Mode::kLsh}) {
+    const AttentionParams p = layout_params(mode, 3000, 3, 7);
+    StatusOr<CudaLayout> l = plan_layout(p, plan_draws(p), int64_t{1} << 28);
+    ASSERT_TRUE(l.ok()) << l.status().to_string();
+    const SpanShape shape = span_shape(p);
+    const int64_t lanes = p.batch * p.heads, tiles = tile_count(shape);
+    for (int64_t lane0 = 0; lane0 < lanes; lane0 += l->work.lanes_per_chunk) {
+      const int64_t lane1 = std::min(lanes, lane0 + l->work.lanes_per_chunk);
+      const std::vector<LaneSetup> setups = chunk_lanes(l->heads, p.heads, lane0, lane1);
+      for (int64_t t0 = 0; t0 < tiles; t0 += l->work.tiles_per_chunk) {
+        std::vector<LanePass> table;
+        plan_rounds(shape, setups, t0, std::min(tiles, t0 + l->work.tiles_per_chunk), &table);
+        EXPECT_LE(static_cast<int64_t>(table.size()), l->table_entries) << mode_name(mode);
+      }
+    }
+  }
 }
 
 }  // namespace

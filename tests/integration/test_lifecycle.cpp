@@ -317,7 +317,10 @@ TEST(ServiceLifecycle, MemoryBudgetIsReleasedOnEveryPath) {
   ASSERT_TRUE(p.ok()) << p.status().to_string();
   StatusOr<Backend*> cpu = BackendRegistry::global().find("cpu");
   ASSERT_TRUE(cpu.ok());
-  const int64_t budget = request_bytes + (*cpu)->workspace_bytes(*p) + request_bytes / 2;
+  // The server plans for all cores (--threads 0), as this plan does.
+  const StatusOr<Plan> plan = plan_attention(**cpu, *p, PlanLimits{});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  const int64_t budget = request_bytes + plan->workspace().host_bytes + request_bytes / 2;
   ServerProcess server({"--memory-budget", std::to_string(budget), "--backend", "cpu"});
   ASSERT_TRUE(server.started()) << server.log();
   Client c(server.grpc_address());

@@ -35,7 +35,7 @@ struct Inputs {
 Inputs make_inputs(const AttentionOptions& o, uint64_t seed) {
   Inputs in;
   in.options = o;
-  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   auto fill = [&](std::vector<uint8_t>& t, int64_t n) {
@@ -72,7 +72,7 @@ Local compute_local(const Inputs& in) {
   EXPECT_TRUE(p.ok()) << p.status().to_string();
   StatusOr<Backend*> b = BackendRegistry::global().find("cpu");
   EXPECT_TRUE(b.ok());
-  StatusOr<AttentionResult> r = run_attention(**b, *p, ExecContext{});
+  StatusOr<AttentionResult> r = run_attention(**b, *p, PlanLimits{}, ExecContext{});
   EXPECT_TRUE(r.ok()) << r.status().to_string();
   l.result = *r;
   return l;
@@ -155,7 +155,9 @@ TEST_F(ServiceTest, EveryModeEqualsInProcessStreamedAndUnary) {
         EXPECT_EQ(reply.result.heads.size(), local.result.heads.size());
         EXPECT_GT(reply.timings.total, 0);
         EXPECT_GE(reply.timings.computing, 0);
-        if (!unary) EXPECT_GT(reply.messages, 10);  // it really streamed
+        if (!unary) {
+          EXPECT_GT(reply.messages, 10);  // it really streamed
+        }
       }
     }
   }

@@ -96,10 +96,18 @@ ReferenceOutput reference_attention(const AttentionParams& p) {
   return r;
 }
 
+Status plan_and_forward(Backend& b, const AttentionParams& p, const ExecContext& ctx, ForwardStats* stats,
+                        int threads) {
+  PlanLimits limits;
+  limits.threads = threads;
+  ASSIGN_OR_RETURN(const Plan plan, b.plan(p, limits));
+  return b.forward(plan, ctx, stats);
+}
+
 RandomTensors random_qkv(const AttentionOptions& o, uint64_t seed, double stddev) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, stddev);
-  const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   const size_t bytes = dtype_bytes(o.dtype);
   auto fill = [&](int64_t n) {
     std::vector<uint8_t> buf(static_cast<size_t>(n) * bytes);

@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "plsh/backend.h"
 #include "plsh/params.h"
 
 namespace plsh::testing {
@@ -23,6 +24,11 @@ struct ReferenceOutput {
 
 // Reads p.q, p.k, p.v (host memory, p.dtype); ignores p.out and p.lse.
 ReferenceOutput reference_attention(const AttentionParams& p);
+
+// Plans p on backend b (for `threads` threads) and runs its forward: what
+// the server does for a request, in one call.
+Status plan_and_forward(Backend& b, const AttentionParams& p, const ExecContext& ctx = {}, ForwardStats* stats = nullptr,
+                        int threads = 0);
 
 // Random tensors in a given dtype, as raw bytes (N(0, stddev) values rounded
 // to the dtype).

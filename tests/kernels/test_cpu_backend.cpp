@@ -156,7 +156,7 @@ TEST_P(CpuVsReference, MatchesFloat64Reference) {
   Problem pr = make_problem(o, std::hash<std::string>{}(c.name));
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ForwardStats stats;
-  ASSERT_TRUE(cpu->forward(pr.params, ExecContext{}, &stats).ok());
+  ASSERT_TRUE(testing::plan_and_forward(*cpu, pr.params, ExecContext{}, &stats).ok());
   const ReferenceOutput ref = testing::reference_attention(pr.params);
 
   const Comparison cmp = compare_rows(pr, ref);
@@ -167,7 +167,9 @@ TEST_P(CpuVsReference, MatchesFloat64Reference) {
   EXPECT_GT(stats.flops, 0);
   if (c.mode == Mode::kLsh) {
     EXPECT_NE(stats.lsh_algorithm, LshAlgorithm::kAuto);
-    if (c.algorithm != LshAlgorithm::kAuto) EXPECT_EQ(stats.lsh_algorithm, c.algorithm);
+    if (c.algorithm != LshAlgorithm::kAuto) {
+      EXPECT_EQ(stats.lsh_algorithm, c.algorithm);
+    }
   }
 }
 
@@ -302,7 +304,7 @@ TEST(CpuBackend, FollowsPaddedStrides) {
       p.q = q.data();
       p.k = k.data();
       p.v = v.data();
-      ASSERT_TRUE(make_cpu_backend()->forward(p, ExecContext{}, nullptr).ok());
+      ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), p, ExecContext{}, nullptr).ok());
       const ReferenceOutput ref = testing::reference_attention(p);
       EXPECT_LE(testing::compare(pr.out.data(), DType::kF32, ref.out).max_rel, kF32Tolerance) << mode_name(mode);
       EXPECT_LE(lse_error(pr.lse, ref.lse), kF32Tolerance);
@@ -330,8 +332,8 @@ TEST(CpuBackend, LshAlgorithmsAgree) {
     o.lsh_algorithm = LshAlgorithm::kBanded;
     Problem banded = make_problem(o, 5);
     std::unique_ptr<Backend> cpu = make_cpu_backend();
-    ASSERT_TRUE(cpu->forward(per_sample.params, ExecContext{}, nullptr).ok());
-    ASSERT_TRUE(cpu->forward(banded.params, ExecContext{}, nullptr).ok());
+    ASSERT_TRUE(testing::plan_and_forward(*cpu, per_sample.params, ExecContext{}, nullptr).ok());
+    ASSERT_TRUE(testing::plan_and_forward(*cpu, banded.params, ExecContext{}, nullptr).ok());
     std::vector<double> expected(per_sample.out.size() / 4);
     for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_element(per_sample.out.data(), DType::kF32, i);
     EXPECT_LE(testing::compare(banded.out.data(), DType::kF32, expected).max_rel, 1e-5)
@@ -348,7 +350,7 @@ TEST(CpuBackend, LshErrorFallsWithSamples) {
   AttentionOptions o = options_of(make("decay", Mode::kExact, 512, 512, 8, 8, 64, true));
   Problem exact = make_problem(o, 21);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  ASSERT_TRUE(cpu->forward(exact.params, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::plan_and_forward(*cpu, exact.params, ExecContext{}, nullptr).ok());
   std::vector<double> reference(exact.out.size() / 4);
   for (size_t i = 0; i < reference.size(); ++i) reference[i] = load_element(exact.out.data(), DType::kF32, i);
 
@@ -357,7 +359,7 @@ TEST(CpuBackend, LshErrorFallsWithSamples) {
     o.samples = samples;
     o.seed = 77;
     Problem pr = make_problem(o, 21);
-    EXPECT_TRUE(cpu->forward(pr.params, ExecContext{}, nullptr).ok());
+    EXPECT_TRUE(testing::plan_and_forward(*cpu, pr.params, ExecContext{}, nullptr).ok());
     return testing::compare(pr.out.data(), DType::kF32, reference).rel_l2;
   };
   const double err16 = lsh_error(16), err256 = lsh_error(256);
@@ -377,7 +379,7 @@ TEST(CpuBackend, RowsWithoutKeysGiveZeroNotNaN) {
     AttentionOptions far = options_of(with_offsets(c, 10000, 0));
     EXPECT_EQ(validate_options(far).code(), StatusCode::kInvalidArgument);
     pr.params.q_pos0 = 10000;  // what validation would have refused
-    ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ExecContext{}, nullptr).ok());
+    ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), pr.params, ExecContext{}, nullptr).ok());
     for (size_t i = 0; i < pr.out.size() / 4; ++i) EXPECT_EQ(load_element(pr.out.data(), DType::kF32, i), 0.0);
     for (float l : pr.lse) EXPECT_EQ(l, -std::numeric_limits<float>::infinity());
   }
@@ -392,7 +394,7 @@ TEST(CpuBackend, AutoPicksTheCheaperLshAlgorithm) {
     c.slopes = {1.0 / 256};
     Problem pr = make_problem(options_of(c), 1);
     ForwardStats stats;
-    ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ExecContext{}, &stats).ok());
+    ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), pr.params, ExecContext{}, &stats).ok());
     EXPECT_EQ(stats.lsh_algorithm, expected) << "samples " << samples;
   }
 }
@@ -410,8 +412,8 @@ TEST(CpuBackend, ExactIsShiftInvariantFarFromKeys) {
   c.q_pos0 = 200 + shift;
   Problem far = make_problem(options_of(c), 8);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  ASSERT_TRUE(cpu->forward(near.params, ExecContext{}, nullptr).ok());
-  ASSERT_TRUE(cpu->forward(far.params, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::plan_and_forward(*cpu, near.params, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::plan_and_forward(*cpu, far.params, ExecContext{}, nullptr).ok());
   std::vector<double> expected(near.out.size() / 4);
   for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_element(near.out.data(), DType::kF32, i);
   EXPECT_LE(testing::compare(far.out.data(), DType::kF32, expected).max_rel, 1e-6);
@@ -425,9 +427,10 @@ TEST(CpuBackend, ExactFlopsAreTheDenseCount) {
   Case c = make("flops", Mode::kExact, 200, 300, 4, 2, 32, false);
   Problem pr = make_problem(options_of(c), 1);
   ForwardStats stats;
-  ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ExecContext{}, &stats).ok());
+  ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), pr.params, ExecContext{}, &stats).ok());
   EXPECT_EQ(stats.flops, 4.0 * 4 * 32 * 200 * 300);
-  EXPECT_GT(stats.workspace_bytes, 0);
+  EXPECT_GT(stats.workspace.host_bytes, 0);
+  EXPECT_EQ(stats.workspace.device_bytes, 0);
 }
 
 TEST(CpuBackend, PresetCancelReturnsCancelled) {
@@ -435,14 +438,14 @@ TEST(CpuBackend, PresetCancelReturnsCancelled) {
   std::atomic<bool> cancel{true};
   ExecContext ctx;
   ctx.cancel = &cancel;
-  EXPECT_EQ(make_cpu_backend()->forward(pr.params, ctx, nullptr).code(), StatusCode::kCancelled);
+  EXPECT_EQ(testing::plan_and_forward(*make_cpu_backend(), pr.params, ctx, nullptr).code(), StatusCode::kCancelled);
 }
 
 TEST(CpuBackend, PassedDeadlineReturnsDeadlineExceeded) {
   Problem pr = make_problem(options_of(make("deadline", Mode::kLsh, 300, 300, 4, 4, 32, true)), 1);
   ExecContext ctx;
   ctx.deadline = std::chrono::steady_clock::now() - std::chrono::milliseconds(1);
-  EXPECT_EQ(make_cpu_backend()->forward(pr.params, ctx, nullptr).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(testing::plan_and_forward(*make_cpu_backend(), pr.params, ctx, nullptr).code(), StatusCode::kDeadlineExceeded);
 }
 
 // A cancel raised while tiles run stops the rest: the progress callback
@@ -453,12 +456,11 @@ TEST(CpuBackend, CancelDuringRunStopsPromptly) {
   std::atomic<double> last{0};
   ExecContext ctx;
   ctx.cancel = &cancel;
-  ctx.threads = 2;
   ctx.progress = [&](double f) {
     last = f;
     cancel = true;
   };
-  EXPECT_EQ(make_cpu_backend()->forward(pr.params, ctx, nullptr).code(), StatusCode::kCancelled);
+  EXPECT_EQ(testing::plan_and_forward(*make_cpu_backend(), pr.params, ctx, nullptr, 2).code(), StatusCode::kCancelled);
   EXPECT_GT(last.load(), 0.0);
   EXPECT_LT(last.load(), 0.1);  // 256 tiles; at most a few finish after the cancel
 }
@@ -474,7 +476,7 @@ TEST(CpuBackend, ProgressReachesOne) {
     while (f > seen && !last.compare_exchange_weak(seen, f)) {
     }
   };
-  ASSERT_TRUE(make_cpu_backend()->forward(pr.params, ctx, nullptr).ok());
+  ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), pr.params, ctx, nullptr).ok());
   EXPECT_EQ(last.load(), 1.0);
 }
 
@@ -485,7 +487,7 @@ TEST(CpuBackend, RefusesDeviceMemory) {
   const Status s = cpu->supports(pr.params);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("host"), std::string::npos) << s.message();
-  EXPECT_EQ(cpu->forward(pr.params, ExecContext{}, nullptr).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(testing::plan_and_forward(*cpu, pr.params, ExecContext{}, nullptr).code(), StatusCode::kFailedPrecondition);
 }
 
 TEST(CpuBackend, NamesItself) {
@@ -493,7 +495,9 @@ TEST(CpuBackend, NamesItself) {
   EXPECT_EQ(cpu->name(), "cpu");
   EXPECT_NE(cpu->device().find("threads"), std::string::npos) << cpu->device();
   Problem pr = make_problem(options_of(make("ws", Mode::kLsh, 100, 100, 2, 2, 16, false)), 1);
-  EXPECT_GT(cpu->workspace_bytes(pr.params), 0);
+  const StatusOr<Plan> plan = cpu->plan(pr.params, PlanLimits{});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  EXPECT_GT(plan->forward_workspace.host_bytes, 0);
 }
 
 }  // namespace
@@ -520,7 +524,7 @@ TEST(CpuBackend, SteepSlopeFarFromZeroFinishesAndMatches) {
     std::vector<uint8_t> out = testing::output_buffer(o);
     StatusOr<AttentionParams> p = make_params(o, TensorRefs{t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr});
     ASSERT_TRUE(p.ok()) << p.status().to_string();
-    ASSERT_TRUE(make_cpu_backend()->forward(*p, ExecContext{}, nullptr).ok());
+    ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), *p, ExecContext{}, nullptr).ok());
     const testing::ErrorStats e = testing::compare(out.data(), DType::kF32, testing::reference_attention(*p).out);
     EXPECT_LT(e.max_rel, 1e-5) << lsh_algorithm_name(a);
   }

@@ -26,6 +26,24 @@ namespace {
 using testing::reference_attention;
 using testing::reference_weight;
 
+// A plan as a backend would make it for these params: the estimates read
+// only its params, threads and draws.
+Plan plan_of(const AttentionParams& p) {
+  Plan plan;
+  plan.params = p;
+  plan.backend = "test";
+  plan.threads = plan_threads(0);
+  plan.draws = plan_draws(p);
+  return plan;
+}
+
+// One probe row on its own.
+ProbeRow probe_row(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, int64_t i) {
+  ProbeRow row;
+  probe_rows(p, m, h, b, {i}, &row);
+  return row;
+}
+
 // Options, tensors and resolved params kept together (params point into the
 // tensors).
 struct Problem {
@@ -185,7 +203,7 @@ TEST(Estimates, LshMaskMaxErrorMatchesDense) {
       const auto pr = make_problem(o);
       const AttentionParams& p = pr->params;
       AttentionResult result;
-      ASSERT_TRUE(compute_estimates(p, ExecContext{}, &result).ok());
+      ASSERT_TRUE(compute_estimates(plan_of(p), ExecContext{}, &result).ok());
       ASSERT_EQ(result.heads.size(), kSlopes.size());
       double overall = 0;
       for (int64_t h = 0; h < p.heads; ++h) {
@@ -212,7 +230,7 @@ TEST(Estimates, WindowMaskMaxErrorMatchesDense) {
       const auto pr = make_problem(o);
       const AttentionParams& p = pr->params;
       AttentionResult result;
-      ASSERT_TRUE(compute_estimates(p, ExecContext{}, &result).ok());
+      ASSERT_TRUE(compute_estimates(plan_of(p), ExecContext{}, &result).ok());
       for (int64_t h = 0; h < p.heads; ++h) {
         const double dense = dense_max_abs(dense_error(p, h));
         EXPECT_NEAR(result.heads[h].mask_max_err, dense, 1e-12)
@@ -229,8 +247,8 @@ TEST(Estimates, RowSampleReportsItselfAndNeverExceedsTheExactMaximum) {
   o.mask_row_budget = 250;
   const auto sampled = make_problem(o);
   AttentionResult exact_result, sampled_result;
-  ASSERT_TRUE(compute_estimates(full->params, ExecContext{}, &exact_result).ok());
-  ASSERT_TRUE(compute_estimates(sampled->params, ExecContext{}, &sampled_result).ok());
+  ASSERT_TRUE(compute_estimates(plan_of(full->params), ExecContext{}, &exact_result).ok());
+  ASSERT_TRUE(compute_estimates(plan_of(sampled->params), ExecContext{}, &sampled_result).ok());
   for (size_t h = 0; h < 2; ++h) {
     const HeadEstimate& e = exact_result.heads[h];
     const HeadEstimate& s = sampled_result.heads[h];
@@ -267,9 +285,10 @@ TEST(Estimates, MaskErrorProductMatchesDense) {
       const PositionRange range = position_range(p);
       std::mt19937_64 rng(9);
       std::normal_distribution<double> normal;
+      const Plan plan = plan_of(p);
       for (int64_t h = 0; h < p.heads; ++h) {
         const auto e = dense_error(p, h);
-        const HeadMask m = head_mask(p, h);
+        const HeadMask m = head_mask(plan, h);
         std::vector<double> x(p.kv_len), y(p.q_len), xt(p.q_len), yt(p.kv_len);
         for (double& v : x) v = normal(rng);
         for (double& v : xt) v = normal(rng);
@@ -309,7 +328,7 @@ TEST(Estimates, SpectralErrorWithinFivePercentOfDenseEigenSolve) {
     o.window_eps = 0.05;
     const auto pr = make_problem(o);
     AttentionResult result;
-    ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+    ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
     const double dense = dense_spectral_norm(dense_error(pr->params, 0));
     const HeadEstimate& he = result.heads[0];
     ASSERT_GT(dense, 0);
@@ -334,7 +353,7 @@ TEST(Estimates, SpectralErrorIsZeroWhereTheMaskIsExact) {
   const auto window = make_problem(o);
   for (const auto* pr : {lsh.get(), window.get()}) {
     AttentionResult result;
-    ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+    ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
     EXPECT_EQ(result.heads[0].mask_spectral_err, 0.0);
     EXPECT_EQ(result.heads[0].mask_max_err, 0.0);
   }
@@ -357,7 +376,7 @@ TEST(Estimates, ProbeErrorWithinFactorOneAndAHalfOfFullError) {
   const double full = testing::compare(pr->out.data(), DType::kF32, exact.out).rel_l2;
 
   AttentionResult result;
-  ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+  ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
   const ProbeEstimate& probe = result.heads[0].probe;
   EXPECT_EQ(probe.rows, 64);
   EXPECT_GT(probe.rel_err, full / 1.5);
@@ -400,7 +419,7 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
       const testing::ErrorStats full = testing::compare(pr->out.data(), types.out, exact.out);
 
       AttentionResult result;
-      ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+      ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
       EXPECT_EQ(result.probe.rows, 4 * 80);
       EXPECT_NEAR(result.probe.rel_err, full.rel_l2, 1e-9 * full.rel_l2) << mode_name(mode) << " " << dtype_name(types.out);
       EXPECT_EQ(result.probe.rel_err_stderr, 0.0);
@@ -434,8 +453,9 @@ TEST(Estimates, BoundHoldsForEveryRow) {
       const AttentionParams& p = pr->params;
       const testing::ReferenceOutput exact = reference_attention(as_exact(p));
       int64_t tight = 0;
+      const Plan plan = plan_of(p);
       for (int64_t h = 0; h < p.heads; ++h) {
-        const HeadMask m = head_mask(p, h);
+        const HeadMask m = head_mask(plan, h);
         for (int64_t b = 0; b < p.batch; ++b) {
           for (int64_t i = 0; i < p.q_len; ++i) {
             const ProbeRow row = probe_row(p, m, h, b, i);
@@ -478,8 +498,9 @@ TEST(Estimates, ProbeRowsInOnePassMatchOneRowAtATime) {
     fill_output_with_reference(pr.get());
     const AttentionParams& p = pr->params;
     const std::vector<int64_t> rows = {0, 1, 127, 128, 129, 200, 255, 256, 299};
+    const Plan plan = plan_of(p);
     for (int64_t h = 0; h < 2; ++h) {
-      const HeadMask m = head_mask(p, h);
+      const HeadMask m = head_mask(plan, h);
       std::vector<ProbeRow> together(rows.size());
       probe_rows(p, m, h, 1, rows, together.data());
       for (size_t n = 0; n < rows.size(); ++n) {
@@ -500,7 +521,7 @@ TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   o.return_draws = true;
   const auto pr = make_problem(o);
   AttentionResult result;
-  ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+  ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
   for (int64_t h = 0; h < 3; ++h) {
     const std::vector<Draw> want = draw_hashes(99, h, pr->params.sigma(h), 7);
     const HeadEstimate& he = result.heads[h];
@@ -516,7 +537,7 @@ TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   EXPECT_TRUE(std::isinf(result.heads[2].sigma));
   o.return_draws = false;
   const auto without = make_problem(o);
-  ASSERT_TRUE(compute_estimates(without->params, ExecContext{}, &result).ok());
+  ASSERT_TRUE(compute_estimates(plan_of(without->params), ExecContext{}, &result).ok());
   for (const HeadEstimate& he : result.heads) EXPECT_TRUE(he.draws.empty());
 }
 
@@ -559,8 +580,8 @@ TEST(Estimates, DeviceMemoryGetsMaskEstimatesButNoProbe) {
   device.q = device.k = device.v = nullptr;  // must not be read
   device.out = nullptr;
   AttentionResult on_host, on_device;
-  ASSERT_TRUE(compute_estimates(host->params, ExecContext{}, &on_host).ok());
-  ASSERT_TRUE(compute_estimates(device, ExecContext{}, &on_device).ok());
+  ASSERT_TRUE(compute_estimates(plan_of(host->params), ExecContext{}, &on_host).ok());
+  ASSERT_TRUE(compute_estimates(plan_of(device), ExecContext{}, &on_device).ok());
   EXPECT_EQ(on_host.probe.rows, 32);
   EXPECT_EQ(on_device.probe.rows, 0);
   for (size_t h = 0; h < 2; ++h) {
@@ -576,7 +597,7 @@ TEST(Estimates, WithoutEstimatesOnlyTheHeadsAreDescribed) {
   o.probe_rows = 16;
   const auto pr = make_problem(o);
   AttentionResult result;
-  ASSERT_TRUE(compute_estimates(pr->params, ExecContext{}, &result).ok());
+  ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
   ASSERT_EQ(result.heads.size(), 1u);
   EXPECT_EQ(result.heads[0].sigma, 4.0);
   EXPECT_GT(result.heads[0].max_block, 0);
@@ -593,10 +614,10 @@ TEST(Estimates, StopsOnCancelAndDeadline) {
   ExecContext cancelled_ctx;
   cancelled_ctx.cancel = &cancel;
   AttentionResult result;
-  EXPECT_EQ(compute_estimates(pr->params, cancelled_ctx, &result).code(), StatusCode::kCancelled);
+  EXPECT_EQ(compute_estimates(plan_of(pr->params), cancelled_ctx, &result).code(), StatusCode::kCancelled);
   ExecContext late;
   late.deadline = std::chrono::steady_clock::now() - std::chrono::seconds(1);
-  EXPECT_EQ(compute_estimates(pr->params, late, &result).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(compute_estimates(plan_of(pr->params), late, &result).code(), StatusCode::kDeadlineExceeded);
 }
 
 // A deadline that passes while the estimates run (here well over 20 ms of
@@ -609,7 +630,7 @@ TEST(Estimates, StopsWhenTheDeadlinePassesMidway) {
   ExecContext ctx;
   ctx.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
   AttentionResult result;
-  EXPECT_EQ(compute_estimates(pr->params, ctx, &result).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(compute_estimates(plan_of(pr->params), ctx, &result).code(), StatusCode::kDeadlineExceeded);
 }
 
 }  // namespace

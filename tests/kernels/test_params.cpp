@@ -30,7 +30,7 @@ AttentionOptions valid_options() {
 struct Buffers {
   std::vector<float> q, k, v, out;
   explicit Buffers(const AttentionOptions& o) {
-    const int64_t kv_heads = o.kv_heads == 0 ? o.heads : o.kv_heads;
+    const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
     q.assign(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim), 0.5f);
     k.assign(static_cast<size_t>(o.batch * o.kv_len * kv_heads * o.head_dim), 0.25f);
     v.assign(static_cast<size_t>(o.batch * o.kv_len * kv_heads * o.head_dim), 1.0f);

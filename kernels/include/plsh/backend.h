@@ -2,6 +2,17 @@
 // kernels/cuda implement it; the registry lists CUDA first when it is built
 // and a device is present, the CPU last as the fallback. The server asks the
 // registry and never includes a CUDA header.
+//
+// A request goes through a backend in three steps (CUTLASS's can_implement
+// -> get_workspace_size/initialize -> run):
+//   supports(params)        can this backend run it at all?
+//   plan(params, limits)    once per request, before the data: draws, the
+//                           algorithm, the workspace by memory space, the
+//                           backend's layout (plsh/plan.h)
+//   forward(plan, ctx)      the computation, reading only the plan
+// run_attention (plsh/attention.h) adds the estimates, which read the same
+// plan; the server plans at the header, charges plan.workspace() to its
+// host and device budgets, then binds the received tensors and runs.
 #pragma once
 
 #include <atomic>
@@ -14,16 +25,17 @@
 #include <vector>
 
 #include "plsh/params.h"
+#include "plsh/plan.h"
 #include "plsh/status.h"
 
 namespace plsh {
 
-// How one forward call runs: where, and when to give up.
+// How one forward call runs: where, and when to give up. How many threads
+// is the plan's (PlanLimits::threads), since the workspace was sized for it.
 struct ExecContext {
   void* stream = nullptr;                        // cudaStream_t on CUDA backends; unused on the CPU
   const std::atomic<bool>* cancel = nullptr;     // set by the caller to stop the work early
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
-  int threads = 0;                               // CPU worker threads; 0: all cores
   std::function<void(double)> progress;          // fraction done in [0, 1], from any thread
 
   // CANCELLED or DEADLINE_EXCEEDED when the work should stop, else OK.
@@ -33,37 +45,46 @@ struct ExecContext {
 
 // Memory of a backend's device, for the server's gauges.
 struct DeviceMemory {
-  int64_t used_bytes = 0;   // in use on the device, by any process
-  int64_t total_bytes = 0;  // the device's capacity
+  int64_t used_bytes = 0;    // in use on the device, by any process
+  int64_t total_bytes = 0;   // the device's capacity
+  int64_t budget_bytes = 0;  // the most the backend itself will hold at once
 };
 
 // What a forward pass did, for the result's metadata.
 struct ForwardStats {
   double flops = 0;                               // multiply-adds x2 actually done (QK^T and PV)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // the algorithm used for lsh
-  int64_t workspace_bytes = 0;                    // peak extra memory used
+  Workspace workspace;                            // extra memory actually used
 };
 
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual std::string name() const = 0;     // "cpu", "cuda"
+  virtual std::string name() const = 0;     // one of kBackendNames: "cpu", "cuda"
   virtual std::string device() const = 0;   // "x86_64, 2 threads" / "NVIDIA H200 (sm_90, 139 GiB)"
   // OK, or why these params cannot run here (FAILED_PRECONDITION / UNIMPLEMENTED).
   virtual Status supports(const AttentionParams& p) const = 0;
-  // Extra memory forward() will need beyond the tensors, so callers can
-  // refuse a request before touching any memory (CUTLASS's can_run ->
-  // workspace -> run).
-  virtual int64_t workspace_bytes(const AttentionParams& p) const = 0;
-  // Writes p.out (and p.lse when set).
-  virtual Status forward(const AttentionParams& p, const ExecContext& ctx, ForwardStats* stats) = 0;
+  // The request's plan (plsh/plan.h): supports() first, then the draws, the
+  // algorithm and the workspace by memory space. Needs no tensor: p may be
+  // resolve_params()'s, with the tensors bound later.
+  virtual StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const = 0;
+  // Writes plan.params.out (and .lse when set). The plan must be this
+  // backend's and its tensors bound.
+  virtual Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) = 0;
   // The device's memory now; nullopt for backends without a device (CPU).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
 };
 
+// The names a request may give ("auto": the registry's choice), the one list
+// that the server, the CLI and the clients check against.
+inline constexpr const char* kBackendNames[] = {"auto", "cpu", "cuda"};
+// OK for a name in kBackendNames, else INVALID_ARGUMENT naming `field`.
+Status check_backend_name(const std::string& name, const char* field = "backend");
+
 // The backends this process can use, best first: CUDA (when the CUDA backend
-// library is found and a device is present), then the CPU. `notes` collects
-// one line per backend that was looked for and not used, and why.
+// library is found, speaks this API version and a device is present), then
+// the CPU. `notes` collects one line per backend that was looked for and not
+// used, and why.
 class BackendRegistry {
  public:
   static BackendRegistry& global();
@@ -71,7 +92,7 @@ class BackendRegistry {
   // Looks for backends once; later calls return the same list (a copy, so
   // that add() on another thread cannot invalidate a caller's iteration).
   std::vector<Backend*> backends();
-  const std::vector<std::string>& notes();
+  std::vector<std::string> notes();
 
   // "auto": the first backend that supports p; "cpu" / "cuda": that one or a
   // FAILED_PRECONDITION saying why it is not available.
@@ -90,12 +111,24 @@ class BackendRegistry {
   std::vector<std::string> notes_;
 };
 
-// Entry point exported by the CUDA backend shared library
-// (libplsh_cuda.so), which the registry loads with dlopen so that processes
-// that never use CUDA never map cuBLAS (see README, "Why dlopen").
+// The dlopen boundary of a backend library (libplsh_cuda.so), versioned like
+// ggml's GGML_BACKEND_API_VERSION: the library exports kBackendPluginSymbol,
+// a function returning this struct; the registry reads api_version first and
+// calls nothing else when it differs from kBackendApiVersion (a note, and the
+// CPU serves). Bump kBackendApiVersion whenever Backend, Plan, AttentionParams
+// or ExecContext change layout: the library and the process are separate
+// builds.
+inline constexpr uint32_t kBackendApiVersion = 2;
 extern "C" {
-typedef Backend* (*CreateBackendFn)(std::string* why_not);
+struct PlshBackendPlugin {
+  uint32_t api_version;  // kBackendApiVersion of the library's build
+  const char* name;      // "cuda"
+  // A new backend (owned by the caller), or null with the reason written to
+  // why_not (NUL-terminated, at most why_not_size bytes).
+  plsh::Backend* (*create)(char* why_not, size_t why_not_size);
+};
+typedef const PlshBackendPlugin* (*BackendPluginFn)();
 }
-inline constexpr const char* kCudaBackendSymbol = "plsh_create_cuda_backend";
+inline constexpr const char* kBackendPluginSymbol = "plsh_backend_plugin";
 
 }  // namespace plsh

@@ -1,15 +1,20 @@
 // Error estimates of SPEC section 6, shared by every backend: they depend on
-// the draws and positions (mask errors) and on host copies of q, k, v and the
-// output (probe), never on how a backend computed the output.
+// the plan's draws and positions (mask errors) and on host copies of q, k, v
+// and the output (probe), never on how a backend computed the output.
+// Implemented in kernels/src: mask_error.cpp (max |L* - M~|), spectral.cpp
+// (||L* - M~||_2 by Lanczos), probe.cpp (exact probe rows and their
+// statistics), estimates.cpp (compute_estimates, which runs them per head).
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "plsh/attention.h"
 #include "plsh/backend.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
+#include "plsh/plan.h"
 
 namespace plsh {
 
@@ -25,18 +30,19 @@ PositionRange position_range(const AttentionParams& p);
 
 // Largest block (positions) of any of the draws within the union of the
 // query and key positions.
-int64_t max_block_size(const std::vector<Draw>& draws, const PositionRange& r);
+int64_t max_block_size(std::span<const Draw> draws, const PositionRange& r);
 
 // What E = L* - M~ is for one head: lsh (M~ the mean of the draws' bin
 // indicators) or window (M~ = L* 1[|d| < window]). L* = exp(-|d| / sigma).
+// A view: the draws stay the plan's.
 struct HeadMask {
   Mode mode = Mode::kLsh;
-  double sigma = 0;            // +inf for slope 0
-  std::vector<Draw> draws;     // lsh
-  int64_t window = kNoWindow;  // window
+  double sigma = 0;               // +inf for slope 0
+  std::span<const Draw> draws;    // lsh: the plan's draws of this head
+  int64_t window = kNoWindow;     // window
 };
 
-HeadMask head_mask(const AttentionParams& p, int64_t h);
+HeadMask head_mask(const Plan& plan, int64_t h);
 
 // Sorted distinct indices in [0, n): all of them when count >= n, else a
 // seeded stratified sample of `count` (one uniform pick in each of `count`
@@ -72,7 +78,7 @@ SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uin
                                   int64_t max_iterations = 100, double tolerance = 1e-4,
                                   const ExecContext* ctx = nullptr);
 
-// One probe row: query row i of batch item b, head h, computed exactly in
+// One probe row: a query row of batch item b, head h, computed exactly in
 // float64 and compared with p.out (host memory).
 struct ProbeRow {
   double err2 = 0;     // ||o~_i - o*_i||^2
@@ -80,16 +86,21 @@ struct ProbeRow {
   double max_abs = 0;  // max_d |o~_id - o*_id|
   double bound = 0;    // 2 max_j ||v_j|| sum_j a_ij |L*_ij - M~_ij| / sum_j a_ij M~_ij (+inf if the denominator is 0)
 };
-ProbeRow probe_row(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, int64_t i);
-// The same for several query rows of one batch item in one pass over its
-// keys (what compute_estimates runs); out has rows.size() entries. Returns
-// early, with out unfinished, when ctx (may be null) asks to stop.
+// Several query rows of one batch item in one pass over its keys (what
+// compute_estimates runs); out has rows.size() entries. Returns early, with
+// out unfinished, when ctx (may be null) asks to stop.
 void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, const std::vector<int64_t>& rows,
                 ProbeRow* out, const ExecContext* ctx = nullptr);
 
 // Fills result->heads (slope, sigma, window, max_block, draws on request) and,
-// when p.estimates, the error estimates per head and their summary. Needs
-// host tensors for the probe; p.out must already hold the output.
-Status compute_estimates(const AttentionParams& p, const ExecContext& ctx, AttentionResult* result);
+// when plan.params.estimates, the error estimates per head and their
+// summary, on plan.threads threads. Needs host tensors for the probe;
+// plan.params.out must already hold the output.
+Status compute_estimates(const Plan& plan, const ExecContext& ctx, AttentionResult* result);
+
+// Host memory compute_estimates may hold at once on `threads` threads (the
+// per-head tables, Lanczos vectors and probe buffers): what a plan's
+// estimates_workspace says.
+int64_t estimates_host_bytes(const AttentionParams& p, int threads);
 
 }  // namespace plsh

@@ -31,11 +31,22 @@ StatusOr<DType> parse_dtype(const std::string& s);   // f32|float32|f16|float16|
 StatusOr<Mode> parse_mode(const std::string& s);
 StatusOr<LshAlgorithm> parse_lsh_algorithm(const std::string& s);
 
-// Hard limits of the library itself (the server adds configurable ones).
+// Hard limits of the library itself (the server adds configurable ones,
+// e.g. --max-samples, 4096 by default).
 inline constexpr int64_t kMaxSamples = int64_t{1} << 24;   // draws index 2^24 * head + sample
 inline constexpr int64_t kMaxHeads = int64_t{1} << 20;
 inline constexpr int64_t kMaxHeadDim = 1024;
 inline constexpr int64_t kMaxProbeRows = 4096;
+
+// Defaults of what a caller may leave out: the one source that the server's
+// GetInfo, the CLI, plsh bench and (through GetInfo) the Python client read.
+inline constexpr int64_t kDefaultSamples = 16;
+inline constexpr double kDefaultWindowEps = 1e-4;
+inline constexpr int64_t kDefaultProbeRows = 64;
+inline constexpr int64_t kDefaultMaskRowBudget = 65536;
+
+// kv_heads = 0 means one kv head per query head (no grouping).
+inline int64_t resolved_kv_heads(int64_t heads, int64_t kv_heads) { return kv_heads == 0 ? heads : kv_heads; }
 
 // What a caller asks for. Field names are the names used in error messages,
 // on the command line and on the wire.
@@ -54,14 +65,14 @@ struct AttentionOptions {
   std::optional<int64_t> q_pos0;       // default Nk - Nq
   int64_t k_pos0 = 0;                  // absolute position of key row 0
   Mode mode = Mode::kLsh;
-  int64_t samples = 16;                // lsh: hashes per head (s)
+  int64_t samples = kDefaultSamples;   // lsh: hashes per head (s)
   uint64_t seed = 0;                   // lsh: draws seed (SPEC section 5)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;
-  double window_eps = 1e-4;            // window: W_h = ceil(sigma_h ln(1/eps))
+  double window_eps = kDefaultWindowEps;  // window: W_h = ceil(sigma_h ln(1/eps))
   int64_t window_width = 0;            // window: one W for every head; 0: from window_eps
   bool estimates = true;               // section-6 estimates for lsh and window results
-  int64_t probe_rows = 64;             // exact rows per head for the probe; 0: no probe
-  int64_t mask_row_budget = 65536;     // rows checked exactly for mask_max_err before sampling
+  int64_t probe_rows = kDefaultProbeRows;  // exact rows per head for the probe; 0: no probe
+  int64_t mask_row_budget = kDefaultMaskRowBudget;  // rows checked exactly for mask_max_err before sampling
   bool return_draws = false;           // copy the draws into the result
   bool check_finite = true;            // reject NaN/Inf inputs with the first bad position
 };
@@ -124,8 +135,15 @@ inline constexpr int64_t kNoWindow = INT64_MAX;
 std::vector<double> standard_slopes(int64_t heads);
 
 // Fills defaults, checks every field and the pointers; the message names the
-// field, the value and what was expected.
+// field, the value and what was expected. resolve_params + bind_tensors.
 StatusOr<AttentionParams> make_params(const AttentionOptions& options, const TensorRefs& tensors);
+
+// Everything but the tensors (their pointers stay null): what a plan is made
+// from before the data has arrived.
+StatusOr<AttentionParams> resolve_params(const AttentionOptions& options);
+// Points p at the tensors (dense, in the layout above) after checking them,
+// and with p->check_finite their values (host memory).
+Status bind_tensors(AttentionParams* p, const TensorRefs& tensors);
 
 // Validates options alone (no tensors yet): what the server does on a header.
 Status validate_options(const AttentionOptions& options);

@@ -1,0 +1,427 @@
+// The CUDA backend's glue: device selection, the plan (tile layout and
+// device workspace, tile_plan.h), and forward(), which stages host tensors,
+// carves the workspace exactly as the plan sized it, and runs the rounds:
+// build_round -> cuBLAS S = Q K^T -> masked softmax -> cuBLAS O = P V ->
+// merge, then finalize per chunk. The kernels are in cuda_kernels.cu, the
+// memory pool in device_memory.h.
+#include "cuda/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_kernels.h"
+#include "cuda/device_memory.h"
+#include "cuda/tile_plan.h"
+#include "plsh/draws.h"
+#include "plsh/params.h"
+
+namespace plsh::cuda {
+
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kF16: return CUDA_R_16F;
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kF32: break;
+  }
+  return CUDA_R_32F;
+}
+
+// Holds a budget reservation for the length of one forward().
+class Reservation {
+ public:
+  explicit Reservation(DevicePool& pool) : pool_(pool) {}
+  ~Reservation() { pool_.unreserve(bytes_); }
+  Status take(int64_t bytes) {
+    RETURN_IF_ERROR(pool_.reserve(bytes));
+    bytes_ += bytes;
+    return Status::Ok();
+  }
+
+ private:
+  DevicePool& pool_;
+  int64_t bytes_ = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  Status init(const CudaBackendOptions& options) {
+    device_ = options.device;
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    cudaDeviceProp prop{};
+    CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    device_name_ = std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ", " +
+                   std::to_string(static_cast<int64_t>(total_bytes >> 30)) + " GiB)";
+    int64_t budget = options.memory_budget_bytes;
+    if (budget <= 0) {
+      if (const char* env = std::getenv("PLSH_CUDA_MEMORY_MB"); env != nullptr && *env != '\0') {
+        char* end = nullptr;
+        const long long mb = std::strtoll(env, &end, 10);
+        if (end == env || *end != '\0' || mb <= 0)
+          return invalid_argument(std::string("PLSH_CUDA_MEMORY_MB = '") + env + "', expected a positive integer");
+        budget = static_cast<int64_t>(mb) << 20;
+      } else {
+        budget = static_cast<int64_t>(free_bytes / 4 * 3);
+      }
+    }
+    return pool_.init(device_, budget);
+  }
+
+  ~CudaBackend() override {
+    for (cublasHandle_t h : free_handles_) (void)cublasDestroy(h);
+  }
+
+  std::string name() const override { return "cuda"; }
+  std::string device() const override { return device_name_; }
+  std::optional<DeviceMemory> device_memory() const override {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error so the next call starts clean
+      return std::nullopt;
+    }
+    return DeviceMemory{static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes), pool_.budget()};
+  }
+
+  Status supports(const AttentionParams& p) const override {
+    if (p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kBanded)
+      return unimplemented("lsh_algorithm = banded is not implemented on the cuda backend, expected auto or per_sample");
+    const int64_t lds[] = {p.q_row_stride, p.k_row_stride, p.v_row_stride};
+    for (int64_t ld : lds)
+      if (ld > INT_MAX) return unimplemented("row stride " + std::to_string(ld) + " exceeds cuBLAS's int leading dimension");
+    // The least a request needs: its staging copies and one tile's work.
+    const int64_t staging = p.memory == MemorySpace::kHost ? carve_staging(p, nullptr, nullptr) : 0;
+    const int64_t one_tile = carve_work(1, std::min(kTileRows, p.q_len), std::min(kMaxKeyCols, p.kv_len), p.head_dim,
+                                        static_cast<int64_t>(dtype_bytes(p.dtype)), nullptr, nullptr, nullptr);
+    if (staging + one_tile > pool_.budget())
+      return resource_exhausted("cuda backend: the request needs at least " + std::to_string(staging + one_tile) +
+                                " bytes of device memory, the backend's budget is " + std::to_string(pool_.budget()));
+    return Status::Ok();
+  }
+
+  StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
+    RETURN_IF_ERROR(supports(p));
+    Plan plan;
+    plan.params = p;
+    plan.backend = name();
+    plan.threads = plan_threads(limits.threads);
+    try {
+      plan.draws = plan_draws(p);
+      if (p.mode == Mode::kLsh) plan.lsh_algorithm = LshAlgorithm::kPerSample;
+      const int64_t cap = limits.device_bytes > 0 ? std::min(limits.device_bytes, pool_.budget()) : pool_.budget();
+      ASSIGN_OR_RETURN(CudaLayout layout, plan_layout(p, plan.draws, cap));
+      plan.forward_workspace.device_bytes = layout.device_bytes();
+      // The host side: the draws, the passes and one chunk's lane table.
+      int64_t passes = 0;
+      for (const LaneSetup& h : layout.heads) passes += static_cast<int64_t>(h.passes.size());
+      plan.forward_workspace.host_bytes =
+          (layout.table_entries + passes) * static_cast<int64_t>(sizeof(LanePass)) +
+          p.heads * p.samples * static_cast<int64_t>(sizeof(Draw));
+      plan.layout = std::make_shared<const CudaLayout>(std::move(layout));
+    } catch (const std::bad_alloc&) {
+      return resource_exhausted("cuda backend: the plan for heads = " + std::to_string(p.heads) +
+                                ", samples = " + std::to_string(p.samples) + " could not be allocated on the host");
+    }
+    return plan;
+  }
+
+  Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override;
+
+ private:
+  StatusOr<cublasHandle_t> acquire_handle() {
+    {
+      std::lock_guard<std::mutex> lock(handle_mutex_);
+      if (!free_handles_.empty()) {
+        cublasHandle_t h = free_handles_.back();
+        free_handles_.pop_back();
+        return h;
+      }
+    }
+    cublasHandle_t h = nullptr;
+    CUBLAS_RETURN_IF_ERROR(cublasCreate(&h));
+    // fp32 inputs stay fp32 on the tensor cores' side too: no TF32.
+    CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+    return h;
+  }
+  void release_handle(cublasHandle_t h) {
+    std::lock_guard<std::mutex> lock(handle_mutex_);
+    free_handles_.push_back(h);
+  }
+
+  Status check_device_tensors(const AttentionParams& p) const {
+    // lse too when asked for: the finalize kernel writes through it, and a
+    // host pointer there would be a sticky illegal-address error.
+    const void* ptrs[] = {p.q, p.k, p.v, p.out, p.lse};
+    const char* names[] = {"q", "k", "v", "out", "lse"};
+    for (int t = 0; t < 5; ++t) {
+      if (ptrs[t] == nullptr) continue;  // only lse may be null (bind_tensors checked the rest)
+      cudaPointerAttributes attr{};
+      CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, ptrs[t]));
+      if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+        return invalid_argument(std::string(names[t]) + " is not device memory, expected memory = device tensors");
+      if (attr.type == cudaMemoryTypeDevice && attr.device != device_)
+        return invalid_argument(std::string(names[t]) + " is on device " + std::to_string(attr.device) +
+                                ", expected device " + std::to_string(device_) + " (this backend's)");
+    }
+    return Status::Ok();
+  }
+
+  int device_ = 0;
+  std::string device_name_;
+  mutable DevicePool pool_;
+  std::mutex handle_mutex_;
+  std::vector<cublasHandle_t> free_handles_;
+};
+
+Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+  if (plan.backend != name())
+    return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cuda backend");
+  const auto* layout = dynamic_cast<const CudaLayout*>(plan.layout.get());
+  if (layout == nullptr) return invalid_argument("cuda backend: the plan has no cuda layout, expected CudaBackend::plan's");
+  const AttentionParams& p = plan.params;
+  if (p.q == nullptr || p.out == nullptr)
+    return failed_precondition("cuda backend: the plan's tensors are not bound, expected bind_tensors first");
+  RETURN_IF_ERROR(supports(p));
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  cudaStream_t stream = ctx.stream != nullptr ? static_cast<cudaStream_t>(ctx.stream) : cudaStreamPerThread;
+  if (p.memory == MemorySpace::kDevice) RETURN_IF_ERROR(check_device_tensors(p));
+
+  // Hold the plan's device bytes for the whole call: concurrent requests
+  // together never exceed the pool's budget.
+  Reservation reservation(pool_);
+  RETURN_IF_ERROR(reservation.take(layout->device_bytes()));
+
+  ASSIGN_OR_RETURN(cublasHandle_t handle, acquire_handle());
+  // Work still queued on an error path may use the handle's workspace: let
+  // it drain before another stream can take the handle.
+  struct HandleGuard {
+    CudaBackend* self;
+    cublasHandle_t h;
+    cudaStream_t stream;
+    ~HandleGuard() {
+      (void)cudaStreamSynchronize(stream);
+      self->release_handle(h);
+    }
+  } handle_guard{this, handle, stream};
+  CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle, stream));
+
+  // Host tensors travel through the pool, in the slices the plan sized.
+  DeviceBuffer staging_buffer;
+  StagingBuffers staged;
+  DeviceProblem pr;
+  DeviceOutput out;
+  pr.q = static_cast<const char*>(p.q);
+  pr.k = static_cast<const char*>(p.k);
+  pr.v = static_cast<const char*>(p.v);
+  out.out = p.out;
+  out.lse = p.lse;
+  if (p.memory == MemorySpace::kHost) {
+    RETURN_IF_ERROR(staging_buffer.allocate(pool_, layout->staging_bytes, stream));
+    carve_staging(p, staging_buffer.get(), &staged);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged.q, p.q, static_cast<size_t>(staged.q_bytes), cudaMemcpyHostToDevice, stream));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged.k, p.k, static_cast<size_t>(staged.k_bytes), cudaMemcpyHostToDevice, stream));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged.v, p.v, static_cast<size_t>(staged.v_bytes), cudaMemcpyHostToDevice, stream));
+    pr.q = staged.q;
+    pr.k = staged.k;
+    pr.v = staged.v;
+    out.out = staged.out;
+    out.lse = p.lse != nullptr ? staged.lse : nullptr;
+  }
+  const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
+  pr.q_bs = p.q_batch_stride, pr.q_rs = p.q_row_stride, pr.q_hs = p.q_head_stride;
+  pr.k_bs = p.k_batch_stride, pr.k_rs = p.k_row_stride, pr.k_hs = p.k_head_stride;
+  pr.v_bs = p.v_batch_stride, pr.v_rs = p.v_row_stride, pr.v_hs = p.v_head_stride;
+  pr.elem_bytes = esz;
+  pr.head_group = p.head_group;
+  pr.head_dim = p.head_dim;
+  pr.q_pos0 = p.q_pos0;
+  pr.k_pos0 = p.k_pos0;
+  pr.shape = span_shape(p);
+  out.o_bs = p.o_batch_stride, out.o_rs = p.o_row_stride, out.o_hs = p.o_head_stride;
+  out.lse_bs = p.lse_batch_stride, out.lse_rs = p.lse_row_stride;
+  out.heads = p.heads;
+
+  const WorkspacePlan& work = layout->work;
+  const int64_t T = work.tile_rows;
+  const int64_t D = p.head_dim;
+  DeviceBuffer work_buffer;
+  RETURN_IF_ERROR(work_buffer.allocate(pool_, layout->work_bytes, stream));
+  RoundBuffers rb;
+  Accumulators acc;
+  carve_work(work.slots, T, work.key_cols, D, esz, work_buffer.get(), &rb, &acc);
+
+  const std::vector<LaneSetup>& heads = layout->heads;
+  DeviceBuffer table_buffer;
+  RETURN_IF_ERROR(table_buffer.allocate(pool_, layout->table_bytes, stream));
+  TableBuffers tables;
+  carve_tables(p.heads, layout->table_entries, table_buffer.get(), &tables);
+  std::vector<float> lse_offset(static_cast<size_t>(p.heads));
+  for (int64_t h = 0; h < p.heads; ++h)
+    lse_offset[static_cast<size_t>(h)] = cuda::lse_offset(heads[static_cast<size_t>(h)], p.samples);
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(tables.lse_offset, lse_offset.data(), lse_offset.size() * 4, cudaMemcpyHostToDevice, stream));
+
+  const cudaDataType_t in_type = cuda_type(p.dtype);
+  const float alpha_qk = static_cast<float>(p.scale);
+  const float one = 1.0f, zero = 0.0f;
+  const int64_t lanes_total = p.batch * p.heads;
+  const int64_t tiles_total = tile_count(pr.shape);
+  const double chunks_total =
+      static_cast<double>(ceil_div(lanes_total, work.lanes_per_chunk) * ceil_div(tiles_total, work.tiles_per_chunk));
+  double chunks_done = 0;
+  double flops = 0;
+  std::vector<LanePass> table;
+
+  for (int64_t lane0 = 0; lane0 < lanes_total; lane0 += work.lanes_per_chunk) {
+    const int64_t lane1 = std::min(lanes_total, lane0 + work.lanes_per_chunk);
+    const std::vector<LaneSetup> setups = chunk_lanes(heads, p.heads, lane0, lane1);
+    for (int64_t t0 = 0; t0 < tiles_total; t0 += work.tiles_per_chunk) {
+      const int64_t t1 = std::min(tiles_total, t0 + work.tiles_per_chunk);
+      RETURN_IF_ERROR(ctx.check_stop());
+      table.clear();
+      const std::vector<Round> rounds = plan_rounds(pr.shape, setups, t0, t1, &table);
+      if (static_cast<int64_t>(table.size()) > tables.entries)
+        return internal_error("cuda backend: lane table of " + std::to_string(table.size()) + " entries exceeds the plan's " +
+                              std::to_string(tables.entries));
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(tables.lanes, table.data(), table.size() * sizeof(LanePass), cudaMemcpyHostToDevice, stream));
+      acc.row0 = t0 * T;
+      acc.rows_per_lane = (t1 - t0) * T;
+      const int64_t acc_rows = (lane1 - lane0) * acc.rows_per_lane;
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(acc.acc, 0, static_cast<size_t>(acc_rows * D * 4), stream));
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(acc.acc_max, 0, static_cast<size_t>(acc_rows * 4), stream));
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(acc.acc_sum, 0, static_cast<size_t>(acc_rows * 4), stream));
+
+      for (const Round& r : rounds) {
+        RETURN_IF_ERROR(ctx.check_stop());
+        const int slots = static_cast<int>(r.slots);
+        const int Kc = static_cast<int>(r.key_cols);
+        RETURN_IF_ERROR(launch_build_round(pr, r, tables.lanes, rb, stream));
+        // S^T (Kc x T, column-major) = K_chunk (Kc x D) . Q_tile^T: row-major S [T][Kc].
+        CUBLAS_RETURN_IF_ERROR(cublasGemmBatchedEx(
+            handle, CUBLAS_OP_T, CUBLAS_OP_N, Kc, static_cast<int>(T), static_cast<int>(D), &alpha_qk, rb.k_ptr, in_type,
+            static_cast<int>(p.k_row_stride), rb.q_ptr, in_type, static_cast<int>(p.q_row_stride), &zero,
+            reinterpret_cast<void* const*>(rb.score_ptr), CUDA_R_32F, Kc, slots, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        RETURN_IF_ERROR(launch_masked_softmax(p.dtype, pr, r, tables.lanes, rb, stream));
+        // O^T (D x T) = V_chunk^T (D x Kc) . P^T (Kc x T): row-major O [T][D].
+        CUBLAS_RETURN_IF_ERROR(cublasGemmBatchedEx(
+            handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(D), static_cast<int>(T), Kc, &one, rb.v_ptr, in_type,
+            static_cast<int>(p.v_row_stride), rb.prob_ptr, in_type, Kc, &zero,
+            reinterpret_cast<void* const*>(rb.partial_ptr), CUDA_R_32F, static_cast<int>(D), slots, CUBLAS_COMPUTE_32F,
+            CUBLAS_GEMM_DEFAULT));
+        RETURN_IF_ERROR(launch_merge(pr, r, tables.lanes, rb, acc, stream));
+        flops += 4.0 * static_cast<double>(r.slots) * static_cast<double>(T) * static_cast<double>(Kc) * static_cast<double>(D);
+      }
+      RETURN_IF_ERROR(launch_finalize(p.out_dtype, out, p.q_len, D, lane0, lane1 - lane0, tables.lse_offset, acc, stream));
+      chunks_done += 1;
+      if (ctx.progress) ctx.progress(chunks_done / chunks_total);
+    }
+  }
+
+  if (p.memory == MemorySpace::kHost) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p.out, staged.out, static_cast<size_t>(staged.out_bytes), cudaMemcpyDeviceToHost, stream));
+    if (p.lse != nullptr)
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p.lse, staged.lse, static_cast<size_t>(staged.lse_bytes), cudaMemcpyDeviceToHost, stream));
+  }
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (stats != nullptr) {
+    stats->flops = flops;
+    stats->lsh_algorithm = plan.lsh_algorithm;
+    stats->workspace = plan.forward_workspace;
+  }
+  return Status::Ok();
+}
+
+Status no_device_reason(std::string* why) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    *why = std::string("no CUDA device: cudaGetDeviceCount: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+    return failed_precondition(*why);
+  }
+  if (count == 0) {
+    *why = "no CUDA device: cudaGetDeviceCount found 0 devices";
+    return failed_precondition(*why);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(std::string* why_not, const CudaBackendOptions& options) {
+  std::string why;
+  if (!no_device_reason(&why).ok()) {
+    if (why_not != nullptr) *why_not = why;
+    return nullptr;
+  }
+  auto backend = std::make_unique<CudaBackend>();
+  const Status s = backend->init(options);
+  if (!s.ok()) {
+    if (why_not != nullptr) *why_not = "cuda backend init: " + s.to_string();
+    return nullptr;
+  }
+  return backend;
+}
+
+StatusOr<std::vector<int64_t>> device_bins(const Draw& draw, const std::vector<int64_t>& positions, int device) {
+  std::string why;
+  RETURN_IF_ERROR(no_device_reason(&why));
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  const int64_t n = static_cast<int64_t>(positions.size());
+  std::vector<int64_t> bins(positions.size());
+  if (n == 0) return bins;
+  long long* d_pos = nullptr;
+  long long* d_out = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&d_pos, static_cast<size_t>(n) * 8));
+  struct Free {
+    long long** a;
+    long long** b;
+    ~Free() {
+      (void)cudaFree(*a);
+      (void)cudaFree(*b);
+    }
+  } guard{&d_pos, &d_out};
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&d_out, static_cast<size_t>(n) * 8));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(d_pos, positions.data(), static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice));
+  RETURN_IF_ERROR(launch_bins(d_pos, d_out, n, draw.pitch, draw.shift, nullptr));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(bins.data(), d_out, static_cast<size_t>(n) * 8, cudaMemcpyDeviceToHost));
+  return bins;
+}
+
+}  // namespace plsh::cuda
+
+// The registry's entry point (plsh/backend.h): the versioned plugin struct.
+namespace {
+
+plsh::Backend* create_cuda_backend(char* why_not, size_t why_not_size) {
+  std::string why;
+  std::unique_ptr<plsh::Backend> backend = plsh::cuda::make_cuda_backend(&why);
+  if (backend == nullptr && why_not != nullptr && why_not_size > 0) {
+    const size_t n = std::min(why.size(), why_not_size - 1);
+    std::memcpy(why_not, why.data(), n);
+    why_not[n] = '\0';
+  }
+  return backend.release();
+}
+
+const plsh::PlshBackendPlugin kCudaPlugin = {plsh::kBackendApiVersion, "cuda", &create_cuda_backend};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const plsh::PlshBackendPlugin* plsh_backend_plugin() {
+  return &kCudaPlugin;
+}

@@ -1,0 +1,54 @@
+// Float64 exact attention for a few query rows of one (batch item, head):
+// the one float64 engine behind the probe (SPEC section 6) and the tests'
+// reference, so that "computed exactly" means the same arithmetic in both.
+//
+// for_each_key_tile hands the caller the dot products q_i . k_j of every
+// query row against a tile of key rows, with the value rows, all in double;
+// SoftmaxRow64 folds a row's weighted logits into its output with an online
+// maximum (FlashAttention's rescaling), so nothing overflows or vanishes
+// whatever the logits.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <span>
+#include <vector>
+
+#include "plsh/backend.h"
+#include "plsh/params.h"
+
+namespace plsh {
+
+// Keys per tile: 128 rows of k and v in double stay in L2 at D <= 256.
+inline constexpr int64_t kExactRowsKeyTile = 128;
+
+struct KeyTile {
+  int64_t j0 = 0, count = 0;            // key rows [j0, j0 + count)
+  int64_t rows = 0;                     // query rows scored
+  const double* scores = nullptr;       // [count][rows]: q_r . k_j, unscaled (query row innermost)
+  const double* values = nullptr;       // [count][D]
+  const double* value_norm2 = nullptr;  // [count]: ||v_j||^2
+};
+
+// Scores query rows `rows` of batch item b, head h against key rows
+// [0, key_end) (of the kv head h reads), one tile of kExactRowsKeyTile keys
+// at a time, in order. The sums over d run in index order. Returns false when
+// ctx (may be null) asked to stop (polled every 64 tiles, ~8k keys).
+bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows, int64_t key_end,
+                       const std::function<void(const KeyTile&)>& visit, const ExecContext* ctx = nullptr);
+
+// One row's online softmax: acc = sum_j exp(l_j - max) v_j, sum likewise.
+struct SoftmaxRow64 {
+  double max = -std::numeric_limits<double>::infinity();
+  double sum = 0;
+  std::vector<double> acc;  // [D]
+
+  explicit SoftmaxRow64(int64_t dim) : acc(static_cast<size_t>(dim), 0.0) {}
+  // Folds n keys with logits l[0, n) (-inf: not allowed) and values v
+  // ([n][dim]): one rescale for the tile, then the sums in key order.
+  void fold(const double* logits, int64_t n, const double* values);
+  double lse() const { return max + std::log(sum); }
+};
+
+}  // namespace plsh

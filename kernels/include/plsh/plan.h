@@ -1,0 +1,71 @@
+// Plan once, run many (CUTLASS's can_implement -> get_workspace_size ->
+// initialize -> run; ggml's graph_plan_create): a Plan is made once per
+// request, before any tensor byte arrives, and holds everything that depends
+// on the request's shape and options but not on its data:
+//   - the resolved params (tensors bound later, by bind_tensors),
+//   - the lsh draws of every head (SPEC section 5), made exactly once and
+//     read by the forward pass, the estimates and the backward,
+//   - the lsh algorithm the backend chose,
+//   - the workspace, split by memory space, so that a server can charge host
+//     bytes and device bytes to separate budgets and refuse what cannot fit
+//     before it allocates anything,
+//   - the backend's own layout (on CUDA the tile/lane layout that both the
+//     sizing and the slicing of the workspace read).
+// Backend::plan makes one; Backend::forward and compute_estimates read it.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "plsh/draws.h"
+#include "plsh/params.h"
+
+namespace plsh {
+
+// Extra memory beyond the request's own tensors, by memory space.
+struct Workspace {
+  int64_t host_bytes = 0;    // host memory: per-thread tiles, tables, staging lists
+  int64_t device_bytes = 0;  // device memory: staging copies of host tensors, GEMM workspace
+};
+
+// What a caller fixes before planning.
+struct PlanLimits {
+  int threads = 0;            // CPU threads forward and the estimates use; 0: all cores
+  int64_t device_bytes = 0;   // most device workspace one request may take; 0: the backend's default share
+};
+
+// A backend's private part of a plan (CUDA: its tile layout). Backends
+// derive from it; nothing else looks inside.
+struct BackendLayout {
+  virtual ~BackendLayout() = default;
+};
+
+struct Plan {
+  AttentionParams params;                // resolved; q, k, v, out, lse bound by bind_tensors before forward
+  std::string backend;                   // name() of the backend that made it; forward refuses others' plans
+  int threads = 1;                       // CPU threads the host workspace was sized for (>= 1)
+  LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // lsh: the algorithm forward runs; kAuto otherwise
+  std::vector<std::vector<Draw>> draws;  // lsh: [H][samples], SPEC section 5; empty otherwise
+  Workspace forward_workspace;           // what forward needs
+  Workspace estimates_workspace;         // what compute_estimates needs (host only)
+  std::shared_ptr<const BackendLayout> layout;
+
+  // Peak extra memory of the request: forward and the estimates run one
+  // after the other, so the larger of the two per memory space.
+  Workspace workspace() const {
+    return {std::max(forward_workspace.host_bytes, estimates_workspace.host_bytes),
+            std::max(forward_workspace.device_bytes, estimates_workspace.device_bytes)};
+  }
+};
+
+// The draws of every head for lsh params, nothing otherwise: the one place
+// that calls draw_hashes for a request.
+std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p);
+
+// Threads a plan uses for PlanLimits::threads (0: all cores).
+int plan_threads(int requested);
+
+}  // namespace plsh

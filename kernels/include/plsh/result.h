@@ -1,0 +1,57 @@
+// What a request returns besides its tensors: the error estimates of SPEC
+// section 6 per head and in summary, FLOPs and timings. Plain data, shared
+// by the kernels (which fill it), the wire conversions and the clients
+// (which read it); header-only, so a thin client needs no maths library.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "plsh/draws.h"
+#include "plsh/params.h"
+
+namespace plsh {
+
+struct ProbeEstimate {
+  int64_t rows = 0;             // query rows computed exactly per head, seeded (batch item, row) pairs
+  double rel_err = 0;           // ||o~ - o*||_2 / ||o*||_2 over those rows
+  double rel_err_stderr = 0;    // standard error of rel_err from the per-row spread
+  double max_abs_err = 0;       // max |o~ - o*| over those rows
+  double bound_max = 0;         // max over rows of SPEC's rigorous per-row bound
+};
+
+struct HeadEstimate {
+  int64_t head = 0;
+  double slope = 0;
+  double sigma = 0;             // 1/slope; +inf for slope 0
+  int64_t window = 0;           // window mode: W_h
+  int64_t max_block = 0;        // lsh: largest block (positions) over the samples within the request
+  double mask_max_err = 0;      // max_ij |L*_ij - M~_ij| over the request's positions
+  int64_t mask_rows_checked = 0;
+  bool mask_rows_sampled = false;  // true when a seeded row sample stood in for all rows
+  double mask_spectral_err = 0;    // ~ ||L* - M~||_2
+  int64_t spectral_iterations = 0;
+  ProbeEstimate probe;
+  std::vector<Draw> draws;      // only with return_draws
+};
+
+struct AttentionResult {
+  std::string backend;
+  std::string device;
+  Mode mode = Mode::kExact;
+  LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // used, for lsh
+  int64_t samples = 0;
+  uint64_t seed = 0;
+  std::vector<HeadEstimate> heads;  // empty for exact
+  double flops = 0;                 // done
+  double dense_flops = 0;           // exact attention over the allowed pairs
+  // Summary over heads: max mask errors, probe error pooled over heads.
+  double mask_max_err = 0;
+  double mask_spectral_err = 0;
+  ProbeEstimate probe;
+  std::map<std::string, double> timings;  // seconds: "compute", "estimates", ...
+};
+
+}  // namespace plsh

@@ -1,0 +1,90 @@
+// What the estimates' files share (kernels/src: mask_error.cpp,
+// spectral.cpp, probe.cpp, estimates.cpp). Internal to kernels/src.
+//
+// Notation: E = L* - M~ on the allowed (query, key) pairs, L*_ij =
+// exp(-|pos_i - pos_j| / sigma); M~ the mean of the draws' bin indicators
+// (lsh) or L* 1[|d| < W] (window, whose E is then L* 1[|d| >= W]).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <vector>
+
+#include "plsh/attention.h"
+#include "plsh/draws.h"
+#include "plsh/estimates.h"
+
+namespace plsh::estimates_detail {
+
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Salts that keep the row sample, the Lanczos start and the probe rows of
+// one head independent of each other and of the draws.
+inline constexpr uint64_t kMaskRowSalt = 0x6d61736b2d726f77ULL;
+inline constexpr uint64_t kSpectralSalt = 0x737065637472616cULL;
+inline constexpr uint64_t kProbeSalt = 0x70726f62652d726fULL;
+
+inline uint64_t head_seed(uint64_t seed, int64_t h, uint64_t salt) {
+  return mix64(mix64(seed ^ salt) + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(h + 1));
+}
+
+inline bool stop_requested(const ExecContext* ctx) { return ctx != nullptr && !ctx->check_stop().ok(); }
+
+// exp(-gap / sigma) for a non-negative integer distance; 1 for sigma = +inf.
+inline double decay(int64_t gap, double sigma) { return gap == 0 ? 1.0 : std::exp(-static_cast<double>(gap) / sigma); }
+
+// exp(-d / sigma) for integer distances, tabulated up to 2^20 of them (8
+// MiB): the mask max error reads 4 (s + 1) of them per row.
+class DecayTable {
+ public:
+  DecayTable(double sigma, int64_t max_distance) : sigma_(sigma) {
+    if (max_distance < 0 || max_distance >= (int64_t{1} << 20)) return;
+    table_.resize(static_cast<size_t>(max_distance) + 1);
+    for (size_t d = 0; d < table_.size(); ++d) table_[d] = decay(static_cast<int64_t>(d), sigma);
+  }
+  double operator()(int64_t d) const {
+    return d < static_cast<int64_t>(table_.size()) ? table_[static_cast<size_t>(d)] : decay(d, sigma_);
+  }
+
+ private:
+  double sigma_;
+  std::vector<double> table_;
+};
+
+// Largest distance between any query and any key position of the range.
+inline int64_t max_distance(const PositionRange& r) {
+  const int64_t q_last = r.q_pos0 + r.q_len - 1, k_last = r.k_pos0 + r.kv_len - 1;
+  return std::max(std::llabs(q_last - r.k_pos0), std::llabs(k_last - r.q_pos0));
+}
+
+// True when E is identically zero: a slope-0 head under lsh (L* = M~ = 1), or
+// a window wider than every distance in the request.
+inline bool mask_is_exact(const HeadMask& m, const PositionRange& r) {
+  if (m.mode == Mode::kLsh) return !std::isfinite(m.sigma);
+  return m.window == kNoWindow || m.window > max_distance(r);
+}
+
+// Per-head sufficient statistics of the probe rows, pooled at the end.
+struct ProbeStats {
+  int64_t rows = 0;
+  int64_t population = 0;  // B * Nq rows the sample was drawn from
+  double se = 0, sn = 0;   // sums of err2 and ref2
+  double see = 0, snn = 0, sen = 0;
+  double max_abs = 0, bound_max = 0;
+};
+
+ProbeStats probe_stats(const std::vector<ProbeRow>& rows, int64_t population);
+ProbeEstimate summarize_probe(const std::vector<ProbeStats>& heads);
+
+// Host bytes the estimates of one head hold at once (tables, Lanczos
+// vectors, block edges) and of one probe task.
+int64_t head_estimate_bytes(const AttentionParams& p);
+int64_t probe_task_bytes(const AttentionParams& p);
+
+// Per probe task: query rows of one (head, batch item) scored together in
+// one pass over that item's keys.
+inline constexpr size_t kProbeRowsPerTask = 16;
+
+}  // namespace plsh::estimates_detail

@@ -1,0 +1,85 @@
+#include "plsh/exact_rows.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "plsh/numeric.h"
+
+namespace plsh {
+
+bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows, int64_t key_end,
+                       const std::function<void(const KeyTile&)>& visit, const ExecContext* ctx) {
+  const int64_t R = static_cast<int64_t>(rows.size());
+  const int64_t D = p.head_dim;
+  const int64_t hk = h / p.head_group;
+  constexpr int64_t kTile = kExactRowsKeyTile;
+  // Keys are converted to double once for all R rows; the products run with
+  // the row index innermost (q transposed) and the head dimension innermost,
+  // so both vectorise without reassociating a sum.
+  std::vector<float> buf(static_cast<size_t>(D));
+  std::vector<double> qt(static_cast<size_t>(D * R));
+  std::vector<double> kt(static_cast<size_t>(kTile * D)), vt(static_cast<size_t>(kTile * D)), v2(kTile);
+  std::vector<double> scores(static_cast<size_t>(kTile * R));
+  for (int64_t r = 0; r < R; ++r) {
+    load_row(p.q, p.dtype, b * p.q_batch_stride + rows[static_cast<size_t>(r)] * p.q_row_stride + h * p.q_head_stride, D,
+             buf.data());
+    for (int64_t d = 0; d < D; ++d) qt[static_cast<size_t>(d * R + r)] = buf[static_cast<size_t>(d)];
+  }
+  for (int64_t j0 = 0; j0 < key_end; j0 += kTile) {
+    if (j0 % (64 * kTile) == 0 && j0 > 0 && ctx != nullptr && !ctx->check_stop().ok()) return false;
+    const int64_t tn = std::min(kTile, key_end - j0);
+    for (int64_t jj = 0; jj < tn; ++jj) {
+      const int64_t j = j0 + jj;
+      double* kj = &kt[static_cast<size_t>(jj * D)];
+      double* vj = &vt[static_cast<size_t>(jj * D)];
+      load_row(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
+      for (int64_t d = 0; d < D; ++d) kj[d] = buf[static_cast<size_t>(d)];
+      load_row(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
+      double n2 = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        vj[d] = buf[static_cast<size_t>(d)];
+        n2 += vj[d] * vj[d];
+      }
+      v2[static_cast<size_t>(jj)] = n2;
+    }
+    std::fill(scores.begin(), scores.begin() + tn * R, 0.0);
+    for (int64_t jj = 0; jj < tn; ++jj) {
+      double* sj = &scores[static_cast<size_t>(jj * R)];
+      for (int64_t d = 0; d < D; ++d) {
+        const double kd = kt[static_cast<size_t>(jj * D + d)];
+        const double* qd = &qt[static_cast<size_t>(d * R)];
+        for (int64_t r = 0; r < R; ++r) sj[r] += qd[r] * kd;
+      }
+    }
+    KeyTile tile;
+    tile.j0 = j0;
+    tile.count = tn;
+    tile.rows = R;
+    tile.scores = scores.data();
+    tile.values = vt.data();
+    tile.value_norm2 = v2.data();
+    visit(tile);
+  }
+  return true;
+}
+
+void SoftmaxRow64::fold(const double* logits, int64_t n, const double* values) {
+  double tile_max = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, logits[j]);
+  const double new_max = std::max(max, tile_max);
+  if (new_max == -std::numeric_limits<double>::infinity()) return;  // nothing allowed yet
+  const double rescale = std::exp(max - new_max);
+  const int64_t dim = static_cast<int64_t>(acc.size());
+  for (int64_t d = 0; d < dim; ++d) acc[static_cast<size_t>(d)] *= rescale;
+  sum *= rescale;
+  max = new_max;
+  for (int64_t j = 0; j < n; ++j) {
+    if (logits[j] == -std::numeric_limits<double>::infinity()) continue;
+    const double weight = std::exp(logits[j] - new_max);
+    const double* v = values + j * dim;
+    for (int64_t d = 0; d < dim; ++d) acc[static_cast<size_t>(d)] += weight * v[d];
+    sum += weight;
+  }
+}
+
+}  // namespace plsh

@@ -1,0 +1,204 @@
+// mask_max_err (SPEC section 6): max |L*_ij - M~_ij| over the request's
+// positions, exact at the step ends of M~; and the positions, blocks and
+// row samples the other estimates share.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+#include "estimates_internal.h"
+
+namespace plsh {
+
+using namespace estimates_detail;
+
+namespace {
+
+MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64_t row_budget, uint64_t seed,
+                                const ExecContext* ctx) {
+  MaskMaxError out;
+  const std::vector<int64_t> rows = sample_indices(r.q_len, row_budget, seed);
+  out.rows_checked = static_cast<int64_t>(rows.size());
+  out.rows_sampled = out.rows_checked < r.q_len;
+  if (mask_is_exact(m, r) || m.draws.empty()) return out;
+
+  const size_t s = m.draws.size();
+  const double inv_s = 1.0 / static_cast<double>(s);
+  const DecayTable lstar(m.sigma, max_distance(r));
+  std::vector<int64_t> begins(s), ends(s), sorted_begins(s), sorted_ends(s);
+  struct Move {
+    int64_t old_begin, old_end, new_begin, new_end;
+  };
+  std::vector<Move> moves;
+  auto replace_sorted = [](std::vector<int64_t>& v, int64_t old_value, int64_t new_value) {
+    v.erase(std::lower_bound(v.begin(), v.end(), old_value));
+    v.insert(std::upper_bound(v.begin(), v.end(), new_value), new_value);
+  };
+  bool first = true;
+  for (size_t n = 0; n < rows.size(); ++n) {
+    if (n % 1024 == 0 && stop_requested(ctx)) {
+      out.stopped = true;
+      return out;
+    }
+    const int64_t pos = r.q_pos0 + rows[n];
+    const int64_t k_lo = r.k_pos0;
+    const int64_t k_hi = r.causal ? std::min(r.k_pos0 + r.kv_len - 1, pos) : r.k_pos0 + r.kv_len - 1;
+    if (k_hi < k_lo) continue;
+    // Rows ascend, so each hash's block only moves forward. The sorted
+    // edges are kept up to date move by move while few blocks move (long
+    // blocks, consecutive rows), else sorted afresh.
+    moves.clear();
+    for (size_t k = 0; k < s; ++k) {
+      if (first || pos >= ends[k]) {
+        const int64_t b = block_begin(pos, m.draws[k]), e = block_end(pos, m.draws[k]);
+        moves.push_back({begins[k], ends[k], b, e});
+        begins[k] = b;
+        ends[k] = e;
+      }
+    }
+    if (first || moves.size() * 8 > s) {
+      sorted_begins = begins;
+      sorted_ends = ends;
+      std::sort(sorted_begins.begin(), sorted_begins.end());
+      std::sort(sorted_ends.begin(), sorted_ends.end());
+    } else {
+      for (const Move& mv : moves) {
+        replace_sorted(sorted_begins, mv.old_begin, mv.new_begin);
+        replace_sorted(sorted_ends, mv.old_end, mv.new_end);
+      }
+    }
+    first = false;
+    // M~ is a step function of the key position x: left of pos it is k/s on
+    // [begin_(k), begin_(k+1) - 1] (the sorted block starts), right of pos
+    // (s - k)/s on [end_(k), end_(k+1) - 1]. L* is monotone on each side, so
+    // |L* - M~| peaks at a piece's first or last allowed key.
+    auto piece = [&](int64_t lo, int64_t hi, double mask) {
+      lo = std::max(lo, k_lo);
+      hi = std::min(hi, k_hi);
+      if (lo > hi) return;
+      out.value = std::max({out.value, std::fabs(lstar(std::llabs(pos - lo)) - mask),
+                            std::fabs(lstar(std::llabs(pos - hi)) - mask)});
+    };
+    for (size_t k = 0; k <= s; ++k) {
+      const int64_t lo = k == 0 ? INT64_MIN : sorted_begins[k - 1];
+      const int64_t hi = k == s ? pos : sorted_begins[k] - 1;
+      piece(lo, hi, static_cast<double>(k) * inv_s);
+    }
+    for (size_t k = 0; k <= s; ++k) {
+      const int64_t lo = k == 0 ? pos : sorted_ends[k - 1];
+      const int64_t hi = k == s ? INT64_MAX : sorted_ends[k] - 1;
+      piece(lo, hi, static_cast<double>(s - k) * inv_s);
+    }
+  }
+  return out;
+}
+
+// Window: the error sits on the excluded pairs, where it equals L*, so the
+// maximum is L* at the smallest excluded distance present in the request.
+MaskMaxError window_mask_max_error(const HeadMask& m, const PositionRange& r) {
+  MaskMaxError out;
+  out.rows_checked = r.q_len;
+  if (mask_is_exact(m, r)) return out;
+  const int64_t w = m.window;  // <= max_distance(r), so pos +- w cannot overflow
+  int64_t nearest = INT64_MAX;
+  for (int64_t i = 0; i < r.q_len; ++i) {
+    const int64_t pos = r.q_pos0 + i;
+    const int64_t k_lo = r.k_pos0;
+    const int64_t k_hi = r.causal ? std::min(r.k_pos0 + r.kv_len - 1, pos) : r.k_pos0 + r.kv_len - 1;
+    if (k_hi < k_lo) continue;
+    const int64_t left = std::min(k_hi, pos - w);  // nearest key at or beyond distance w on the left
+    if (left >= k_lo) nearest = std::min(nearest, pos - left);
+    const int64_t right = std::max(k_lo, pos + w);
+    if (right <= k_hi) nearest = std::min(nearest, right - pos);
+  }
+  if (nearest != INT64_MAX) out.value = decay(nearest, m.sigma);
+  return out;
+}
+
+}  // namespace
+
+PositionRange position_range(const AttentionParams& p) {
+  return PositionRange{p.q_pos0, p.q_len, p.k_pos0, p.kv_len, p.causal};
+}
+
+int64_t max_block_size(std::span<const Draw> draws, const PositionRange& r) {
+  // The query and key ranges, merged when they touch: walking the hull of
+  // two far-apart ranges (offsets reach 2^52) would never end.
+  struct Span {
+    int64_t lo, hi;  // [lo, hi)
+  };
+  Span spans[2] = {{r.q_pos0, r.q_pos0 + r.q_len}, {r.k_pos0, r.k_pos0 + r.kv_len}};
+  if (spans[1].lo < spans[0].lo) std::swap(spans[0], spans[1]);
+  int span_count = 2;
+  if (spans[1].lo <= spans[0].hi) {
+    spans[0].hi = std::max(spans[0].hi, spans[1].hi);
+    span_count = 1;
+  }
+  int64_t best = 0;
+  for (const Draw& d : draws) {
+    if (!std::isfinite(d.pitch)) {
+      int64_t all = 0;
+      for (int i = 0; i < span_count; ++i) all += spans[i].hi - spans[i].lo;
+      return all;
+    }
+    // A block reaching across the gap counts its positions in both spans.
+    int64_t last_bin = 0, last_size = 0;
+    bool any = false;
+    for (int i = 0; i < span_count; ++i) {
+      for (int64_t pos = spans[i].lo; pos < spans[i].hi;) {
+        const int64_t end = std::min(block_end(pos, d), spans[i].hi);
+        const int64_t bin = bin_of(pos, d);
+        int64_t size = end - pos;
+        if (any && bin == last_bin) size += last_size;
+        best = std::max(best, size);
+        last_bin = bin;
+        last_size = size;
+        any = true;
+        pos = end;
+      }
+    }
+  }
+  return best;
+}
+
+HeadMask head_mask(const Plan& plan, int64_t h) {
+  const AttentionParams& p = plan.params;
+  HeadMask m;
+  m.mode = p.mode;
+  m.sigma = p.sigma(h);
+  if (p.mode == Mode::kLsh && static_cast<size_t>(h) < plan.draws.size()) m.draws = plan.draws[static_cast<size_t>(h)];
+  if (p.mode == Mode::kWindow && !p.window.empty()) m.window = p.window[static_cast<size_t>(h)];
+  return m;
+}
+
+std::vector<int64_t> sample_indices(int64_t n, int64_t count, uint64_t seed) {
+  std::vector<int64_t> out;
+  if (n <= 0 || count <= 0) return out;
+  if (count >= n) {
+    out.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = i;
+    return out;
+  }
+  out.reserve(static_cast<size_t>(count));
+  using u128 = unsigned __int128;
+  for (int64_t t = 0; t < count; ++t) {
+    // Stratum t is [floor(t n / count), floor((t + 1) n / count)): never
+    // empty since n > count, and disjoint from the others.
+    const int64_t lo = static_cast<int64_t>(static_cast<u128>(t) * static_cast<u128>(n) / static_cast<u128>(count));
+    const int64_t hi =
+        static_cast<int64_t>(static_cast<u128>(t + 1) * static_cast<u128>(n) / static_cast<u128>(count));
+    const double u = static_cast<double>(mix64(seed + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(t + 1)) >> 11) *
+                     0x1.0p-53;
+    const int64_t pick = lo + static_cast<int64_t>(u * static_cast<double>(hi - lo));
+    out.push_back(std::min(pick, hi - 1));
+  }
+  return out;
+}
+
+MaskMaxError mask_max_error(const HeadMask& m, const PositionRange& r, int64_t row_budget, uint64_t sample_seed,
+                            const ExecContext* ctx) {
+  if (m.mode == Mode::kWindow) return window_mask_max_error(m, r);
+  return lsh_mask_max_error(m, r, row_budget, sample_seed, ctx);
+}
+
+}  // namespace plsh

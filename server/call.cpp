@@ -1,0 +1,162 @@
+#include "server/call.h"
+
+#include <exception>
+#include <new>
+
+#include "plsh/backend.h"
+#include "proto/wire.h"
+#include "server/logging.h"
+#include "server/status_map.h"
+
+namespace plsh::server {
+
+namespace {
+
+// gRPC reports deadlines on the system clock; the backends check the steady one.
+Clock::time_point steady_deadline(const grpc::CallbackServerContext* ctx) {
+  const auto deadline = ctx->deadline();
+  const auto left = deadline - std::chrono::system_clock::now();
+  if (deadline == std::chrono::system_clock::time_point::max() || left > std::chrono::hours(24 * 365))
+    return Clock::time_point::max();
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+}
+
+std::string shape_of(const RequestPlan& p) {
+  const AttentionOptions& o = p.options;
+  return "B=" + std::to_string(o.batch) + " Nq=" + std::to_string(o.q_len) + " Nk=" + std::to_string(o.kv_len) +
+         " H=" + std::to_string(o.heads) + " Hkv=" + std::to_string(resolved_kv_heads(o.heads, o.kv_heads)) +
+         " D=" + std::to_string(o.head_dim) + " " + dtype_name(o.dtype);
+}
+
+void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Status& status) {
+  const double total = seconds_between(r.start, Clock::now());
+  const std::string code = grpc_code_name(status.error_code());
+  Metrics& m = *s.metrics;
+  m.request_done(r.mode, r.backend, code, total);
+  if (r.queued >= 0) m.phase("queued", r.queued);
+  if (r.receiving >= 0) m.phase("receiving", r.receiving);
+  if (r.computing >= 0) m.phase("computing", r.computing);
+  if (r.sending >= 0) m.phase("sending", r.sending);
+  if (status.ok()) {
+    m.tokens(r.mode, static_cast<double>(r.tokens));
+    if (r.probe_rel_err) m.probe_relative_error(r.mode, *r.probe_rel_err);
+    if (r.mask_max_err) m.mask_max_error(r.mode, *r.mask_max_err);
+  }
+  nlohmann::json fields = {{"method", r.method}, {"id", r.id},           {"peer", r.peer},
+                           {"shape", r.shape},   {"mode", r.mode},       {"backend", r.backend},
+                           {"status", code},     {"total_s", total},     {"received_bytes", r.received_bytes},
+                           {"sent_bytes", r.sent_bytes}};
+  if (r.queued >= 0) fields["queued_s"] = r.queued;
+  if (r.receiving >= 0) fields["receiving_s"] = r.receiving;
+  if (r.computing >= 0) fields["computing_s"] = r.computing;
+  if (r.sending >= 0) fields["sending_s"] = r.sending;
+  if (!status.ok()) fields["message"] = status.error_message();
+  const auto level = status.error_code() == grpc::StatusCode::INTERNAL ? spdlog::level::err : spdlog::level::info;
+  log_event(level, "request", fields);
+}
+
+// A cancelled request's code: the deadline's when it has passed.
+grpc::Status stopped_status(const Clock::time_point deadline) {
+  if (deadline != Clock::time_point::max() && Clock::now() >= deadline)
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed");
+  return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+}
+
+}  // namespace
+
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+CallBase::CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method)
+    : s_(s), ctx_(ctx), deadline_(steady_deadline(ctx)) {
+  record_.method = method;
+  record_.peer = ctx->peer();
+  s_.metrics->inflight_add(1);
+}
+
+Status CallBase::open() {
+  const int64_t open = s_.open_streams.fetch_add(1) + 1;
+  counted_open_ = true;
+  if (s_.draining.load()) return unavailable("server is shutting down; retry on another replica");
+  if (open > s_.config->max_concurrent)
+    return resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
+                              std::to_string(s_.config->max_concurrent) + " (the server's --max-concurrent); retry later");
+  return Status::Ok();
+}
+
+Status CallBase::plan(const v1::AttendHeader& header) {
+  record_.mode = wire::mode_label(header.mode());  // labels a refused request too
+  ASSIGN_OR_RETURN(RequestPlan plan, plan_request(header, s_.limits));
+  record_.id = plan.id;
+  record_.shape = shape_of(plan);
+  record_.mode = mode_name(plan.options.mode);
+  record_.tokens = plan.tokens();
+  record_.backend = plan.backend->name();
+  plan_ = std::move(plan);
+  return Status::Ok();
+}
+
+Status CallBase::reserve_and_allocate() {
+  RETURN_IF_ERROR(s_.scheduler->reserve(plan_->charge));
+  reserved_ = plan_->charge;
+  try {
+    buffers_ = RequestBuffers::allocate(*plan_);
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted("out of host memory for the request's " + std::to_string(plan_->total_bytes) + " bytes");
+  }
+  return Status::Ok();
+}
+
+StatusOr<AttentionResult> CallBase::compute(Clock::time_point queued_at) {
+  const Clock::time_point started = Clock::now();
+  record_.queued = seconds_between(queued_at, started);
+  if (cancel_.load()) return cancelled("cancelled by the client while queued");
+  ExecContext exec;
+  exec.cancel = &cancel_;
+  exec.deadline = deadline_;
+  StatusOr<AttentionResult> result = cancelled("not run");
+  try {
+    result = compute_request(*plan_, buffers_, exec);
+  } catch (const std::bad_alloc&) {
+    result = resource_exhausted("out of host memory while computing request " + plan_->id);
+  } catch (const std::exception& e) {
+    result = internal_error(std::string("request ") + plan_->id + ": " + e.what());
+  }
+  record_.computing = seconds_between(started, Clock::now());
+  if (result.ok()) {
+    record_.backend = result->backend;
+    if (result->mode != Mode::kExact && plan_->options.estimates) {
+      if (result->probe.rows > 0) record_.probe_rel_err = result->probe.rel_err;
+      record_.mask_max_err = result->mask_max_err;
+    }
+  }
+  return result;
+}
+
+void CallBase::fill_summary_message(const AttentionResult& result, v1::Summary* s) {
+  fill_summary(result, *plan_, s);
+  const Clock::time_point now = Clock::now();
+  v1::Timings* t = s->mutable_timings();
+  t->set_queued_seconds(record_.queued);
+  t->set_receiving_seconds(record_.receiving);
+  t->set_computing_seconds(record_.computing);
+  t->set_sending_seconds(record_.sending);
+  t->set_total_seconds(seconds_between(record_.start, now));
+  s->set_received_bytes(record_.received_bytes);
+  s->set_sent_bytes(record_.sent_bytes);
+}
+
+grpc::Status CallBase::close(grpc::Status status) {
+  if (!status.ok() && (cancel_.load() || ctx_->IsCancelled())) status = stopped_status(deadline_);
+  record_request(s_, record_, status);
+  s_.scheduler->release(reserved_);
+  reserved_ = MemoryCharge{};
+  buffers_ = RequestBuffers{};
+  if (counted_open_) s_.open_streams.fetch_sub(1);
+  counted_open_ = false;
+  s_.metrics->inflight_add(-1);
+  return status;
+}
+
+}  // namespace plsh::server

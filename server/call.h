@@ -1,0 +1,90 @@
+// What every Attend and AttendUnary call shares, whatever its transport
+// (Triton's InferHandler base): one path
+//   open -> admit (plan_request: limits, backend, plan) -> reserve (host and
+//   device budgets) -> allocate -> ... -> compute on a worker -> close
+// and one record that becomes the request's log line and metrics, with one
+// timings fill for the summary. The reactors in service.cpp only move
+// messages.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "plsh/attention.h"
+#include "plsh/v1/plsh.pb.h"
+#include "server/config.h"
+#include "server/metrics.h"
+#include "server/request.h"
+#include "server/scheduler.h"
+
+namespace plsh::server {
+
+// What every request's reactor shares.
+struct ServiceContext {
+  const ServerConfig* config = nullptr;
+  RequestLimits limits;
+  Metrics* metrics = nullptr;
+  Scheduler* scheduler = nullptr;
+  std::atomic<int64_t> open_streams{0};
+  std::atomic<bool> draining{false};  // new requests get UNAVAILABLE
+};
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_between(Clock::time_point a, Clock::time_point b);
+
+// What one request leaves behind in the log and the metrics.
+struct RequestRecord {
+  std::string method;
+  std::string id;
+  std::string peer;
+  std::string shape;
+  std::string mode = "unknown";
+  std::string backend = "none";
+  Clock::time_point start = Clock::now();
+  double queued = -1, receiving = -1, computing = -1, sending = -1;  // < 0: phase not reached
+  int64_t received_bytes = 0, sent_bytes = 0, tokens = 0;
+  std::optional<double> probe_rel_err, mask_max_err;
+};
+
+class CallBase {
+ protected:
+  CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method);
+
+  // Counts the call as open: UNAVAILABLE while draining, RESOURCE_EXHAUSTED
+  // over --max-concurrent.
+  Status open();
+  // The header: plan_request (limits, backend, plan). Sets plan_.
+  Status plan(const v1::AttendHeader& header);
+  // Then the plan's memory charge against both budgets and the host
+  // buffers. Sets buffers_.
+  Status reserve_and_allocate();
+  // On a worker: the computation unless the client left while the request
+  // was queued; fills the queued and computing times.
+  StatusOr<AttentionResult> compute(Clock::time_point queued_at);
+  // The summary of a computed request, timings and byte counts included.
+  void fill_summary_message(const AttentionResult& result, v1::Summary* summary);
+  // Logs and counts the request, gives its memory back and closes it; returns
+  // the status the client gets (the deadline's or a cancel's when the call was
+  // stopped).
+  grpc::Status close(grpc::Status status);
+
+  ServiceContext& s_;
+  grpc::CallbackServerContext* ctx_;
+  const Clock::time_point deadline_;
+  std::atomic<bool> cancel_{false};
+  RequestRecord record_;
+  std::optional<RequestPlan> plan_;
+  RequestBuffers buffers_;
+
+ private:
+  MemoryCharge reserved_;
+  bool counted_open_ = false;
+};
+
+}  // namespace plsh::server

@@ -90,16 +90,7 @@ class CpuBackend final : public Backend {
 
   StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
     RETURN_IF_ERROR(supports(p));
-    Plan plan;
-    plan.params = p;
-    plan.backend = name();
-    plan.threads = plan_threads(limits.threads);
-    try {
-      plan.draws = plan_draws(p);
-    } catch (const std::bad_alloc&) {
-      return resource_exhausted("cpu backend: the draws for heads = " + std::to_string(p.heads) +
-                                ", samples = " + std::to_string(p.samples) + " could not be allocated");
-    }
+    ASSIGN_OR_RETURN(Plan plan, start_plan(p, name(), limits));
     if (p.mode == Mode::kLsh)
       plan.lsh_algorithm =
           p.lsh_algorithm != LshAlgorithm::kAuto ? p.lsh_algorithm : cpu::choose_lsh_algorithm(p, plan.draws);

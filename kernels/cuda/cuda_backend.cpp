@@ -40,22 +40,6 @@ cudaDataType_t cuda_type(DType t) {
   return CUDA_R_32F;
 }
 
-// Holds a budget reservation for the length of one forward().
-class Reservation {
- public:
-  explicit Reservation(DevicePool& pool) : pool_(pool) {}
-  ~Reservation() { pool_.unreserve(bytes_); }
-  Status take(int64_t bytes) {
-    RETURN_IF_ERROR(pool_.reserve(bytes));
-    bytes_ += bytes;
-    return Status::Ok();
-  }
-
- private:
-  DevicePool& pool_;
-  int64_t bytes_ = 0;
-};
-
 class CudaBackend final : public Backend {
  public:
   Status init(const CudaBackendOptions& options) {
@@ -115,12 +99,8 @@ class CudaBackend final : public Backend {
 
   StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
     RETURN_IF_ERROR(supports(p));
-    Plan plan;
-    plan.params = p;
-    plan.backend = name();
-    plan.threads = plan_threads(limits.threads);
+    ASSIGN_OR_RETURN(Plan plan, start_plan(p, name(), limits));
     try {
-      plan.draws = plan_draws(p);
       if (p.mode == Mode::kLsh) plan.lsh_algorithm = LshAlgorithm::kPerSample;
       const int64_t cap = limits.device_bytes > 0 ? std::min(limits.device_bytes, pool_.budget()) : pool_.budget();
       ASSIGN_OR_RETURN(CudaLayout layout, plan_layout(p, plan.draws, cap));

@@ -3,6 +3,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <new>
+#include <string>
 
 namespace plsh {
 
@@ -12,6 +14,20 @@ std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p) {
   draws.reserve(static_cast<size_t>(p.heads));
   for (int64_t h = 0; h < p.heads; ++h) draws.push_back(draw_hashes(p.seed, h, p.sigma(h), p.samples));
   return draws;
+}
+
+StatusOr<Plan> start_plan(const AttentionParams& p, const std::string& backend, const PlanLimits& limits) {
+  Plan plan;
+  plan.params = p;
+  plan.backend = backend;
+  plan.threads = plan_threads(limits.threads);
+  try {
+    plan.draws = plan_draws(p);
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted(backend + " backend: the draws for heads = " + std::to_string(p.heads) +
+                              ", samples = " + std::to_string(p.samples) + " could not be allocated");
+  }
+  return plan;
 }
 
 int plan_threads(int requested) { return requested > 0 ? requested : std::max(1, omp_get_num_procs()); }

@@ -22,6 +22,7 @@
 
 #include "plsh/draws.h"
 #include "plsh/params.h"
+#include "plsh/status.h"
 
 namespace plsh {
 
@@ -64,6 +65,11 @@ struct Plan {
 // The draws of every head for lsh params, nothing otherwise: the one place
 // that calls draw_hashes for a request.
 std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p);
+
+// What every backend's plan starts from: the params, the backend's name,
+// the threads and the draws (RESOURCE_EXHAUSTED when the draws cannot be
+// allocated). The backend then adds its algorithm, workspace and layout.
+StatusOr<Plan> start_plan(const AttentionParams& p, const std::string& backend, const PlanLimits& limits);
 
 // Threads a plan uses for PlanLimits::threads (0: all cores).
 int plan_threads(int requested);

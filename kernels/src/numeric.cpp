@@ -1,5 +1,6 @@
 #include "plsh/numeric.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace plsh {
@@ -49,6 +50,23 @@ int64_t first_non_finite(const void* data, DType t, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
     if ((h[i] & exp_mask) == exp_mask) return i;
   return -1;
+}
+
+double max_abs(const void* data, DType t, int64_t n) {
+  // Non-negative IEEE numbers order as their bit patterns: compare the
+  // magnitudes' bits, convert the largest once.
+  if (t == DType::kF32) {
+    const uint32_t* f = static_cast<const uint32_t*>(data);
+    uint32_t most = 0;
+    for (int64_t i = 0; i < n; ++i) most = std::max(most, f[i] & 0x7FFFFFFFu);
+    float x;
+    std::memcpy(&x, &most, 4);
+    return x;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(data);
+  uint16_t most = 0;
+  for (int64_t i = 0; i < n; ++i) most = std::max<uint16_t>(most, h[i] & 0x7FFFu);
+  return t == DType::kF16 ? half_to_float(most) : bf16_to_float(most);
 }
 
 }  // namespace plsh

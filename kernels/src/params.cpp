@@ -103,6 +103,8 @@ Status field_error(const char* field, const std::string& value, const std::strin
 // positions is wider than any sequence, and a slope of 2^10 already makes
 // exp(-slope) underflow to 0 off the diagonal.
 constexpr double kMinSlope = 0x1.0p-32;
+// Largest |score| accepted: float32 holds up to 3.4e38.
+constexpr double kMaxScore = 1e38;
 constexpr double kMaxSlope = 0x1.0p10;
 
 // a * b without overflow, or -1.
@@ -131,8 +133,10 @@ Status validate_options(const AttentionOptions& o) {
     return field_error("q_len", str(o.q_len), "a shape whose element count fits in 2^50");
   if (kv_elems < 0 || kv_elems > (int64_t{1} << 50))
     return field_error("kv_len", str(o.kv_len), "a shape whose element count fits in 2^50");
-  if (o.scale && !(std::isfinite(*o.scale) && *o.scale > 0))
-    return field_error("scale", str(*o.scale), "a finite number > 0");
+  // The backends compute scores in float32: a scale float32 cannot hold
+  // makes every score infinite.
+  if (o.scale && !(std::isfinite(*o.scale) && *o.scale > 0 && *o.scale <= kMaxScore))
+    return field_error("scale", str(*o.scale), "a number in (0, 1e38] (scores are float32)");
   if (!o.slopes.empty()) {
     if (static_cast<int64_t>(o.slopes.size()) != o.heads)
       return field_error("slopes", str(o.slopes.size()) + " values", "one per query head (" + str(o.heads) + ")");
@@ -285,6 +289,15 @@ Status check_finite_inputs(const AttentionParams& p) {
     return invalid_argument(std::string(it.name) + " has a non-finite value (" + str(value) + ") at [b=" + str(b) +
                             ", n=" + str(r) + ", h=" + str(h) + ", d=" + str(d) + "], expected finite values");
   }
+  // |scale * q.k| <= scale * D * max|q| * max|k|: past float32's range a
+  // score is infinite and its row's softmax NaN.
+  const double max_q = max_abs(p.q, p.dtype, p.batch * p.q_len * p.heads * p.head_dim);
+  const double max_k = max_abs(p.k, p.dtype, p.batch * p.kv_len * p.kv_heads * p.head_dim);
+  const double bound = p.scale * static_cast<double>(p.head_dim) * max_q * max_k;
+  if (bound > kMaxScore)
+    return invalid_argument("scale * head_dim * max|q| * max|k| = " + str(p.scale) + " * " + str(p.head_dim) + " * " +
+                            str(max_q) + " * " + str(max_k) + " = " + str(bound) +
+                            ", expected <= 1e38: scores would overflow float32");
   return Status::Ok();
 }
 

@@ -118,9 +118,7 @@ Status check_backend_name(const std::string& name, const char* field) {
     if (name == known) return Status::Ok();
   std::string expected;
   for (const char* known : kBackendNames) expected += (expected.empty() ? "" : ", ") + std::string(known);
-  // Echo at most 64 characters of a client's string.
-  const std::string shown = name.size() > 64 ? name.substr(0, 64) + "..." : name;
-  return invalid_argument(std::string(field) + " = '" + shown + "', expected one of " + expected);
+  return invalid_argument(std::string(field) + " = '" + echo_value(name) + "', expected one of " + expected);
 }
 
 StatusOr<Backend*> BackendRegistry::find(const std::string& name) {

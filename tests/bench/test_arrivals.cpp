@@ -111,7 +111,9 @@ TEST(Arrivals, ThreadsGetEachArrivalOnceAndInOrder) {
   std::sort(all.begin(), all.end(), [](const auto& x, const auto& y) { return x.index < y.index; });
   for (size_t i = 0; i < all.size(); ++i) {
     ASSERT_EQ(all[i].index, static_cast<int64_t>(i));
-    if (i > 0) ASSERT_GT(all[i].at, all[i - 1].at);
+    if (i > 0) {
+      ASSERT_GT(all[i].at, all[i - 1].at);
+    }
   }
 }
 

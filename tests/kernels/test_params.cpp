@@ -112,14 +112,43 @@ TEST(Params, ElementCountLimitNamesTheTensorThatIsTooLarge) {
   expect_refused(o, {"q_len = 4611686018427387904", "2^50"});
 }
 
-TEST(Params, ScaleMustBeFinitePositive) {
-  for (const double bad : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+TEST(Params, ScaleMustBeFinitePositiveAndFitFloat32) {
+  // 1e308 used to pass and give NaN outputs and estimates (float(1e308) = inf).
+  for (const double bad : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity(), 1e308, 1e39}) {
     AttentionOptions o = valid_options();
     o.scale = bad;
     std::ostringstream value;
+    value.precision(17);  // as the message prints it
     value << "scale = " << bad;
-    expect_refused(o, {value.str(), "a finite number > 0"});
+    expect_refused(o, {value.str(), "(0, 1e38]"});
   }
+  AttentionOptions o = valid_options();
+  o.scale = 1e38;
+  EXPECT_TRUE(validate_options(o).ok());
+}
+
+// Scores are float32: inputs whose scores could overflow are refused with
+// the bound, whatever the scale alone.
+TEST(Params, ScoresThatCouldOverflowFloat32AreRefused) {
+  AttentionOptions o = valid_options();
+  Buffers b(o);
+  b.q[17] = -0x1p60f;  // max|q| = 2^60 ~ 1.15e18, max|k| = 0.25: 64 * 2^60 * 0.25 * scale
+  o.scale = 1e19;      // bound 1.8e38
+  const StatusOr<AttentionParams> refused = make_params(o, b.refs());
+  ASSERT_FALSE(refused.ok());
+  expect_invalid(refused.status(), {"scale * head_dim * max|q| * max|k|", "1.152921504606847e+18", "0.25", "expected <= 1e38"});
+  o.scale = 1e18;  // bound 1.8e37: fine
+  EXPECT_TRUE(make_params(o, b.refs()).ok());
+  o.scale = 1e19;
+  o.check_finite = false;  // the scan that finds the bound is the finiteness scan
+  EXPECT_TRUE(make_params(o, b.refs()).ok());
+}
+
+TEST(Params, EchoedValuesAreCutAndEscaped) {
+  EXPECT_EQ(echo_value("cuda"), "cuda");
+  EXPECT_EQ(echo_value(std::string("a\nb\x01'\\", 6)), "a\\x0ab\\x01\\x27\\x5c");
+  EXPECT_EQ(echo_value(std::string(1 << 20, 'x'), 8), "xxxxxxxx...(1048576 bytes)");
+  EXPECT_EQ(echo_value("\xff\xfe"), "\\xff\\xfe");
 }
 
 TEST(Params, SlopeErrorsNameTheHead) {

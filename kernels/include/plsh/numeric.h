@@ -98,5 +98,7 @@ void store_row(void* data, DType t, int64_t offset, int64_t n, const float* src)
 
 // Index of the first NaN or Inf among n elements, or -1.
 int64_t first_non_finite(const void* data, DType t, int64_t n);
+// max |x| over n finite elements (0 for n = 0).
+double max_abs(const void* data, DType t, int64_t n);
 
 }  // namespace plsh

@@ -51,6 +51,13 @@ inline Status deadline_exceeded(std::string m) { return {StatusCode::kDeadlineEx
 inline Status failed_precondition(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
 inline Status unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
 
+// A caller's string as an error message or log field may show it: at most
+// max_bytes of it, each byte outside printable ASCII (and the quote and
+// backslash) as \xNN, then "...(N bytes)" when cut. Every client string that
+// is echoed goes through it, so no client can write control characters or a
+// megabyte into a log line.
+std::string echo_value(const std::string& value, size_t max_bytes = 64);
+
 template <typename T>
 class [[nodiscard]] StatusOr {
  public:

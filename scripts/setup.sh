@@ -9,7 +9,9 @@ packages=(
   build-essential cmake ninja-build pkg-config git ca-certificates
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev
-  prometheus-cpp-dev libcivetweb-dev
+  prometheus-cpp-dev libmicrohttpd-dev
+  # Not linked: prometheus-cpp's CMake config asks for civetweb (its Exposer's server) all the same.
+  libcivetweb-dev
   libopenblas-dev
   libgtest-dev libgmock-dev googletest
   python3-grpcio python3-numpy python3-pytest python3-protobuf

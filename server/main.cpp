@@ -1,5 +1,5 @@
 // plsh-server: the whole wiring at a glance.
-//   flags/config -> metrics exposer -> backends -> service -> health and
+//   flags/config -> metrics server -> backends -> service -> health and
 //   reflection -> serve -> drain on SIGTERM/SIGINT.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -102,8 +102,9 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  // 2. Metrics, before any backend: civetweb's small-stack threads must
-  // exist before cuBLAS's thread-local storage is mapped (see metrics.h).
+  // 2. Metrics (/metrics on its own port, metrics_http.h). First, so that a
+  // port already taken fails the start before any backend loads; the order
+  // no longer matters to the HTTP server's threads.
   plsh::server::Metrics metrics;
   if (config.metrics_enabled()) {
     if (plsh::Status s = metrics.serve(config.metrics_listen); !s.ok()) {
@@ -124,8 +125,9 @@ int main(int argc, char** argv) {
   }
   metrics.set_build_info(PLSH_VERSION, (*chosen)->name(), (*chosen)->device());
 
-  // Device memory gauges, sampled every 5 s on a thread of our own (not on
-  // civetweb's small-stack scrape threads), for backends with a device.
+  // Device memory gauges, sampled every 5 s on a thread of our own rather
+  // than in the scrape handler (the metrics server's one thread must never
+  // wait on the device driver), for backends with a device.
   DeviceMemorySampler sampler(*chosen, &metrics);
 
   // 4. The service: workers and queue, then the gRPC server.

@@ -3,7 +3,6 @@
 #include <prometheus/counter.h>
 
 #include <cmath>
-#include <exception>
 
 namespace plsh::server {
 
@@ -79,20 +78,13 @@ Metrics::Metrics()
 }
 
 Status Metrics::serve(const std::string& addr) {
-  try {
-    // Two threads: scrapes are rare and cheap.
-    exposer_ = std::make_unique<prometheus::Exposer>(addr, 2);
-  } catch (const std::exception& e) {
-    return unavailable(std::string("metrics_listen = '") + addr + "': cannot listen (" + e.what() + ")");
-  }
-  exposer_->RegisterCollectable(registry_);
-  const std::vector<int> ports = exposer_->GetListeningPorts();
-  const std::string host = addr.substr(0, addr.rfind(':'));
-  bound_ = host + ":" + (ports.empty() ? std::string("?") : std::to_string(ports.front()));
+  StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::start(addr, registry_);
+  if (!http.ok()) return http.status();
+  http_ = std::move(http).value();
   return Status::Ok();
 }
 
-std::string Metrics::bound_address() const { return bound_; }
+std::string Metrics::bound_address() const { return http_ ? http_->bound_address() : ""; }
 
 void Metrics::set_build_info(const std::string& version, const std::string& backend, const std::string& device) {
   std::lock_guard<std::mutex> lock(mutex_);

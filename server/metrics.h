@@ -1,10 +1,9 @@
 // Prometheus metrics (names fixed by the service contract, shared with the
-// deploy rules and dashboards). Exposed by prometheus-cpp's civetweb Exposer
-// on its own port at /metrics.
+// deploy rules and dashboards), kept in a prometheus-cpp registry and served
+// on their own port at /metrics by MetricsHttpServer (metrics_http.h).
 #pragma once
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
@@ -14,6 +13,7 @@
 #include <string>
 
 #include "plsh/status.h"
+#include "server/metrics_http.h"
 
 namespace plsh::server {
 
@@ -21,10 +21,8 @@ class Metrics {
  public:
   Metrics();
 
-  // Starts the HTTP exposer on addr ("host:port"; port 0 picks a free one).
-  // Must run before the CUDA backend is loaded: civetweb starts its worker
-  // threads here with 100 KiB stacks, which cuBLAS's thread-local storage
-  // would not fit once libcublasLt is mapped.
+  // Serves /metrics on addr ("host:port"; port 0 picks a free one) until
+  // destroyed. Callable before or after the CUDA backend is loaded.
   Status serve(const std::string& addr);
   // "host:port" actually bound, or "" when not serving.
   std::string bound_address() const;
@@ -46,8 +44,7 @@ class Metrics {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
-  std::string bound_;
+  std::unique_ptr<MetricsHttpServer> http_;
   std::mutex mutex_;  // guards Family::Add, which is not meant for concurrent first use of a label set
 
   prometheus::Family<prometheus::Counter>& requests_;

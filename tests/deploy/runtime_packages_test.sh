@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # deploy/docker/runtime-packages.sh on the real binaries: it must name the
-# packages of the libraries they load (gRPC, protobuf, the C++ runtime),
-# only installed ones, and fail on a library that nothing provides.
+# packages of the libraries they load (gRPC, protobuf, libmicrohttpd, the
+# C++ runtime), only installed ones, and fail on a library that nothing
+# provides.
 set -euo pipefail
 script=$1
 shift
@@ -17,6 +18,9 @@ grep -qx libc6 "$tmp/packages.txt" || fail "libc6 missing"
 grep -qx libstdc++6 "$tmp/packages.txt" || fail "libstdc++6 missing"
 grep -q '^libgrpc++' "$tmp/packages.txt" || fail "no libgrpc++ package"
 grep -q '^libprotobuf[0-9]' "$tmp/packages.txt" || fail "no libprotobuf package"
+grep -q '^libmicrohttpd[0-9]' "$tmp/packages.txt" || fail "no libmicrohttpd package (the /metrics server)"
+# civetweb (prometheus-cpp's Exposer) crashed on any request but GET /metrics.
+! grep -q '^libcivetweb' "$tmp/packages.txt" || fail "civetweb is loaded again"
 ! grep -q -- '-dev$' "$tmp/packages.txt" || fail "a -dev package is listed"
 while read -r pkg; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \

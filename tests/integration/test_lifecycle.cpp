@@ -357,8 +357,9 @@ TEST(ServiceLifecycle, MemoryBudgetIsReleasedOnEveryPath) {
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
-// civetweb's small thread stacks vs libcublasLt's TLS: the server must serve
-// /metrics in a process that loads the CUDA backend library.
+// The server must serve /metrics in a process that loads the CUDA backend
+// library (libcublasLt's 92 KiB of static TLS once broke the old metrics
+// server's 100 KiB thread stacks; test_metrics_port.cpp attacks that process).
 TEST(ServiceMetrics, ServedWhenTheCudaLibraryIsLoaded) {
   const std::string lib = PLSH_CUDA_LIBRARY;
   struct stat st{};

@@ -110,7 +110,9 @@ class MetricsPort : public ::testing::TestWithParam<bool> {
         const HttpReply r = http_exchange(addr_, get(path, method, "Content-Length: 0\r\n"));
         EXPECT_EQ(r.status, 404) << method << " " << path << "\n" << r.head;
         EXPECT_LT(r.body.size(), 200u) << method << " " << path;
-        if (std::string(method) != "HEAD") EXPECT_FALSE(r.body.empty()) << method << " " << path;
+        if (std::string(method) != "HEAD") {
+          EXPECT_FALSE(r.body.empty()) << method << " " << path;
+        }
       }
     }
     for (const char* method : {"POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "PROPFIND", "BREW"}) {
@@ -309,7 +311,9 @@ class MetricsPort : public ::testing::TestWithParam<bool> {
         EXPECT_FALSE(r.timed_out) << "fuzz request #" << i << ": no answer and no close in 5 s: "
                                   << ::testing::PrintToString(request.substr(0, 300));
         EXPECT_EQ(r.status, expected) << "fuzz request #" << i << ": " << request.substr(0, 200);
-        if (expected == 405) EXPECT_EQ(r.header("Allow"), "GET, HEAD");
+        if (expected == 405) {
+          EXPECT_EQ(r.header("Allow"), "GET, HEAD");
+        }
       }
       answered += r.status != 0;
     }

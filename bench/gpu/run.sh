@@ -14,7 +14,9 @@
 # TOTAL_SECONDS (T; the figures for T = 540):
 #   1. setup and build              ends by 4T/9 (240 s); cut off there
 #   2. tests                        at most T/9 (60 s): host, registry, GPU tests
-#                                   without the context-killing ones
+#                                   without the context-killing ones; a GPU test
+#                                   that did not pass runs again alone, to tell
+#                                   its own failure from a dead context's
 #   3. compute-sanitizer memcheck   at most T/9 (60 s), on a small case
 #   4. benchmark (peers.py)         until T - T/9 (480 s): N = 131072 first,
 #                                   then 8192, 32768, 524288 while they fit
@@ -30,6 +32,17 @@
 # rewritten after every phase and every benchmark case, so a timeout keeps
 # what was done) and results.json (the benchmark's figures). Exit status:
 # non-zero when something that should have run did not pass (no GPU included).
+#
+# Rehearsal without a GPU (every step up to the device call):
+#   bash bench/gpu/prepare_carry.sh && bash bench/gpu/run.sh /tmp/gpurehearsal
+# builds with the carried pieces only, runs the tests (GPU ones skip, saying
+# why) and lets peers.py fail gracefully. These make it go further:
+#   PLSH_GPU_REHEARSE=1       run every phase's commands although no GPU is seen
+#   PLSH_GPU_SANITIZER=PATH   another compute-sanitizer (a stand-in that runs its command)
+#   PLSH_GPU_PEERS_ARGS=...   more peers.py arguments, e.g. "--dry-run"
+#   PLSH_GPU_SKIP_BUILD=1     test and time what the build folder already holds
+# Other knobs: PLSH_GPU_SIZES, PLSH_GPU_KILLING_FILTER, PLSH_GPU_SANITIZER_FILTER,
+# PLSH_GPU_BUILD_DIR, PLSH_GPU_WORK, PLSH_GPU_PYTHON, PLSH_CUDA_MEMORY_MB.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu/run.sh OUTDIR [TOTAL_SECONDS]}
 total=${2:-${PLSH_GPU_BUDGET_SECONDS:-540}}
@@ -128,8 +141,11 @@ command -v ccache >/dev/null 2>&1 && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=cca
 prefix=()
 extra=()
 : >"$out/build.log"
+# PLSH_GPU_SKIP_BUILD=1: test and time what $build already holds (a second
+# call on a machine still warm from the first, or a rehearsal).
+reuse=${PLSH_GPU_SKIP_BUILD:-0}
 # GoogleTest: the carried sources built here, else the system's.
-if [ -f .gtest/CMakeLists.txt ]; then
+if [ -f .gtest/CMakeLists.txt ] && [ "$reuse" != 1 ]; then
   echo "GoogleTest from .gtest"
   # POLICY_VERSION_MINIMUM: GoogleTest 1.12 asks for CMake 3.5, which CMake 4 only takes with it.
   { capped "$build_end" 300 cmake -S .gtest -B "$work/gtest-build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
@@ -168,16 +184,23 @@ for d in site.getsitepackages():
 fi
 prefix_path=$(IFS=';'; echo "${prefix[*]:-}")
 targets=(plsh_cuda plsh_cuda_host_tests plsh_cuda_registry_tests plsh_cuda_gpu_tests bench_cuda)
-capped "$build_end" 600 cmake -S . -B "$build" -G "$generator" -DCMAKE_BUILD_TYPE=Release -DPLSH_KERNELS_ONLY=ON \
-  -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90 ${prefix_path:+-DCMAKE_PREFIX_PATH="$prefix_path"} \
-  "${extra[@]}" "${launcher[@]}" >>"$out/build.log" 2>&1
+if [ "$reuse" = 1 ]; then
+  echo "PLSH_GPU_SKIP_BUILD=1: not building; using $build as it is" | tee -a "$out/build.log"
+  true
+else
+  capped "$build_end" 600 cmake -S . -B "$build" -G "$generator" -DCMAKE_BUILD_TYPE=Release -DPLSH_KERNELS_ONLY=ON \
+    -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90 ${prefix_path:+-DCMAKE_PREFIX_PATH="$prefix_path"} \
+    "${extra[@]}" "${launcher[@]}" >>"$out/build.log" 2>&1
+fi
 configured=$?
 built=1
-if [ "$configured" = 0 ]; then
+# Which GoogleTest and BLAS CMake took: with the carry, they must be the carried ones.
+gtest_dir=$(sed -n 's/^GTest_DIR:PATH=//p' "$build/CMakeCache.txt" 2>/dev/null)
+blas_lib=$(sed -n 's/^BLAS_[A-Za-z0-9_]*_LIBRARY:FILEPATH=//p' "$build/CMakeCache.txt" 2>/dev/null | head -1)
+if [ "$reuse" = 1 ]; then
+  built=0
+elif [ "$configured" = 0 ]; then
   grep -E "plsh: CUDA backend|Found (BLAS|GTest)" "$out/build.log"
-  # Which GoogleTest and BLAS CMake took: with the carry, they must be the carried ones.
-  gtest_dir=$(sed -n 's/^GTest_DIR:PATH=//p' "$build/CMakeCache.txt")
-  blas_lib=$(sed -n 's/^BLAS_[A-Za-z0-9_]*_LIBRARY:FILEPATH=//p' "$build/CMakeCache.txt" | head -1)
   echo "GoogleTest: ${gtest_dir:-?}; BLAS: ${blas_lib:-? (OpenBLAS through pkg-config?)}"
   [ -f .gtest/CMakeLists.txt ] && case "$gtest_dir" in "$work/gtest"*) ;; *) echo "WARNING: not the carried GoogleTest";; esac
   [ -d .blas ] && case "$blas_lib" in "$PWD/.blas/"*) ;; *) echo "WARNING: not the carried BLAS";; esac
@@ -211,7 +234,7 @@ if [ "$configured" != 0 ] || [ "$built" != 0 ]; then
   phase build FAILED $((SECONDS - t)) "$why; not built: ${missing[*]:-none}; see build.log"
   status=1
 else
-  phase build ok $((SECONDS - t)) "GoogleTest ${gtest_dir:-?}; BLAS ${blas_lib:-?}; $(grep -m1 -o 'plsh: CUDA backend [A-Z]*' "$out/build.log")"
+  phase build "$([ "$reuse" = 1 ] && echo "reused (PLSH_GPU_SKIP_BUILD=1)" || echo ok)" $((SECONDS - t)) "GoogleTest ${gtest_dir:-?}; BLAS ${blas_lib:-?}; $(grep -m1 -o 'plsh: CUDA backend [A-Z]*' "$out/build.log")"
 fi
 
 # run_gtest NAME DEADLINE CAP BINARY ARGS...: prints the output, returns its status.
@@ -220,7 +243,7 @@ run_gtest() {
   shift 4
   if [ ! -x "$b" ]; then echo "--- $name: not built"; return 127; fi
   echo "--- $name"
-  capped "$deadline" "$cap" "$b" --gtest_brief=1 "$@"
+  capped "$deadline" "$cap" "$b" "$@"
   local rc=$?
   echo "--- $name exit $rc$([ "$rc" = 124 ] && echo ' (timed out)')"
   return "$rc"
@@ -230,20 +253,41 @@ step "tests (at most ${slice} s; without $killing)"
 t=$SECONDS
 tests_end=$((SECONDS + slice))
 {
-  run_gtest host "$tests_end" "$slice" "$bin/plsh_cuda_host_tests"
+  run_gtest host "$tests_end" "$slice" "$bin/plsh_cuda_host_tests" --gtest_brief=1
   echo "host=$?" >"$work/tests.rc"
-  run_gtest registry "$tests_end" "$slice" "$bin/plsh_cuda_registry_tests"
+  run_gtest registry "$tests_end" "$slice" "$bin/plsh_cuda_registry_tests" --gtest_brief=1
   echo "registry=$?" >>"$work/tests.rc"
+  # Not brief: the OK lines say which tests passed if the process dies.
   run_gtest gpu "$tests_end" "$slice" "$bin/plsh_cuda_gpu_tests" --gtest_filter="-$killing"
   echo "gpu=$?" >>"$work/tests.rc"
 } 2>&1 | tee "$work/tests.log"
 summary=$(tr '\n' ' ' <"$work/tests.rc")
 passed=$(grep -hoE '^\[  PASSED  \] [0-9]+' "$work/tests.log" | awk '{s += $4} END {print s + 0}')
-failed=$(grep -cE '^\[  FAILED  \] [A-Za-z]' "$work/tests.log")
+failed=$(grep -oE '^\[  FAILED  \] [A-Za-z][^ ]*' "$work/tests.log" | sort -u | wc -l)
 skipped=$(grep -hoE '^\[  SKIPPED \] [0-9]+ tests?' "$work/tests.log" | awk '{s += $4} END {print s + 0}')
 detail="exit codes (127: not built): ${summary}; ${passed} passed, ${failed} failed, ${skipped} skipped"
 if [ "$skipped" != 0 ]; then
   detail="$detail; skipped because: $(grep -m1 -oE 'no CUDA device[^[]*' "$work/tests.log" | head -c 160)"
+fi
+# A test that kills the CUDA context (a misaligned operand, an illegal
+# address) fails every later test of its process, or ends the process. Each
+# GPU test that did not pass (or never reported) runs again alone, to tell its
+# own failure from the collateral ones.
+if ! grep -qx 'gpu=0' "$work/tests.rc" && [ -x "$bin/plsh_cuda_gpu_tests" ]; then
+  echo "--- GPU tests that did not pass, each again in its own process (until ${tests_end} s)"
+  mapfile -t listed < <("$bin/plsh_cuda_gpu_tests" --gtest_list_tests --gtest_filter="-$killing" 2>/dev/null |
+    awk '/^[^ ]/ {suite = $1} /^  / {print suite $1}')
+  grep -oE '^\[ +(OK|SKIPPED) +\] [^ ]+' "$work/tests.log" | awk '{print $NF}' | sort -u >"$work/tests.ok"
+  alone_ok=0
+  alone_failed=()
+  not_rerun=0
+  for name in "${listed[@]}"; do
+    grep -qxF "$name" "$work/tests.ok" && continue
+    if [ $((tests_end - SECONDS)) -lt 5 ]; then not_rerun=$((not_rerun + 1)); continue; fi
+    run_gtest "alone: $name" "$tests_end" 30 "$bin/plsh_cuda_gpu_tests" --gtest_brief=1 --gtest_filter="$name"
+    if [ $? = 0 ]; then alone_ok=$((alone_ok + 1)); else alone_failed+=("$name"); fi
+  done
+  detail="$detail; again alone: ${alone_ok} passed (collateral failures), ${#alone_failed[@]} failed (${alone_failed[*]:-none}), ${not_rerun} not rerun (time)"
 fi
 if grep -qvE '=0$' "$work/tests.rc" || [ "$failed" != 0 ]; then
   phase tests FAILED $((SECONDS - t)) "$detail"
@@ -274,7 +318,7 @@ sanitize() {
     0) phase "$tool" ok $((SECONDS - t)) "$errors" ;;
     124) phase "$tool" "TIMED OUT" $((SECONDS - t)) "after ${3} s cap or deadline; $errors"; status=1 ;;
     125) phase "$tool" skipped 0 "no time left" ;;
-    *) phase "$tool" FAILED $((SECONDS - t)) "exit $rc; $errors (17: errors found)"; status=1 ;;
+    *) phase "$tool" FAILED $((SECONDS - t)) "exit $rc (17 means errors found); $errors"; status=1 ;;
   esac
 }
 

@@ -655,7 +655,8 @@ def run_sizes(args, report, sizes, slopes, gpu):
                         report.note(f"window widths differ: C++ {ours_w}, Python {py_w}")
             if rc != 0:
                 row["ours_error"] = child_error(rc, tail, timed_out, wall)
-            model.observe_fixed("ours", n, max(0.0, wall - calls))
+            if not timed_out:  # a killed child's wall time is its timeout, not its cost
+                model.observe_fixed("ours", n, max(0.0, wall - calls))
             report.write()
 
             report.current = f"N={n} errors of ours"

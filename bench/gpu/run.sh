@@ -49,9 +49,15 @@ total=${2:-${PLSH_GPU_BUDGET_SECONDS:-540}}
 cd "$(dirname "$0")/../.." || exit 2
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-work=${PLSH_GPU_WORK:-/tmp/plsh-gpu}  # scratch: the GoogleTest build, q/k/v files, notes
-rm -rf "$work"
-mkdir -p "$work"
+# Scratch (q/k/v files, notes), this run's own: two runs on one machine must
+# not delete each other's. Removed at the end.
+if [ -n "${PLSH_GPU_WORK:-}" ]; then
+  work=$PLSH_GPU_WORK
+  rm -rf "$work"
+  mkdir -p "$work"
+else
+  work=$(mktemp -d "${TMPDIR:-/tmp}/plsh-gpu.XXXXXX")
+fi
 rm -f "$out/run.log" "$out/build.log" "$out/results.md" "$out/results.json"  # no figures from an earlier run
 exec > >(tee "$out/run.log") 2>&1
 tee_pid=$!
@@ -61,6 +67,8 @@ slice=$((total / 9))
 bench_end=$((total - slice))
 jobs=$(nproc)
 build=${PLSH_GPU_BUILD_DIR:-build-gpu}
+mkdir -p "$build"
+gtest_prefix=$(cd "$build" && pwd)/_gtest  # beside the build that links it, kept with it
 killing=${PLSH_GPU_KILLING_FILTER:-*ContextKilling*:*Misaligned*}
 small=${PLSH_GPU_SANITIZER_FILTER:-Cases/CudaVsCpu.MatchesCpuBackendAndReference/lsh_causal_gqa_bf16:Cases/CudaVsCpu.MatchesCpuBackendAndReference/exact_causal_decode_f32:CudaBins.*}
 status=0
@@ -144,17 +152,20 @@ extra=()
 # PLSH_GPU_SKIP_BUILD=1: test and time what $build already holds (a second
 # call on a machine still warm from the first, or a rehearsal).
 reuse=${PLSH_GPU_SKIP_BUILD:-0}
-# GoogleTest: the carried sources built here, else the system's.
-if [ -f .gtest/CMakeLists.txt ] && [ "$reuse" != 1 ]; then
+# GoogleTest: the carried sources built here (once per build folder), else the system's.
+if [ -f "$gtest_prefix/lib/cmake/GTest/GTestConfig.cmake" ]; then
+  echo "GoogleTest from .gtest, built before: $gtest_prefix"
+  prefix+=("$gtest_prefix")
+elif [ -f .gtest/CMakeLists.txt ] && [ "$reuse" != 1 ]; then
   echo "GoogleTest from .gtest"
   # POLICY_VERSION_MINIMUM: GoogleTest 1.12 asks for CMake 3.5, which CMake 4 only takes with it.
-  { capped "$build_end" 300 cmake -S .gtest -B "$work/gtest-build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_INSTALL_PREFIX="$work/gtest" -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+  { capped "$build_end" 300 cmake -S .gtest -B "$gtest_prefix-build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_INSTALL_PREFIX="$gtest_prefix" -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
       "${launcher[@]}" &&
-    capped "$build_end" 300 cmake --build "$work/gtest-build" -j"$jobs" &&
-    capped "$build_end" 60 cmake --install "$work/gtest-build"; } >>"$out/build.log" 2>&1 ||
+    capped "$build_end" 300 cmake --build "$gtest_prefix-build" -j"$jobs" &&
+    capped "$build_end" 60 cmake --install "$gtest_prefix-build"; } >>"$out/build.log" 2>&1 ||
     { tail -20 "$out/build.log"; echo "GoogleTest build failed"; }
-  prefix+=("$work/gtest")
+  prefix+=("$gtest_prefix")
 fi
 # CBLAS for the CPU backend (the tests' second opinion): the carried one, and
 # nothing else, so the build here and on the GPU machine is the same (no
@@ -202,7 +213,7 @@ if [ "$reuse" = 1 ]; then
 elif [ "$configured" = 0 ]; then
   grep -E "plsh: CUDA backend|Found (BLAS|GTest)" "$out/build.log"
   echo "GoogleTest: ${gtest_dir:-?}; BLAS: ${blas_lib:-? (OpenBLAS through pkg-config?)}"
-  [ -f .gtest/CMakeLists.txt ] && case "$gtest_dir" in "$work/gtest"*) ;; *) echo "WARNING: not the carried GoogleTest";; esac
+  [ -f .gtest/CMakeLists.txt ] && case "$gtest_dir" in "$gtest_prefix"*) ;; *) echo "WARNING: not the carried GoogleTest";; esac
   [ -d .blas ] && case "$blas_lib" in "$PWD/.blas/"*) ;; *) echo "WARNING: not the carried BLAS";; esac
   capped "$build_end" 600 cmake --build "$build" --target "${targets[@]}" -j"$jobs" -- "${keep_going[@]}" >>"$out/build.log" 2>&1
   built=$?
@@ -378,6 +389,7 @@ step "done in ${SECONDS} s of ${total}, status $status"
 publish
 cat "$out/results.md"
 ls -l "$out"
+rm -rf "$work"
 # Let tee write the last lines before the caller reads the output.
 exec >&- 2>&-
 wait "$tee_pid" 2>/dev/null || sleep 1

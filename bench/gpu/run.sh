@@ -325,6 +325,13 @@ sanitize() {
   local rc=${PIPESTATUS[0]}
   local errors
   errors=$(grep -m1 -oE 'ERROR SUMMARY: [0-9]+ errors?' "$work/$tool.log" || echo "no summary")
+  errors="$errors; $(grep -m1 -oE '^\[==========\] [0-9]+ tests?' "$work/$tool.log" | sed 's/^.* \([0-9]*\) test.*/\1/') tests ran"
+  # Test names change: a filter that matches nothing must not read as a clean run.
+  if grep -qE '^\[==========\] 0 tests' "$work/$tool.log"; then
+    phase "$tool" "RAN NO TEST" $((SECONDS - t)) "the filter $small matches no test"
+    status=1
+    return
+  fi
   case "$rc" in
     0) phase "$tool" ok $((SECONDS - t)) "$errors" ;;
     124) phase "$tool" "TIMED OUT" $((SECONDS - t)) "after ${3} s cap or deadline; $errors"; status=1 ;;

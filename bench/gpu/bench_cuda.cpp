@@ -108,6 +108,40 @@ std::vector<char> read_file(const std::string& path, size_t bytes) {
   return buf;
 }
 
+// The slopes (hex, bit for bit) and window widths this run used, as JSON
+// fields: peers.py checks its own against them.
+std::string json_params(const plsh::AttentionParams& p) {
+  std::string s = ", \"slopes_hex\": [";
+  char buf[64];
+  for (size_t h = 0; h < p.slopes.size(); ++h) {
+    std::snprintf(buf, sizeof buf, "%s\"%a\"", h ? ", " : "", p.slopes[h]);
+    s += buf;
+  }
+  s += "]";
+  if (!p.window.empty()) {
+    s += ", \"windows\": [";
+    for (size_t h = 0; h < p.window.size(); ++h) s += (h ? ", " : "") + std::to_string(p.window[h]);
+    s += "]";
+  }
+  return s;
+}
+
+// JSON string contents: quotes, backslashes and control characters escaped.
+std::string json_escape(const std::string& in) {
+  std::string out;
+  for (const char c : in) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += ' ';
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -148,7 +182,13 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaEventCreate(&stop));
 
   std::ofstream json;
-  if (!a.json.empty()) json.open(a.json, std::ios::app);
+  if (!a.json.empty()) {
+    json.open(a.json, std::ios::app);
+    if (!json) {
+      std::fprintf(stderr, "bench_cuda: cannot open --json %s\n", a.json.c_str());
+      return 1;
+    }
+  }
 
   std::stringstream modes(a.modes);
   std::string mode_name;
@@ -173,18 +213,15 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bench_cuda: %s: %s\n", mode_name.c_str(), p.status().to_string().c_str());
       return 1;
     }
-    plsh::StatusOr<plsh::Plan> plan = backend->plan(*p, plsh::PlanLimits{});  // once: forward alone is timed
-    if (!plan.ok()) {
-      std::fprintf(stderr, "bench_cuda: %s: %s\n", mode_name.c_str(), plan.status().to_string().c_str());
-      ++failures;
-      continue;
-    }
+    // Planned once: forward alone is timed. A failed plan is reported as a
+    // failed mode below.
+    plsh::StatusOr<plsh::Plan> plan = backend->plan(*p, plsh::PlanLimits{});
     plsh::ExecContext ctx;
     ctx.stream = stream;
     plsh::ForwardStats stats;
     std::vector<float> ms;
     int repeats = a.repeats;
-    plsh::Status status;
+    plsh::Status status = plan.status();
     for (int r = 0; r < a.warmup + repeats && status.ok(); ++r) {
       CHECK_CUDA(cudaEventRecord(start, stream));
       status = backend->forward(*plan, ctx, &stats);
@@ -200,6 +237,12 @@ int main(int argc, char** argv) {
     if (!status.ok()) {
       std::fprintf(stderr, "bench_cuda: %s n=%lld: %s\n", mode_name.c_str(), static_cast<long long>(a.n),
                    status.to_string().c_str());
+      // One line per mode, failed ones too, so the table says why a mode has no time.
+      if (json.is_open()) {
+        json << "{\"impl\": \"ours\", \"mode\": \"" << mode_name << "\", \"n\": " << a.n << ", \"error\": \""
+             << json_escape(status.to_string()) << "\"" << json_params(*p) << "}\n";
+        json.flush();
+      }
       ++failures;
       continue;
     }
@@ -214,7 +257,8 @@ int main(int argc, char** argv) {
            << ", \"dim\": " << a.dim << ", \"dtype\": \"" << a.dtype << "\", \"samples\": " << a.samples
            << ", \"ms\": " << median << ", \"ms_min\": " << ms.front() << ", \"runs\": " << ms.size()
            << ", \"flops_done\": " << stats.flops << ", \"dense_flops\": " << dense
-           << ", \"workspace_bytes\": " << stats.workspace.device_bytes << ", \"device\": \"" << backend->device() << "\"}\n";
+           << ", \"workspace_bytes\": " << stats.workspace.device_bytes << ", \"device\": \""
+           << json_escape(backend->device()) << "\"" << json_params(*p) << "}\n";
       json.flush();
     }
     if (a.write_out) {

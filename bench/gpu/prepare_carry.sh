@@ -7,7 +7,8 @@
 #   .gtest/  GoogleTest's sources (Debian's /usr/src/googletest), built there
 #   .blas/   the reference BLAS with its CBLAS interface (Debian's libblas3,
 #            which needs nothing but libc) and the netlib cblas.h
-# Then:  run(command="bash bench/gpu/run.sh $OUT/gpu", carry=[".gtest", ".blas"], timeout_s=600)
+# Then rehearse here with bash bench/gpu/run.sh /tmp/gpurehearsal, and call
+#   run(command="bash bench/gpu/run.sh $OUT/gpu", carry=[".gtest", ".blas"], timeout_s=600)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -28,3 +29,5 @@ cp -L "$blas_inc/cblas-netlib.h" .blas/include/cblas.h
 cp -L "$blas_inc/cblas_mangling.h" .blas/include/cblas_mangling.h
 for d in .gtest .blas; do git check-ignore -q "$d" || { echo "prepare_carry.sh: .gtest/ and .blas/ must be git-ignored" >&2; exit 1; }; done
 du -sh .gtest .blas
+echo "next, here (no GPU needed): bash bench/gpu/run.sh /tmp/gpurehearsal   # the whole run as far as it goes"
+echo "then the device call: run(command=\"bash bench/gpu/run.sh \$OUT/gpu\", carry=[\".gtest\", \".blas\"], timeout_s=600)"

@@ -51,9 +51,9 @@ void BackendRegistry::discover() {
   if (discovered_) return;
   discovered_ = true;
 
-  // CUDA, loaded at run time so that a process that never uses it never
-  // maps cuBLAS (whose thread-local storage breaks civetweb's small thread
-  // stacks) and so that the same binary runs on machines without CUDA.
+  // CUDA, loaded at run time so that the same binary runs on machines
+  // without CUDA (and says why it did not use it), and a process that never
+  // uses it never maps cuBLAS.
   std::string why = "libplsh_cuda.so not found (built without CUDA)";
   for (const std::string& path : cuda_library_candidates()) {
     void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);

@@ -28,7 +28,7 @@ std::string shape_of(const RequestPlan& p) {
          " D=" + std::to_string(o.head_dim) + " " + dtype_name(o.dtype);
 }
 
-void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Status& status) {
+void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Status& status, const char* stop_reason) {
   const double total = seconds_between(r.start, Clock::now());
   const std::string code = grpc_code_name(status.error_code());
   Metrics& m = *s.metrics;
@@ -51,6 +51,7 @@ void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Statu
   if (r.computing >= 0) fields["computing_s"] = r.computing;
   if (r.sending >= 0) fields["sending_s"] = r.sending;
   if (!status.ok()) fields["message"] = status.error_message();
+  if (stop_reason != nullptr) fields["stop_reason"] = stop_reason;
   const auto level = status.error_code() == grpc::StatusCode::INTERNAL ? spdlog::level::err : spdlog::level::info;
   log_event(level, "request", fields);
 }
@@ -75,9 +76,11 @@ CallBase::CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const ch
   s_.metrics->inflight_add(1);
 }
 
-Status CallBase::open() {
+Status CallBase::open(bool watched) {
   const int64_t open = s_.open_streams.fetch_add(1) + 1;
   counted_open_ = true;
+  enter(Phase::kReading, 0);
+  if (watched && s_.watchdog != nullptr) watch_ = s_.watchdog->watch(this);
   if (s_.draining.load()) return unavailable("server is shutting down; retry on another replica");
   if (open > s_.config->max_concurrent)
     return resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
@@ -93,6 +96,8 @@ Status CallBase::plan(const v1::AttendHeader& header) {
   record_.mode = mode_name(plan.options.mode);
   record_.tokens = plan.tokens();
   record_.backend = plan.backend->name();
+  // What the rest of the receiving phase moves.
+  phase_bytes.store(plan.q_bytes() + 2 * plan.kv_bytes());
   plan_ = std::move(plan);
   return Status::Ok();
 }
@@ -148,8 +153,28 @@ void CallBase::fill_summary_message(const AttentionResult& result, v1::Summary* 
 }
 
 grpc::Status CallBase::close(grpc::Status status) {
-  if (!status.ok() && (cancel_.load() || ctx_->IsCancelled())) status = stopped_status(deadline_);
-  record_request(s_, record_, status);
+  if (watch_) {
+    std::lock_guard<std::recursive_mutex> lock(watch_->mu);
+    watch_->call = nullptr;
+  }
+  phase.store(static_cast<int>(Phase::kDone));
+  const char* reason = stop_reason_.load();
+  if (!status.ok() && reason == nullptr && (cancel_.load() || ctx_->IsCancelled())) status = stopped_status(deadline_);
+  // What the client gets: this status, unless gRPC has ended the call
+  // already (a cancel, a deadline, a lost connection, a message over gRPC's
+  // own limit: IsCancelled); then a cancellation or its deadline.
+  grpc::Status seen = status;
+  if (ctx_->IsCancelled() || server_cancelled_.load()) {
+    if (deadline_ != Clock::time_point::max() && Clock::now() >= deadline_)
+      seen = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed");
+    else if (reason != nullptr)
+      seen = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the server: " + status.error_message());
+    else
+      seen = grpc::Status(grpc::StatusCode::CANCELLED,
+                          "cancelled by the client, or by gRPC (a lost connection, a message over gRPC's own limit) "
+                          "before the server's status");
+  }
+  record_request(s_, record_, seen, reason);
   s_.scheduler->release(reserved_);
   reserved_ = MemoryCharge{};
   buffers_ = RequestBuffers{};
@@ -157,6 +182,12 @@ grpc::Status CallBase::close(grpc::Status status) {
   counted_open_ = false;
   s_.metrics->inflight_add(-1);
   return status;
+}
+
+Status CallBase::check_message_size(size_t bytes) const {
+  if (static_cast<int64_t>(bytes) <= s_.limits.max_message_bytes) return Status::Ok();
+  return resource_exhausted("a message of " + std::to_string(bytes) + " bytes, expected <= " +
+                            std::to_string(s_.limits.max_message_bytes) + " (the server's --max-message-bytes)");
 }
 
 }  // namespace plsh::server

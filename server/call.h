@@ -21,6 +21,7 @@
 #include "server/metrics.h"
 #include "server/request.h"
 #include "server/scheduler.h"
+#include "server/watchdog.h"
 
 namespace plsh::server {
 
@@ -30,6 +31,7 @@ struct ServiceContext {
   RequestLimits limits;
   Metrics* metrics = nullptr;
   Scheduler* scheduler = nullptr;
+  StreamWatchdog* watchdog = nullptr;  // null: streams are not watched
   std::atomic<int64_t> open_streams{0};
   std::atomic<bool> draining{false};  // new requests get UNAVAILABLE
 };
@@ -52,13 +54,14 @@ struct RequestRecord {
   std::optional<double> probe_rel_err, mask_max_err;
 };
 
-class CallBase {
+class CallBase : public WatchedCall {
  protected:
   CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method);
 
   // Counts the call as open: UNAVAILABLE while draining, RESOURCE_EXHAUSTED
-  // over --max-concurrent.
-  Status open();
+  // over --max-concurrent. A streamed call is watched (watchdog.h) from here
+  // until close().
+  Status open(bool watched);
   // The header: plan_request (limits, backend, plan). Sets plan_.
   Status plan(const v1::AttendHeader& header);
   // Then the plan's memory charge against both budgets and the host
@@ -69,15 +72,22 @@ class CallBase {
   StatusOr<AttentionResult> compute(Clock::time_point queued_at);
   // The summary of a computed request, timings and byte counts included.
   void fill_summary_message(const AttentionResult& result, v1::Summary* summary);
-  // Logs and counts the request, gives its memory back and closes it; returns
-  // the status the client gets (the deadline's or a cancel's when the call was
-  // stopped).
+  // Logs and counts the request with the status its client gets (a
+  // cancellation when gRPC ended the call first: IsCancelled), gives its
+  // memory back and closes it; returns the status to finish with (the
+  // deadline's or a cancel's when the client stopped it; expire's when the
+  // server ended it on purpose).
   grpc::Status close(grpc::Status status);
+  // A message over --max-message-bytes: gRPC's own limit is set higher
+  // (main.cpp), so that the server, not gRPC, refuses it and knows the code.
+  Status check_message_size(size_t bytes) const;
 
   ServiceContext& s_;
   grpc::CallbackServerContext* ctx_;
   const Clock::time_point deadline_;
   std::atomic<bool> cancel_{false};
+  std::atomic<const char*> stop_reason_{nullptr};  // set when the server ended the call on purpose
+  std::atomic<bool> server_cancelled_{false};       // ...by cancelling it (TryCancel): the client gets CANCELLED
   RequestRecord record_;
   std::optional<RequestPlan> plan_;
   RequestBuffers buffers_;
@@ -85,6 +95,7 @@ class CallBase {
  private:
   MemoryCharge reserved_;
   bool counted_open_ = false;
+  std::shared_ptr<CallWatch> watch_;
 };
 
 }  // namespace plsh::server

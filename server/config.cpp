@@ -60,6 +60,17 @@ ParsedConfig parse_config(int argc, char** argv) {
   app.add_option("--log-format", c.log_format, "text|json")
       ->envname("PLSH_LOG_FORMAT")
       ->check(CLI::IsMember({"text", "json"}));
+  app.add_option("--stream-idle-timeout", c.stream_idle_timeout,
+                 "seconds an Attend stream may wait on its client: for its next message while receiving (the "
+                 "header included), for a write to complete while sending; then it ends and its memory is "
+                 "released; 0: never")
+      ->envname("PLSH_STREAM_IDLE_TIMEOUT")
+      ->check(CLI::Range(0.0, 86400.0));
+  app.add_option("--min-stream-rate", c.min_stream_rate,
+                 "bytes per second a stream's input, and its output, must average: receiving N bytes may take "
+                 "--stream-idle-timeout + N / rate seconds, sending likewise; 0: no minimum")
+      ->envname("PLSH_MIN_STREAM_RATE")
+      ->check(non_negative);
   app.add_option("--drain-timeout", c.drain_timeout, "seconds to finish in-flight requests on SIGTERM/SIGINT")
       ->envname("PLSH_DRAIN_TIMEOUT")
       ->check(CLI::Range(0.0, 86400.0));

@@ -26,6 +26,8 @@ struct ServerConfig {
   std::string log_level = "info";                  // trace|debug|info|warn|error
   std::string log_format = "text";                 // text|json
   double drain_timeout = 30;                       // seconds to finish in-flight work on SIGTERM
+  double stream_idle_timeout = 30;                 // seconds a stream may wait on its client (read or write); 0: none
+  int64_t min_stream_rate = int64_t{1} << 20;      // bytes/s a stream's input and output must average; 0: none
 
   bool metrics_enabled() const { return !metrics_listen.empty() && metrics_listen != "off"; }
 };

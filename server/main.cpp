@@ -5,14 +5,16 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
-#include <chrono>
-#include <condition_variable>
-#include <mutex>
-#include <optional>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
 #include <csignal>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include "plsh/backend.h"
@@ -21,6 +23,7 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/service.h"
+#include "server/watchdog.h"
 
 namespace {
 
@@ -46,7 +49,6 @@ bool install_shutdown_handlers() {
   return sigaction(SIGTERM, &action, nullptr) == 0 && sigaction(SIGINT, &action, nullptr) == 0;
 }
 
-// Blocks until the first SIGTERM or SIGINT; returns it.
 // Refreshes plsh_device_memory_*_bytes until destroyed; does nothing for
 // backends without a device.
 class DeviceMemorySampler {
@@ -77,6 +79,7 @@ class DeviceMemorySampler {
   std::thread thread_;
 };
 
+// Blocks until the first SIGTERM or SIGINT; returns it.
 int wait_for_shutdown_signal() {
   char byte = 0;
   while (read(g_signal_pipe[0], &byte, 1) != 1) {
@@ -139,7 +142,17 @@ int main(int argc, char** argv) {
       if (const std::optional<plsh::DeviceMemory> m = b->device_memory()) budget.device_bytes += m->budget_bytes;
   plsh::server::Scheduler scheduler(config.workers, config.queue_depth, budget,
                                     [&metrics](int64_t depth) { metrics.queue_depth(static_cast<double>(depth)); });
-  plsh::server::AttentionService service(config, &metrics, &scheduler);
+  metrics.memory_budget("host", static_cast<double>(budget.host_bytes));
+  metrics.memory_budget("device", static_cast<double>(budget.device_bytes));
+  scheduler.set_memory_listener([&metrics](const plsh::server::MemoryCharge& reserved) {
+    metrics.memory_reserved("host", static_cast<double>(reserved.host_bytes));
+    metrics.memory_reserved("device", static_cast<double>(reserved.device_bytes));
+  });
+  scheduler.release({});  // the reserved gauges start at 0, not absent
+  // Streams waiting on their clients end after --stream-idle-timeout or below
+  // --min-stream-rate (watchdog.h).
+  plsh::server::StreamWatchdog watchdog(config.stream_idle_timeout, config.min_stream_rate, &metrics);
+  plsh::server::AttentionService service(config, &metrics, &scheduler, &watchdog);
 
   // 5. Health checking (grpc.health.v1) and reflection.
   grpc::EnableDefaultHealthCheckService(true);
@@ -148,7 +161,11 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
+  // gRPC's own receive limit is twice ours: a message between the two is
+  // refused by the service, which then knows the code its client got (gRPC's
+  // refusal would reach the service as a bare cancellation); past twice, gRPC
+  // refuses it before buffering it.
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(2 * config.max_message_bytes, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -176,6 +193,7 @@ int main(int argc, char** argv) {
   // cancels what is left) and the workers.
   log_event(spdlog::level::info, "draining", {{"signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT"},
                                              {"in_flight", service.open_requests()},
+                                             {"reserved_host_bytes", scheduler.reserved().host_bytes},
                                              {"drain_timeout_s", config.drain_timeout}});
   health->SetServingStatus(kServiceName, false);
   health->SetServingStatus("", false);

@@ -73,7 +73,22 @@ Metrics::Metrics()
       device_memory_total_(BuildGauge()
                                .Name("plsh_device_memory_total_bytes")
                                .Help("Memory of the backend's device")
-                               .Register(*registry_)) {
+                               .Register(*registry_)),
+      memory_budget_(BuildGauge()
+                         .Name("plsh_memory_budget_bytes")
+                         .Help("Budget of all in-flight requests by memory space (host: --memory-budget, device: "
+                               "--device-memory-budget)")
+                         .Register(*registry_)),
+      memory_reserved_(BuildGauge()
+                           .Name("plsh_memory_reserved_bytes")
+                           .Help("Bytes reserved by requests in flight, by memory space")
+                           .Register(*registry_)),
+      stream_timeouts_(BuildCounter()
+                           .Name("plsh_stream_timeouts_total")
+                           .Help("Attend streams ended for waiting on their client, by reason")
+                           .Register(*registry_)) {
+  for (const char* reason : {"receive_idle", "receive_slow", "send_idle", "send_slow"})
+    stream_timeouts_.Add({{"reason", reason}});
   for (const char* p : {"queued", "receiving", "computing", "sending"}) phase_duration_.Add({{"phase", p}}, duration_buckets());
 }
 
@@ -95,6 +110,21 @@ void Metrics::device_memory(const std::string& device, double used_bytes, double
   std::lock_guard<std::mutex> lock(mutex_);
   device_memory_used_.Add({{"device", device}}).Set(used_bytes);
   device_memory_total_.Add({{"device", device}}).Set(total_bytes);
+}
+
+void Metrics::memory_budget(const std::string& space, double bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  memory_budget_.Add({{"space", space}}).Set(bytes);
+}
+
+void Metrics::memory_reserved(const std::string& space, double bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  memory_reserved_.Add({{"space", space}}).Set(bytes);
+}
+
+void Metrics::stream_timeout(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stream_timeouts_.Add({{"reason", reason}}).Increment();
 }
 
 void Metrics::request_done(const std::string& mode, const std::string& backend, const std::string& code, double seconds) {
@@ -119,11 +149,13 @@ void Metrics::inflight_add(double delta) { inflight_.Increment(delta); }
 void Metrics::queue_depth(double depth) { queue_.Set(depth); }
 
 void Metrics::probe_relative_error(const std::string& mode, double rel_err) {
+  if (!std::isfinite(rel_err)) return;  // one NaN would turn the histogram's sum into NaN until restart
   std::lock_guard<std::mutex> lock(mutex_);
   probe_error_.Add({{"mode", mode}}, error_buckets()).Observe(rel_err);
 }
 
 void Metrics::mask_max_error(const std::string& mode, double err) {
+  if (!std::isfinite(err)) return;
   std::lock_guard<std::mutex> lock(mutex_);
   mask_error_.Add({{"mode", mode}}, error_buckets()).Observe(err);
 }

@@ -41,6 +41,12 @@ class Metrics {
   void probe_relative_error(const std::string& mode, double rel_err);
   void mask_max_error(const std::string& mode, double err);
   void device_memory(const std::string& device, double used_bytes, double total_bytes);
+  // space: host|device. Budgets once at start, reservations as they change.
+  void memory_budget(const std::string& space, double bytes);
+  void memory_reserved(const std::string& space, double bytes);
+  // A stream ended for waiting on its client (watchdog.h): receive_idle,
+  // receive_slow, send_idle, send_slow.
+  void stream_timeout(const std::string& reason);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -60,6 +66,9 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& build_info_;
   prometheus::Family<prometheus::Gauge>& device_memory_used_;
   prometheus::Family<prometheus::Gauge>& device_memory_total_;
+  prometheus::Family<prometheus::Gauge>& memory_budget_;
+  prometheus::Family<prometheus::Gauge>& memory_reserved_;
+  prometheus::Family<prometheus::Counter>& stream_timeouts_;
 };
 
 }  // namespace plsh::server

@@ -26,6 +26,7 @@ Status Scheduler::reserve(const MemoryCharge& c) {
                               std::to_string(budget_.device_bytes) + " are free; retry later");
   reserved_.host_bytes += c.host_bytes;
   reserved_.device_bytes += c.device_bytes;
+  if (on_memory_change_) on_memory_change_(reserved_);
   return Status::Ok();
 }
 
@@ -33,6 +34,7 @@ void Scheduler::release(const MemoryCharge& c) {
   std::lock_guard<std::mutex> lock(mutex_);
   reserved_.host_bytes -= c.host_bytes;
   reserved_.device_bytes -= c.device_bytes;
+  if (on_memory_change_) on_memory_change_(reserved_);
 }
 
 MemoryCharge Scheduler::reserved() const {

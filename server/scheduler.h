@@ -38,6 +38,9 @@ class Scheduler {
   void release(const MemoryCharge& charge);
   MemoryCharge reserved() const;
   MemoryCharge budget() const { return budget_; }
+  // Called with the new totals whenever reservations change (under the
+  // lock, so a gauge sees the changes in order). Set before serving.
+  void set_memory_listener(std::function<void(const MemoryCharge&)> on_change) { on_memory_change_ = std::move(on_change); }
 
   // Queues a job for a worker, or RESOURCE_EXHAUSTED when --queue-depth jobs
   // already wait, or UNAVAILABLE once stopping.
@@ -52,6 +55,7 @@ class Scheduler {
   const int64_t queue_depth_;
   const MemoryCharge budget_;
   std::function<void(int64_t)> on_queue_change_;
+  std::function<void(const MemoryCharge&)> on_memory_change_;
   mutable std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<std::function<void()>> queue_;

@@ -24,7 +24,7 @@ namespace {
 class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>, private CallBase {
  public:
   AttendReactor(ServiceContext& s, grpc::CallbackServerContext* ctx) : CallBase(s, ctx, "Attend") {
-    const Status opened = open();
+    const Status opened = open(/*watched=*/true);
     if (!opened.ok()) {
       fail(opened);
       return;
@@ -37,12 +37,16 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
       if (cancel_.load() || ctx_->IsCancelled()) {
         fail(cancelled("cancelled by the client"));
       } else {
-        fail(invalid_argument(std::string("stream closed before the end message, expected ") +
+        // A half-close, or bytes that do not parse as an AttendRequest.
+        fail(invalid_argument(std::string("the stream ended before the end message (closed by the client, or a "
+                                          "message that is not an AttendRequest), expected ") +
                               (plan_ ? "chunks then end" : "header, chunks, then end")));
       }
       return;
     }
-    const Status status = handle(request_);
+    progress();
+    Status status = check_message_size(request_.ByteSizeLong());
+    if (status.ok()) status = handle(request_);
     if (!status.ok()) {
       fail(status);
       return;
@@ -51,6 +55,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   }
 
   void OnWriteDone(bool ok) override {
+    if (ok) progress();
     {
       std::lock_guard<std::mutex> lock(mu_);
       write_in_flight_ = false;
@@ -67,6 +72,30 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   void OnCancel() override { cancel_.store(true); }
 
   void OnDone() override { delete this; }
+
+  // The watchdog's (watchdog.h): ends the stream now. A read outstanding is
+  // fine (Finish sends the status; the read then fails). A write the client
+  // does not take completes only seconds after a cancel: the call is
+  // cancelled and finished without waiting for it (the write holds its own
+  // copy of the bytes; OnDone waits for it).
+  void expire(const grpc::Status& status, const char* reason) override {
+    phase.store(static_cast<int>(Phase::kDone));  // once: the watchdog looks no more
+    bool write_stuck = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      if (!finish_) finish_ = status;
+      stop_reason_.store(reason);
+      write_stuck = write_in_flight_;
+      abandon_write_ = write_stuck;
+    }
+    cancel_.store(true);
+    if (write_stuck) {
+      server_cancelled_.store(true);
+      ctx_->TryCancel();
+    }
+    pump();
+  }
 
  private:
   enum class Stage { kReading, kComputing, kSending, kFailed };
@@ -92,6 +121,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
           std::lock_guard<std::mutex> lock(mu_);
           stage_ = Stage::kComputing;
         }
+        enter(Phase::kComputing, 0);
         const Status submitted = s_.scheduler->submit([this] { run(); });
         if (!submitted.ok()) {
           std::lock_guard<std::mutex> lock(mu_);
@@ -131,6 +161,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
         result_ = std::move(result).value();
         stage_ = Stage::kSending;
         send_start_ = Clock::now();
+        enter(Phase::kSending, plan_->out_bytes() + plan_->lse_bytes());
       } else {
         stage_ = Stage::kFailed;
         if (!finish_) finish_ = to_grpc_status(result.status());
@@ -193,13 +224,15 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
     grpc::Status status;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (finished_ || write_in_flight_) return;
+      if (finished_ || (write_in_flight_ && !abandon_write_)) return;
       if (finish_) {
         // Never while a worker holds the buffers: finish() frees them and
         // the call; run() pumps again when the worker is done.
         if (stage_ == Stage::kComputing) return;
         action = Action::kFinish;
         status = *finish_;
+      } else if (write_in_flight_) {
+        return;
       } else if (ack_ready_ && !ack_sent_) {
         response_.Clear();
         *response_.mutable_ack() = ack_;
@@ -240,6 +273,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   v1::Ack ack_;
   bool ack_ready_ = false, ack_sent_ = false;
   bool write_in_flight_ = false;
+  bool abandon_write_ = false;  // expire: finish without waiting for the write in flight
   std::optional<grpc::Status> finish_;
   bool finished_ = false;
   std::optional<AttentionResult> result_;
@@ -262,10 +296,13 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
 
   void OnCancel() override { cancel_.store(true); }
   void OnDone() override { delete this; }
+  // Unary calls have no reading or sending phase to wait in: never watched.
+  void expire(const grpc::Status&, const char*) override {}
 
  private:
   Status start() {
-    RETURN_IF_ERROR(open());
+    RETURN_IF_ERROR(open(/*watched=*/false));
+    RETURN_IF_ERROR(check_message_size(request_->ByteSizeLong()));
     RETURN_IF_ERROR(plan(request_->header()));
     // Sizes before memory: a response that cannot fit is refused before any
     // memory is reserved.
@@ -334,8 +371,10 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
 
 }  // namespace
 
-AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler) {
+AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler,
+                                   StreamWatchdog* watchdog) {
   shared_.config = &config;
+  shared_.watchdog = watchdog;
   shared_.limits.max_tokens = config.max_tokens;
   shared_.limits.max_request_bytes = config.max_request_bytes;
   shared_.limits.max_samples = config.max_samples;
@@ -346,6 +385,15 @@ AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics,
   shared_.limits.device_bytes_per_request = scheduler->budget().device_bytes / std::max<int64_t>(1, config.workers);
   shared_.metrics = metrics;
   shared_.scheduler = scheduler;
+}
+
+void AttentionService::begin_drain() {
+  shared_.draining.store(true);
+  // Streams still receiving have not started their work: end them now (a
+  // silent client must not hold up the drain); they may retry elsewhere.
+  if (shared_.watchdog != nullptr)
+    shared_.watchdog->expire_receiving(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"), "drain");
 }
 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::Attend(

@@ -17,12 +17,13 @@
 #include "server/config.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
+#include "server/watchdog.h"
 
 namespace plsh::server {
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:
-  AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler);
+  AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler, StreamWatchdog* watchdog);
 
   grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* Attend(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* AttendUnary(grpc::CallbackServerContext* ctx, const v1::AttendUnaryRequest* request,
@@ -30,8 +31,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* ctx, const v1::GetInfoRequest* request,
                                     v1::GetInfoResponse* response) override;
 
-  // Refuses new requests with UNAVAILABLE from now on.
-  void begin_drain() { shared_.draining.store(true); }
+  // Refuses new requests with UNAVAILABLE from now on, and ends the streams
+  // that are still receiving.
+  void begin_drain();
   // Attend and AttendUnary calls not yet finished.
   int64_t open_requests() const { return shared_.open_streams.load(); }
 

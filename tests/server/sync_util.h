@@ -31,6 +31,21 @@ class Gate {
   bool open_ = false;
 };
 
+// Opens a gate when it goes out of scope. Declared after the Scheduler in a
+// test, it lets a worker held on the gate go before ~Scheduler joins it, so
+// a test that fails (returns early) while a worker is held does not wait out
+// kWaitLimit there.
+class OpenOnExit {
+ public:
+  explicit OpenOnExit(Gate& gate) : gate_(gate) {}
+  ~OpenOnExit() { gate_.open(); }
+  OpenOnExit(const OpenOnExit&) = delete;
+  OpenOnExit& operator=(const OpenOnExit&) = delete;
+
+ private:
+  Gate& gate_;
+};
+
 class Counter {
  public:
   void add() {

@@ -32,6 +32,7 @@ using testing::eventually;
 using testing::Gate;
 using testing::has_error;
 using testing::is_ok;
+using testing::OpenOnExit;
 
 constexpr StatusCode kExhausted = StatusCode::kResourceExhausted;
 
@@ -95,11 +96,11 @@ TEST(SchedulerMemory, ZeroDeviceBudgetAdmitsHostOnlyCharges) {
 // ---- Queue and workers --------------------------------------------------------
 
 // Holds the workers: blocker() jobs report that they started and wait for
-// release. TearDown releases them, so a failing test does not hang in stop().
+// release. Each test declares `const OpenOnExit unblock(release);` after its
+// Scheduler (and after anything its jobs capture), so an early return
+// releases the workers before the Scheduler joins them.
 class SchedulerQueueTest : public ::testing::Test {
  protected:
-  void TearDown() override { release.open(); }
-
   std::function<void()> blocker() {
     return [this] {
       started.add();
@@ -126,6 +127,7 @@ class SchedulerQueueTest : public ::testing::Test {
 
 TEST_F(SchedulerQueueTest, QueueFullWhileWorkersAreBusy) {
   Scheduler s(1, 2, {1, 0}, nullptr);
+  const OpenOnExit unblock(release);
   ASSERT_TRUE(is_ok(s.submit(blocker())));
   ASSERT_TRUE(started.wait_for(1));
   ASSERT_TRUE(is_ok(s.submit(recorder(1))));
@@ -144,6 +146,7 @@ TEST_F(SchedulerQueueTest, QueueFullWhileWorkersAreBusy) {
 // refuse it forever.
 TEST_F(SchedulerQueueTest, IdleWorkerTakesJobWithoutQueueRoom) {
   Scheduler s(1, 0, {1, 0}, nullptr);
+  const OpenOnExit unblock(release);
   Status last;
   ASSERT_TRUE(eventually([&] {
     last = s.submit(blocker());
@@ -158,6 +161,7 @@ TEST_F(SchedulerQueueTest, IdleWorkerTakesJobWithoutQueueRoom) {
 
 TEST_F(SchedulerQueueTest, JobsRunInFifoOrder) {
   Scheduler s(1, 20, {1, 0}, nullptr);
+  const OpenOnExit unblock(release);
   ASSERT_TRUE(is_ok(s.submit(blocker())));
   ASSERT_TRUE(started.wait_for(1));
   std::vector<int> submitted;
@@ -172,8 +176,9 @@ TEST_F(SchedulerQueueTest, JobsRunInFifoOrder) {
 
 // Two workers run two jobs at once: each job waits for the other to start.
 TEST_F(SchedulerQueueTest, WorkersRunJobsConcurrently) {
-  Scheduler s(2, 0, {1, 0}, nullptr);
   Counter met;
+  Scheduler s(2, 0, {1, 0}, nullptr);
+  const OpenOnExit unblock(release);
   auto meet = [&] {
     met.add();
     if (met.wait_for(2)) recorder(1)();
@@ -193,6 +198,7 @@ TEST_F(SchedulerQueueTest, WorkersRunJobsConcurrently) {
 // UNAVAILABLE), and every queued job has run when stop() returns.
 TEST_F(SchedulerQueueTest, StopRunsWhatIsQueuedThenJoins) {
   Scheduler s(1, 3, {1, 0}, nullptr);
+  const OpenOnExit unblock(release);
   ASSERT_TRUE(is_ok(s.submit(blocker())));
   ASSERT_TRUE(started.wait_for(1));
   for (int i = 1; i <= 3; ++i) ASSERT_TRUE(is_ok(s.submit(recorder(i))));
@@ -218,6 +224,7 @@ TEST_F(SchedulerQueueTest, StopRunsWhatIsQueuedThenJoins) {
 
 TEST_F(SchedulerQueueTest, SubmitAfterStopIsUnavailable) {
   Scheduler s(2, 4, {1, 0}, nullptr);
+  const OpenOnExit unblock(release);
   s.stop();
   EXPECT_TRUE(has_error(s.submit(recorder(1)), StatusCode::kUnavailable, {"shutting down"}));
   s.stop();  // twice is harmless, and so is the destructor after it
@@ -231,6 +238,7 @@ TEST_F(SchedulerQueueTest, QueueChangeCallbackSeesTheDepth) {
     std::lock_guard<std::mutex> lock(depths_mutex);
     depths.push_back(depth);
   });
+  const OpenOnExit unblock(release);
   ASSERT_TRUE(is_ok(s.submit(blocker())));  // 1, then 0 when the worker takes it
   ASSERT_TRUE(started.wait_for(1));
   ASSERT_TRUE(is_ok(s.submit(recorder(1))));  // 1
@@ -247,11 +255,12 @@ TEST_F(SchedulerQueueTest, QueueChangeCallbackSeesTheDepth) {
 // worker runs only after the worker is released, and sees a flag set while
 // it waited.
 TEST_F(SchedulerQueueTest, FlagSetWhileQueuedIsSeenWhenTheJobRuns) {
-  Scheduler s(1, 1, {1, 0}, nullptr);
   std::atomic<bool> cancel{false};
   std::atomic<bool> blocker_done{false};
   Counter queued_ran;
   bool saw_cancel = false, ran_after_blocker = false;
+  Scheduler s(1, 1, {1, 0}, nullptr);
+  const OpenOnExit unblock(release);
   ASSERT_TRUE(is_ok(s.submit([&] {
     started.add();
     EXPECT_TRUE(release.wait());

@@ -272,11 +272,26 @@ TEST(PlanRequestHeader, BackendNames) {
   }
 }
 
+// plsh::validate_options names the option, which is also the wire field.
 TEST(PlanRequestHeader, ValidationOfOptionsPassesThrough) {
   v1::AttendHeader h = small_header();
   h.set_heads(8);
   h.set_kv_heads(3);
   EXPECT_TRUE(has_error(plan_request(h, roomy_limits()).status(), kInvalid, {"kv_heads = 3"}));
+  h = small_header();
+  h.set_batch(-1);
+  EXPECT_TRUE(has_error(plan_request(h, roomy_limits()).status(), kInvalid, {"batch = -1"}));
+  h = small_header();
+  h.set_kv_len(0);
+  EXPECT_TRUE(has_error(plan_request(h, roomy_limits()).status(), kInvalid, {"kv_len = 0"}));
+  h = small_header();
+  h.set_head_dim(1025);
+  EXPECT_TRUE(has_error(plan_request(h, roomy_limits()).status(), kInvalid, {"head_dim = 1025"}));
+  // A shape whose element count overflows is malformed, not merely large.
+  h = small_header();
+  h.set_batch(int64_t{1} << 40);
+  h.set_q_len(int64_t{1} << 40);
+  EXPECT_TRUE(has_error(plan_request(h, roomy_limits()).status(), kInvalid, {"q_len"}));
 }
 
 // ---- Backend choice -------------------------------------------------------

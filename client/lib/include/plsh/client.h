@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "plsh/attention.h"
 #include "plsh/params.h"
+#include "plsh/result.h"
 #include "plsh/v1/plsh.grpc.pb.h"
 
 namespace plsh::client {

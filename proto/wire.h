@@ -1,4 +1,4 @@
-// Conversions between the library's types (plsh/params.h, plsh/attention.h)
+// Conversions between the library's types (plsh/params.h, plsh/result.h)
 // and the plsh.v1 messages, both ways, in one place: the server writes
 // what the clients read, so the two directions sit side by side.
 #pragma once

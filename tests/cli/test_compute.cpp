@@ -210,6 +210,13 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   EXPECT_EQ(meta["lsh_algorithm"], lsh_algorithm_name(expected->lsh_algorithm));
   EXPECT_EQ(meta["shape"]["kv_heads"].get<int64_t>(), kv_heads);
   EXPECT_EQ(meta["shape"]["batched"].get<bool>(), c.batched);
+  // The resolved defaults, as the library resolved them.
+  EXPECT_EQ(expected->scale, params->scale);
+  EXPECT_EQ(expected->q_pos0, params->q_pos0);
+  EXPECT_EQ(expected->k_pos0, params->k_pos0);
+  EXPECT_EQ(meta["params"]["scale"].get<double>(), params->scale);
+  EXPECT_EQ(meta["params"]["q_pos0"].get<int64_t>(), params->q_pos0);
+  EXPECT_EQ(meta["params"]["k_pos0"].get<int64_t>(), params->k_pos0);
 
   ASSERT_EQ(meta["heads"].size(), expected->heads.size());
   if (o.mode != Mode::kExact) {

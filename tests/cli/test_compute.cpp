@@ -57,7 +57,7 @@ std::vector<Case> cases() {
     Case l{"lsh_gqa_causal_hashes",
            {},
            true,
-           {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-hashes"}};
+           {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-draws"}};
     l.options.batch = 2;
     l.options.q_len = l.options.kv_len = 48;
     l.options.heads = 4;
@@ -95,7 +95,7 @@ std::vector<Case> cases() {
            {},
            true,
            {"--mode", "lsh", "--samples", "3", "--seed", "7", "--lsh-algorithm", "per_sample", "--scale", "0.3",
-            "--out-dtype", "f32", "--return-hashes"}};
+            "--out-dtype", "f32", "--return-draws"}};
     p.options.batch = 1;
     p.options.q_len = 17;
     p.options.kv_len = 29;
@@ -327,7 +327,7 @@ TEST(ComputeErrors, EachBadInputExitsWithOneLineNamingTheProblem) {
        2, "--out is required"},
       {"out directory missing", with(in.args("q.npy", "k.npy", "v.npy"), {"--lse", in.dir.path("no/such/dir/l.npy")}),
        2, "directory '" + in.dir.path("no/such/dir") + "' does not exist"},
-      {"bad backend", with(plain, {"--backend", "tpu"}), 2, "backend = 'tpu', expected auto, cpu or cuda"},
+      {"bad backend", with(plain, {"--backend", "tpu"}), 2, "backend = 'tpu', expected one of auto, cpu, cuda"},
   };
   if (!BackendRegistry::global().find("cuda").ok()) {
     // Not a usage error: the flag is fine, this machine cannot do it.

@@ -169,6 +169,7 @@ nlohmann::ordered_json server_json(const v1::GetInfoResponse& info) {
                  {"memory_budget", l.memory_budget()},
                  {"max_samples", l.max_samples()},
                  {"max_message_bytes", l.max_message_bytes()},
+                 {"max_chunk_payload_bytes", l.max_chunk_payload_bytes()},
                  {"max_concurrent", l.max_concurrent()},
                  {"queue_depth", l.queue_depth()},
                  {"workers", l.workers()}};

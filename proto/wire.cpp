@@ -111,6 +111,9 @@ void result_to_summary(const AttentionResult& r, v1::Summary* s) {
   s->set_lsh_algorithm(to_wire(r.lsh_algorithm));
   s->set_samples(r.samples);
   s->set_seed(r.seed);
+  s->set_scale(r.scale);
+  s->set_q_pos0(r.q_pos0);
+  s->set_k_pos0(r.k_pos0);
   s->set_flops(r.flops);
   s->set_dense_flops(r.dense_flops);
   s->set_mask_max_err(r.mask_max_err);
@@ -147,6 +150,9 @@ StatusOr<AttentionResult> result_from_summary(const v1::Summary& s) {
   ASSIGN_OR_RETURN(r.lsh_algorithm, lsh_algorithm_from_wire(s.lsh_algorithm()));
   r.samples = s.samples();
   r.seed = s.seed();
+  r.scale = s.scale();
+  r.q_pos0 = s.q_pos0();
+  r.k_pos0 = s.k_pos0();
   r.flops = s.flops();
   r.dense_flops = s.dense_flops();
   r.mask_max_err = s.mask_max_err();

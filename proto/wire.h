@@ -1,4 +1,4 @@
-// Conversions between the library's types (plsh/params.h, plsh/attention.h)
+// Conversions between the library's types (plsh/params.h, plsh/result.h)
 // and the plsh.v1 messages, both ways, in one place: the server writes
 // what the clients read, so the two directions sit side by side.
 #pragma once
@@ -19,6 +19,10 @@ namespace plsh::wire {
 // chunk's fields take < 40 bytes). The server tells clients the payload cap
 // (Ack and GetInfo: max_chunk_payload_bytes), so clients need not know it.
 inline constexpr int64_t kMessageHeadroom = 1024;
+// The largest tensor payload of one chunk under a max message size.
+inline constexpr int64_t max_chunk_payload_bytes(int64_t max_message_bytes) {
+  return max_message_bytes - kMessageHeadroom;
+}
 
 v1::DType to_wire(DType t);
 v1::Mode to_wire(Mode m);

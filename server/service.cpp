@@ -146,6 +146,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
       ack_.set_device(plan_->backend->device());
       ack_.set_out_chunk_bytes(plan_->out_chunk_bytes);
       ack_.set_max_message_bytes(s_.limits.max_message_bytes);
+      ack_.set_max_chunk_payload_bytes(wire::max_chunk_payload_bytes(s_.limits.max_message_bytes));
       ack_ready_ = true;
     }
     pump();
@@ -426,6 +427,7 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   l->set_max_concurrent(c.max_concurrent);
   l->set_queue_depth(c.queue_depth);
   l->set_workers(c.workers);
+  l->set_max_chunk_payload_bytes(wire::max_chunk_payload_bytes(c.max_message_bytes));
   const AttentionOptions defaults;
   v1::Defaults* d = response->mutable_defaults();
   d->set_mode(v1::MODE_LSH);

@@ -29,6 +29,7 @@
 #include "bench/server_metrics.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "plsh/backend.h"
 
 namespace plsh::cli {
 namespace {
@@ -42,8 +43,8 @@ struct BenchArgs {
   std::optional<int64_t> requests;  // requests per level
   double warmup = 1;
   std::string shape = "1,1024,8,8,64";
-  std::string mode = "lsh";
-  int64_t samples = 16;
+  std::string mode = mode_name(AttentionOptions{}.mode);
+  int64_t samples = kDefaultSamples;
   bool causal = false;
   std::string wire_dtype = "f32";
   int64_t window_width = 0;
@@ -168,6 +169,7 @@ nlohmann::ordered_json server_json(const v1::GetInfoResponse& info) {
                  {"memory_budget", l.memory_budget()},
                  {"max_samples", l.max_samples()},
                  {"max_message_bytes", l.max_message_bytes()},
+                 {"max_chunk_payload_bytes", l.max_chunk_payload_bytes()},
                  {"max_concurrent", l.max_concurrent()},
                  {"queue_depth", l.queue_depth()},
                  {"workers", l.workers()}};
@@ -187,6 +189,8 @@ Status bench(const BenchArgs& a, int* exit_code) {
   ASSIGN_OR_RETURN(const bench::Arrivals arrivals, bench::parse_arrivals(a.arrivals));
   if (a.connections < 1 || a.connections > 1024)
     return invalid_argument("connections = " + std::to_string(a.connections) + ", expected in [1, 1024]");
+
+  RETURN_IF_ERROR(check_backend_name(a.backend));
 
   bench::AttendLoadConfig config;
   config.target = a.target;
@@ -368,7 +372,7 @@ RunFn setup_bench(CLI::App& app) {
       ->capture_default_str()
       ->transform(decimal_integer(true));
   app.add_flag("--no-estimates", a->no_estimates, "ask for no error estimates (lsh and window)");
-  app.add_option("--backend", a->backend, "the server's backend: auto, cpu or cuda")->capture_default_str();
+  app.add_option("--backend", a->backend, "the server's backend: " + backend_names_text())->capture_default_str();
   app.add_option("--chunk-bytes", a->chunk_bytes, "tensor payload per message both ways (0: the server's largest)")
       ->capture_default_str()
       ->transform(decimal_integer(true));

@@ -63,7 +63,7 @@ Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs) {
 
   if (!outputs.meta_path.empty()) {
     nlohmann::ordered_json meta = result_to_json(result);
-    add_params_json(params, in.batched, &meta);
+    add_params_json(o, result, in.batched, &meta);
     RETURN_IF_ERROR(write_text(outputs.meta_path, meta.dump(2) + "\n"));
   }
   return Status::Ok();

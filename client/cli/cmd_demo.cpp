@@ -24,10 +24,10 @@ struct DemoArgs {
   int64_t n = 4096;        // q_len = kv_len
   int64_t heads = 8;
   int64_t head_dim = 64;
-  int64_t samples = 16;
+  int64_t samples = kDefaultSamples;
   uint64_t seed = 0;       // of q, k, v and of the lsh draws
   bool causal = true;
-  double window_eps = 1e-4;
+  double window_eps = kDefaultWindowEps;
   std::string backend = "auto";
   int64_t threads = 0;
   bool per_head = false;
@@ -126,8 +126,7 @@ void print_per_head(const AttentionResult& r) {
 Status demo(const DemoArgs& a) {
   // Sizes and options first, before allocating anything of their size.
   for (Mode mode : {Mode::kWindow, Mode::kLsh}) RETURN_IF_ERROR(validate_options(demo_options(a, mode)));
-  if (a.backend != "auto" && a.backend != "cpu" && a.backend != "cuda")
-    return invalid_argument("backend = '" + a.backend + "', expected auto, cpu or cuda");
+  RETURN_IF_ERROR(check_backend_name(a.backend));
   if (a.threads < 0) return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
   const int64_t count = a.n * a.heads * a.head_dim;
   const std::vector<float> q = normal_tensor(count, a.seed, 0);
@@ -180,7 +179,7 @@ RunFn setup_demo(CLI::App& app) {
   app.add_flag("--causal", a->causal, "causal masking (the default)");
   app.add_flag_callback("--no-causal", [a] { a->causal = false; }, "every query sees every key");
   app.add_option("--window-eps", a->window_eps, "window mode: W_h = ceil(sigma_h ln(1/eps))")->capture_default_str();
-  app.add_option("--backend", a->backend, "auto, cpu or cuda")->capture_default_str();
+  app.add_option("--backend", a->backend, backend_names_text())->capture_default_str();
   app.add_option("--threads", a->threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));
   app.add_flag("--per-head", a->per_head, "also print the estimates of every head");
   return [a] {

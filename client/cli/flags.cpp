@@ -11,6 +11,8 @@
 #include <cstring>
 #include <filesystem>
 
+#include "plsh/backend.h"
+
 namespace plsh::cli {
 
 // CLI11 reads integers with strtoll(..., base 0): "010" would be 8, and a
@@ -59,6 +61,13 @@ std::string str(double v) {
 
 }  // namespace
 
+std::string backend_names_text() {
+  const size_t n = std::size(kBackendNames);
+  std::string text;
+  for (size_t i = 0; i < n; ++i) text += (i == 0 ? "" : i + 1 == n ? " or " : ", ") + std::string(kBackendNames[i]);
+  return text;
+}
+
 void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_option("--q", a.q_path, "queries, .npy [B, Nq, H, D] or [Nq, H, D], float32 or float16")->required();
   app.add_option("--k", a.k_path, "keys, .npy [B, Nk, Hkv, D] (H % Hkv == 0), same dtype as q")->required();
@@ -86,9 +95,11 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
       ->capture_default_str()
       ->transform(decimal_integer(true));
   app.add_flag("--no-estimates", a.no_estimates, "skip the error estimates (lsh and window)");
-  app.add_flag("--return-hashes", a.return_hashes, "put every head's draws (pitch, shift) into the metadata");
+  app.add_flag("--return-draws", a.return_draws, "put every head's draws (pitch, shift) into the metadata");
+  // The old name, hidden from --help (an empty group) but still accepted.
+  app.add_flag("--return-hashes", a.return_draws, "the former name of --return-draws")->group("");
   app.add_option("--out-dtype", a.out_dtype, "f32, f16 or bf16 (default: the inputs' dtype)");
-  app.add_option("--backend", a.backend, "auto, cpu or cuda")->capture_default_str();
+  app.add_option("--backend", a.backend, backend_names_text())->capture_default_str();
   app.add_option("--threads", a.threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));
 }
 
@@ -133,15 +144,14 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
   o.k_pos0 = a.k_pos0;
   o.probe_rows = a.probe_rows;
   o.estimates = !a.no_estimates;
-  o.return_draws = a.return_hashes;
+  o.return_draws = a.return_draws;
   if (!a.out_dtype.empty()) {
     ASSIGN_OR_RETURN(DType out, parse_dtype(a.out_dtype));
     if (out == DType::kBF16 && !a.bf16_bits)
       return invalid_argument("out_dtype = bf16 needs --bf16-bits (.npy has no bfloat16; it is written as '<u2' bit patterns)");
     o.out_dtype = out;
   }
-  if (a.backend != "auto" && a.backend != "cpu" && a.backend != "cuda")
-    return invalid_argument("backend = '" + a.backend + "', expected auto, cpu or cuda");
+  RETURN_IF_ERROR(check_backend_name(a.backend));
   if (a.threads < 0) return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
   if (!std::isfinite(a.window_eps))
     return invalid_argument("window_eps = " + str(a.window_eps) + ", expected in (0, 1)");

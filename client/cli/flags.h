@@ -22,22 +22,23 @@ namespace plsh::cli {
 struct AttentionCliArgs {
   std::string q_path, k_path, v_path;   // .npy: [B, N, H, D] or [N, H, D]
   bool bf16_bits = false;               // read/write '<u2' arrays as bfloat16 bit patterns
-  std::string mode = "lsh";             // exact | lsh | window
-  int64_t samples = 16;                 // lsh: hashes per head
+  // Defaults are AttentionOptions' (plsh/params.h), not restated here.
+  std::string mode = mode_name(AttentionOptions{}.mode);  // exact | lsh | window
+  int64_t samples = kDefaultSamples;    // lsh: hashes per head
   uint64_t seed = 0;                    // lsh: draws seed
   bool causal = false;
   std::string slopes;                   // "a,b,..." one per query head; empty: standard ALiBi slopes
   std::optional<double> scale;          // default 1/sqrt(D)
-  std::string lsh_algorithm = "auto";   // auto | per_sample | banded
-  double window_eps = 1e-4;             // window: W_h = ceil(sigma_h ln(1/eps))
+  std::string lsh_algorithm = lsh_algorithm_name(AttentionOptions{}.lsh_algorithm);  // auto | per_sample | banded
+  double window_eps = kDefaultWindowEps;  // window: W_h = ceil(sigma_h ln(1/eps))
   int64_t window_width = 0;             // window: one W for all heads; 0: from window_eps
   std::optional<int64_t> q_pos0;        // default Nk - Nq
   int64_t k_pos0 = 0;
-  int64_t probe_rows = 64;              // exact rows per head for the probe estimate
+  int64_t probe_rows = kDefaultProbeRows;  // exact rows per head for the probe estimate
   bool no_estimates = false;
-  bool return_hashes = false;           // put the draws into the metadata
+  bool return_draws = false;            // put the draws into the metadata (--return-draws)
   std::string out_dtype;                // f32 | f16 | bf16; empty: the inputs' dtype
-  std::string backend = "auto";         // auto | cpu | cuda
+  std::string backend = "auto";         // one of plsh::kBackendNames
   int64_t threads = 0;                  // CPU threads; 0: all cores
 };
 
@@ -57,6 +58,9 @@ CLI::Validator decimal_integer(bool allow_negative);
 void add_attention_flags(CLI::App& app, AttentionCliArgs& args);
 // --out (required) --lse --meta.
 void add_output_flags(CLI::App& app, OutputCliArgs& args);
+
+// "auto, cpu or cuda": plsh::kBackendNames, for help texts.
+std::string backend_names_text();
 
 // "0.5,0.25" -> {0.5, 0.25}; INVALID_ARGUMENT naming the bad item.
 StatusOr<std::vector<double>> parse_slopes(const std::string& text);

@@ -58,24 +58,24 @@ nlohmann::ordered_json result_to_json(const AttentionResult& r) {
           {"heads", std::move(heads)}};
 }
 
-void add_params_json(const AttentionParams& p, bool batched, nlohmann::ordered_json* meta) {
-  (*meta)["shape"] = {{"batch", p.batch},
-                      {"q_len", p.q_len},
-                      {"kv_len", p.kv_len},
-                      {"heads", p.heads},
-                      {"kv_heads", p.kv_heads},
-                      {"head_dim", p.head_dim},
-                      {"dtype", dtype_name(p.dtype)},
-                      {"out_dtype", dtype_name(p.out_dtype)},
+void add_params_json(const AttentionOptions& o, const AttentionResult& r, bool batched, nlohmann::ordered_json* meta) {
+  (*meta)["shape"] = {{"batch", o.batch},
+                      {"q_len", o.q_len},
+                      {"kv_len", o.kv_len},
+                      {"heads", o.heads},
+                      {"kv_heads", resolved_kv_heads(o.heads, o.kv_heads)},
+                      {"head_dim", o.head_dim},
+                      {"dtype", dtype_name(o.dtype)},
+                      {"out_dtype", dtype_name(o.out_dtype.value_or(o.dtype))},
                       {"batched", batched}};
-  (*meta)["params"] = {{"scale", number(p.scale)},
-                       {"causal", p.causal},
-                       {"q_pos0", p.q_pos0},
-                       {"k_pos0", p.k_pos0},
-                       {"window_eps", number(p.window_eps)},
-                       {"probe_rows", p.probe_rows},
-                       {"mask_row_budget", p.mask_row_budget},
-                       {"estimates", p.estimates}};
+  (*meta)["params"] = {{"scale", number(r.scale)},
+                       {"causal", o.causal},
+                       {"q_pos0", r.q_pos0},
+                       {"k_pos0", r.k_pos0},
+                       {"window_eps", number(o.window_eps)},
+                       {"probe_rows", o.probe_rows},
+                       {"mask_row_budget", o.mask_row_budget},
+                       {"estimates", o.estimates}};
 }
 
 }  // namespace plsh::cli

@@ -10,7 +10,7 @@
 //               "mask_spectral_err", "spectral_iterations",
 //               "probe": {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max"},
 //               "draws": [[pitch, shift], ...]}],          (draws: only when asked for)
-//    "shape": {...}, "params": {...}}                       (from params_to_json)
+//    "shape": {...}, "params": {...}}                       (from add_params_json)
 //
 // JSON has no infinity: sigma of a head with slope 0 (+inf), its pitch, and
 // a window of kNoWindow ("every key") are written as null; any other
@@ -21,8 +21,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "plsh/attention.h"
 #include "plsh/params.h"
+#include "plsh/result.h"
 
 namespace plsh::cli {
 
@@ -33,7 +33,13 @@ nlohmann::ordered_json result_to_json(const AttentionResult& r);
 // "shape": {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim",
 // "dtype", "out_dtype", "batched"} and "params": {"scale", "causal",
 // "q_pos0", "k_pos0", "window_eps", "probe_rows", "mask_row_budget",
-// "estimates"}, merged into `meta`. `batched`: the arrays had a batch axis.
-void add_params_json(const AttentionParams& p, bool batched, nlohmann::ordered_json* meta);
+// "estimates"}, merged into `meta`. What the caller asked for comes from
+// `options` (kv_heads and out_dtype resolved by their plsh/params.h rules);
+// the defaults that the library resolves (scale, q_pos0, k_pos0) come from
+// `result`, as computed in this process (plsh compute) or as the server
+// resolved them (plsh attend), so that neither command re-derives them.
+// `batched`: the arrays had a batch axis.
+void add_params_json(const AttentionOptions& options, const AttentionResult& result, bool batched,
+                     nlohmann::ordered_json* meta);
 
 }  // namespace plsh::cli

@@ -11,9 +11,6 @@ namespace plsh::client {
 
 namespace {
 
-// Bytes of each message kept for its own fields (the server keeps the same).
-constexpr int64_t kHeadroom = 1024;
-
 void set_deadline(grpc::ClientContext* ctx, double seconds) {
   if (seconds > 0)
     ctx->set_deadline(std::chrono::system_clock::now() +
@@ -165,7 +162,11 @@ grpc::Status Client::attend(const AttendCall& call, AttendReply* reply) {
     stream->Finish();
     return protocol_error("first response is not an ack");
   }
-  const int64_t cap = response.ack().max_message_bytes() - kHeadroom;
+  // The server says the largest payload per chunk. Servers older than that
+  // field (0) said it only as out_chunk_bytes: the payload it cut from this
+  // call's chunk_bytes, capped by the same limit.
+  const v1::Ack& ack = response.ack();
+  const int64_t cap = ack.max_chunk_payload_bytes() > 0 ? ack.max_chunk_payload_bytes() : ack.out_chunk_bytes();
   const int64_t payload = call.chunk_bytes > 0 ? std::min(call.chunk_bytes, cap) : cap;
 
   bool writing = true;

@@ -49,6 +49,9 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, cons
   result.mode = p.mode;
   result.samples = p.samples;
   result.seed = p.seed;
+  result.scale = p.scale;
+  result.q_pos0 = p.q_pos0;
+  result.k_pos0 = p.k_pos0;
 
   ForwardStats stats;
   const auto t0 = std::chrono::steady_clock::now();

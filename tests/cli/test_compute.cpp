@@ -57,7 +57,7 @@ std::vector<Case> cases() {
     Case l{"lsh_gqa_causal_hashes",
            {},
            true,
-           {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-hashes"}};
+           {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-draws"}};
     l.options.batch = 2;
     l.options.q_len = l.options.kv_len = 48;
     l.options.heads = 4;
@@ -95,7 +95,7 @@ std::vector<Case> cases() {
            {},
            true,
            {"--mode", "lsh", "--samples", "3", "--seed", "7", "--lsh-algorithm", "per_sample", "--scale", "0.3",
-            "--out-dtype", "f32", "--return-hashes"}};
+            "--out-dtype", "f32", "--return-draws"}};
     p.options.batch = 1;
     p.options.q_len = 17;
     p.options.kv_len = 29;
@@ -210,6 +210,13 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   EXPECT_EQ(meta["lsh_algorithm"], lsh_algorithm_name(expected->lsh_algorithm));
   EXPECT_EQ(meta["shape"]["kv_heads"].get<int64_t>(), kv_heads);
   EXPECT_EQ(meta["shape"]["batched"].get<bool>(), c.batched);
+  // The resolved defaults, as the library resolved them.
+  EXPECT_EQ(expected->scale, params->scale);
+  EXPECT_EQ(expected->q_pos0, params->q_pos0);
+  EXPECT_EQ(expected->k_pos0, params->k_pos0);
+  EXPECT_EQ(meta["params"]["scale"].get<double>(), params->scale);
+  EXPECT_EQ(meta["params"]["q_pos0"].get<int64_t>(), params->q_pos0);
+  EXPECT_EQ(meta["params"]["k_pos0"].get<int64_t>(), params->k_pos0);
 
   ASSERT_EQ(meta["heads"].size(), expected->heads.size());
   if (o.mode != Mode::kExact) {
@@ -320,7 +327,7 @@ TEST(ComputeErrors, EachBadInputExitsWithOneLineNamingTheProblem) {
        2, "--out is required"},
       {"out directory missing", with(in.args("q.npy", "k.npy", "v.npy"), {"--lse", in.dir.path("no/such/dir/l.npy")}),
        2, "directory '" + in.dir.path("no/such/dir") + "' does not exist"},
-      {"bad backend", with(plain, {"--backend", "tpu"}), 2, "backend = 'tpu', expected auto, cpu or cuda"},
+      {"bad backend", with(plain, {"--backend", "tpu"}), 2, "backend = 'tpu', expected one of auto, cpu, cuda"},
   };
   if (!BackendRegistry::global().find("cuda").ok()) {
     // Not a usage error: the flag is fine, this machine cannot do it.

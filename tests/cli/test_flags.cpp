@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cli/flags.h"
+#include "plsh/backend.h"
 
 namespace plsh::cli {
 namespace {
@@ -52,7 +53,7 @@ TEST(Flags, IntegersAreDecimalAndSeedsTakeHex) {
 
 TEST(Flags, OptionsFromArgs) {
   AttentionCliArgs a = parse({"--mode", "window", "--slopes", "0.5,0.25", "--scale", "0.125", "--causal",
-                              "--no-estimates", "--return-hashes", "--lsh-algorithm", "per_sample"});
+                              "--no-estimates", "--return-draws", "--lsh-algorithm", "per_sample"});
   auto o = options_from_args(a);
   ASSERT_TRUE(o.ok()) << o.status().to_string();
   EXPECT_EQ(o->mode, Mode::kWindow);
@@ -80,6 +81,40 @@ TEST(Flags, OptionsFromArgs) {
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(r.status().message().find(expected), std::string::npos) << r.status().message();
   }
+}
+
+// Unset flags are AttentionOptions' defaults (plsh/params.h), not the CLI's own.
+TEST(Flags, DefaultsAreTheLibrarys) {
+  auto o = options_from_args(parse({}));
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  const AttentionOptions defaults;
+  EXPECT_EQ(o->mode, defaults.mode);
+  EXPECT_EQ(o->samples, defaults.samples);
+  EXPECT_EQ(o->lsh_algorithm, defaults.lsh_algorithm);
+  EXPECT_EQ(o->window_eps, defaults.window_eps);
+  EXPECT_EQ(o->probe_rows, defaults.probe_rows);
+  EXPECT_EQ(o->mask_row_budget, defaults.mask_row_budget);
+  EXPECT_EQ(o->estimates, defaults.estimates);
+  EXPECT_EQ(o->return_draws, defaults.return_draws);
+}
+
+// --return-draws, and its former name --return-hashes, accepted but not
+// shown by --help.
+TEST(Flags, ReturnDrawsAndItsHiddenAlias) {
+  EXPECT_TRUE(parse({"--return-draws"}).return_draws);
+  EXPECT_TRUE(parse({"--return-hashes"}).return_draws);
+  EXPECT_FALSE(parse({}).return_draws);
+  CLI::App app;
+  AttentionCliArgs args;
+  add_attention_flags(app, args);
+  const std::string help = app.help();
+  EXPECT_NE(help.find("--return-draws"), std::string::npos) << help;
+  EXPECT_EQ(help.find("--return-hashes"), std::string::npos) << help;
+}
+
+TEST(Flags, BackendNamesAreTheRegistrys) {
+  EXPECT_EQ(backend_names_text(), "auto, cpu or cuda");
+  for (const char* name : kBackendNames) EXPECT_TRUE(options_from_args(parse({"--backend", name})).ok()) << name;
 }
 
 TEST(Flags, ShapesFromArrays) {

@@ -72,5 +72,37 @@ TEST(MetaJson, DrawsOnlyWhenPresent) {
   EXPECT_TRUE(j["summary"]["probe"].contains("rel_err_stderr"));
 }
 
+// "shape" and "params": what was asked for from the options (kv_heads = 0
+// and an unset out_dtype resolved by the library's rules), the resolved
+// defaults from the result, never re-derived here.
+TEST(MetaJson, ParamsTakeResolvedDefaultsFromTheResult) {
+  AttentionOptions o;
+  o.batch = 2;
+  o.q_len = 5;
+  o.kv_len = 9;
+  o.heads = 4;
+  o.kv_heads = 0;
+  o.head_dim = 16;
+  o.dtype = DType::kF16;
+  o.causal = true;
+  AttentionResult r;
+  r.scale = 0.375;  // not 1/sqrt(16): the result's word is taken as is
+  r.q_pos0 = 104;
+  r.k_pos0 = 100;
+  nlohmann::ordered_json meta = nlohmann::ordered_json::object();
+  add_params_json(o, r, false, &meta);
+  const nlohmann::json j = nlohmann::json::parse(meta.dump());
+  EXPECT_EQ(j["shape"], nlohmann::json::parse(R"({"batch": 2, "q_len": 5, "kv_len": 9, "heads": 4, "kv_heads": 4,
+      "head_dim": 16, "dtype": "f16", "out_dtype": "f16", "batched": false})"));
+  EXPECT_EQ(j["params"]["scale"].get<double>(), 0.375);
+  EXPECT_EQ(j["params"]["q_pos0"], 104);
+  EXPECT_EQ(j["params"]["k_pos0"], 100);
+  EXPECT_EQ(j["params"]["causal"], true);
+  EXPECT_EQ(j["params"]["window_eps"].get<double>(), kDefaultWindowEps);
+  EXPECT_EQ(j["params"]["probe_rows"], kDefaultProbeRows);
+  EXPECT_EQ(j["params"]["mask_row_budget"], kDefaultMaskRowBudget);
+  EXPECT_EQ(j["params"]["estimates"], true);
+}
+
 }  // namespace
 }  // namespace plsh::cli

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <thread>
 
+#include "plsh/attention.h"
 #include "plsh/backend.h"
 #include "plsh/client.h"
 #include "server_process.h"

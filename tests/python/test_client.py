@@ -123,6 +123,24 @@ def test_info(server):
     assert info.limits.max_samples == 512
     assert info.backends[-1].name == "cpu"
     assert info.defaults.samples == 16
+    # The payload cap clients cut chunks by: under the message size, by a
+    # headroom that only the server knows.
+    assert 0 < info.limits.max_chunk_payload_bytes < info.limits.max_message_bytes
+    assert info.defaults.out_chunk_bytes == info.limits.max_chunk_payload_bytes
+
+
+def test_options_left_out_take_the_servers_defaults(server):
+    q, k, v = rng_inputs((1, 100, 4, 16), (1, 130, 2, 16), seed=8)
+    with Client(server.address) as c:
+        defaults = c.info().defaults
+        out, meta = c.attend(q, k, v, causal=True)
+        explicit, _ = c.attend(q, k, v, causal=True, mode="lsh", samples=defaults.samples,
+                               probe_rows=defaults.probe_rows, scale=0.25, q_pos0=30)
+    assert meta["mode"] == "lsh" and meta["samples"] == defaults.samples
+    assert all(h["probe"]["rows"] == defaults.probe_rows for h in meta["heads"])
+    # The scale and positions the server resolved (SPEC section 1: 1/sqrt(D), Nk - Nq, 0).
+    assert (meta["scale"], meta["q_pos0"], meta["k_pos0"]) == (0.25, 30, 0)
+    assert np.array_equal(out, explicit)
 
 
 def test_deadline_exceeded_is_reported(server):

@@ -6,8 +6,10 @@
 
 q is [B, Nq, H, D] (or [Nq, H, D]), k and v [B, Nk, Hkv, D]; float32 or
 float16 numpy arrays. The request is streamed in chunks of rows sized to the
-server's message limit, so any length goes through. Errors raise PlshError,
-which carries the gRPC status code.
+payload limit the server states in its ack, so any length goes through.
+Defaults and limits are the server's: options left as None are not sent, and
+the server applies the defaults that c.info().defaults lists. Errors raise
+PlshError, which carries the gRPC status code.
 
 The generated stubs (plsh/v1/plsh_pb2.py, ...) are built by CMake into
 <build>/python; that directory must be on sys.path (PYTHONPATH), or set

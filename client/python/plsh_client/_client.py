@@ -18,9 +18,6 @@ except ImportError as e:  # pragma: no cover - a setup problem, not a code path
         "plsh_client needs the generated stubs: build the project (CMake target plsh_proto_python) "
         "and put <build>/python on PYTHONPATH or in PLSH_PYTHON_STUBS") from e
 
-# Bytes of each message kept for its own fields; the server keeps the same.
-_HEADROOM = 1024
-
 _DTYPES = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
 _MODES = {"exact": pb.MODE_EXACT, "lsh": pb.MODE_LSH, "window": pb.MODE_WINDOW}
 _ALGORITHMS = {"auto": pb.LSH_ALGORITHM_AUTO, "per_sample": pb.LSH_ALGORITHM_PER_SAMPLE,
@@ -105,6 +102,10 @@ def _meta(summary):
         "lsh_algorithm": algorithms.get(summary.lsh_algorithm, "auto"),
         "samples": summary.samples,
         "seed": summary.seed,
+        # The defaults as the server resolved them (0 from servers before these fields).
+        "scale": summary.scale,
+        "q_pos0": summary.q_pos0,
+        "k_pos0": summary.k_pos0,
         "flops": summary.flops,
         "dense_flops": summary.dense_flops,
         "summary": {"mask_max_err": summary.mask_max_err, "mask_spectral_err": summary.mask_spectral_err,
@@ -165,19 +166,30 @@ class Client:
         status = response[1] if len(response) >= 2 and response[0] == 0x08 else 0  # field 1: status (enum < 128)
         return {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}.get(status, "UNKNOWN")
 
-    def attend(self, q, k, v, *, mode="lsh", samples=16, seed=0, causal=False, scale=None, slopes=None,
-               q_pos0=None, k_pos0=0, lsh_algorithm="auto", window_eps=1e-4, window_width=0, estimates=True,
-               probe_rows=64, mask_row_budget=65536, return_draws=False, check_finite=True, return_lse=False,
-               out_dtype=None, wire_dtype=None, backend="auto", chunk_bytes=0, deadline=None, request_id=""):
+    def attend(self, q, k, v, *, mode=None, samples=None, seed=0, causal=False, scale=None, slopes=None,
+               q_pos0=None, k_pos0=0, lsh_algorithm="auto", window_eps=None, window_width=0, estimates=None,
+               probe_rows=None, mask_row_budget=None, return_draws=False, check_finite=None, return_lse=False,
+               out_dtype=None, wire_dtype=None, backend=None, chunk_bytes=0, deadline=None, request_id=""):
         """Runs one attention request; returns (out, meta).
+
+        Defaults and limits are the server's, not this client's: an argument
+        left as None is not sent, and the server applies its own default
+        (info().defaults says which: mode lsh, samples 16, window_eps 1e-4,
+        probe_rows 64, mask_row_budget 65536, estimates and check_finite on,
+        backend its --backend, in this version). scale None is 1/sqrt(D) and
+        q_pos0 None is Nk - Nq (SPEC section 1). samples must be in
+        [1, info().limits.max_samples] (the server's --max-samples, 4096
+        unless configured; the library allows at most 2^24).
 
         out has q's shape ([B, Nq, H, D] or [Nq, H, D]); float32 or float16
         as sent (bfloat16 comes back as float32). meta is a dict with the
-        backend, device, error estimates (SPEC section 6: "summary", "heads")
+        backend, device, the samples, seed, scale, q_pos0 and k_pos0 the
+        server used, the error estimates (SPEC section 6: "summary", "heads")
         and the server's "timings" in seconds; with return_lse, meta["lse"]
         is the float32 [B, Nq, H] log-sum-exp. chunk_bytes bounds each
-        message's payload (0: the largest the server allows); deadline is in
-        seconds. Raises PlshError with the gRPC status code on failure.
+        message's payload (0: the largest the server allows, which its ack
+        states as max_chunk_payload_bytes); deadline is in seconds. Raises
+        PlshError with the gRPC status code on failure.
         """
         q, k, v = (np.asarray(a) for a in (q, k, v))
         if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
@@ -191,7 +203,7 @@ class Client:
         out_wire = out_dtype or wire
         if out_wire not in _DTYPES:
             raise ValueError(f"out_dtype = {out_dtype!r}, expected one of {sorted(_DTYPES)}")
-        if mode not in _MODES:
+        if mode is not None and mode not in _MODES:
             raise ValueError(f"mode = {mode!r}, expected one of {sorted(_MODES)}")
         if lsh_algorithm not in _ALGORITHMS:
             raise ValueError(f"lsh_algorithm = {lsh_algorithm!r}, expected one of {sorted(_ALGORITHMS)}")
@@ -201,15 +213,17 @@ class Client:
         header = pb.AttendHeader(
             request_id=request_id, batch=B, q_len=Nq, kv_len=Nk, heads=H, kv_heads=Hkv, head_dim=D,
             dtype=_DTYPES[wire], out_dtype=_DTYPES[out_wire], causal=causal, slopes=list(slopes or []),
-            k_pos0=k_pos0, mode=_MODES[mode], samples=samples, seed=seed,
-            lsh_algorithm=_ALGORITHMS[lsh_algorithm], window_eps=window_eps, window_width=window_width,
-            estimates=estimates, probe_rows=probe_rows, mask_row_budget=mask_row_budget,
-            return_draws=return_draws, check_finite=check_finite, return_lse=return_lse,
-            out_chunk_bytes=max(0, chunk_bytes), backend=backend)
-        if scale is not None:
-            header.scale = scale
-        if q_pos0 is not None:
-            header.q_pos0 = q_pos0
+            k_pos0=k_pos0, seed=seed, lsh_algorithm=_ALGORITHMS[lsh_algorithm], window_width=window_width,
+            return_draws=return_draws, return_lse=return_lse, out_chunk_bytes=max(0, chunk_bytes),
+            backend=backend or "")
+        if mode is not None:
+            header.mode = _MODES[mode]
+        # Optional on the wire: unset means the server's default.
+        for field, value in (("scale", scale), ("q_pos0", q_pos0), ("samples", samples),
+                             ("window_eps", window_eps), ("estimates", estimates), ("probe_rows", probe_rows),
+                             ("mask_row_budget", mask_row_budget), ("check_finite", check_finite)):
+            if value is not None:
+                setattr(header, field, value)
 
         # Rows are flat over batch and sequence: [B * N, heads * D] slabs.
         tensors = [(pb.TENSOR_Q, _encode(q, wire).reshape(B * Nq, -1)),
@@ -224,7 +238,9 @@ class Client:
             ack_seen.wait()
             if "ack" not in ack:
                 return
-            cap = ack["ack"].max_message_bytes - _HEADROOM
+            # Servers older than max_chunk_payload_bytes (0) said it only as
+            # out_chunk_bytes: the payload cut from this call's chunk_bytes.
+            cap = ack["ack"].max_chunk_payload_bytes or ack["ack"].out_chunk_bytes
             payload = min(chunk_bytes, cap) if chunk_bytes > 0 else cap
             for tensor, rows in tensors:
                 per_chunk = max(1, payload // max(1, rows.strides[0]))

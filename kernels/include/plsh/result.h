@@ -44,6 +44,11 @@ struct AttentionResult {
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // used, for lsh
   int64_t samples = 0;
   uint64_t seed = 0;
+  // Defaults as resolved (AttentionParams), so that a client reads them
+  // instead of re-deriving them.
+  double scale = 0;                 // softmax scale: options.scale or 1/sqrt(D)
+  int64_t q_pos0 = 0;               // absolute position of query row 0: options.q_pos0 or Nk - Nq
+  int64_t k_pos0 = 0;               // absolute position of key row 0
   std::vector<HeadEstimate> heads;  // empty for exact
   double flops = 0;                 // done
   double dense_flops = 0;           // exact attention over the allowed pairs

@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "plsh/attention.h"
 #include "plsh/params.h"
+#include "plsh/result.h"
 #include "plsh/v1/plsh.grpc.pb.h"
 
 namespace plsh::client {
@@ -80,7 +80,7 @@ v1::AttendHeader make_header(const AttendCall& call);
 
 // "INVALID_ARGUMENT", "UNAVAILABLE", ...
 std::string status_code_name(grpc::StatusCode code);
-// "INVALID_ARGUMENT: samples = 0, expected in [1, 4096]"
+// "INVALID_ARGUMENT: samples = 0, expected in [1, 16777216]"
 std::string status_string(const grpc::Status& status);
 
 }  // namespace plsh::client

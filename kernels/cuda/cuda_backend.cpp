@@ -234,6 +234,7 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   out.o_bs = p.o_batch_stride, out.o_rs = p.o_row_stride, out.o_hs = p.o_head_stride;
   out.lse_bs = p.lse_batch_stride, out.lse_rs = p.lse_row_stride;
   out.heads = p.heads;
+  out.shape = pr.shape;
 
   const WorkspacePlan& work = layout->work;
   const int64_t T = work.tile_rows;
@@ -249,11 +250,10 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   RETURN_IF_ERROR(table_buffer.allocate(pool_, layout->table_bytes, stream));
   TableBuffers tables;
   carve_tables(p.heads, layout->table_entries, table_buffer.get(), &tables);
-  std::vector<float> lse_offset(static_cast<size_t>(p.heads));
-  for (int64_t h = 0; h < p.heads; ++h)
-    lse_offset[static_cast<size_t>(h)] = cuda::lse_offset(heads[static_cast<size_t>(h)], p.samples);
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(tables.lse_offset, lse_offset.data(), lse_offset.size() * 4, cudaMemcpyHostToDevice, stream));
+  std::vector<HeadLse> lse_terms(static_cast<size_t>(p.heads));
+  for (int64_t h = 0; h < p.heads; ++h) lse_terms[static_cast<size_t>(h)] = head_lse(p, heads[static_cast<size_t>(h)]);
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tables.head_lse, lse_terms.data(), lse_terms.size() * sizeof(HeadLse),
+                                       cudaMemcpyHostToDevice, stream));
 
   const cudaDataType_t in_type = cuda_type(p.dtype);
   const float alpha_qk = static_cast<float>(p.scale);
@@ -306,7 +306,7 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
         RETURN_IF_ERROR(launch_merge(pr, r, tables.lanes, rb, acc, stream));
         flops += 4.0 * static_cast<double>(r.slots) * static_cast<double>(T) * static_cast<double>(Kc) * static_cast<double>(D);
       }
-      RETURN_IF_ERROR(launch_finalize(p.out_dtype, out, p.q_len, D, lane0, lane1 - lane0, tables.lse_offset, acc, stream));
+      RETURN_IF_ERROR(launch_finalize(p.out_dtype, out, p.q_len, D, lane0, lane1 - lane0, tables.head_lse, acc, stream));
       chunks_done += 1;
       if (ctx.progress) ctx.progress(chunks_done / chunks_total);
     }

@@ -102,10 +102,11 @@ __global__ void __launch_bounds__(kThreads) masked_softmax_kernel(DeviceProblem 
       continue;
     }
     const int64_t pos_i = pr.q_pos0 + i;
+    const int64_t nearest = nearest_key_distance(pr.shape, i);
     const int64_t q_bin = same_bin ? span_bin(pos_i, l.pitch, l.shift) : 0;
     auto logit = [&](int64_t x, float* s) {
       const int64_t j = d.col0 + x;
-      return slot_logit(l, d, pr.shape.causal, pos_i, j, pr.k_pos0 + j, q_bin, same_bin ? key_bin[x] : 0,
+      return slot_logit(l, d, pr.shape.causal, pos_i, j, pr.k_pos0 + j, nearest, q_bin, same_bin ? key_bin[x] : 0,
                         rb.scores[base + x], s);
     };
     // The row's logits stay in registers between the max and the exp pass
@@ -176,10 +177,10 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(DeviceProblem pr, const
   }
 }
 
-// out = acc / l in the output dtype; lse = m + log l - log(samples of the head).
+// out = acc / l in the output dtype; lse = row_lse (tile_plan.h), in double.
 template <typename TO>
 __global__ void __launch_bounds__(kThreads) finalize_kernel(DeviceOutput o, int64_t q_len, int64_t head_dim,
-                                                            int64_t lane0, const float* lse_offset, Accumulators a) {
+                                                            int64_t lane0, const HeadLse* head_lse, Accumulators a) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t local = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
@@ -196,7 +197,8 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(DeviceOutput o, int6
   const float* acc = a.acc + idx * head_dim;
   for (int64_t x = lane; x < head_dim; x += 32) out[x] = from_float<TO>(l > 0.0f ? acc[x] / l : 0.0f);
   if (lane == 0 && o.lse != nullptr)
-    o.lse[b * o.lse_bs + i * o.lse_rs + h] = l > 0.0f ? a.acc_max[idx] + logf(l) - lse_offset[h] : -INFINITY;
+    o.lse[b * o.lse_bs + i * o.lse_rs + h] =
+        static_cast<float>(row_lse(a.acc_max[idx], l, head_lse[h], nearest_key_distance(o.shape, i)));
 }
 
 __global__ void bins_kernel(const long long* pos, long long* out, int64_t n, double pitch, double shift) {
@@ -232,11 +234,11 @@ Status launch_merge(const DeviceProblem& pr, const Round& round, const LanePass*
 }
 
 Status launch_finalize(DType out_dtype, const DeviceOutput& out, int64_t q_len, int64_t head_dim, int64_t lane0,
-                       int64_t lanes, const float* lse_offset, const Accumulators& acc, cudaStream_t stream) {
+                       int64_t lanes, const HeadLse* head_lse, const Accumulators& acc, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ceil_div(acc.rows_per_lane, kWarps)), static_cast<unsigned>(lanes));
   dispatch_dtype(out_dtype, [&](auto tag) {
     using TO = decltype(tag);
-    finalize_kernel<TO><<<grid, kThreads, 0, stream>>>(out, q_len, head_dim, lane0, lse_offset, acc);
+    finalize_kernel<TO><<<grid, kThreads, 0, stream>>>(out, q_len, head_dim, lane0, head_lse, acc);
     return 0;
   });
   LAUNCH_RETURN_IF_ERROR("finalize_kernel");

@@ -37,6 +37,7 @@ struct DeviceOutput {
   int64_t o_bs = 0, o_rs = 0, o_hs = 0;
   int64_t lse_bs = 0, lse_rs = 0;
   int64_t heads = 0;
+  SpanShape shape;       // for each row's nearest key (row_lse)
 };
 
 // Each returns the launch's error (configuration errors; faults surface at
@@ -49,7 +50,7 @@ Status launch_merge(const DeviceProblem& pr, const Round& round, const LanePass*
                     const Accumulators& acc, cudaStream_t stream);
 // Lanes [lane0, lane0 + lanes) of the chunk whose accumulators acc holds.
 Status launch_finalize(DType out_dtype, const DeviceOutput& out, int64_t q_len, int64_t head_dim, int64_t lane0,
-                       int64_t lanes, const float* lse_offset, const Accumulators& acc, cudaStream_t stream);
+                       int64_t lanes, const HeadLse* head_lse, const Accumulators& acc, cudaStream_t stream);
 Status launch_bins(const long long* positions, long long* bins, int64_t n, double pitch, double shift,
                    cudaStream_t stream);
 

@@ -92,7 +92,7 @@ int64_t carve_staging(const AttentionParams& p, char* base, StagingBuffers* out)
 int64_t carve_tables(int64_t heads, int64_t entries, char* base, TableBuffers* out) {
   TableBuffers t;
   Carver c(base);
-  t.lse_offset = c.take<float>(heads);
+  t.head_lse = c.take<HeadLse>(heads);
   t.lanes = c.take<LanePass>(entries);
   t.entries = entries;
   if (out != nullptr) *out = t;
@@ -171,9 +171,16 @@ std::vector<LaneSetup> head_passes(const AttentionParams& p, const std::vector<s
   return heads;
 }
 
-float lse_offset(const LaneSetup& head, int64_t samples) {
-  return !head.passes.empty() && head.passes.front().rule == SpanRule::kSameBin ? std::log(static_cast<float>(samples))
-                                                                                : 0.0f;
+HeadLse head_lse(const AttentionParams& p, const LaneSetup& head) {
+  HeadLse h;
+  if (head.passes.empty()) return h;
+  const LanePass& first = head.passes.front();
+  if (first.rule == SpanRule::kSameBin) {
+    h.offset = -std::log(static_cast<double>(p.samples));
+  } else {
+    h.slope = p.slopes[static_cast<size_t>(first.head)];  // the double the float logits' slope came from
+  }
+  return h;
 }
 
 std::vector<Round> plan_rounds(const SpanShape& shape, const std::vector<LaneSetup>& lanes, int64_t tile_begin,

@@ -179,19 +179,47 @@ PLSH_HD inline bool pair_allowed(const LanePass& l, bool causal, int64_t pq, int
   return false;
 }
 
-// The logit of key column j (key row) for query row i of a slot, or false
-// when the pass does not allow the pair there: outside the chunk's valid
-// keys, after the query under causality, outside the window, or in another
-// bin (bins given, evaluated once per row and column by the caller).
+// Distance from query row i to the nearest key position, [k_pos0, k_pos0 +
+// Nk): no key the row may see is closer. The logits leave out this much of
+// the bias (slot_logit) and row_lse adds it back in double, as the CPU
+// backend does (cpu_exact.cpp): a query 1e6 positions from every key would
+// otherwise carry a float bias of -slope * 1e6, whose rounding (0.03 at
+// 5e5) swamps the scores. Window and lsh queries sit among the keys
+// (validate_options), so theirs is 0.
+PLSH_HD inline int64_t nearest_key_distance(const SpanShape& s, int64_t i) {
+  const int64_t r = i + s.qk_offset;  // the query's position as a key row
+  return r < 0 ? -r : r >= s.kv_len ? r - (s.kv_len - 1) : 0;
+}
+
+// The logit of key column j (key row) for query row i of a slot, relative to
+// the bias of the row's nearest key (nearest_key_distance), or false when
+// the pass does not allow the pair there: outside the chunk's valid keys,
+// after the query under causality, outside the window, or in another bin
+// (bins given, evaluated once per row and column by the caller).
 PLSH_HD inline bool slot_logit(const LanePass& l, const TileDesc& d, bool causal, int64_t pos_i, int64_t j,
-                               int64_t pos_j, int64_t q_bin, int64_t k_bin, float score, float* logit) {
+                               int64_t pos_j, int64_t nearest, int64_t q_bin, int64_t k_bin, float score,
+                               float* logit) {
   if (j < d.valid_begin || j >= d.valid_end) return false;
   if (causal && pos_j > pos_i) return false;
   const int64_t dist = pos_i > pos_j ? pos_i - pos_j : pos_j - pos_i;
   if (l.rule == SpanRule::kWindow && dist >= l.window) return false;
   if (l.rule == SpanRule::kSameBin && k_bin != q_bin) return false;
-  *logit = score - l.slope * static_cast<float>(dist);
+  // dist - nearest is at most Nk - 1: exact in float below 2^24 keys.
+  *logit = score - l.slope * static_cast<float>(dist - nearest);
   return true;
+}
+
+// What a head's lse adds to m + log(l) at finalize, in double.
+struct HeadLse {
+  double offset = 0;  // -log(samples) where the passes are hashes (M~ averages them), else 0
+  double slope = 0;   // m_h where the logits carry the ALiBi bias, else 0: -slope * nearest goes back in
+};
+
+// lse of a row: m + log(l) + offset - slope * nearest, in double, as the
+// CPU backend's write_rows; -inf for a row that saw no key (l == 0).
+PLSH_HD inline double row_lse(float m, float l, const HeadLse& h, int64_t nearest) {
+  if (!(l > 0.0f)) return -INFINITY;
+  return static_cast<double>(m) + log(static_cast<double>(l)) + h.offset - h.slope * static_cast<double>(nearest);
 }
 
 // Online log-sum-exp merge of a partial row (max m_part, sum l_part > 0)
@@ -305,9 +333,9 @@ struct StagingBuffers {
 };
 int64_t carve_staging(const AttentionParams& p, char* base, StagingBuffers* out);
 
-// The per-head lse offsets and the lane table of the largest chunk.
+// The per-head lse terms and the lane table of the largest chunk.
 struct TableBuffers {
-  float* lse_offset = nullptr;  // [H]
+  HeadLse* head_lse = nullptr;  // [H]
   LanePass* lanes = nullptr;    // [entries]
   int64_t entries = 0;
 };
@@ -360,9 +388,9 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
 // and batch item.
 std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lane0, int64_t lane1);
 
-// Subtracted from m + log(l) to give lse: log(samples) where the passes are
-// hashes (M~ averages them), else 0.
-float lse_offset(const LaneSetup& head, int64_t samples);
+// Head h's terms of row_lse: -log(samples) where the passes are hashes,
+// and the head's slope (p.slopes, double) where they carry the bias.
+HeadLse head_lse(const AttentionParams& p, const LaneSetup& head);
 
 // The rounds of one chunk: lanes [0, lanes.size()) (acc_lane = index) and
 // query tiles [tile_begin, tile_end). Appends to `table` the LanePass entries

@@ -20,6 +20,7 @@
 #include "plsh/draws.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
+#include "log_reference.h"
 #include "reference.h"
 
 namespace plsh {
@@ -131,7 +132,8 @@ TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(testing::plan_and_forward(*cpu, *pc, ExecContext{}, nullptr).ok());
 
-  const testing::ReferenceOutput ref = testing::reference_attention(*p);
+  // The bias in the log domain: exact for queries far from every key too.
+  const testing::ReferenceOutput ref = testing::log_domain_reference(*p);
   const double tol = tolerance(c.dtype);
   const ErrorStats vs_ref = compare(out_gpu.data(), c.dtype, ref.out);
   const ErrorStats cpu_vs_ref = compare(out_cpu.data(), c.dtype, ref.out);
@@ -172,6 +174,16 @@ std::vector<GpuCase> cases() {
   v.push_back({"lsh_wide_pitch_f32", 1, 600, 600, 2, 2, 128, f, Mode::kLsh, false, std::nullopt, 0, 4, 0, {1.0 / 400, 1.0 / 150}});
   v.push_back({"window_fixed_width_f32", 1, 257, 300, 2, 1, 64, f, Mode::kWindow, false, std::nullopt, 0, 0, 17, {}});
   v.push_back({"window_wide_f32", 1, 200, 1100, 2, 2, 40, f, Mode::kWindow, true, std::nullopt, 0, 0, 700, {}});
+  // Queries far from every key (shards of a long sequence): the logits are
+  // relative to the nearest key and lse adds the offset back (issue 15).
+  v.push_back({"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, f, Mode::kExact, true, int64_t{1000000}, 0, 0, 0,
+               {0.5, 1.0 / 64}});
+  v.push_back({"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, f, Mode::kExact, false, int64_t{-200000}, 0, 0, 0,
+               {0.5, 0.125}});
+  v.push_back({"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, f, Mode::kExact, true, int64_t{65536}, 0, 0, 0,
+               {0.5, 1.0 / 16}});
+  v.push_back({"exact_shard_at_65536_bf16", 1, 64, 4096, 2, 1, 64, DType::kBF16, Mode::kExact, true, int64_t{65536}, 0, 0,
+               0, {0.5, 1.0 / 16}});
   return v;
 }
 

@@ -67,21 +67,43 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
+    // The registry keeps its backends in a static, destroyed at process exit,
+    // possibly after the CUDA runtime has shut down: then destroying cuBLAS
+    // handles (and the pool, DevicePool) could crash inside libraries that
+    // are half gone. The process is ending and the driver takes everything
+    // back, so nothing is released then; nor in a lost context, where every
+    // call fails anyway. A backend destroyed mid-process (tests, embedders)
+    // releases its handles.
+    if (health_.lost() || !cuda_runtime_alive()) {
+      pool_.abandon();
+      return;
+    }
     for (cublasHandle_t h : free_handles_) (void)cublasDestroy(h);
   }
 
   std::string name() const override { return "cuda"; }
-  std::string device() const override { return device_name_; }
+  // The device, and after a sticky error why it takes no more work: what
+  // GetInfo and each result's metadata show, and the server can log.
+  std::string device() const override {
+    const Status health = health_.usable();
+    return health.ok() ? device_name_ : device_name_ + " [" + health.message() + "]";
+  }
   std::optional<DeviceMemory> device_memory() const override {
+    if (health_.lost()) return std::nullopt;
     size_t free_bytes = 0, total_bytes = 0;
-    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky-free error so the next call starts clean
+    const cudaError_t set = cudaSetDevice(device_);
+    const cudaError_t e = set != cudaSuccess ? set : cudaMemGetInfo(&free_bytes, &total_bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // a recoverable error must not fail this thread's next launch check
+      health_.record(e, "in cudaMemGetInfo");
       return std::nullopt;
     }
     return DeviceMemory{static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes), pool_.budget()};
   }
 
   Status supports(const AttentionParams& p) const override {
+    // After a sticky error: UNAVAILABLE, so that "auto" falls back to the CPU.
+    RETURN_IF_ERROR(health_.usable());
     if (p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kBanded)
       return unimplemented("lsh_algorithm = banded is not implemented on the cuda backend, expected auto or per_sample");
     const int64_t lds[] = {p.q_row_stride, p.k_row_stride, p.v_row_stride};
@@ -122,6 +144,8 @@ class CudaBackend final : public Backend {
   Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override;
 
  private:
+  Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats);
+
   StatusOr<cublasHandle_t> acquire_handle() {
     {
       std::lock_guard<std::mutex> lock(handle_mutex_);
@@ -133,8 +157,13 @@ class CudaBackend final : public Backend {
     }
     cublasHandle_t h = nullptr;
     CUBLAS_RETURN_IF_ERROR(cublasCreate(&h));
-    // fp32 inputs stay fp32 on the tensor cores' side too: no TF32.
-    CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+    // fp32 inputs stay fp32 on the tensor cores' side too: no TF32. A handle
+    // that cannot be set up is destroyed, not leaked.
+    const Status math = cublas_status(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode", __FILE__, __LINE__);
+    if (!math.ok()) {
+      (void)cublasDestroy(h);
+      return math;
+    }
     return h;
   }
   void release_handle(cublasHandle_t h) {
@@ -162,12 +191,31 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   std::string device_name_;
+  mutable DeviceHealth health_;
   mutable DevicePool pool_;
   std::mutex handle_mutex_;
   std::vector<cublasHandle_t> free_handles_;
 };
 
 Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+  RETURN_IF_ERROR(health_.usable());
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  // An error an earlier call left on this thread (a pool allocation that did
+  // not fit, a failed pointer query, another library's) would otherwise be
+  // read by this request's first launch check as its own.
+  const cudaError_t stale = cudaGetLastError();
+  if (health_.record(stale, "found at the start of a request")) return health_.usable();
+  const Status s = run_forward(plan, ctx, stats);
+  // run_forward drains the stream on every path; a sticky error shows in
+  // the last-error slot whichever call met it (a cuBLAS status, the drain).
+  const cudaError_t last = cudaGetLastError();
+  if (health_.record(last, "during a request")) return s.ok() ? health_.usable() : s;
+  // UNAVAILABLE from run_forward comes only from a sticky error (cuda_check.h).
+  if (s.code() == StatusCode::kUnavailable) health_.record_lost(s.message());
+  return s;
+}
+
+Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
   if (plan.backend != name())
     return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cuda backend");
   const auto* layout = dynamic_cast<const CudaLayout*>(plan.layout.get());
@@ -176,7 +224,6 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   if (p.q == nullptr || p.out == nullptr)
     return failed_precondition("cuda backend: the plan's tensors are not bound, expected bind_tensors first");
   RETURN_IF_ERROR(supports(p));
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaStream_t stream = ctx.stream != nullptr ? static_cast<cudaStream_t>(ctx.stream) : cudaStreamPerThread;
   if (p.memory == MemorySpace::kDevice) RETURN_IF_ERROR(check_device_tensors(p));
 

@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -17,6 +19,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_check.h"
 #include "plsh/draws.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
@@ -347,6 +350,76 @@ TEST(CudaControl, TinyBudgetIsResourceExhausted) {
   StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(testing::plan_and_forward(*small, *p, ExecContext{}, nullptr).code(), StatusCode::kResourceExhausted);
+}
+
+// A recoverable error an earlier call left on the worker thread (here an
+// allocation far beyond the device) must not fail the next request: the
+// runtime keeps it as the thread's last error, which the first launch check
+// used to read as its own (issue 15).
+TEST(CudaErrors, StaleRecoverableErrorDoesNotFailTheNextRequest) {
+  REQUIRE_CUDA(cuda);
+  void* huge = nullptr;
+  ASSERT_EQ(cudaMalloc(&huge, size_t{1} << 60), cudaErrorMemoryAllocation);
+  ASSERT_EQ(cudaPeekAtLastError(), cudaErrorMemoryAllocation) << "the runtime keeps it as the last error";
+  AttentionOptions o;
+  o.q_len = o.kv_len = 100;
+  o.heads = 2;
+  o.head_dim = 64;
+  o.mode = Mode::kExact;
+  o.causal = true;
+  o.estimates = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 6);
+  std::vector<uint8_t> out = testing::output_buffer(o);
+  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(p.ok());
+  const Status s = testing::plan_and_forward(*cuda, *p, ExecContext{}, nullptr);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_TRUE(cuda->supports(*p).ok());
+  EXPECT_LE(compare(out.data(), o.dtype, testing::reference_attention(*p).out).max_rel, tolerance(o.dtype));
+}
+
+// A real device fault (a GEMM reading far past a 4 KiB buffer that was
+// passed off as a [1, 65536, 32, 128] tensor) loses the context for the
+// whole process; the backend must then refuse work with UNAVAILABLE naming
+// the error (so the registry's "auto" picks the CPU), and the process must
+// still exit cleanly. Run in a child process: the fault would break every
+// later test of this one.
+void sticky_fault_child() {
+  std::string why;
+  std::unique_ptr<Backend> cuda = cuda::make_cuda_backend(&why);
+  if (cuda == nullptr) std::exit(3);
+  AttentionOptions o;
+  o.q_len = o.kv_len = 65536;
+  o.heads = 32;
+  o.head_dim = 128;
+  o.dtype = DType::kBF16;
+  o.mode = Mode::kExact;
+  o.estimates = false;
+  void* small[4] = {};
+  for (void*& b : small)
+    if (cudaMalloc(&b, 4096) != cudaSuccess) std::exit(4);
+  StatusOr<AttentionParams> p = make_params(o, {small[0], small[1], small[2], small[3], nullptr, MemorySpace::kDevice});
+  if (!p.ok()) std::exit(5);
+  const Status s = testing::plan_and_forward(*cuda, *p, ExecContext{}, nullptr);
+  std::fprintf(stderr, "forward: %s\n", s.to_string().c_str());
+  const cudaError_t sync = cudaDeviceSynchronize();
+  if (!cuda::is_sticky_error(sync)) {
+    std::fprintf(stderr, "no sticky error (%s): the out-of-bounds reads met mapped memory\n", cudaGetErrorName(sync));
+    std::exit(6);
+  }
+  const Status refused = cuda->supports(*p);
+  std::fprintf(stderr, "supports after the fault: %s; device: %s\n", refused.to_string().c_str(), cuda->device().c_str());
+  const bool ok = !s.ok() && refused.code() == StatusCode::kUnavailable &&
+                  refused.message().find(cudaGetErrorName(sync)) != std::string::npos &&
+                  cuda->device().find("unusable") != std::string::npos;
+  std::exit(ok ? 0 : 1);  // exit() runs the static destructors, as the server's does
+}
+
+TEST(CudaErrorsDeathTest, StickyFaultMakesTheBackendRefuseWorkAndExitCleanly) {
+  REQUIRE_CUDA(cuda);
+  (void)cuda;
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(sticky_fault_child(), ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

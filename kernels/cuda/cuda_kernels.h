@@ -16,16 +16,13 @@
 
 namespace plsh::cuda {
 
-// The tensors as the kernels see them (device pointers, element strides).
+// The tensors as the kernels see them (device pointers; strides and the
+// rest of the GEMM operands' layout in `operands`, tile_plan.h).
 struct DeviceProblem {
-  const char* q = nullptr;  // [B, Nq, H, D]
+  const char* q = nullptr;  // [B, Nq, H, D] (rows padded when staged)
   const char* k = nullptr;  // [B, Nk, Hkv, D]
   const char* v = nullptr;  // [B, Nk, Hkv, D]
-  int64_t q_bs = 0, q_rs = 0, q_hs = 0;
-  int64_t k_bs = 0, k_rs = 0, k_hs = 0;
-  int64_t v_bs = 0, v_rs = 0, v_hs = 0;
-  int64_t elem_bytes = 0;
-  int64_t head_group = 1;
+  OperandLayout operands;
   int64_t head_dim = 0;
   int64_t q_pos0 = 0, k_pos0 = 0;
   SpanShape shape;
@@ -41,7 +38,8 @@ struct DeviceOutput {
 };
 
 // Each returns the launch's error (configuration errors; faults surface at
-// the next synchronisation).
+// the next synchronisation), or INTERNAL before launching a grid beyond
+// CUDA's limits (grid.x <= 2^31 - 1, grid.y <= 65535).
 Status launch_build_round(const DeviceProblem& pr, const Round& round, const LanePass* lanes, const RoundBuffers& rb,
                           cudaStream_t stream);
 Status launch_masked_softmax(DType dtype, const DeviceProblem& pr, const Round& round, const LanePass* lanes,

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -18,11 +19,13 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_kernels.h"
 #include "cuda/device_memory.h"
+#include "cuda/step_pacer.h"
 #include "cuda/tile_plan.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
@@ -39,6 +42,30 @@ cudaDataType_t cuda_type(DType t) {
   }
   return CUDA_R_32F;
 }
+
+// The events of StepPacer's steps, destroyed with the forward call (an event
+// still pending is released once it completes).
+class StepEvents {
+ public:
+  StepEvents() = default;
+  StepEvents(const StepEvents&) = delete;
+  StepEvents& operator=(const StepEvents&) = delete;
+  ~StepEvents() {
+    for (cudaEvent_t e : events_) (void)cudaEventDestroy(e);
+  }
+  Status create(int n) {
+    for (int i = 0; i < n; ++i) {
+      cudaEvent_t e = nullptr;
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      events_.push_back(e);
+    }
+    return Status::Ok();
+  }
+  cudaEvent_t at(int slot) const { return events_[static_cast<size_t>(slot)]; }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+};
 
 class CudaBackend final : public Backend {
  public:
@@ -67,32 +94,56 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
+    // The registry keeps its backends in a static, destroyed at process exit,
+    // possibly after the CUDA runtime has shut down: then destroying cuBLAS
+    // handles (and the pool, DevicePool) could crash inside libraries that
+    // are half gone. The process is ending and the driver takes everything
+    // back, so nothing is released then; nor in a lost context, where every
+    // call fails anyway. A backend destroyed mid-process (tests, embedders)
+    // releases its handles.
+    if (health_.lost() || !cuda_runtime_alive()) {
+      pool_.abandon();
+      return;
+    }
     for (cublasHandle_t h : free_handles_) (void)cublasDestroy(h);
   }
 
   std::string name() const override { return "cuda"; }
-  std::string device() const override { return device_name_; }
+  // The device, and after a sticky error why it takes no more work: what
+  // GetInfo and each result's metadata show, and the server can log.
+  std::string device() const override {
+    const Status health = health_.usable();
+    return health.ok() ? device_name_ : device_name_ + " [" + health.message() + "]";
+  }
   std::optional<DeviceMemory> device_memory() const override {
+    if (health_.lost()) return std::nullopt;
     size_t free_bytes = 0, total_bytes = 0;
-    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky-free error so the next call starts clean
+    const cudaError_t set = cudaSetDevice(device_);
+    const cudaError_t e = set != cudaSuccess ? set : cudaMemGetInfo(&free_bytes, &total_bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // a recoverable error must not fail this thread's next launch check
+      health_.record(e, "in cudaMemGetInfo");
       return std::nullopt;
     }
     return DeviceMemory{static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes), pool_.budget()};
   }
 
   Status supports(const AttentionParams& p) const override {
+    // After a sticky error: UNAVAILABLE, so that "auto" falls back to the CPU.
+    RETURN_IF_ERROR(health_.usable());
     if (p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kBanded)
       return unimplemented("lsh_algorithm = banded is not implemented on the cuda backend, expected auto or per_sample");
-    const int64_t lds[] = {p.q_row_stride, p.k_row_stride, p.v_row_stride};
-    for (int64_t ld : lds)
-      if (ld > INT_MAX) return unimplemented("row stride " + std::to_string(ld) + " exceeds cuBLAS's int leading dimension");
-    // The least a request needs: its staging copies and one tile's work.
+    // 16-byte aligned GEMM operands (device tensors as given; host ones are
+    // staged with padded rows), leading dimensions within cuBLAS's int.
+    RETURN_IF_ERROR(check_operands(p));
+    // The least a request needs: its staging copies, one tile's work and
+    // cuBLAS's smallest workspace.
     const int64_t staging = p.memory == MemorySpace::kHost ? carve_staging(p, nullptr, nullptr) : 0;
     const int64_t one_tile = carve_work(1, std::min(kTileRows, p.q_len), std::min(kMaxKeyCols, p.kv_len), p.head_dim,
                                         static_cast<int64_t>(dtype_bytes(p.dtype)), nullptr, nullptr, nullptr);
-    if (staging + one_tile > pool_.budget())
-      return resource_exhausted("cuda backend: the request needs at least " + std::to_string(staging + one_tile) +
+    const int64_t least = staging + one_tile + kCublasMinWorkspaceBytes;
+    if (least > pool_.budget())
+      return resource_exhausted("cuda backend: the request needs at least " + std::to_string(least) +
                                 " bytes of device memory, the backend's budget is " + std::to_string(pool_.budget()));
     return Status::Ok();
   }
@@ -102,8 +153,16 @@ class CudaBackend final : public Backend {
     ASSIGN_OR_RETURN(Plan plan, start_plan(p, name(), limits));
     try {
       if (p.mode == Mode::kLsh) plan.lsh_algorithm = LshAlgorithm::kPerSample;
-      const int64_t cap = limits.device_bytes > 0 ? std::min(limits.device_bytes, pool_.budget()) : pool_.budget();
-      ASSIGN_OR_RETURN(CudaLayout layout, plan_layout(p, plan.draws, cap));
+      // The caller's share, or half the pool (request_device_cap); a request
+      // too large for half the pool may have all of it: it can only run alone.
+      const int64_t cap = request_device_cap(pool_.budget(), limits.device_bytes);
+      StatusOr<CudaLayout> planned = plan_layout(p, plan.draws, cap);
+      if (!planned.ok() && limits.device_bytes <= 0 && cap < pool_.budget())
+        planned = plan_layout(p, plan.draws, pool_.budget());
+      if (!planned.ok()) return planned.status();
+      CudaLayout layout = std::move(*planned);
+      // Exactly what forward allocates from the pool (staging, tables with
+      // cuBLAS's workspace, work): check_layout_fits holds forward to it.
       plan.forward_workspace.device_bytes = layout.device_bytes();
       // The host side: the draws, the passes and one chunk's lane table.
       int64_t passes = 0;
@@ -122,6 +181,8 @@ class CudaBackend final : public Backend {
   Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override;
 
  private:
+  Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats);
+
   StatusOr<cublasHandle_t> acquire_handle() {
     {
       std::lock_guard<std::mutex> lock(handle_mutex_);
@@ -133,8 +194,13 @@ class CudaBackend final : public Backend {
     }
     cublasHandle_t h = nullptr;
     CUBLAS_RETURN_IF_ERROR(cublasCreate(&h));
-    // fp32 inputs stay fp32 on the tensor cores' side too: no TF32.
-    CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+    // fp32 inputs stay fp32 on the tensor cores' side too: no TF32. A handle
+    // that cannot be set up is destroyed, not leaked.
+    const Status math = cublas_status(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode", __FILE__, __LINE__);
+    if (!math.ok()) {
+      (void)cublasDestroy(h);
+      return math;
+    }
     return h;
   }
   void release_handle(cublasHandle_t h) {
@@ -162,12 +228,31 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   std::string device_name_;
+  mutable DeviceHealth health_;
   mutable DevicePool pool_;
   std::mutex handle_mutex_;
   std::vector<cublasHandle_t> free_handles_;
 };
 
 Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+  RETURN_IF_ERROR(health_.usable());
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  // An error an earlier call left on this thread (a pool allocation that did
+  // not fit, a failed pointer query, another library's) would otherwise be
+  // read by this request's first launch check as its own.
+  const cudaError_t stale = cudaGetLastError();
+  if (health_.record(stale, "found at the start of a request")) return health_.usable();
+  const Status s = run_forward(plan, ctx, stats);
+  // run_forward drains the stream on every path; a sticky error shows in
+  // the last-error slot whichever call met it (a cuBLAS status, the drain).
+  const cudaError_t last = cudaGetLastError();
+  if (health_.record(last, "during a request")) return s.ok() ? health_.usable() : s;
+  // UNAVAILABLE from run_forward comes only from a sticky error (cuda_check.h).
+  if (s.code() == StatusCode::kUnavailable) health_.record_lost(s.message());
+  return s;
+}
+
+Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
   if (plan.backend != name())
     return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cuda backend");
   const auto* layout = dynamic_cast<const CudaLayout*>(plan.layout.get());
@@ -176,7 +261,11 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   if (p.q == nullptr || p.out == nullptr)
     return failed_precondition("cuda backend: the plan's tensors are not bound, expected bind_tensors first");
   RETURN_IF_ERROR(supports(p));
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  // Every buffer carved below stays inside what the plan charged.
+  RETURN_IF_ERROR(check_layout_fits(*layout, p));
+  if (plan.forward_workspace.device_bytes != layout->device_bytes())
+    return internal_error("cuda backend: the plan charges " + std::to_string(plan.forward_workspace.device_bytes) +
+                          " device bytes, its layout sized " + std::to_string(layout->device_bytes()));
   cudaStream_t stream = ctx.stream != nullptr ? static_cast<cudaStream_t>(ctx.stream) : cudaStreamPerThread;
   if (p.memory == MemorySpace::kDevice) RETURN_IF_ERROR(check_device_tensors(p));
 
@@ -186,20 +275,24 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   RETURN_IF_ERROR(reservation.take(layout->device_bytes()));
 
   ASSIGN_OR_RETURN(cublasHandle_t handle, acquire_handle());
-  // Work still queued on an error path may use the handle's workspace: let
-  // it drain before another stream can take the handle.
+  // Whatever path leaves this function, the work it queued drains before the
+  // buffers go back to the pool for another stream and the handle to
+  // another request (the DeviceBuffers below free in stream order; this
+  // guard, declared first, runs last). After a stop that is at most the
+  // steps in flight (StepPacer).
   struct HandleGuard {
     CudaBackend* self;
     cublasHandle_t h;
     cudaStream_t stream;
     ~HandleGuard() {
-      (void)cudaStreamSynchronize(stream);
+      (void)cudaStreamSynchronize(stream);  // its error, if sticky, is read by forward()
       self->release_handle(h);
     }
   } handle_guard{this, handle, stream};
   CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle, stream));
 
-  // Host tensors travel through the pool, in the slices the plan sized.
+  // Host tensors travel through the pool, in the slices the plan sized:
+  // q, k and v with each head's row padded to 16 bytes (operand_layout).
   DeviceBuffer staging_buffer;
   StagingBuffers staged;
   DeviceProblem pr;
@@ -207,26 +300,31 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   pr.q = static_cast<const char*>(p.q);
   pr.k = static_cast<const char*>(p.k);
   pr.v = static_cast<const char*>(p.v);
+  pr.operands = operand_layout(p);
   out.out = p.out;
   out.lse = p.lse;
+  const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
   if (p.memory == MemorySpace::kHost) {
     RETURN_IF_ERROR(staging_buffer.allocate(pool_, layout->staging_bytes, stream));
     carve_staging(p, staging_buffer.get(), &staged);
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged.q, p.q, static_cast<size_t>(staged.q_bytes), cudaMemcpyHostToDevice, stream));
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged.k, p.k, static_cast<size_t>(staged.k_bytes), cudaMemcpyHostToDevice, stream));
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged.v, p.v, static_cast<size_t>(staged.v_bytes), cudaMemcpyHostToDevice, stream));
+    // One 2D copy per tensor: B * N * H rows of D elements (dense: the
+    // source pitch is D, check_operands), each to a padded row.
+    const size_t row = static_cast<size_t>(p.head_dim * esz);
+    const size_t q_rows = static_cast<size_t>(p.batch * p.q_len * p.heads);
+    const size_t kv_rows = static_cast<size_t>(p.batch * p.kv_len * p.kv_heads);
+    const OperandLayout& o = pr.operands;
+    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(staged.q, static_cast<size_t>(o.q_hs * esz), p.q, row, row, q_rows,
+                                           cudaMemcpyHostToDevice, stream));
+    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(staged.k, static_cast<size_t>(o.k_hs * esz), p.k, row, row, kv_rows,
+                                           cudaMemcpyHostToDevice, stream));
+    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(staged.v, static_cast<size_t>(o.v_hs * esz), p.v, row, row, kv_rows,
+                                           cudaMemcpyHostToDevice, stream));
     pr.q = staged.q;
     pr.k = staged.k;
     pr.v = staged.v;
     out.out = staged.out;
     out.lse = p.lse != nullptr ? staged.lse : nullptr;
   }
-  const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
-  pr.q_bs = p.q_batch_stride, pr.q_rs = p.q_row_stride, pr.q_hs = p.q_head_stride;
-  pr.k_bs = p.k_batch_stride, pr.k_rs = p.k_row_stride, pr.k_hs = p.k_head_stride;
-  pr.v_bs = p.v_batch_stride, pr.v_rs = p.v_row_stride, pr.v_hs = p.v_head_stride;
-  pr.elem_bytes = esz;
-  pr.head_group = p.head_group;
   pr.head_dim = p.head_dim;
   pr.q_pos0 = p.q_pos0;
   pr.k_pos0 = p.k_pos0;
@@ -234,6 +332,7 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   out.o_bs = p.o_batch_stride, out.o_rs = p.o_row_stride, out.o_hs = p.o_head_stride;
   out.lse_bs = p.lse_batch_stride, out.lse_rs = p.lse_row_stride;
   out.heads = p.heads;
+  out.shape = pr.shape;
 
   const WorkspacePlan& work = layout->work;
   const int64_t T = work.tile_rows;
@@ -248,16 +347,48 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   DeviceBuffer table_buffer;
   RETURN_IF_ERROR(table_buffer.allocate(pool_, layout->table_bytes, stream));
   TableBuffers tables;
-  carve_tables(p.heads, layout->table_entries, table_buffer.get(), &tables);
-  std::vector<float> lse_offset(static_cast<size_t>(p.heads));
-  for (int64_t h = 0; h < p.heads; ++h)
-    lse_offset[static_cast<size_t>(h)] = cuda::lse_offset(heads[static_cast<size_t>(h)], p.samples);
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(tables.lse_offset, lse_offset.data(), lse_offset.size() * 4, cudaMemcpyHostToDevice, stream));
+  carve_tables(p.heads, layout->table_entries, layout->cublas_workspace_bytes, table_buffer.get(), &tables);
+  // cuBLAS's workspace is the plan's (cublasSetStream has just reset it to
+  // the handle's default pool): no allocation outside what was charged.
+  CUBLAS_RETURN_IF_ERROR(
+      cublasSetWorkspace(handle, tables.cublas_workspace, static_cast<size_t>(tables.cublas_workspace_bytes)));
+  std::vector<HeadLse> lse_terms(static_cast<size_t>(p.heads));
+  for (int64_t h = 0; h < p.heads; ++h) lse_terms[static_cast<size_t>(h)] = head_lse(p, heads[static_cast<size_t>(h)]);
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tables.head_lse, lse_terms.data(), lse_terms.size() * sizeof(HeadLse),
+                                       cudaMemcpyHostToDevice, stream));
+
+  // Steps of about kStepFlops, at most kStepsInFlight queued: cancel,
+  // deadline and progress follow the GPU, not the host (step_pacer.h).
+  StepEvents events;
+  RETURN_IF_ERROR(events.create(kStepsInFlight));
+  StepPacer::Hooks hooks;
+  hooks.record = [&](int slot) {
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events.at(slot), stream));
+    return Status::Ok();
+  };
+  hooks.done = [&](int slot) -> StatusOr<bool> {
+    const cudaError_t e = cudaEventQuery(events.at(slot));
+    if (e == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // "not yet" is no error to keep
+      return false;
+    }
+    CUDA_RETURN_IF_ERROR(e);
+    return true;
+  };
+  hooks.check_stop = [&] { return ctx.check_stop(); };
+  hooks.progress = ctx.progress;
+  hooks.pause = [](int polls) {
+    // Spin briefly (a step may be nearly done), then sleep: the next step is
+    // queued behind this one, so the GPU does not wait for the host.
+    if (polls < 64) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  };
+  StepPacer pacer(kStepsInFlight, kStepFlops, std::move(hooks));
 
   const cudaDataType_t in_type = cuda_type(p.dtype);
   const float alpha_qk = static_cast<float>(p.scale);
   const float one = 1.0f, zero = 0.0f;
+  const OperandLayout& ops = pr.operands;
   const int64_t lanes_total = p.batch * p.heads;
   const int64_t tiles_total = tile_count(pr.shape);
   const double chunks_total =
@@ -286,29 +417,48 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
       CUDA_RETURN_IF_ERROR(cudaMemsetAsync(acc.acc_max, 0, static_cast<size_t>(acc_rows * 4), stream));
       CUDA_RETURN_IF_ERROR(cudaMemsetAsync(acc.acc_sum, 0, static_cast<size_t>(acc_rows * 4), stream));
 
-      for (const Round& r : rounds) {
+      for (size_t ri = 0; ri < rounds.size(); ++ri) {
+        const Round& r = rounds[ri];
         RETURN_IF_ERROR(ctx.check_stop());
-        const int slots = static_cast<int>(r.slots);
         const int Kc = static_cast<int>(r.key_cols);
+        const int Kp = static_cast<int>(key_pitch(r.key_cols));
         RETURN_IF_ERROR(launch_build_round(pr, r, tables.lanes, rb, stream));
-        // S^T (Kc x T, column-major) = K_chunk (Kc x D) . Q_tile^T: row-major S [T][Kc].
-        CUBLAS_RETURN_IF_ERROR(cublasGemmBatchedEx(
-            handle, CUBLAS_OP_T, CUBLAS_OP_N, Kc, static_cast<int>(T), static_cast<int>(D), &alpha_qk, rb.k_ptr, in_type,
-            static_cast<int>(p.k_row_stride), rb.q_ptr, in_type, static_cast<int>(p.q_row_stride), &zero,
-            reinterpret_cast<void* const*>(rb.score_ptr), CUDA_R_32F, Kc, slots, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        // At most kMaxGemmBatch matrices per cuBLAS call: the pointer arrays
+        // of a sub-batch start at its first slot.
+        for (const GemmBatch& g : gemm_batches(r.slots)) {
+          const int count = static_cast<int>(g.count);
+          // S^T (Kc x T, column-major, pitch Kp) = K_chunk (Kc x D) . Q_tile^T: row-major S [T][Kp].
+          CUBLAS_RETURN_IF_ERROR(cublasGemmBatchedEx(
+              handle, CUBLAS_OP_T, CUBLAS_OP_N, Kc, static_cast<int>(T), static_cast<int>(D), &alpha_qk,
+              rb.k_ptr + g.first, in_type, static_cast<int>(ops.k_rs), rb.q_ptr + g.first, in_type,
+              static_cast<int>(ops.q_rs), &zero, reinterpret_cast<void* const*>(rb.score_ptr + g.first), CUDA_R_32F, Kp,
+              count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        }
         RETURN_IF_ERROR(launch_masked_softmax(p.dtype, pr, r, tables.lanes, rb, stream));
-        // O^T (D x T) = V_chunk^T (D x Kc) . P^T (Kc x T): row-major O [T][D].
-        CUBLAS_RETURN_IF_ERROR(cublasGemmBatchedEx(
-            handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(D), static_cast<int>(T), Kc, &one, rb.v_ptr, in_type,
-            static_cast<int>(p.v_row_stride), rb.prob_ptr, in_type, Kc, &zero,
-            reinterpret_cast<void* const*>(rb.partial_ptr), CUDA_R_32F, static_cast<int>(D), slots, CUBLAS_COMPUTE_32F,
-            CUBLAS_GEMM_DEFAULT));
+        for (const GemmBatch& g : gemm_batches(r.slots)) {
+          const int count = static_cast<int>(g.count);
+          // O^T (D x T, pitch Dp) = V_chunk^T (D x Kc) . P^T (Kc x T, pitch Kp): row-major O [T][Dp].
+          CUBLAS_RETURN_IF_ERROR(cublasGemmBatchedEx(
+              handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(D), static_cast<int>(T), Kc, &one, rb.v_ptr + g.first,
+              in_type, static_cast<int>(ops.v_rs), rb.prob_ptr + g.first, in_type, Kp, &zero,
+              reinterpret_cast<void* const*>(rb.partial_ptr + g.first), CUDA_R_32F, static_cast<int>(partial_pitch(D)),
+              count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        }
         RETURN_IF_ERROR(launch_merge(pr, r, tables.lanes, rb, acc, stream));
-        flops += 4.0 * static_cast<double>(r.slots) * static_cast<double>(T) * static_cast<double>(Kc) * static_cast<double>(D);
+        const double round_flops =
+            4.0 * static_cast<double>(r.slots) * static_cast<double>(T) * static_cast<double>(Kc) * static_cast<double>(D);
+        flops += round_flops;
+        const bool last_round = ri + 1 == rounds.size();
+        if (last_round)
+          RETURN_IF_ERROR(launch_finalize(p.out_dtype, out, p.q_len, D, lane0, lane1 - lane0, tables.head_lse, acc, stream));
+        // Done once it has run: this chunk's share of its rounds.
+        RETURN_IF_ERROR(pacer.add(
+            round_flops,
+            (chunks_done + static_cast<double>(ri + 1) / static_cast<double>(rounds.size())) / chunks_total));
       }
-      RETURN_IF_ERROR(launch_finalize(p.out_dtype, out, p.q_len, D, lane0, lane1 - lane0, tables.lse_offset, acc, stream));
+      if (rounds.empty())
+        RETURN_IF_ERROR(launch_finalize(p.out_dtype, out, p.q_len, D, lane0, lane1 - lane0, tables.head_lse, acc, stream));
       chunks_done += 1;
-      if (ctx.progress) ctx.progress(chunks_done / chunks_total);
     }
   }
 
@@ -317,6 +467,10 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
     if (p.lse != nullptr)
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p.lse, staged.lse, static_cast<size_t>(staged.lse_bytes), cudaMemcpyDeviceToHost, stream));
   }
+  // The last step (with the copies back) is waited for the same way: a stop
+  // still acts while the GPU finishes.
+  RETURN_IF_ERROR(pacer.add(0, 1.0));
+  RETURN_IF_ERROR(pacer.finish());
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   if (stats != nullptr) {
     stats->flops = flops;

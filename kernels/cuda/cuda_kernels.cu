@@ -3,6 +3,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <string>
+
 #include "cuda/cuda_check.h"
 
 namespace plsh::cuda {
@@ -56,16 +58,15 @@ __global__ void build_round_kernel(DeviceProblem pr, Round round, const LanePass
   if (slot >= round.slots) return;
   const TileDesc d = describe_slot(pr.shape, round, lanes, slot);
   rb.desc[slot] = d;
-  const LanePass& l = lanes[d.lane];
-  const int64_t hk = l.head / pr.head_group;
-  const int64_t T = pr.shape.tile_rows;
-  const int64_t Kc = round.key_cols;
-  rb.q_ptr[slot] = pr.q + (l.batch * pr.q_bs + d.row0 * pr.q_rs + l.head * pr.q_hs) * pr.elem_bytes;
-  rb.k_ptr[slot] = pr.k + (l.batch * pr.k_bs + d.col0 * pr.k_rs + hk * pr.k_hs) * pr.elem_bytes;
-  rb.v_ptr[slot] = pr.v + (l.batch * pr.v_bs + d.col0 * pr.v_rs + hk * pr.v_hs) * pr.elem_bytes;
-  rb.score_ptr[slot] = rb.scores + slot * T * Kc;
-  rb.prob_ptr[slot] = rb.probs + slot * T * Kc * pr.elem_bytes;
-  rb.partial_ptr[slot] = rb.partial + slot * T * pr.head_dim;
+  // Byte offsets from slot_operands, which the host tests check for 16-byte
+  // alignment.
+  const SlotOperands o = slot_operands(pr.operands, lanes[d.lane], d, slot, pr.shape.tile_rows, round.key_cols);
+  rb.q_ptr[slot] = pr.q + o.q;
+  rb.k_ptr[slot] = pr.k + o.k;
+  rb.v_ptr[slot] = pr.v + o.v;
+  rb.score_ptr[slot] = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.scores) + o.scores);
+  rb.prob_ptr[slot] = rb.probs + o.probs;
+  rb.partial_ptr[slot] = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.partial) + o.partial);
 }
 
 // Row softmax of one tile's scores under the pass's rule: P = exp(s - m)
@@ -81,6 +82,7 @@ __global__ void __launch_bounds__(kThreads) masked_softmax_kernel(DeviceProblem 
   const LanePass l = lanes[d.lane];
   const int64_t T = pr.shape.tile_rows;
   const int64_t Kc = key_cols;
+  const int64_t Kp = key_pitch(Kc);  // row pitch of scores and probabilities
   const bool same_bin = l.rule == SpanRule::kSameBin;
   if (same_bin) {
     for (int64_t x = threadIdx.x; x < Kc; x += kThreads) key_bin[x] = span_bin(pr.k_pos0 + d.col0 + x, l.pitch, l.shift);
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) masked_softmax_kernel(DeviceProblem 
   TP* probs = reinterpret_cast<TP*>(rb.probs);
   for (int64_t r = warp; r < T; r += kWarps) {
     const int64_t i = d.row0 + r;
-    const int64_t base = (slot * T + r) * Kc;
+    const int64_t base = (slot * T + r) * Kp;
     if (i < d.own_begin || i >= d.own_end) {
       // Rows another tile owns: zeros keep the second GEMM's inputs defined.
       for (int64_t x = lane; x < Kc; x += 32) probs[base + x] = from_float<TP>(0.0f);
@@ -102,10 +104,11 @@ __global__ void __launch_bounds__(kThreads) masked_softmax_kernel(DeviceProblem 
       continue;
     }
     const int64_t pos_i = pr.q_pos0 + i;
+    const int64_t nearest = nearest_key_distance(pr.shape, i);
     const int64_t q_bin = same_bin ? span_bin(pos_i, l.pitch, l.shift) : 0;
     auto logit = [&](int64_t x, float* s) {
       const int64_t j = d.col0 + x;
-      return slot_logit(l, d, pr.shape.causal, pos_i, j, pr.k_pos0 + j, q_bin, same_bin ? key_bin[x] : 0,
+      return slot_logit(l, d, pr.shape.causal, pos_i, j, pr.k_pos0 + j, nearest, q_bin, same_bin ? key_bin[x] : 0,
                         rb.scores[base + x], s);
     };
     // The row's logits stay in registers between the max and the exp pass
@@ -166,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(DeviceProblem pr, const
     const float m_acc = a.acc_max[idx];
     const MergeCoefficients c = merge_coefficients(m_acc, l_acc, m_part);
     float* acc = a.acc + idx * D;
-    const float* part = rb.partial + (slot * T + r) * D;
+    const float* part = rb.partial + (slot * T + r) * partial_pitch(D);
     for (int64_t x = lane; x < D; x += 32) acc[x] = acc[x] * c.c_acc + part[x] * c.c_part;
     __syncwarp();
     if (lane == 0) {
@@ -176,10 +179,10 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(DeviceProblem pr, const
   }
 }
 
-// out = acc / l in the output dtype; lse = m + log l - log(samples of the head).
+// out = acc / l in the output dtype; lse = row_lse (tile_plan.h), in double.
 template <typename TO>
 __global__ void __launch_bounds__(kThreads) finalize_kernel(DeviceOutput o, int64_t q_len, int64_t head_dim,
-                                                            int64_t lane0, const float* lse_offset, Accumulators a) {
+                                                            int64_t lane0, const HeadLse* head_lse, Accumulators a) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t local = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
@@ -196,7 +199,8 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(DeviceOutput o, int6
   const float* acc = a.acc + idx * head_dim;
   for (int64_t x = lane; x < head_dim; x += 32) out[x] = from_float<TO>(l > 0.0f ? acc[x] / l : 0.0f);
   if (lane == 0 && o.lse != nullptr)
-    o.lse[b * o.lse_bs + i * o.lse_rs + h] = l > 0.0f ? a.acc_max[idx] + logf(l) - lse_offset[h] : -INFINITY;
+    o.lse[b * o.lse_bs + i * o.lse_rs + h] =
+        static_cast<float>(row_lse(a.acc_max[idx], l, head_lse[h], nearest_key_distance(o.shape, i)));
 }
 
 __global__ void bins_kernel(const long long* pos, long long* out, int64_t n, double pitch, double shift) {
@@ -204,10 +208,19 @@ __global__ void bins_kernel(const long long* pos, long long* out, int64_t n, dou
   if (i < n) out[i] = span_bin(pos[i], pitch, shift);
 }
 
+// grid.x <= 2^31 - 1, grid.y and grid.z <= 65535 (CUDA's limits on every
+// GPU this builds for): an INTERNAL error rather than a failed launch.
+Status check_grid(const char* kernel, int64_t x, int64_t y = 1) {
+  if (x >= 1 && x <= 2147483647 && y >= 1 && y <= 65535) return Status::Ok();
+  return internal_error(std::string("cuda backend: ") + kernel + " grid (" + std::to_string(x) + ", " +
+                        std::to_string(y) + ") is beyond CUDA's limits (2^31 - 1, 65535)");
+}
+
 }  // namespace
 
 Status launch_build_round(const DeviceProblem& pr, const Round& round, const LanePass* lanes, const RoundBuffers& rb,
                           cudaStream_t stream) {
+  RETURN_IF_ERROR(check_grid("build_round_kernel", ceil_div(round.slots, kThreads)));
   build_round_kernel<<<static_cast<unsigned>(ceil_div(round.slots, kThreads)), kThreads, 0, stream>>>(pr, round, lanes, rb);
   LAUNCH_RETURN_IF_ERROR("build_round_kernel");
   return Status::Ok();
@@ -215,6 +228,7 @@ Status launch_build_round(const DeviceProblem& pr, const Round& round, const Lan
 
 Status launch_masked_softmax(DType dtype, const DeviceProblem& pr, const Round& round, const LanePass* lanes,
                              const RoundBuffers& rb, cudaStream_t stream) {
+  RETURN_IF_ERROR(check_grid("masked_softmax_kernel", round.slots));
   dispatch_dtype(dtype, [&](auto tag) {
     using TP = decltype(tag);
     masked_softmax_kernel<TP><<<static_cast<unsigned>(round.slots), kThreads, 0, stream>>>(pr, round.key_cols, lanes, rb);
@@ -226,17 +240,19 @@ Status launch_masked_softmax(DType dtype, const DeviceProblem& pr, const Round& 
 
 Status launch_merge(const DeviceProblem& pr, const Round& round, const LanePass* lanes, const RoundBuffers& rb,
                     const Accumulators& acc, cudaStream_t stream) {
+  RETURN_IF_ERROR(check_grid("merge_kernel", round.slots));
   merge_kernel<<<static_cast<unsigned>(round.slots), kThreads, 0, stream>>>(pr, lanes, rb, acc);
   LAUNCH_RETURN_IF_ERROR("merge_kernel");
   return Status::Ok();
 }
 
 Status launch_finalize(DType out_dtype, const DeviceOutput& out, int64_t q_len, int64_t head_dim, int64_t lane0,
-                       int64_t lanes, const float* lse_offset, const Accumulators& acc, cudaStream_t stream) {
+                       int64_t lanes, const HeadLse* head_lse, const Accumulators& acc, cudaStream_t stream) {
+  RETURN_IF_ERROR(check_grid("finalize_kernel", ceil_div(acc.rows_per_lane, kWarps), lanes));
   const dim3 grid(static_cast<unsigned>(ceil_div(acc.rows_per_lane, kWarps)), static_cast<unsigned>(lanes));
   dispatch_dtype(out_dtype, [&](auto tag) {
     using TO = decltype(tag);
-    finalize_kernel<TO><<<grid, kThreads, 0, stream>>>(out, q_len, head_dim, lane0, lse_offset, acc);
+    finalize_kernel<TO><<<grid, kThreads, 0, stream>>>(out, q_len, head_dim, lane0, head_lse, acc);
     return 0;
   });
   LAUNCH_RETURN_IF_ERROR("finalize_kernel");
@@ -246,6 +262,7 @@ Status launch_finalize(DType out_dtype, const DeviceOutput& out, int64_t q_len, 
 Status launch_bins(const long long* positions, long long* bins, int64_t n, double pitch, double shift,
                    cudaStream_t stream) {
   if (n == 0) return Status::Ok();
+  RETURN_IF_ERROR(check_grid("bins_kernel", ceil_div(n, 256)));
   bins_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, stream>>>(positions, bins, n, pitch, shift);
   LAUNCH_RETURN_IF_ERROR("bins_kernel");
   return Status::Ok();

@@ -16,16 +16,13 @@
 
 namespace plsh::cuda {
 
-// The tensors as the kernels see them (device pointers, element strides).
+// The tensors as the kernels see them (device pointers; strides and the
+// rest of the GEMM operands' layout in `operands`, tile_plan.h).
 struct DeviceProblem {
-  const char* q = nullptr;  // [B, Nq, H, D]
+  const char* q = nullptr;  // [B, Nq, H, D] (rows padded when staged)
   const char* k = nullptr;  // [B, Nk, Hkv, D]
   const char* v = nullptr;  // [B, Nk, Hkv, D]
-  int64_t q_bs = 0, q_rs = 0, q_hs = 0;
-  int64_t k_bs = 0, k_rs = 0, k_hs = 0;
-  int64_t v_bs = 0, v_rs = 0, v_hs = 0;
-  int64_t elem_bytes = 0;
-  int64_t head_group = 1;
+  OperandLayout operands;
   int64_t head_dim = 0;
   int64_t q_pos0 = 0, k_pos0 = 0;
   SpanShape shape;
@@ -37,10 +34,12 @@ struct DeviceOutput {
   int64_t o_bs = 0, o_rs = 0, o_hs = 0;
   int64_t lse_bs = 0, lse_rs = 0;
   int64_t heads = 0;
+  SpanShape shape;       // for each row's nearest key (row_lse)
 };
 
 // Each returns the launch's error (configuration errors; faults surface at
-// the next synchronisation).
+// the next synchronisation), or INTERNAL before launching a grid beyond
+// CUDA's limits (grid.x <= 2^31 - 1, grid.y <= 65535).
 Status launch_build_round(const DeviceProblem& pr, const Round& round, const LanePass* lanes, const RoundBuffers& rb,
                           cudaStream_t stream);
 Status launch_masked_softmax(DType dtype, const DeviceProblem& pr, const Round& round, const LanePass* lanes,
@@ -49,7 +48,7 @@ Status launch_merge(const DeviceProblem& pr, const Round& round, const LanePass*
                     const Accumulators& acc, cudaStream_t stream);
 // Lanes [lane0, lane0 + lanes) of the chunk whose accumulators acc holds.
 Status launch_finalize(DType out_dtype, const DeviceOutput& out, int64_t q_len, int64_t head_dim, int64_t lane0,
-                       int64_t lanes, const float* lse_offset, const Accumulators& acc, cudaStream_t stream);
+                       int64_t lanes, const HeadLse* head_lse, const Accumulators& acc, cudaStream_t stream);
 Status launch_bins(const long long* positions, long long* bins, int64_t n, double pitch, double shift,
                    cudaStream_t stream);
 

@@ -35,6 +35,9 @@ class DevicePool {
   ~DevicePool() {
     if (pool_ != nullptr) (void)cudaMemPoolDestroy(pool_);
   }
+  // Leaves the pool to the driver: for a destructor that runs when the
+  // runtime is gone or the context lost (CudaBackend's).
+  void abandon() { pool_ = nullptr; }
   int64_t budget() const { return budget_; }
   int64_t available() const { return budget_ - reserved_.load(); }
 

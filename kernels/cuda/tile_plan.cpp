@@ -1,6 +1,7 @@
 #include "cuda/tile_plan.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <string>
 
@@ -12,10 +13,6 @@ namespace {
 // Beyond 2^52 positions stop being exact in double, and a reach that large
 // only widens spans that are clamped to the key range anyway.
 constexpr double kMaxBoundedReach = 4.0e15;
-// cuBLAS takes the batch count as an int, and one slot is one thread block.
-constexpr int64_t kMaxSlots = int64_t{1} << 22;
-// Lanes of a chunk are the finalize kernel's grid.y.
-constexpr int64_t kMaxLanesPerChunk = 65535;
 }  // namespace
 
 int64_t lsh_reach(double pitch) {
@@ -41,9 +38,10 @@ int64_t carve_work(int64_t slots, int64_t tile_rows, int64_t key_cols, int64_t h
   RoundBuffers r;
   Accumulators a;
   Carver c(base);
-  r.scores = c.take<float>(S * T * Kc);
-  r.probs = c.take<char>(S * T * Kc * elem_bytes);
-  r.partial = c.take<float>(S * T * D);
+  const int64_t Kp = key_pitch(Kc), Dp = partial_pitch(D);
+  r.scores = c.take<float>(S * T * Kp);
+  r.probs = c.take<char>(S * T * Kp * elem_bytes);
+  r.partial = c.take<float>(S * T * Dp);
   r.row_max = c.take<float>(S * T);
   r.row_sum = c.take<float>(S * T);
   a.acc = c.take<float>(S * T * D);
@@ -68,12 +66,79 @@ int64_t extent(int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t 
 }
 }  // namespace
 
+OperandLayout operand_layout(const AttentionParams& p) {
+  OperandLayout o;
+  o.elem_bytes = static_cast<int64_t>(dtype_bytes(p.dtype));
+  o.head_group = p.head_group;
+  o.head_dim = p.head_dim;
+  if (p.memory == MemorySpace::kHost) {
+    const int64_t dp = aligned_count(p.head_dim, o.elem_bytes);
+    o.q_hs = dp, o.q_rs = p.heads * dp, o.q_bs = p.q_len * o.q_rs;
+    o.k_hs = o.v_hs = dp;
+    o.k_rs = o.v_rs = p.kv_heads * dp;
+    o.k_bs = o.v_bs = p.kv_len * o.k_rs;
+  } else {
+    o.q_bs = p.q_batch_stride, o.q_rs = p.q_row_stride, o.q_hs = p.q_head_stride;
+    o.k_bs = p.k_batch_stride, o.k_rs = p.k_row_stride, o.k_hs = p.k_head_stride;
+    o.v_bs = p.v_batch_stride, o.v_rs = p.v_row_stride, o.v_hs = p.v_head_stride;
+  }
+  return o;
+}
+
+Status check_operands(const AttentionParams& p) {
+  const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
+  struct Tensor {
+    const char* name;
+    const void* data;
+    int64_t rows, heads, bs, rs, hs;
+  };
+  const Tensor tensors[] = {
+      {"q", p.q, p.q_len, p.heads, p.q_batch_stride, p.q_row_stride, p.q_head_stride},
+      {"k", p.k, p.kv_len, p.kv_heads, p.k_batch_stride, p.k_row_stride, p.k_head_stride},
+      {"v", p.v, p.kv_len, p.kv_heads, p.v_batch_stride, p.v_row_stride, p.v_head_stride},
+  };
+  const OperandLayout o = operand_layout(p);
+  const int64_t lds[] = {o.q_rs, o.k_rs, o.v_rs};
+  for (int t = 0; t < 3; ++t) {
+    const Tensor& x = tensors[t];
+    if (lds[t] > INT32_MAX)
+      return unimplemented(std::string(x.name) + " row stride " + std::to_string(lds[t]) +
+                           " elements exceeds cuBLAS's int leading dimension");
+    if (p.memory == MemorySpace::kHost) {
+      // The staging copy pads rows of a dense tensor (one 2D copy).
+      if (x.hs != p.head_dim || x.rs != x.heads * p.head_dim || x.bs != x.rows * x.rs)
+        return unimplemented(std::string(x.name) + " is not dense [B, N, H, D] (strides " + std::to_string(x.bs) + ", " +
+                             std::to_string(x.rs) + ", " + std::to_string(x.hs) +
+                             "): the cuda backend stages dense host tensors only");
+      continue;
+    }
+    const struct {
+      const char* what;
+      int64_t elems;
+    } strides[] = {{"head", x.hs}, {"row", x.rs}, {"batch", x.bs}};
+    for (const auto& st : strides)
+      if (st.elems * esz % kOperandAlign != 0)
+        return unimplemented(std::string(x.name) + " " + st.what + " stride = " + std::to_string(st.elems * esz) +
+                             " bytes (" + std::to_string(st.elems) + " x " + std::to_string(esz) + "-byte " +
+                             dtype_name(p.dtype) + "), expected a multiple of 16: the cuda backend's batched GEMMs " +
+                             "need 16-byte aligned device rows; pass host tensors (staged with padded rows) or a " +
+                             "head_dim that is a multiple of " + std::to_string(kOperandAlign / esz));
+    if (reinterpret_cast<uintptr_t>(x.data) % static_cast<uintptr_t>(kOperandAlign) != 0)
+      return unimplemented(std::string(x.name) + " device pointer is not 16-byte aligned, expected the start of an "
+                           "allocation or an offset that is a multiple of 16 bytes");
+  }
+  return Status::Ok();
+}
+
 int64_t carve_staging(const AttentionParams& p, char* base, StagingBuffers* out) {
   const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
   StagingBuffers b;
-  b.q_bytes = extent(p.batch, p.q_len, p.heads, p.head_dim, p.q_batch_stride, p.q_row_stride, p.q_head_stride) * esz;
-  b.k_bytes = extent(p.batch, p.kv_len, p.kv_heads, p.head_dim, p.k_batch_stride, p.k_row_stride, p.k_head_stride) * esz;
-  b.v_bytes = extent(p.batch, p.kv_len, p.kv_heads, p.head_dim, p.v_batch_stride, p.v_row_stride, p.v_head_stride) * esz;
+  AttentionParams host = p;
+  host.memory = MemorySpace::kHost;  // the staging layout whatever p is bound to
+  const OperandLayout o = operand_layout(host);
+  b.q_bytes = extent(p.batch, p.q_len, p.heads, p.head_dim, o.q_bs, o.q_rs, o.q_hs) * esz;
+  b.k_bytes = extent(p.batch, p.kv_len, p.kv_heads, p.head_dim, o.k_bs, o.k_rs, o.k_hs) * esz;
+  b.v_bytes = extent(p.batch, p.kv_len, p.kv_heads, p.head_dim, o.v_bs, o.v_rs, o.v_hs) * esz;
   b.out_bytes = extent(p.batch, p.q_len, p.heads, p.head_dim, p.o_batch_stride, p.o_row_stride, p.o_head_stride) *
                 static_cast<int64_t>(dtype_bytes(p.out_dtype));
   // A plan made before the tensors are bound cannot see p.lse: lse is
@@ -89,14 +154,30 @@ int64_t carve_staging(const AttentionParams& p, char* base, StagingBuffers* out)
   return c.bytes();
 }
 
-int64_t carve_tables(int64_t heads, int64_t entries, char* base, TableBuffers* out) {
+int64_t carve_tables(int64_t heads, int64_t entries, int64_t cublas_workspace_bytes, char* base, TableBuffers* out) {
   TableBuffers t;
   Carver c(base);
-  t.lse_offset = c.take<float>(heads);
+  t.head_lse = c.take<HeadLse>(heads);
   t.lanes = c.take<LanePass>(entries);
   t.entries = entries;
+  t.cublas_workspace = c.take<char>(cublas_workspace_bytes);  // 256-byte aligned, as cuBLAS asks
+  t.cublas_workspace_bytes = cublas_workspace_bytes;
   if (out != nullptr) *out = t;
   return c.bytes();
+}
+
+int64_t cublas_workspace_for(int64_t device_cap_bytes) {
+  return device_cap_bytes / 8 >= kCublasWorkspaceBytes ? kCublasWorkspaceBytes : kCublasMinWorkspaceBytes;
+}
+
+int64_t request_device_cap(int64_t pool_budget, int64_t limit_bytes) {
+  return limit_bytes > 0 ? std::min(limit_bytes, pool_budget) : pool_budget / 2;
+}
+
+std::vector<GemmBatch> gemm_batches(int64_t slots) {
+  std::vector<GemmBatch> batches;
+  for (int64_t first = 0; first < slots; first += kMaxGemmBatch) batches.push_back({first, std::min(kMaxGemmBatch, slots - first)});
+  return batches;
 }
 
 StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& s, int64_t budget_bytes) {
@@ -171,9 +252,16 @@ std::vector<LaneSetup> head_passes(const AttentionParams& p, const std::vector<s
   return heads;
 }
 
-float lse_offset(const LaneSetup& head, int64_t samples) {
-  return !head.passes.empty() && head.passes.front().rule == SpanRule::kSameBin ? std::log(static_cast<float>(samples))
-                                                                                : 0.0f;
+HeadLse head_lse(const AttentionParams& p, const LaneSetup& head) {
+  HeadLse h;
+  if (head.passes.empty()) return h;
+  const LanePass& first = head.passes.front();
+  if (first.rule == SpanRule::kSameBin) {
+    h.offset = -std::log(static_cast<double>(p.samples));
+  } else {
+    h.slope = p.slopes[static_cast<size_t>(first.head)];  // the double the float logits' slope came from
+  }
+  return h;
 }
 
 std::vector<Round> plan_rounds(const SpanShape& shape, const std::vector<LaneSetup>& lanes, int64_t tile_begin,
@@ -272,7 +360,8 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
   const SpanShape shape = span_shape(p);
   const int64_t lanes = p.batch * p.heads;
   layout.table_entries = lane_table_entries(shape, layout.heads, std::min(lanes, kMaxLanesPerChunk));
-  layout.table_bytes = carve_tables(p.heads, layout.table_entries, nullptr, nullptr);
+  layout.cublas_workspace_bytes = cublas_workspace_for(device_cap_bytes);
+  layout.table_bytes = carve_tables(p.heads, layout.table_entries, layout.cublas_workspace_bytes, nullptr, nullptr);
   WorkspaceShape ws;
   ws.lanes = lanes;
   ws.q_len = p.q_len;
@@ -288,6 +377,30 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
   layout.work_bytes = carve_work(layout.work.slots, layout.work.tile_rows, layout.work.key_cols, p.head_dim,
                                  ws.elem_bytes, nullptr, nullptr, nullptr);
   return layout;
+}
+
+Status check_layout_fits(const CudaLayout& layout, const AttentionParams& p) {
+  auto over = [](const char* what, int64_t need, int64_t planned) {
+    return internal_error(std::string("cuda backend: forward would carve ") + std::to_string(need) + " bytes of " + what +
+                          " from the plan's " + std::to_string(planned) + ": the plan was made for other params");
+  };
+  if (static_cast<int64_t>(layout.heads.size()) != p.heads)
+    return internal_error("cuda backend: the plan has passes for " + std::to_string(layout.heads.size()) +
+                          " heads, the params " + std::to_string(p.heads));
+  if (p.memory == MemorySpace::kHost) {
+    const int64_t staging = carve_staging(p, nullptr, nullptr);
+    if (staging > layout.staging_bytes) return over("staging", staging, layout.staging_bytes);
+  }
+  const int64_t tables = carve_tables(p.heads, layout.table_entries, layout.cublas_workspace_bytes, nullptr, nullptr);
+  if (tables > layout.table_bytes) return over("tables", tables, layout.table_bytes);
+  const WorkspacePlan& w = layout.work;
+  if (w.tile_rows != std::min(kTileRows, p.q_len) || w.key_cols < std::min(kMaxKeyCols, p.kv_len))
+    return internal_error("cuda backend: the plan's tiles (" + std::to_string(w.tile_rows) + " x " +
+                          std::to_string(w.key_cols) + ") do not fit the params' q_len and kv_len");
+  const int64_t work = carve_work(w.slots, w.tile_rows, w.key_cols, p.head_dim,
+                                  static_cast<int64_t>(dtype_bytes(p.dtype)), nullptr, nullptr, nullptr);
+  if (work > layout.work_bytes) return over("work", work, layout.work_bytes);
+  return Status::Ok();
 }
 
 }  // namespace plsh::cuda

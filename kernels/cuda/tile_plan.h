@@ -42,6 +42,52 @@ inline constexpr int64_t kMaxKeyCols = 512;
 // Narrowest key chunk (keeps the GEMMs' m a multiple of the tensor-core tile).
 inline constexpr int64_t kMinKeyCols = 32;
 
+// Launch limits. One slot is one thread block of masked_softmax and merge
+// (grid.x, at most 2^31 - 1); the lanes of a chunk are finalize's grid.y (at
+// most 65535).
+inline constexpr int64_t kMaxSlots = int64_t{1} << 22;
+inline constexpr int64_t kMaxLanesPerChunk = 65535;
+// Matrices per cublasGemmBatchedEx call. Its batchCount is an int, and no
+// limit is documented for it; but cuBLASLt's documentation warns that many
+// kernels do not support batches above 65535 (the grid's z dimension),
+// CUTLASS's batched GEMM fails at 65536 (NVIDIA/cutlass#1369) and cuBLAS
+// once returned CUBLAS_STATUS_NOT_SUPPORTED for cublasGemmBatchedEx at
+// 65536 (tensorflow#23473 era reports). A round with more slots is issued
+// as several calls (gemm_batches): nothing rides on an undocumented limit.
+inline constexpr int64_t kMaxGemmBatch = 65535;
+static_assert(kMaxSlots <= (int64_t{1} << 31) - 1, "slots are grid.x");
+static_assert(kMaxLanesPerChunk <= 65535, "lanes are grid.y");
+
+// Every GEMM operand (a pointer in the batched arrays, and each leading
+// dimension in bytes) is a multiple of this: cuBLAS's kernels load 16-byte
+// vectors, and a batched call cannot check pointers that live on the device,
+// so an unaligned one risks a misaligned access, which loses the context.
+inline constexpr int64_t kOperandAlign = 16;
+// n elements of elem_bytes, rounded up to whole kOperandAlign bytes.
+PLSH_HD inline int64_t aligned_count(int64_t n, int64_t elem_bytes) {
+  const int64_t per = kOperandAlign / elem_bytes;  // elem_bytes is 2 or 4
+  return (n + per - 1) / per * per;
+}
+// Row pitch (elements) of the scores (float) and probabilities (2 or 4
+// bytes) of a key chunk of key_cols columns: 8 elements make 16 bytes of
+// either (kMinKeyCols and up are multiples already; Nk < 32 is not).
+PLSH_HD inline int64_t key_pitch(int64_t key_cols) { return (key_cols + 7) / 8 * 8; }
+// Row pitch (floats) of a partial output of D columns.
+PLSH_HD inline int64_t partial_pitch(int64_t head_dim) { return aligned_count(head_dim, 4); }
+
+// Where q, k and v sit for the GEMMs: element strides from each tensor's
+// base. Host tensors are staged with each head's D elements padded to
+// whole 16 bytes (operand_layout); device tensors are read where they are,
+// and supports() refuses them unless they are aligned already.
+struct OperandLayout {
+  int64_t q_bs = 0, q_rs = 0, q_hs = 0;
+  int64_t k_bs = 0, k_rs = 0, k_hs = 0;
+  int64_t v_bs = 0, v_rs = 0, v_hs = 0;
+  int64_t elem_bytes = 0;
+  int64_t head_group = 1;
+  int64_t head_dim = 0;
+};
+
 // Which keys a pass allows for a query, besides causality.
 enum class SpanRule : int32_t {
   kAll = 0,      // every key, weight exp(-slope |d|) (exact; lsh with slope 0)
@@ -179,19 +225,47 @@ PLSH_HD inline bool pair_allowed(const LanePass& l, bool causal, int64_t pq, int
   return false;
 }
 
-// The logit of key column j (key row) for query row i of a slot, or false
-// when the pass does not allow the pair there: outside the chunk's valid
-// keys, after the query under causality, outside the window, or in another
-// bin (bins given, evaluated once per row and column by the caller).
+// Distance from query row i to the nearest key position, [k_pos0, k_pos0 +
+// Nk): no key the row may see is closer. The logits leave out this much of
+// the bias (slot_logit) and row_lse adds it back in double, as the CPU
+// backend does (cpu_exact.cpp): a query 1e6 positions from every key would
+// otherwise carry a float bias of -slope * 1e6, whose rounding (0.03 at
+// 5e5) swamps the scores. Window and lsh queries sit among the keys
+// (validate_options), so theirs is 0.
+PLSH_HD inline int64_t nearest_key_distance(const SpanShape& s, int64_t i) {
+  const int64_t r = i + s.qk_offset;  // the query's position as a key row
+  return r < 0 ? -r : r >= s.kv_len ? r - (s.kv_len - 1) : 0;
+}
+
+// The logit of key column j (key row) for query row i of a slot, relative to
+// the bias of the row's nearest key (nearest_key_distance), or false when
+// the pass does not allow the pair there: outside the chunk's valid keys,
+// after the query under causality, outside the window, or in another bin
+// (bins given, evaluated once per row and column by the caller).
 PLSH_HD inline bool slot_logit(const LanePass& l, const TileDesc& d, bool causal, int64_t pos_i, int64_t j,
-                               int64_t pos_j, int64_t q_bin, int64_t k_bin, float score, float* logit) {
+                               int64_t pos_j, int64_t nearest, int64_t q_bin, int64_t k_bin, float score,
+                               float* logit) {
   if (j < d.valid_begin || j >= d.valid_end) return false;
   if (causal && pos_j > pos_i) return false;
   const int64_t dist = pos_i > pos_j ? pos_i - pos_j : pos_j - pos_i;
   if (l.rule == SpanRule::kWindow && dist >= l.window) return false;
   if (l.rule == SpanRule::kSameBin && k_bin != q_bin) return false;
-  *logit = score - l.slope * static_cast<float>(dist);
+  // dist - nearest is at most Nk - 1: exact in float below 2^24 keys.
+  *logit = score - l.slope * static_cast<float>(dist - nearest);
   return true;
+}
+
+// What a head's lse adds to m + log(l) at finalize, in double.
+struct HeadLse {
+  double offset = 0;  // -log(samples) where the passes are hashes (M~ averages them), else 0
+  double slope = 0;   // m_h where the logits carry the ALiBi bias, else 0: -slope * nearest goes back in
+};
+
+// lse of a row: m + log(l) + offset - slope * nearest, in double, as the
+// CPU backend's write_rows; -inf for a row that saw no key (l == 0).
+PLSH_HD inline double row_lse(float m, float l, const HeadLse& h, int64_t nearest) {
+  if (!(l > 0.0f)) return -INFINITY;
+  return static_cast<double>(m) + log(static_cast<double>(l)) + h.offset - h.slope * static_cast<double>(nearest);
 }
 
 // Online log-sum-exp merge of a partial row (max m_part, sum l_part > 0)
@@ -287,13 +361,27 @@ struct Accumulators {
   int64_t rows_per_lane = 0;  // tiles_per_chunk * T
 };
 
-// The work buffer for `slots` slots: the round's slices and the
-// accumulators. Returns its bytes, alignment included.
+// The work buffer for `slots` slots: the round's slices (scores and
+// probabilities key_pitch(key_cols) wide, partial outputs
+// partial_pitch(head_dim)) and the accumulators. Returns its bytes,
+// alignment included.
 int64_t carve_work(int64_t slots, int64_t tile_rows, int64_t key_cols, int64_t head_dim, int64_t elem_bytes, char* base,
                    RoundBuffers* round, Accumulators* acc);
 
-// Device copies of host tensors: q, k, v, out and (when the params ask for
-// it) lse, each spanning its strided extent.
+// The GEMMs' view of q, k and v: for host tensors the staging layout
+// (dense, each head's D elements padded to aligned_count(D)); for device
+// tensors the caller's strides.
+OperandLayout operand_layout(const AttentionParams& p);
+
+// Why these params cannot give the GEMMs 16-byte aligned operands, or OK:
+// device tensors whose strides (or, once bound, base pointers) are not
+// multiples of 16 bytes (bf16 with D = 20: a 40-byte head stride), host
+// tensors that are not dense (the staging copy pads dense rows only), a
+// leading dimension beyond cuBLAS's int. UNIMPLEMENTED, naming the tensor.
+Status check_operands(const AttentionParams& p);
+
+// Device copies of host tensors: q, k and v in operand_layout (padded),
+// out and lse spanning their strided extents.
 struct StagingBuffers {
   char* q = nullptr;
   char* k = nullptr;
@@ -305,13 +393,41 @@ struct StagingBuffers {
 };
 int64_t carve_staging(const AttentionParams& p, char* base, StagingBuffers* out);
 
-// The per-head lse offsets and the lane table of the largest chunk.
+// The per-head lse terms, the lane table of the largest chunk and cuBLAS's
+// workspace.
 struct TableBuffers {
-  float* lse_offset = nullptr;  // [H]
+  HeadLse* head_lse = nullptr;  // [H]
   LanePass* lanes = nullptr;    // [entries]
   int64_t entries = 0;
+  void* cublas_workspace = nullptr;  // given to cublasSetWorkspace
+  int64_t cublas_workspace_bytes = 0;
 };
-int64_t carve_tables(int64_t heads, int64_t entries, char* base, TableBuffers* out);
+int64_t carve_tables(int64_t heads, int64_t entries, int64_t cublas_workspace_bytes, char* base, TableBuffers* out);
+
+// cuBLAS's workspace, from the plan rather than cuBLAS's own pool, so that
+// forward holds exactly what the plan charged: the 32 MiB that the cuBLAS
+// documentation (cublasSetWorkspace) recommends for Hopper where that is at
+// most 1/8 of the request's device memory, else the 16 KiB it names as
+// enough to avoid CUBLAS_STATUS_ALLOC_FAILED.
+inline constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
+inline constexpr int64_t kCublasMinWorkspaceBytes = int64_t{16} << 10;
+int64_t cublas_workspace_for(int64_t device_cap_bytes);
+
+// The device memory one request may plan for, out of a pool of
+// pool_budget bytes: the caller's share (PlanLimits::device_bytes; the
+// server passes its device budget / workers) capped at the pool, or, when
+// the caller gives none (0), half the pool: one request must not take the
+// whole pool, or every concurrent one fails its reservation; a request
+// that does not fit in half may still take the whole pool (CudaBackend::plan
+// retries), since it could only ever run alone.
+int64_t request_device_cap(int64_t pool_budget, int64_t limit_bytes);
+
+// The cublasGemmBatchedEx calls of a round of `slots` matrices: [first,
+// first + count) with count <= kMaxGemmBatch.
+struct GemmBatch {
+  int64_t first = 0, count = 0;
+};
+std::vector<GemmBatch> gemm_batches(int64_t slots);
 
 // The largest chunk of (lanes x tiles) whose work buffer (carve_work) fits
 // `budget_bytes`; RESOURCE_EXHAUSTED when not even one tile fits.
@@ -344,10 +460,17 @@ struct CudaLayout : BackendLayout {
   WorkspacePlan work;
   int64_t staging_bytes = 0;     // carve_staging (0 for device tensors)
   int64_t table_entries = 0;     // lane_table_entries of the largest chunk of lanes
+  int64_t cublas_workspace_bytes = 0;  // cublas_workspace_for the cap
   int64_t table_bytes = 0;       // carve_tables
   int64_t work_bytes = 0;        // carve_work for work.slots
   int64_t device_bytes() const { return staging_bytes + table_bytes + work_bytes; }
 };
+
+// OK when forward, carving for the bound params p, stays inside every
+// buffer this layout sized; INTERNAL naming the buffer otherwise (a plan
+// made for other params, e.g. device tensors bound as host ones): forward
+// never writes past what the plan charged.
+Status check_layout_fits(const CudaLayout& layout, const AttentionParams& p);
 
 // Plans the layout against a device-memory cap: staging and tables first,
 // the work buffer gets the rest (at most what all lanes and tiles at once
@@ -360,9 +483,9 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
 // and batch item.
 std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lane0, int64_t lane1);
 
-// Subtracted from m + log(l) to give lse: log(samples) where the passes are
-// hashes (M~ averages them), else 0.
-float lse_offset(const LaneSetup& head, int64_t samples);
+// Head h's terms of row_lse: -log(samples) where the passes are hashes,
+// and the head's slope (p.slopes, double) where they carry the bias.
+HeadLse head_lse(const AttentionParams& p, const LaneSetup& head);
 
 // The rounds of one chunk: lanes [0, lanes.size()) (acc_lane = index) and
 // query tiles [tile_begin, tile_end). Appends to `table` the LanePass entries
@@ -396,6 +519,26 @@ PLSH_HD inline TileDesc describe_slot(const SpanShape& s, const Round& round, co
   d.valid_begin = c.valid_begin;
   d.valid_end = c.valid_end;
   return d;
+}
+
+// Byte offsets of one slot's GEMM operands: q, k, v from their tensors'
+// bases, scores, probabilities and partial output from their round slices.
+struct SlotOperands {
+  int64_t q, k, v;
+  int64_t scores, probs, partial;
+};
+PLSH_HD inline SlotOperands slot_operands(const OperandLayout& o, const LanePass& l, const TileDesc& d, int64_t slot,
+                                          int64_t tile_rows, int64_t key_cols) {
+  const int64_t hk = l.head / o.head_group;
+  const int64_t kp = key_pitch(key_cols);
+  SlotOperands s;
+  s.q = (l.batch * o.q_bs + d.row0 * o.q_rs + l.head * o.q_hs) * o.elem_bytes;
+  s.k = (l.batch * o.k_bs + d.col0 * o.k_rs + hk * o.k_hs) * o.elem_bytes;
+  s.v = (l.batch * o.v_bs + d.col0 * o.v_rs + hk * o.v_hs) * o.elem_bytes;
+  s.scores = slot * tile_rows * kp * 4;
+  s.probs = slot * tile_rows * kp * o.elem_bytes;
+  s.partial = slot * tile_rows * partial_pitch(o.head_dim) * 4;
+  return s;
 }
 
 }  // namespace plsh::cuda

@@ -6,20 +6,28 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_check.h"
 #include "plsh/draws.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
+#include "log_reference.h"
 #include "reference.h"
 
 namespace plsh {
@@ -131,7 +139,8 @@ TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(testing::plan_and_forward(*cpu, *pc, ExecContext{}, nullptr).ok());
 
-  const testing::ReferenceOutput ref = testing::reference_attention(*p);
+  // The bias in the log domain: exact for queries far from every key too.
+  const testing::ReferenceOutput ref = testing::log_domain_reference(*p);
   const double tol = tolerance(c.dtype);
   const ErrorStats vs_ref = compare(out_gpu.data(), c.dtype, ref.out);
   const ErrorStats cpu_vs_ref = compare(out_cpu.data(), c.dtype, ref.out);
@@ -172,6 +181,21 @@ std::vector<GpuCase> cases() {
   v.push_back({"lsh_wide_pitch_f32", 1, 600, 600, 2, 2, 128, f, Mode::kLsh, false, std::nullopt, 0, 4, 0, {1.0 / 400, 1.0 / 150}});
   v.push_back({"window_fixed_width_f32", 1, 257, 300, 2, 1, 64, f, Mode::kWindow, false, std::nullopt, 0, 0, 17, {}});
   v.push_back({"window_wide_f32", 1, 200, 1100, 2, 2, 40, f, Mode::kWindow, true, std::nullopt, 0, 0, 700, {}});
+  // Head rows that are not 16-byte multiples (bf16/f16 D = 20: 40 bytes;
+  // f32 D = 59): host tensors are staged with padded rows (issue 15).
+  v.push_back({"exact_causal_d20_bf16", 2, 97, 97, 4, 2, 20, DType::kBF16, Mode::kExact, true, std::nullopt, 0, 0, 0, {}});
+  v.push_back({"lsh_causal_d20_f16", 1, 130, 130, 4, 4, 20, DType::kF16, Mode::kLsh, true, std::nullopt, 0, 8, 0, mixed});
+  v.push_back({"window_d59_f32", 1, 129, 129, 3, 1, 59, f, Mode::kWindow, false, std::nullopt, 0, 0, 0, {}});
+  // Queries far from every key (shards of a long sequence): the logits are
+  // relative to the nearest key and lse adds the offset back (issue 15).
+  v.push_back({"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, f, Mode::kExact, true, int64_t{1000000}, 0, 0, 0,
+               {0.5, 1.0 / 64}});
+  v.push_back({"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, f, Mode::kExact, false, int64_t{-200000}, 0, 0, 0,
+               {0.5, 0.125}});
+  v.push_back({"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, f, Mode::kExact, true, int64_t{65536}, 0, 0, 0,
+               {0.5, 1.0 / 16}});
+  v.push_back({"exact_shard_at_65536_bf16", 1, 64, 4096, 2, 1, 64, DType::kBF16, Mode::kExact, true, int64_t{65536}, 0, 0,
+               0, {0.5, 1.0 / 16}});
   return v;
 }
 
@@ -317,6 +341,179 @@ TEST(CudaControl, TightBudgetChunksAndStillMatches) {
   EXPECT_LE(compare(out.data(), o.dtype, ref.out).max_rel, tolerance(o.dtype));
 }
 
+// Without a share from the caller a request plans for at most half the pool,
+// so a second one can run beside it; with a share, at most that; and the
+// bytes forward reports are what the plan charged (issue 15).
+TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
+  std::string why;
+  cuda::CudaBackendOptions opts;
+  opts.memory_budget_bytes = int64_t{256} << 20;
+  std::unique_ptr<Backend> backend = cuda::make_cuda_backend(&why, opts);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  AttentionOptions o;
+  o.q_len = o.kv_len = 8192;
+  o.heads = 8;
+  o.head_dim = 64;
+  o.dtype = DType::kBF16;
+  o.mode = Mode::kExact;
+  o.causal = true;
+  o.estimates = false;
+  StatusOr<AttentionParams> p = resolve_params(o);
+  ASSERT_TRUE(p.ok());
+  StatusOr<Plan> half = backend->plan(*p, PlanLimits{});
+  ASSERT_TRUE(half.ok()) << half.status().to_string();
+  EXPECT_LE(half->forward_workspace.device_bytes, opts.memory_budget_bytes / 2);
+  EXPECT_GT(half->forward_workspace.device_bytes, opts.memory_budget_bytes / 4) << "the work buffer fills its share";
+  PlanLimits share;
+  share.device_bytes = int64_t{64} << 20;
+  StatusOr<Plan> shared = backend->plan(*p, share);
+  ASSERT_TRUE(shared.ok()) << shared.status().to_string();
+  EXPECT_LE(shared->forward_workspace.device_bytes, share.device_bytes);
+
+  const testing::RandomTensors t = testing::random_qkv(o, 12);
+  std::vector<uint8_t> out = testing::output_buffer(o);
+  Plan run = *half;
+  ASSERT_TRUE(bind_tensors(&run.params, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost}).ok());
+  ForwardStats stats;
+  const Status s = backend->forward(run, ExecContext{}, &stats);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(stats.workspace.device_bytes, half->forward_workspace.device_bytes);
+  const std::optional<DeviceMemory> mem = backend->device_memory();
+  ASSERT_TRUE(mem.has_value());
+  EXPECT_EQ(mem->budget_bytes, opts.memory_budget_bytes);
+}
+
+// Device tensors whose rows are not 16-byte multiples are refused before
+// any GEMM sees them (a misaligned access would lose the context).
+TEST(CudaMemory, UnalignedDeviceTensorsAreRefused) {
+  REQUIRE_CUDA(cuda);
+  AttentionOptions o;
+  o.q_len = o.kv_len = 64;
+  o.heads = 4;
+  o.head_dim = 20;
+  o.dtype = DType::kBF16;
+  o.mode = Mode::kExact;
+  o.estimates = false;
+  const size_t bytes = static_cast<size_t>(o.q_len * o.heads * o.head_dim * 2);
+  void* d[4] = {};
+  for (void*& b : d) ASSERT_EQ(cudaMalloc(&b, bytes), cudaSuccess);
+  StatusOr<AttentionParams> p = make_params(o, {d[0], d[1], d[2], d[3], nullptr, MemorySpace::kDevice});
+  ASSERT_TRUE(p.ok());
+  const Status s = testing::plan_and_forward(*cuda, *p, ExecContext{}, nullptr);
+  for (void* b : d) cudaFree(b);
+  EXPECT_EQ(s.code(), StatusCode::kUnimplemented) << s.to_string();
+  EXPECT_NE(s.message().find("16"), std::string::npos) << s.message();
+  EXPECT_TRUE(cuda->supports(*p).code() == StatusCode::kUnimplemented);
+}
+
+// Rounds of more than 65535 slots (64 heads x 1024 tiles) go to cuBLAS as
+// several batched calls; the result is the CPU backend's.
+TEST(CudaLarge, RoundsAbove65535SlotsMatchTheCpu) {
+  REQUIRE_CUDA(cuda);
+  AttentionOptions o;
+  o.q_len = 65536;
+  o.kv_len = 32;
+  o.q_pos0 = 0;
+  o.heads = 64;
+  o.kv_heads = 8;
+  o.head_dim = 8;
+  o.dtype = DType::kF32;
+  o.mode = Mode::kExact;
+  o.causal = false;
+  o.estimates = false;
+  o.check_finite = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 21);
+  std::vector<uint8_t> out_gpu = testing::output_buffer(o), out_cpu = testing::output_buffer(o);
+  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_gpu.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  StatusOr<Plan> plan = cuda->plan(*p, PlanLimits{});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  ASSERT_TRUE(cuda->forward(*plan, ExecContext{}, nullptr).ok());
+  StatusOr<AttentionParams> pc = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_cpu.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(pc.ok());
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  ASSERT_TRUE(testing::plan_and_forward(*cpu, *pc, ExecContext{}, nullptr).ok());
+  std::vector<double> expected(out_cpu.size() / 4);
+  for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_element(out_cpu.data(), o.dtype, static_cast<int64_t>(i));
+  EXPECT_LE(compare(out_gpu.data(), o.dtype, expected).max_rel, 1e-4);
+}
+
+// Cancel, deadline and progress follow the GPU (issue 15): a request of
+// about a second on an H200 is stopped a quarter of the way in and returns
+// within another quarter, and no progress report runs ahead of the clock by
+// more than a factor of two. Before, the host queued everything in
+// milliseconds, checked the stop only while queueing, reported progress as
+// it queued, and the request ran to the end with OK.
+struct TimedRun {
+  Status status;
+  double seconds = 0;
+  std::vector<std::pair<double, double>> progress;  // (seconds, fraction)
+};
+
+TimedRun timed_forward(Backend& cuda, const Plan& plan, const std::atomic<bool>* cancel,
+                       std::chrono::steady_clock::time_point deadline) {
+  TimedRun run;
+  std::mutex mu;
+  const auto t0 = std::chrono::steady_clock::now();
+  ExecContext ctx;
+  ctx.cancel = cancel;
+  ctx.deadline = deadline;
+  ctx.progress = [&](double f) {
+    std::lock_guard<std::mutex> lock(mu);
+    run.progress.emplace_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), f);
+  };
+  run.status = cuda.forward(plan, ctx, nullptr);
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return run;
+}
+
+TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
+  REQUIRE_CUDA(cuda);
+  AttentionOptions o;
+  o.q_len = o.kv_len = 32768;
+  o.heads = 32;
+  o.head_dim = 128;
+  o.dtype = DType::kF32;  // fp32 GEMMs without TF32: the slow path, about 9 TFLOP here
+  o.mode = Mode::kExact;
+  o.causal = true;
+  o.estimates = false;
+  o.check_finite = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 13);
+  std::vector<uint8_t> out = testing::output_buffer(o);
+  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(p.ok());
+  StatusOr<Plan> plan = cuda->plan(*p, PlanLimits{});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+
+  const TimedRun full = timed_forward(*cuda, *plan, nullptr, std::chrono::steady_clock::time_point::max());
+  ASSERT_TRUE(full.status.ok()) << full.status.to_string();
+  std::printf("uncancelled: %.3f s, %zu progress reports\n", full.seconds, full.progress.size());
+  ASSERT_GT(full.seconds, 0.1) << "too fast to measure a cancel against";
+  ASSERT_FALSE(full.progress.empty());
+  EXPECT_DOUBLE_EQ(full.progress.back().second, 1.0);
+  for (const auto& [at, f] : full.progress)
+    EXPECT_LE(f, 2.0 * at / full.seconds + 0.05) << "progress " << f << " reported at " << at << " s of " << full.seconds;
+
+  std::atomic<bool> cancel{false};
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::duration<double>(full.seconds / 4));
+    cancel.store(true);
+  });
+  const TimedRun cancelled = timed_forward(*cuda, *plan, &cancel, std::chrono::steady_clock::time_point::max());
+  canceller.join();
+  EXPECT_EQ(cancelled.status.code(), StatusCode::kCancelled) << cancelled.status.to_string();
+  EXPECT_LT(cancelled.seconds, full.seconds / 2) << "cancelled at " << full.seconds / 4 << " s";
+
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                               std::chrono::duration<double>(full.seconds / 4));
+  const TimedRun late = timed_forward(*cuda, *plan, nullptr, deadline);
+  EXPECT_EQ(late.status.code(), StatusCode::kDeadlineExceeded) << late.status.to_string();
+  EXPECT_LT(late.seconds, full.seconds / 2);
+
+  // The backend serves again after a stop.
+  EXPECT_TRUE(timed_forward(*cuda, *plan, nullptr, std::chrono::steady_clock::time_point::max()).status.ok());
+}
+
 // A budget too small for one tile is refused before any memory is touched.
 TEST(CudaControl, TinyBudgetIsResourceExhausted) {
   std::string why;
@@ -335,6 +532,76 @@ TEST(CudaControl, TinyBudgetIsResourceExhausted) {
   StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(testing::plan_and_forward(*small, *p, ExecContext{}, nullptr).code(), StatusCode::kResourceExhausted);
+}
+
+// A recoverable error an earlier call left on the worker thread (here an
+// allocation far beyond the device) must not fail the next request: the
+// runtime keeps it as the thread's last error, which the first launch check
+// used to read as its own (issue 15).
+TEST(CudaErrors, StaleRecoverableErrorDoesNotFailTheNextRequest) {
+  REQUIRE_CUDA(cuda);
+  void* huge = nullptr;
+  ASSERT_EQ(cudaMalloc(&huge, size_t{1} << 60), cudaErrorMemoryAllocation);
+  ASSERT_EQ(cudaPeekAtLastError(), cudaErrorMemoryAllocation) << "the runtime keeps it as the last error";
+  AttentionOptions o;
+  o.q_len = o.kv_len = 100;
+  o.heads = 2;
+  o.head_dim = 64;
+  o.mode = Mode::kExact;
+  o.causal = true;
+  o.estimates = false;
+  const testing::RandomTensors t = testing::random_qkv(o, 6);
+  std::vector<uint8_t> out = testing::output_buffer(o);
+  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
+  ASSERT_TRUE(p.ok());
+  const Status s = testing::plan_and_forward(*cuda, *p, ExecContext{}, nullptr);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_TRUE(cuda->supports(*p).ok());
+  EXPECT_LE(compare(out.data(), o.dtype, testing::reference_attention(*p).out).max_rel, tolerance(o.dtype));
+}
+
+// A real device fault (a GEMM reading far past a 4 KiB buffer that was
+// passed off as a [1, 65536, 32, 128] tensor) loses the context for the
+// whole process; the backend must then refuse work with UNAVAILABLE naming
+// the error (so the registry's "auto" picks the CPU), and the process must
+// still exit cleanly. Run in a child process: the fault would break every
+// later test of this one.
+void sticky_fault_child() {
+  std::string why;
+  std::unique_ptr<Backend> cuda = cuda::make_cuda_backend(&why);
+  if (cuda == nullptr) std::exit(3);
+  AttentionOptions o;
+  o.q_len = o.kv_len = 65536;
+  o.heads = 32;
+  o.head_dim = 128;
+  o.dtype = DType::kBF16;
+  o.mode = Mode::kExact;
+  o.estimates = false;
+  void* small[4] = {};
+  for (void*& b : small)
+    if (cudaMalloc(&b, 4096) != cudaSuccess) std::exit(4);
+  StatusOr<AttentionParams> p = make_params(o, {small[0], small[1], small[2], small[3], nullptr, MemorySpace::kDevice});
+  if (!p.ok()) std::exit(5);
+  const Status s = testing::plan_and_forward(*cuda, *p, ExecContext{}, nullptr);
+  std::fprintf(stderr, "forward: %s\n", s.to_string().c_str());
+  const cudaError_t sync = cudaDeviceSynchronize();
+  if (!cuda::is_sticky_error(sync)) {
+    std::fprintf(stderr, "no sticky error (%s): the out-of-bounds reads met mapped memory\n", cudaGetErrorName(sync));
+    std::exit(6);
+  }
+  const Status refused = cuda->supports(*p);
+  std::fprintf(stderr, "supports after the fault: %s; device: %s\n", refused.to_string().c_str(), cuda->device().c_str());
+  const bool ok = !s.ok() && refused.code() == StatusCode::kUnavailable &&
+                  refused.message().find(cudaGetErrorName(sync)) != std::string::npos &&
+                  cuda->device().find("unusable") != std::string::npos;
+  std::exit(ok ? 0 : 1);  // exit() runs the static destructors, as the server's does
+}
+
+TEST(CudaErrorsDeathTest, StickyFaultMakesTheBackendRefuseWorkAndExitCleanly) {
+  REQUIRE_CUDA(cuda);
+  (void)cuda;
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(sticky_fault_child(), ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

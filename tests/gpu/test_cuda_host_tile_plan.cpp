@@ -400,7 +400,7 @@ TEST(Layout, PlanChargesWhatForwardAllocatesWithinTheCap) {
     ASSERT_TRUE(l.ok()) << l.status().to_string();
     EXPECT_LE(l->device_bytes(), cap);
     EXPECT_EQ(l->staging_bytes, carve_staging(p, nullptr, nullptr));
-    EXPECT_EQ(l->table_bytes, carve_tables(p.heads, l->table_entries, nullptr, nullptr));
+    EXPECT_EQ(l->table_bytes, carve_tables(p.heads, l->table_entries, l->cublas_workspace_bytes, nullptr, nullptr));
     EXPECT_EQ(l->work_bytes, carve_work(l->work.slots, l->work.tile_rows, l->work.key_cols, p.head_dim, 2, nullptr,
                                         nullptr, nullptr));
     EXPECT_EQ(l->device_bytes(), l->staging_bytes + l->table_bytes + l->work_bytes);
@@ -447,6 +447,178 @@ TEST(Layout, LaneTablesFitThePlannedEntries) {
       }
     }
   }
+}
+
+// What a request may plan for (issue 15): the caller's share capped at the
+// pool, or half the pool when the caller gives none.
+TEST(Layout, RequestCapIsTheCallersShareOrHalfThePool) {
+  EXPECT_EQ(request_device_cap(1000, 0), 500);
+  EXPECT_EQ(request_device_cap(1000, 300), 300);
+  EXPECT_EQ(request_device_cap(1000, 5000), 1000);
+  EXPECT_EQ(cublas_workspace_for(int64_t{1} << 30), kCublasWorkspaceBytes);
+  EXPECT_EQ(cublas_workspace_for(int64_t{1} << 20), kCublasMinWorkspaceBytes);
+  const AttentionParams p = layout_params(Mode::kExact, 4096, 8, 0);
+  StatusOr<CudaLayout> l = plan_layout(p, plan_draws(p), int64_t{1} << 30);
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  EXPECT_EQ(l->cublas_workspace_bytes, kCublasWorkspaceBytes);
+  EXPECT_GE(l->table_bytes, kCublasWorkspaceBytes) << "cuBLAS's workspace is charged with the tables";
+}
+
+// Forward carves for the params it is given; a plan sized for other params
+// (device tensors bound as host ones, longer keys, more heads) is refused
+// with INTERNAL before any buffer is carved past its end.
+TEST(Layout, ForwardRefusesParamsThePlanDidNotSize) {
+  AttentionParams p = layout_params(Mode::kExact, 1000, 4, 0);
+  StatusOr<CudaLayout> l = plan_layout(p, plan_draws(p), int64_t{1} << 28);
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  EXPECT_TRUE(check_layout_fits(*l, p).ok());
+  AttentionParams dev = p;
+  dev.memory = MemorySpace::kDevice;
+  StatusOr<CudaLayout> dl = plan_layout(dev, plan_draws(dev), int64_t{1} << 28);
+  ASSERT_TRUE(dl.ok());
+  EXPECT_EQ(dl->staging_bytes, 0);
+  EXPECT_TRUE(check_layout_fits(*dl, dev).ok());
+  const Status host_on_device_plan = check_layout_fits(*dl, p);
+  EXPECT_EQ(host_on_device_plan.code(), StatusCode::kInternal);
+  EXPECT_NE(host_on_device_plan.message().find("staging"), std::string::npos) << host_on_device_plan.message();
+  AttentionParams wider = p;
+  wider.head_dim = 128;
+  wider.q_head_stride = wider.k_head_stride = wider.v_head_stride = wider.o_head_stride = 128;
+  EXPECT_EQ(check_layout_fits(*l, wider).code(), StatusCode::kInternal);
+  const AttentionParams more_heads = layout_params(Mode::kExact, 1000, 8, 0);
+  EXPECT_EQ(check_layout_fits(*l, more_heads).code(), StatusCode::kInternal);
+}
+
+AttentionParams operand_params(DType dtype, int64_t n, int64_t kv, int64_t heads, int64_t kv_heads, int64_t dim,
+                               MemorySpace memory) {
+  AttentionOptions o;
+  o.q_len = n;
+  o.kv_len = kv;
+  o.heads = heads;
+  o.kv_heads = kv_heads;
+  o.head_dim = dim;
+  o.dtype = dtype;
+  o.mode = Mode::kExact;
+  o.causal = false;
+  o.batch = 2;
+  StatusOr<AttentionParams> p = resolve_params(o);
+  EXPECT_TRUE(p.ok()) << p.status().to_string();
+  p->memory = memory;
+  return *p;
+}
+
+// Every pointer the batched GEMMs get, and every leading dimension in
+// bytes, is a multiple of 16 (issue 15: bf16 with D = 20 has a 40-byte head
+// stride; cuBLAS cannot check pointers that live on the device, and a
+// misaligned vector load loses the context). Host tensors are staged with
+// padded rows; internal buffers have padded pitches.
+TEST(CudaOperands, EveryGemmOperandIs16ByteAligned) {
+  int64_t checked = 0;
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16})
+    for (int64_t dim : {20, 40, 59, 64, 128})
+      for (const auto& [n, kv] : {std::pair<int64_t, int64_t>{1, 9}, {97, 1025}, {70, 33}}) {
+        const AttentionParams p = operand_params(dtype, n, kv, 4, 2, dim, MemorySpace::kHost);
+        ASSERT_TRUE(check_operands(p).ok()) << check_operands(p).to_string();
+        const OperandLayout o = operand_layout(p);
+        const int64_t esz = o.elem_bytes;
+        for (int64_t ld : {o.q_rs, o.k_rs, o.v_rs, o.q_hs, o.k_hs, o.q_bs, o.v_bs})
+          ASSERT_EQ(ld * esz % 16, 0) << dtype_name(dtype) << " D " << dim;
+        ASSERT_GE(o.q_hs, dim);
+        const SpanShape shape = span_shape(p);
+        const std::vector<LaneSetup> heads = head_passes(p, plan_draws(p));
+        const std::vector<LaneSetup> lanes = chunk_lanes(heads, p.heads, 0, p.batch * p.heads);
+        std::vector<LanePass> table;
+        for (const Round& r : plan_rounds(shape, lanes, 0, tile_count(shape), &table)) {
+          ASSERT_EQ(key_pitch(r.key_cols) * 4 % 16, 0);
+          ASSERT_EQ(key_pitch(r.key_cols) * esz % 16, 0);
+          ASSERT_EQ(partial_pitch(dim) * 4 % 16, 0);
+          for (int64_t slot = 0; slot < r.slots; ++slot) {
+            const TileDesc d = describe_slot(shape, r, table.data(), slot);
+            const SlotOperands so = slot_operands(o, table[static_cast<size_t>(d.lane)], d, slot, shape.tile_rows, r.key_cols);
+            for (int64_t off : {so.q, so.k, so.v, so.scores, so.probs, so.partial})
+              ASSERT_EQ(off % 16, 0) << dtype_name(dtype) << " D " << dim << " n " << n << " slot " << slot;
+            ++checked;
+          }
+        }
+        // The staged copy holds B * N * H rows of D elements at the padded pitch.
+        StagingBuffers sb;
+        carve_staging(p, nullptr, &sb);
+        EXPECT_EQ(sb.q_bytes, ((p.batch * n * p.heads - 1) * o.q_hs + dim) * esz);
+        EXPECT_EQ(sb.k_bytes, ((p.batch * kv * p.kv_heads - 1) * o.k_hs + dim) * esz);
+      }
+  EXPECT_GT(checked, 1000);
+  // The caller's own layout, which the kernels used before: bf16 D = 20 puts
+  // odd heads 40 bytes in, which is what this test exists to catch.
+  AttentionParams raw = operand_params(DType::kBF16, 97, 97, 4, 2, 20, MemorySpace::kDevice);
+  const OperandLayout unpadded = operand_layout(raw);
+  LanePass odd_head;
+  odd_head.head = 1;
+  TileDesc d{};
+  EXPECT_NE(slot_operands(unpadded, odd_head, d, 0, 64, 64).q % 16, 0);
+}
+
+// Device tensors are read where they are: refused unless their strides and
+// base pointers are 16-byte multiples, with a message that says what to do.
+TEST(CudaOperands, UnalignedDeviceTensorsAreRefused) {
+  const AttentionParams bad = operand_params(DType::kBF16, 64, 64, 4, 2, 20, MemorySpace::kDevice);
+  const Status s = check_operands(bad);
+  EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
+  EXPECT_NE(s.message().find("q head stride = 40 bytes"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("multiple of 8"), std::string::npos) << s.message();
+  EXPECT_TRUE(check_operands(operand_params(DType::kBF16, 64, 64, 4, 2, 64, MemorySpace::kDevice)).ok());
+  EXPECT_TRUE(check_operands(operand_params(DType::kF32, 64, 64, 4, 2, 20, MemorySpace::kDevice)).ok());
+  EXPECT_EQ(check_operands(operand_params(DType::kF32, 64, 64, 4, 2, 59, MemorySpace::kDevice)).code(),
+            StatusCode::kUnimplemented);
+  AttentionParams shifted = operand_params(DType::kBF16, 64, 64, 4, 2, 64, MemorySpace::kDevice);
+  alignas(16) static char buffer[64];
+  shifted.q = buffer + 2;
+  const Status at = check_operands(shifted);
+  EXPECT_EQ(at.code(), StatusCode::kUnimplemented);
+  EXPECT_NE(at.message().find("q device pointer"), std::string::npos) << at.message();
+  // The same bf16 D = 20 from the host is fine: it is staged with padded rows.
+  EXPECT_TRUE(check_operands(operand_params(DType::kBF16, 64, 64, 4, 2, 20, MemorySpace::kHost)).ok());
+}
+
+// No cublasGemmBatchedEx call gets more than 65535 matrices: the 128k exact
+// benchmark (32 heads x 2048 tiles) makes 65536 per round.
+TEST(CudaGemm, BatchesNeverExceed65535Matrices) {
+  EXPECT_TRUE(gemm_batches(0).empty());
+  const std::vector<GemmBatch> one = gemm_batches(1);
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(one[0].count, 1);
+  const std::vector<GemmBatch> b = gemm_batches(65536);
+  ASSERT_EQ(b.size(), 2u);
+  EXPECT_EQ(b[0].first, 0);
+  EXPECT_EQ(b[0].count, 65535);
+  EXPECT_EQ(b[1].first, 65535);
+  EXPECT_EQ(b[1].count, 1);
+  for (int64_t slots : {int64_t{65535}, int64_t{131070}, 3 * int64_t{65535} + 7, kMaxSlots}) {
+    int64_t next = 0;
+    for (const GemmBatch& g : gemm_batches(slots)) {
+      EXPECT_EQ(g.first, next);
+      EXPECT_GE(g.count, 1);
+      EXPECT_LE(g.count, kMaxGemmBatch);
+      next += g.count;
+    }
+    EXPECT_EQ(next, slots);
+  }
+}
+
+// However large the budget, a chunk's slots stay a valid grid.x and its
+// lanes a valid grid.y; and the 128k exact shape does make rounds above
+// 65535 slots, which gemm_batches splits.
+TEST(Workspace, LaunchLimitsHoldForHugeBudgets) {
+  WorkspaceShape s = shape_for(int64_t{1} << 20);
+  s.lanes = 100000;
+  StatusOr<WorkspacePlan> p = plan_workspace(s, int64_t{1} << 50);
+  ASSERT_TRUE(p.ok());
+  EXPECT_LE(p->lanes_per_chunk, kMaxLanesPerChunk);
+  EXPECT_LE(p->slots, kMaxSlots);
+  WorkspaceShape bench = shape_for(int64_t{1} << 17);
+  StatusOr<WorkspacePlan> big = plan_workspace(bench, int64_t{50} << 30);  // half an H200's pool
+  ASSERT_TRUE(big.ok());
+  EXPECT_GT(big->slots, kMaxGemmBatch);
+  EXPECT_GT(gemm_batches(big->slots).size(), 1u);
 }
 
 }  // namespace

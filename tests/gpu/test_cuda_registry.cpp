@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "plsh/backend.h"
 
@@ -33,6 +34,37 @@ TEST(CudaRegistry, LibraryLoadsAndServesOrSaysWhyNot) {
   EXPECT_EQ(found.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(found.status().message().find("no CUDA device"), std::string::npos) << found.status().message();
   std::printf("registry note: %s\n", note.c_str());
+}
+
+// The registry keeps its backends in a static, destroyed at exit, possibly
+// after the CUDA runtime has shut down: the process must still exit
+// cleanly after using the CUDA backend (issue 15). In a child process, so
+// that its exit is the one observed; without a device the child only loads
+// the library.
+void use_cuda_then_exit() {
+  setenv("PLSH_CUDA_BACKEND", PLSH_CUDA_LIBRARY, 1);
+  BackendRegistry& registry = BackendRegistry::global();
+  Backend* cuda = registry.backends().front();
+  if (cuda->name() == "cuda") {
+    AttentionOptions o;
+    o.q_len = o.kv_len = 64;
+    o.heads = 2;
+    o.head_dim = 16;
+    o.mode = Mode::kExact;
+    o.estimates = false;
+    std::vector<float> q(64 * 2 * 16, 0.5f), out(q.size());
+    StatusOr<AttentionParams> p = make_params(o, {q.data(), q.data(), q.data(), out.data(), nullptr, MemorySpace::kHost});
+    if (!p.ok()) std::exit(2);
+    StatusOr<Plan> plan = cuda->plan(*p, PlanLimits{});
+    if (!plan.ok() || !cuda->forward(*plan, ExecContext{}, nullptr).ok()) std::exit(3);
+    if (!(out[0] > 0.49f && out[0] < 0.51f)) std::exit(4);
+  }
+  std::exit(0);  // runs the static destructors, the registry's among them
+}
+
+TEST(CudaRegistryDeathTest, ProcessExitsCleanlyAfterUsingTheBackend) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(use_cuda_then_exit(), ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

@@ -32,6 +32,8 @@ class TestCall : public CallBase {
   using CallBase::plan;
   using CallBase::reserve_and_allocate;
   void cancel() { cancel_ = true; }
+  // Never watched here (open(false)): nothing calls it.
+  void expire(const grpc::Status&, const char*) override {}
   const RequestPlan& request_plan() const { return *plan_; }
   // Zero inputs: finite, so check_finite passes.
   void zero_inputs() {
@@ -73,7 +75,7 @@ class CallCancelTest : public ::testing::Test {
 
   // Admits a call up to the point where it would be queued.
   void admit(TestCall& call) {
-    ASSERT_TRUE(is_ok(call.open()));
+    ASSERT_TRUE(is_ok(call.open(/*watched=*/false)));
     ASSERT_TRUE(is_ok(call.plan(header())));
     ASSERT_TRUE(is_ok(call.reserve_and_allocate()));
     const MemoryCharge reserved = scheduler_.reserved();

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <new>
 #include <string>
@@ -18,6 +19,10 @@ namespace plsh {
 using namespace estimates_detail;
 
 namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 // The head's description and its mask estimates; the probe runs later, in
 // tasks that spread each head's rows over the threads.
@@ -79,6 +84,7 @@ Status compute_estimates(const Plan& plan, const ExecContext& ctx, AttentionResu
   };
   const int threads = plan.threads;
 
+  auto phase_start = std::chrono::steady_clock::now();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t h = 0; h < heads; ++h) {
     run("mask estimates for head " + std::to_string(h), [&] {
@@ -87,6 +93,7 @@ Status compute_estimates(const Plan& plan, const ExecContext& ctx, AttentionResu
     });
   }
   if (!failure.ok()) return failure;
+  result->timings["estimates_masks"] = seconds_since(phase_start);
   if (!p.estimates) return Status::Ok();
   for (const HeadEstimate& he : result->heads) {
     result->mask_max_err = std::max(result->mask_max_err, he.mask_max_err);
@@ -118,12 +125,27 @@ Status compute_estimates(const Plan& plan, const ExecContext& ctx, AttentionResu
       tasks.push_back(std::move(t));
     }
   }
+  // Per (batch item, kv head) with probe rows: the largest key norm and the
+  // running largest value norm, so that each row visits only the keys that
+  // can matter (probe_reach; one pass over k and v instead of one per task).
+  std::vector<ProbeKeyStats> key_stats(static_cast<size_t>(p.batch * p.kv_heads));
+  std::vector<char> needed(key_stats.size(), 0);
+  for (const Task& t : tasks) needed[static_cast<size_t>(t.batch * p.kv_heads + t.head / p.head_group)] = 1;
+  phase_start = std::chrono::steady_clock::now();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (size_t n = 0; n < key_stats.size(); ++n) {
+    if (!needed[n]) continue;
+    const int64_t b = static_cast<int64_t>(n) / p.kv_heads, hk = static_cast<int64_t>(n) % p.kv_heads;
+    run("probe key statistics", [&] { key_stats[n] = probe_key_stats(p, b, hk); });
+  }
+  if (!failure.ok()) return failure;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (size_t n = 0; n < tasks.size(); ++n) {
     const Task& t = tasks[n];
     run("probe for head " + std::to_string(t.head), [&] {
       probe_rows(p, masks[static_cast<size_t>(t.head)], t.head, t.batch, t.rows,
-                 &probed[static_cast<size_t>(t.head)][t.first], &ctx);
+                 &probed[static_cast<size_t>(t.head)][t.first], &ctx,
+                 &key_stats[static_cast<size_t>(t.batch * p.kv_heads + t.head / p.head_group)]);
     });
   }
   if (!failure.ok()) return failure;
@@ -133,6 +155,7 @@ Status compute_estimates(const Plan& plan, const ExecContext& ctx, AttentionResu
     stats[static_cast<size_t>(h)] = probe_stats(probed[static_cast<size_t>(h)], population);
     result->heads[static_cast<size_t>(h)].probe = summarize_probe({stats[static_cast<size_t>(h)]});
   }
+  result->timings["estimates_probe"] = seconds_since(phase_start);
   result->probe = summarize_probe(stats);
   return Status::Ok();
 }
@@ -175,7 +198,8 @@ int64_t estimates_host_bytes(const AttentionParams& p, int threads) {
   // its probe sample and rows.
   const int64_t per_request = p.heads * static_cast<int64_t>(sizeof(HeadEstimate) + sizeof(HeadMask)) +
                               (p.return_draws ? draws : 0) +
-                              p.heads * p.probe_rows * static_cast<int64_t>(8 + sizeof(ProbeRow) + 8);
+                              p.heads * p.probe_rows * static_cast<int64_t>(8 + sizeof(ProbeRow) + 8) +
+                              (p.probe_rows > 0 ? 8 * p.batch * p.kv_heads * p.kv_len : 0);  // probe key statistics
   if (!p.estimates) return draws + per_request;
   const int64_t per_thread = std::max(head_estimate_bytes(p), p.probe_rows > 0 ? probe_task_bytes(p) : 0);
   return draws + per_request + static_cast<int64_t>(std::max(threads, 1)) * per_thread;

@@ -9,6 +9,13 @@ namespace plsh {
 
 bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows, int64_t key_end,
                        const std::function<void(const KeyTile&)>& visit, const ExecContext* ctx) {
+  const KeyRange all{0, key_end};
+  return for_each_key_tile(p, h, b, rows, std::span<const KeyRange>(&all, 1), visit, ctx);
+}
+
+bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows,
+                       std::span<const KeyRange> ranges, const std::function<void(const KeyTile&)>& visit,
+                       const ExecContext* ctx) {
   const int64_t R = static_cast<int64_t>(rows.size());
   const int64_t D = p.head_dim;
   const int64_t hk = h / p.head_group;
@@ -25,40 +32,43 @@ bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span
              buf.data());
     for (int64_t d = 0; d < D; ++d) qt[static_cast<size_t>(d * R + r)] = buf[static_cast<size_t>(d)];
   }
-  for (int64_t j0 = 0; j0 < key_end; j0 += kTile) {
-    if (j0 % (64 * kTile) == 0 && j0 > 0 && ctx != nullptr && !ctx->check_stop().ok()) return false;
-    const int64_t tn = std::min(kTile, key_end - j0);
-    for (int64_t jj = 0; jj < tn; ++jj) {
-      const int64_t j = j0 + jj;
-      double* kj = &kt[static_cast<size_t>(jj * D)];
-      double* vj = &vt[static_cast<size_t>(jj * D)];
-      load_row(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
-      for (int64_t d = 0; d < D; ++d) kj[d] = buf[static_cast<size_t>(d)];
-      load_row(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
-      double n2 = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        vj[d] = buf[static_cast<size_t>(d)];
-        n2 += vj[d] * vj[d];
+  int64_t tiles = 0;
+  for (const KeyRange& range : ranges) {
+    for (int64_t j0 = range.begin; j0 < range.end; j0 += kTile) {
+      if (++tiles % 64 == 0 && ctx != nullptr && !ctx->check_stop().ok()) return false;
+      const int64_t tn = std::min(kTile, range.end - j0);
+      for (int64_t jj = 0; jj < tn; ++jj) {
+        const int64_t j = j0 + jj;
+        double* kj = &kt[static_cast<size_t>(jj * D)];
+        double* vj = &vt[static_cast<size_t>(jj * D)];
+        load_row(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
+        for (int64_t d = 0; d < D; ++d) kj[d] = buf[static_cast<size_t>(d)];
+        load_row(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
+        double n2 = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          vj[d] = buf[static_cast<size_t>(d)];
+          n2 += vj[d] * vj[d];
+        }
+        v2[static_cast<size_t>(jj)] = n2;
       }
-      v2[static_cast<size_t>(jj)] = n2;
-    }
-    std::fill(scores.begin(), scores.begin() + tn * R, 0.0);
-    for (int64_t jj = 0; jj < tn; ++jj) {
-      double* sj = &scores[static_cast<size_t>(jj * R)];
-      for (int64_t d = 0; d < D; ++d) {
-        const double kd = kt[static_cast<size_t>(jj * D + d)];
-        const double* qd = &qt[static_cast<size_t>(d * R)];
-        for (int64_t r = 0; r < R; ++r) sj[r] += qd[r] * kd;
+      std::fill(scores.begin(), scores.begin() + tn * R, 0.0);
+      for (int64_t jj = 0; jj < tn; ++jj) {
+        double* sj = &scores[static_cast<size_t>(jj * R)];
+        for (int64_t d = 0; d < D; ++d) {
+          const double kd = kt[static_cast<size_t>(jj * D + d)];
+          const double* qd = &qt[static_cast<size_t>(d * R)];
+          for (int64_t r = 0; r < R; ++r) sj[r] += qd[r] * kd;
+        }
       }
+      KeyTile tile;
+      tile.j0 = j0;
+      tile.count = tn;
+      tile.rows = R;
+      tile.scores = scores.data();
+      tile.values = vt.data();
+      tile.value_norm2 = v2.data();
+      visit(tile);
     }
-    KeyTile tile;
-    tile.j0 = j0;
-    tile.count = tn;
-    tile.rows = R;
-    tile.scores = scores.data();
-    tile.values = vt.data();
-    tile.value_norm2 = v2.data();
-    visit(tile);
   }
   return true;
 }

@@ -77,8 +77,34 @@ ProbeEstimate summarize_probe(const std::vector<ProbeStats>& heads) {
 
 using namespace estimates_detail;
 
+ProbeKeyStats probe_key_stats(const AttentionParams& p, int64_t b, int64_t kv_head) {
+  ProbeKeyStats st;
+  st.v2_prefix_max.resize(static_cast<size_t>(p.kv_len));
+  std::vector<float> buf(static_cast<size_t>(p.head_dim));
+  double max_k2 = 0, max_v2 = 0;
+  for (int64_t j = 0; j < p.kv_len; ++j) {
+    load_row(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + kv_head * p.k_head_stride, p.head_dim, buf.data());
+    double k2 = 0;
+    for (float x : buf) k2 += static_cast<double>(x) * x;
+    load_row(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + kv_head * p.v_head_stride, p.head_dim, buf.data());
+    double v2 = 0;
+    for (float x : buf) v2 += static_cast<double>(x) * x;
+    max_k2 = std::max(max_k2, k2);
+    max_v2 = std::max(max_v2, v2);
+    st.v2_prefix_max[static_cast<size_t>(j)] = max_v2;
+  }
+  st.max_k_norm = std::sqrt(max_k2);
+  return st;
+}
+
+int64_t probe_reach(double sigma, double a_max, int64_t nearest) {
+  if (!std::isfinite(sigma) || !std::isfinite(a_max)) return INT64_MAX;
+  const double reach = static_cast<double>(nearest) + sigma * (2 * a_max + std::log(2 * sigma + 2) + 40);
+  return reach < 4e18 ? static_cast<int64_t>(std::ceil(reach)) : INT64_MAX;
+}
+
 void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, const std::vector<int64_t>& rows,
-                ProbeRow* out, const ExecContext* ctx) {
+                ProbeRow* out, const ExecContext* ctx, const ProbeKeyStats* keys) {
   const int64_t R = static_cast<int64_t>(rows.size());
   if (R == 0) return;
   const int64_t D = p.head_dim;
@@ -90,18 +116,42 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
   // exp(logit)), and the hash blocks around the row's position for M~.
   struct RowState {
     int64_t pos = 0, keys = 0;  // allowed keys: rows [0, keys)
+    int64_t lo = 0, hi = 0;     // the key rows visited: [lo, hi)
+    double a_max = kInf;        // |logit| <= a_max (with keys)
+    double tail = 0;            // keys dropped: their weight's bound, relative to exp(a_max)
     double max_a = -kInf, bound_num = 0, bound_den = 0, max_v2 = 0;
     std::vector<int64_t> begins, ends;  // sorted
     size_t opened = 0, closed = 0;      // begins / ends at or before the current key
   };
   std::vector<RowState> st(static_cast<size_t>(R));
   std::vector<SoftmaxRow64> exact(static_cast<size_t>(R), SoftmaxRow64(D));
-  int64_t max_keys = 0;
+  std::vector<float> qbuf(static_cast<size_t>(D));
   for (int64_t r = 0; r < R; ++r) {
     RowState& row = st[static_cast<size_t>(r)];
     row.pos = p.q_pos0 + rows[static_cast<size_t>(r)];
     row.keys = p.causal ? std::clamp<int64_t>(row.pos - p.k_pos0 + 1, 0, p.kv_len) : p.kv_len;
-    max_keys = std::max(max_keys, row.keys);
+    row.lo = 0;
+    row.hi = row.keys;
+    if (keys != nullptr && row.keys > 0) {
+      load_row(p.q, p.dtype, b * p.q_batch_stride + rows[static_cast<size_t>(r)] * p.q_row_stride + h * p.q_head_stride,
+               D, qbuf.data());
+      double q2 = 0;
+      for (float x : qbuf) q2 += static_cast<double>(x) * x;
+      row.a_max = p.scale * std::sqrt(q2) * keys->max_k_norm;
+      // The nearest allowed key (lsh and window keep queries among the keys: 0).
+      const int64_t key_pos_last = p.k_pos0 + row.keys - 1;
+      const int64_t nearest = row.pos < p.k_pos0 ? p.k_pos0 - row.pos : row.pos > key_pos_last ? row.pos - key_pos_last : 0;
+      const int64_t reach = probe_reach(m.sigma, row.a_max, nearest);
+      if (reach != INT64_MAX) {
+        const int64_t at = row.pos - p.k_pos0;  // key row of the query's position
+        row.lo = std::clamp<int64_t>(at - reach, 0, row.keys);
+        row.hi = std::clamp<int64_t>(at + reach + 1, 0, row.keys);
+        // Each side's dropped keys sum to at most (sigma + 1) exp(a_max - reach / sigma).
+        const double side = (m.sigma + 1) * std::exp(-static_cast<double>(reach) / m.sigma);
+        row.tail = (row.lo > 0 ? side : 0.0) + (row.hi < row.keys ? side : 0.0);
+      }
+      row.max_v2 = keys->v2_prefix_max[static_cast<size_t>(row.keys - 1)];
+    }
     if (m.mode == Mode::kLsh) {
       for (const Draw& d : m.draws) {
         row.begins.push_back(block_begin(row.pos, d));
@@ -110,48 +160,90 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
       std::sort(row.begins.begin(), row.begins.end());
       std::sort(row.ends.begin(), row.ends.end());
     }
+    // Every key where M~ > 0 is visited whatever the reach (a block longer
+    // than the reach is possible, if rare): the dropped keys all have
+    // M~ = 0, which the tail bound assumes.
+    if (m.mode == Mode::kLsh && !row.begins.empty()) {
+      row.lo = std::min(row.lo, std::clamp<int64_t>(row.begins.front() - p.k_pos0, 0, row.keys));
+      row.hi = std::max(row.hi, std::clamp<int64_t>(row.ends.back() - p.k_pos0, 0, row.keys));
+    } else if (m.mode == Mode::kWindow && m.window < (int64_t{1} << 60) && row.keys > 0) {
+      const int64_t at = row.pos - p.k_pos0;
+      row.lo = std::min(row.lo, std::clamp<int64_t>(at - (m.window - 1), 0, row.keys));
+      row.hi = std::max(row.hi, std::clamp<int64_t>(at + m.window, 0, row.keys));
+    } else if (m.mode == Mode::kWindow && row.keys > 0) {
+      row.lo = 0;
+      row.hi = row.keys;
+    }
   }
 
+  // Rows whose key ranges overlap are scored together, one pass over the
+  // union of their ranges; rows whose ranges are apart (steep slopes, rows
+  // far apart) in passes of their own, so no row is scored where it has
+  // nothing to visit.
+  std::vector<int64_t> order(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) order[static_cast<size_t>(r)] = r;
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return st[static_cast<size_t>(x)].lo < st[static_cast<size_t>(y)].lo;
+  });
   std::vector<double> logit(kExactRowsKeyTile), logw(kExactRowsKeyTile);
-  const bool finished = for_each_key_tile(p, h, b, rows, max_keys, [&](const KeyTile& tile) {
-    for (int64_t r = 0; r < R; ++r) {
-      RowState& row = st[static_cast<size_t>(r)];
-      const int64_t n = std::min(tile.count, row.keys - tile.j0);
-      if (n <= 0) continue;
-      double tile_max_a = -kInf;
-      for (int64_t jj = 0; jj < n; ++jj) {
-        const double distance = static_cast<double>(std::llabs(row.pos - (p.k_pos0 + tile.j0 + jj)));
-        logit[static_cast<size_t>(jj)] = p.scale * tile.scores[jj * R + r];
-        logw[static_cast<size_t>(jj)] = logit[static_cast<size_t>(jj)] - distance / m.sigma;
-        tile_max_a = std::max(tile_max_a, logit[static_cast<size_t>(jj)]);
-      }
-      exact[static_cast<size_t>(r)].fold(logw.data(), n, tile.values);
-
-      const double max_a = std::max(row.max_a, tile_max_a);
-      const double rescale_a = std::exp(row.max_a - max_a);
-      row.bound_num *= rescale_a;
-      row.bound_den *= rescale_a;
-      row.max_a = max_a;
-      for (int64_t jj = 0; jj < n; ++jj) {
-        const int64_t x = p.k_pos0 + tile.j0 + jj;
-        row.max_v2 = std::max(row.max_v2, tile.value_norm2[jj]);
-        const int64_t distance = std::llabs(row.pos - x);
-        const double lstar = decay(distance, m.sigma);
-        double mask;
-        if (m.mode == Mode::kLsh) {
-          // Hashes whose block holds x: begin <= x < end; x only grows.
-          while (row.opened < s && row.begins[row.opened] <= x) ++row.opened;
-          while (row.closed < s && row.ends[row.closed] <= x) ++row.closed;
-          mask = static_cast<double>(row.opened - row.closed) * inv_s;
-        } else {
-          mask = m.window == kNoWindow || distance < m.window ? lstar : 0.0;
-        }
-        const double a = std::exp(logit[static_cast<size_t>(jj)] - max_a);
-        row.bound_num += a * std::fabs(lstar - mask);
-        row.bound_den += a * mask;
-      }
+  std::vector<int64_t> group, group_rows;
+  bool finished = true;
+  for (size_t g = 0; g < order.size() && finished;) {
+    group.clear();
+    KeyRange span{st[static_cast<size_t>(order[g])].lo, st[static_cast<size_t>(order[g])].hi};
+    while (g < order.size() && st[static_cast<size_t>(order[g])].lo <= span.end) {
+      const RowState& row = st[static_cast<size_t>(order[g])];
+      span.end = std::max(span.end, row.hi);
+      if (row.lo < row.hi) group.push_back(order[g]);
+      ++g;
     }
-  }, ctx);
+    if (group.empty()) continue;
+    group_rows.clear();
+    for (int64_t r : group) group_rows.push_back(rows[static_cast<size_t>(r)]);
+    const int64_t G = static_cast<int64_t>(group.size());
+    finished = for_each_key_tile(p, h, b, group_rows, std::span<const KeyRange>(&span, 1), [&](const KeyTile& tile) {
+      for (int64_t gr = 0; gr < G; ++gr) {
+        RowState& row = st[static_cast<size_t>(group[static_cast<size_t>(gr)])];
+        SoftmaxRow64& exact_row = exact[static_cast<size_t>(group[static_cast<size_t>(gr)])];
+        const int64_t first = std::max<int64_t>(0, row.lo - tile.j0);
+        const int64_t last = std::min(tile.count, row.hi - tile.j0);
+        const int64_t n = last - first;
+        if (n <= 0) continue;
+        double tile_max_a = -kInf;
+        for (int64_t jj = first; jj < last; ++jj) {
+          const double distance = static_cast<double>(std::llabs(row.pos - (p.k_pos0 + tile.j0 + jj)));
+          logit[static_cast<size_t>(jj - first)] = p.scale * tile.scores[jj * G + gr];
+          logw[static_cast<size_t>(jj - first)] = logit[static_cast<size_t>(jj - first)] - distance / m.sigma;
+          tile_max_a = std::max(tile_max_a, logit[static_cast<size_t>(jj - first)]);
+        }
+        exact_row.fold(logw.data(), n, tile.values + first * D);
+
+        const double max_a = std::max(row.max_a, tile_max_a);
+        const double rescale_a = std::exp(row.max_a - max_a);
+        row.bound_num *= rescale_a;
+        row.bound_den *= rescale_a;
+        row.max_a = max_a;
+        for (int64_t jj = first; jj < last; ++jj) {
+          const int64_t x = p.k_pos0 + tile.j0 + jj;
+          if (keys == nullptr) row.max_v2 = std::max(row.max_v2, tile.value_norm2[jj]);
+          const int64_t distance = std::llabs(row.pos - x);
+          const double lstar = decay(distance, m.sigma);
+          double mask;
+          if (m.mode == Mode::kLsh) {
+            // Hashes whose block holds x: begin <= x < end; x only grows.
+            while (row.opened < s && row.begins[row.opened] <= x) ++row.opened;
+            while (row.closed < s && row.ends[row.closed] <= x) ++row.closed;
+            mask = static_cast<double>(row.opened - row.closed) * inv_s;
+          } else {
+            mask = m.window == kNoWindow || distance < m.window ? lstar : 0.0;
+          }
+          const double a = std::exp(logit[static_cast<size_t>(jj - first)] - max_a);
+          row.bound_num += a * std::fabs(lstar - mask);
+          row.bound_den += a * mask;
+        }
+      }
+    }, ctx);
+  }
   if (!finished) return;
 
   for (int64_t r = 0; r < R; ++r) {
@@ -170,9 +262,12 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
       pr.max_abs = std::max(pr.max_abs, std::isnan(diff) ? kInf : diff);
     }
     if (std::isnan(pr.err2)) pr.err2 = kInf;
+    // The dropped keys' share of sum_j a_ij |L* - M~| (where M~ = 0, at most
+    // a_ij L*_ij) keeps the bound rigorous.
+    const double num = row.bound_num + (row.tail > 0 ? row.tail * std::exp(row.a_max - row.max_a) : 0.0);
     // The bound holds for o~ in exact arithmetic; the stored output adds its
     // own rounding (float32 ~1e-7, bf16 ~4e-3 relative) on top.
-    pr.bound = row.bound_den > 0 ? 2 * std::sqrt(row.max_v2) * row.bound_num / row.bound_den : kInf;
+    pr.bound = row.bound_den > 0 ? 2 * std::sqrt(row.max_v2) * num / row.bound_den : kInf;
   }
 }
 

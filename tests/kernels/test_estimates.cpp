@@ -514,6 +514,48 @@ TEST(Estimates, ProbeRowsInOnePassMatchOneRowAtATime) {
   }
 }
 
+// With the keys' statistics a probe row visits only the keys within
+// probe_reach (plus its own blocks or window): the same figures as visiting
+// every key, to 1e-12, and a bound that is never smaller.
+TEST(Estimates, ProbeRowsVisitingTheirReachMatchVisitingEveryKey) {
+  for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
+    for (const bool causal : {false, true}) {
+      AttentionOptions o;
+      o.batch = 2;
+      o.q_len = o.kv_len = 1200;
+      o.heads = 3;
+      o.head_dim = 16;
+      o.causal = causal;
+      o.mode = mode;
+      o.samples = 6;
+      o.window_eps = 0.05;
+      o.slopes = {2.0, 0.5, 0.05};  // reach ~ 30, 110, 1100 keys: all truncate at n = 1200
+      const auto pr = make_problem(o, 31);
+      fill_output_with_reference(pr.get());
+      const AttentionParams& p = pr->params;
+      const Plan plan = plan_of(p);
+      const std::vector<int64_t> rows = {0, 5, 300, 600, 601, 1199};
+      for (int64_t h = 0; h < p.heads; ++h) {
+        const HeadMask m = head_mask(plan, h);
+        const ProbeKeyStats keys = probe_key_stats(p, 1, h);
+        EXPECT_LT(probe_reach(m.sigma, 2.0, 0), 1200) << "head " << h << " must truncate";
+        std::vector<ProbeRow> all(rows.size()), near(rows.size());
+        probe_rows(p, m, h, 1, rows, all.data());
+        probe_rows(p, m, h, 1, rows, near.data(), nullptr, &keys);
+        for (size_t n = 0; n < rows.size(); ++n) {
+          SCOPED_TRACE(std::string(mode_name(mode)) + (causal ? " causal" : "") + " head " + std::to_string(h) +
+                       " row " + std::to_string(rows[n]));
+          EXPECT_NEAR(near[n].err2, all[n].err2, 1e-12 * all[n].err2 + 1e-300);
+          EXPECT_NEAR(near[n].ref2, all[n].ref2, 1e-12 * all[n].ref2);
+          EXPECT_NEAR(near[n].max_abs, all[n].max_abs, 1e-12 * all[n].max_abs + 1e-300);
+          EXPECT_GE(near[n].bound, all[n].bound * (1 - 1e-12));
+          EXPECT_LE(near[n].bound, all[n].bound * (1 + 1e-9) + 1e-300);
+        }
+      }
+    }
+  }
+}
+
 TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   AttentionOptions o = mask_options(64, 64, true, {0.5, 0.125, 0.0});
   o.samples = 7;

@@ -86,11 +86,30 @@ struct ProbeRow {
   double max_abs = 0;  // max_d |o~_id - o*_id|
   double bound = 0;    // 2 max_j ||v_j|| sum_j a_ij |L*_ij - M~_ij| / sum_j a_ij M~_ij (+inf if the denominator is 0)
 };
+// What the probe knows of the keys of one (batch item, kv head), so that a
+// row visits only the keys that can matter (probe_reach).
+struct ProbeKeyStats {
+  double max_k_norm = 0;              // max_j ||k_j||
+  std::vector<double> v2_prefix_max;  // [kv_len]: max over key rows <= j of ||v||^2
+};
+ProbeKeyStats probe_key_stats(const AttentionParams& p, int64_t b, int64_t kv_head);
+
+// Keys farther than this from a probe row's position weigh at most e^-40
+// (~4e-18) of the row's total, whatever q.k: with |logit| <= a_max = scale
+// ||q_i|| max_j ||k_j||, the row's total is at least exp(-a_max - d0 /
+// sigma) (its nearest allowed key, at distance d0) and the keys at distance
+// >= R on both sides sum to at most 2 (sigma + 1) exp(a_max - R / sigma);
+// R = d0 + sigma (2 a_max + ln(2 sigma + 2) + 40). INT64_MAX: visit all.
+int64_t probe_reach(double sigma, double a_max, int64_t nearest);
+
 // Several query rows of one batch item in one pass over its keys (what
-// compute_estimates runs); out has rows.size() entries. Returns early, with
-// out unfinished, when ctx (may be null) asks to stop.
+// compute_estimates runs); out has rows.size() entries. With `keys`, each
+// row visits only the keys within probe_reach (the dropped tail is added to
+// the bound, which stays rigorous) and the bound's max ||v|| covers every
+// allowed key; without, every allowed key. Returns early, with out
+// unfinished, when ctx (may be null) asks to stop.
 void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, const std::vector<int64_t>& rows,
-                ProbeRow* out, const ExecContext* ctx = nullptr);
+                ProbeRow* out, const ExecContext* ctx = nullptr, const ProbeKeyStats* keys = nullptr);
 
 // Fills result->heads (slope, sigma, window, max_block, draws on request) and,
 // when plan.params.estimates, the error estimates per head and their

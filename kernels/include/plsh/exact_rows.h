@@ -31,10 +31,20 @@ struct KeyTile {
   const double* value_norm2 = nullptr;  // [count]: ||v_j||^2
 };
 
-// Scores query rows `rows` of batch item b, head h against key rows
-// [0, key_end) (of the kv head h reads), one tile of kExactRowsKeyTile keys
-// at a time, in order. The sums over d run in index order. Returns false when
-// ctx (may be null) asked to stop (polled every 64 tiles, ~8k keys).
+// Key rows [begin, end).
+struct KeyRange {
+  int64_t begin = 0, end = 0;
+};
+
+// Scores query rows `rows` of batch item b, head h against the key rows of
+// `ranges` (sorted, disjoint; of the kv head h reads), one tile of at most
+// kExactRowsKeyTile keys at a time, in order. The sums over d run in index
+// order. Returns false when ctx (may be null) asked to stop (polled every 64
+// tiles, ~8k keys).
+bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows,
+                       std::span<const KeyRange> ranges, const std::function<void(const KeyTile&)>& visit,
+                       const ExecContext* ctx = nullptr);
+// The same over key rows [0, key_end).
 bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows, int64_t key_end,
                        const std::function<void(const KeyTile&)>& visit, const ExecContext* ctx = nullptr);
 

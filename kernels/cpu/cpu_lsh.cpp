@@ -83,55 +83,36 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
   const int64_t samples = static_cast<int64_t>(draws.size());
   const SliceView qv = q_slice(p, job.b, job.h), kv = k_slice(p, job.b, job.h), vv = v_slice(p, job.b, job.h);
   const int64_t pos_first = p.q_pos0 + job.i0;
+  const int64_t pos_end = pos_first + job.rows;
   const int64_t key_pos_first = p.k_pos0, key_pos_end = p.k_pos0 + p.kv_len;
 
-  // Each row's block under each hash, clipped to the key positions (a block
-  // clipped to nothing adds +1 and -1 at one edge: no weight anywhere).
-  int64_t* begins = scratch.begins.data();
-  int64_t* ends = scratch.ends.data();
-  for (int64_t k = 0; k < samples; ++k) {
-    const Draw& d = draws[static_cast<size_t>(k)];
-    int64_t first = block_begin(pos_first, d), last = block_end(pos_first, d);
-    for (int64_t r = 0; r < job.rows; ++r) {
-      while (pos_first + r >= last) {
-        first = last;
-        last = block_end(first, d);
-      }
-      begins[r * samples + k] = std::clamp(first, key_pos_first, key_pos_end);
-      ends[r * samples + k] = std::clamp(last, key_pos_first, key_pos_end);
+  // The blocks of every hash that meet the tile's rows: each makes a
+  // rectangle of (rows, keys) pairs in one bin. c_ij counts the rectangles
+  // that hold (i, j). Few per hash (1 + rows / pitch), where per-row block
+  // edges sorted afresh on every row cost O(s log s) a row: at s = 256 the
+  // sorting was most of banded lsh's time.
+  std::vector<BlockRect>& rects = scratch.rects;
+  rects.clear();
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+  for (const Draw& d : draws) {
+    for (int64_t first = block_begin(pos_first, d), last = block_end(pos_first, d); first < pos_end;
+         first = last, last = block_end(first, d)) {
+      // Clipped to the key positions as a whole (an empty block still sets
+      // the range of keys the tile visits, as the row edges did).
+      const int64_t kb = std::clamp(first, key_pos_first, key_pos_end);
+      const int64_t ke = std::clamp(last, key_pos_first, key_pos_end);
+      lo = std::min(lo, kb);
+      hi = std::max(hi, ke);
+      if (kb < ke)
+        rects.push_back({std::max(first, pos_first) - pos_first, std::min(last, pos_end) - pos_first, kb, ke});
     }
   }
+  if (p.causal) hi = std::min(hi, pos_end);
 
   float* log_count = scratch.log_count.data();
   log_count[0] = kNegInf;
   for (int64_t c = 1; c <= samples; ++c)
     log_count[c] = static_cast<float>(std::log(static_cast<double>(c) / static_cast<double>(samples)));
-
-  // Merge the sorted begins and ends into edges: after edge t (up to the
-  // next) the count is #(begins <= edge) - #(ends <= edge).
-  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
-  for (int64_t r = 0; r < job.rows; ++r) {
-    int64_t* rb = begins + r * samples;
-    int64_t* re = ends + r * samples;
-    std::sort(rb, rb + samples);
-    std::sort(re, re + samples);
-    int64_t* edges = scratch.edges.data() + r * 2 * samples;
-    float* log_w = scratch.edge_log_w.data() + r * 2 * samples;
-    int64_t ib = 0, ie = 0, count = 0, n = 0;
-    while (ib < samples || ie < samples) {
-      const int64_t at = std::min(ib < samples ? rb[ib] : std::numeric_limits<int64_t>::max(),
-                                  ie < samples ? re[ie] : std::numeric_limits<int64_t>::max());
-      while (ib < samples && rb[ib] == at) ++count, ++ib;
-      while (ie < samples && re[ie] == at) --count, ++ie;
-      edges[n] = at;
-      log_w[n] = log_count[count];
-      ++n;
-    }
-    scratch.edge_count[static_cast<size_t>(r)] = static_cast<int32_t>(n);
-    lo = std::min(lo, edges[0]);
-    hi = std::max(hi, edges[n - 1]);
-  }
-  if (p.causal) hi = std::min(hi, pos_first + job.rows);
 
   RowState state = fresh_state(scratch, job.rows, dim);
   int64_t j0 = 0, j1 = 0;
@@ -140,31 +121,34 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
   if (j0 < j1) {
     int64_t ldq = 0;
     const float* q = rows_as_f32(qv, job.i0, job.rows, scratch.q.data(), &ldq);
+    const int64_t width = kKeyTile + 1;
+    int32_t* counts = scratch.counts.data();  // [rows + 1][width]
     auto add_log_weight = [&](float* s, int64_t jt, int64_t len) {
       const int64_t tile_pos = p.k_pos0 + jt;
+      std::fill_n(counts, (job.rows + 1) * width, 0);
+      for (const BlockRect& r : rects) {
+        const int64_t c0 = std::max(r.key_begin, tile_pos) - tile_pos;
+        const int64_t c1 = std::min(r.key_end, tile_pos + len) - tile_pos;
+        if (c0 >= c1) continue;
+        counts[r.row_begin * width + c0] += 1;
+        counts[r.row_begin * width + c1] -= 1;
+        counts[r.row_end * width + c0] -= 1;
+        counts[r.row_end * width + c1] += 1;
+      }
+      // Prefix sums down the rows, then along each row: counts[r][c] = c_ij.
+      for (int64_t r = 1; r < job.rows; ++r)
+        for (int64_t c = 0; c < len; ++c) counts[r * width + c] += counts[(r - 1) * width + c];
       for (int64_t r = 0; r < job.rows; ++r) {
+        int32_t* cr = counts + r * width;
         float* sr = s + r * len;
-        const int64_t* edges = scratch.edges.data() + r * 2 * samples;
-        const float* log_w = scratch.edge_log_w.data() + r * 2 * samples;
-        const int64_t n = scratch.edge_count[static_cast<size_t>(r)];
-        int64_t col = 0;
-        auto run_until = [&](int64_t end_pos, float w) {
-          const int64_t stop = std::clamp<int64_t>(end_pos - tile_pos, col, len);
-          if (w == kNegInf) {
-            std::fill(sr + col, sr + stop, kNegInf);
-          } else {
-#pragma omp simd
-            for (int64_t c = col; c < stop; ++c) sr[c] += w;
-          }
-          col = stop;
-        };
-        run_until(edges[0], kNegInf);
-        for (int64_t t = 0; t + 1 < n; ++t) run_until(edges[t + 1], log_w[t]);
-        std::fill(sr + col, sr + len, kNegInf);
-        if (p.causal) {
-          const int64_t first_masked = std::clamp<int64_t>(pos_first + r - tile_pos + 1, 0, len);
-          std::fill(sr + first_masked, sr + len, kNegInf);
+        int32_t running = 0;
+        const int64_t first_masked = p.causal ? std::clamp<int64_t>(pos_first + r - tile_pos + 1, 0, len) : len;
+        for (int64_t c = 0; c < first_masked; ++c) {
+          running += cr[c];
+          if (running == 0) sr[c] = kNegInf;
+          else sr[c] += log_count[running];
         }
+        std::fill(sr + first_masked, sr + len, kNegInf);
       }
     };
     flops = attend(q, ldq, job.rows, kv, vv, j0, j1, static_cast<float>(p.scale), add_log_weight, scratch, state);

@@ -99,9 +99,12 @@ ScratchSizes scratch_sizes(const AttentionParams& p, bool banded) {
 int64_t scratch_bytes(const AttentionParams& p, bool banded) {
   const ScratchSizes z = scratch_sizes(p, banded);
   const int64_t floats = z.widened_q + 2 * z.widened_kv + z.rows * kKeyTile + z.tile_rows_dim + 2 * z.rows +
-                         p.head_dim + z.rows * 2 * z.banded_per_row + (z.banded_per_row + 1);
-  const int64_t int64s = z.rows * 4 * z.banded_per_row;
-  return 4 * floats + 8 * int64s + 8 * z.rows + 4 * z.rows;
+                         p.head_dim + (z.banded_per_row + 1);
+  // Banded: a block rect per hash and tile row at most, and the counts.
+  const int64_t banded_bytes = z.banded_per_row > 0 ? z.rows * z.banded_per_row * static_cast<int64_t>(sizeof(BlockRect)) +
+                                                          4 * (z.rows + 1) * (kKeyTile + 1)
+                                              : 0;
+  return 4 * floats + banded_bytes + 8 * z.rows;
 }
 
 void size_scratch(const AttentionParams& p, bool banded, Scratch* s) {
@@ -115,11 +118,9 @@ void size_scratch(const AttentionParams& p, bool banded, Scratch* s) {
   s->row_sum.resize(static_cast<size_t>(z.rows));
   s->lse_shift.resize(static_cast<size_t>(z.rows));
   s->out_row.resize(static_cast<size_t>(p.head_dim));
-  s->begins.resize(static_cast<size_t>(z.rows * z.banded_per_row));
-  s->ends.resize(static_cast<size_t>(z.rows * z.banded_per_row));
-  s->edges.resize(static_cast<size_t>(z.rows * 2 * z.banded_per_row));
-  s->edge_log_w.resize(static_cast<size_t>(z.rows * 2 * z.banded_per_row));
-  s->edge_count.resize(static_cast<size_t>(z.rows));
+  s->rects.clear();
+  s->rects.reserve(static_cast<size_t>(z.rows * z.banded_per_row));
+  s->counts.resize(z.banded_per_row > 0 ? static_cast<size_t>((z.rows + 1) * (kKeyTile + 1)) : 0);
   s->log_count.resize(static_cast<size_t>(z.banded_per_row + 1));
 }
 

@@ -73,6 +73,13 @@ void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int6
 void gemm_ab_acc(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
                  int64_t ldc);
 
+// One block of one hash met by a row tile: tile rows [row_begin, row_end)
+// share the block of key positions [key_begin, key_end), clamped to the keys
+// (empty when the block holds no key).
+struct BlockRect {
+  int64_t row_begin, row_end, key_begin, key_end;
+};
+
 // Per-thread buffers, sized once per forward call.
 struct Scratch {
   // Rows below are row_tile(mode).
@@ -84,12 +91,10 @@ struct Scratch {
   std::vector<float> row_sum;   // [rows] sum_j w_ij exp(s_ij - m_i)
   std::vector<double> lse_shift;  // [rows] added to the row's lse at the end
   std::vector<float> out_row;   // [D]
-  // Banded lsh: per row, the block edges of every hash and the merged
-  // piecewise-constant weight log(c_ij / s).
-  std::vector<int64_t> begins, ends;  // [rows, s]
-  std::vector<int64_t> edges;         // [rows, 2s]
-  std::vector<float> edge_log_w;      // [rows, 2s]: log(c/s) right of edge t
-  std::vector<int32_t> edge_count;    // [rows]
+  // Banded lsh (BandedWeights): the blocks of every hash that meet the
+  // tile's rows, and per key tile the counts c_ij as a 2D difference array.
+  std::vector<BlockRect> rects;       // at most s * (rows + 1)
+  std::vector<int32_t> counts;        // [rows + 1, kKeyTile + 1]
   std::vector<float> log_count;       // [s + 1]: log(c / s), -inf for c = 0
 };
 

@@ -83,6 +83,11 @@ ProbeEstimate summarize_probe(const std::vector<ProbeStats>& heads);
 int64_t head_estimate_bytes(const AttentionParams& p);
 int64_t probe_task_bytes(const AttentionParams& p);
 
+// E x (or E^T x) one hash at a time, without the block-edge cache that
+// apply_mask_error builds (what runs when the cache would not fit): for
+// tests of both paths.
+void apply_mask_error_per_hash(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose);
+
 // Per probe task: query rows of one (head, batch item) scored together in
 // one pass over that item's keys.
 inline constexpr size_t kProbeRowsPerTask = 16;

@@ -99,6 +99,12 @@ double dot(const std::vector<double>& x, const std::vector<double>& y) {
 }
 
 
+// Block edges over a range are kept while they fit in 64 MiB (8M edges: s =
+// 256 hashes of sigma = 2 over 65536 positions take 6.6M); else found again
+// in every product, one hash at a time. Lanczos at sigma = 2, s = 256, n =
+// 65536: 10 s -> 3 s.
+constexpr size_t kEdgeCacheEntries = 64 * 1024 * 1024 / sizeof(int64_t);
+
 // Block edges of every hash over one target range, kept across the Lanczos
 // iterations: finding them (block_end, three floor divisions a block) costs
 // more than the product itself when blocks are short.
@@ -129,15 +135,33 @@ class BlockEdges {
       offsets_.push_back(flat_.size());
       flat_.insert(flat_.end(), one.begin(), one.end());
     }
+    offsets_.push_back(flat_.size());
+    // Every block change in target order: at target n, the hashes whose
+    // block starts there (their edges 1, 2, ... inside the range).
+    event_start_.assign(static_cast<size_t>(nt) + 1, 0);
+    for (size_t k = 0; k + 1 < offsets_.size(); ++k)
+      for (size_t i = offsets_[k] + 1; i < offsets_[k + 1]; ++i)
+        if (flat_[i] < t0 + nt) ++event_start_[static_cast<size_t>(flat_[i] - t0) + 1];
+    for (size_t n = 1; n < event_start_.size(); ++n) event_start_[n] += event_start_[n - 1];
+    event_hash_.resize(static_cast<size_t>(event_start_.back()));
+    std::vector<int64_t> fill(event_start_.begin(), event_start_.end() - 1);
+    for (size_t k = 0; k + 1 < offsets_.size(); ++k)
+      for (size_t i = offsets_[k] + 1; i < offsets_[k + 1]; ++i)
+        if (flat_[i] < t0 + nt) event_hash_[static_cast<size_t>(fill[static_cast<size_t>(flat_[i] - t0)]++)] = static_cast<int32_t>(k);
     complete_ = true;
   }
   bool complete() const { return complete_; }
   bool covers(int64_t t0, int64_t nt) const { return complete_ && t0 == t0_ && nt == nt_; }
   const int64_t* hash(size_t k) const { return flat_.data() + offsets_[k]; }
+  // The hashes whose block changes at target n: [events(n), events(n + 1)).
+  int64_t events(int64_t n) const { return event_start_[static_cast<size_t>(n)]; }
+  int32_t event_hash(int64_t e) const { return event_hash_[static_cast<size_t>(e)]; }
 
  private:
   int64_t t0_, nt_;
   bool complete_ = false;
+  std::vector<int64_t> event_start_;  // [nt + 1]
+  std::vector<int32_t> event_hash_;
   std::vector<int64_t> flat_;
   std::vector<size_t> offsets_;
 };
@@ -185,6 +209,45 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
   auto below = [&](int64_t a) { return pre[std::clamp<int64_t>(a - s0, 0, ns)]; };
   const double inv_s = 1.0 / static_cast<double>(m.draws.size());
   if (cached != nullptr && !cached->covers(t0, nt)) cached = nullptr;
+  if (cached != nullptr) {
+    // Summed over the hashes at once: with B = sum_k below(begin_k) and
+    // E = sum_k below(end_k) over the blocks holding target t, M~ x at t is
+    // (E - B) / s (both sides), (s below(t + 1) - B) / s (sources <= t) or
+    // (E - s below(t)) / s (sources >= t). B and E change only where a block
+    // does: O(nt + edges) a product instead of O(nt s) (spectral error at
+    // s = 256: most of the estimates' time). Summed afresh every 256
+    // targets, so the running updates' rounding cannot drift.
+    const size_t s = m.draws.size();
+    const double ds = static_cast<double>(s);
+    std::vector<int64_t>& cursor = scratch->edges;  // per hash: index of the current block's end
+    cursor.assign(s, 1);
+    auto resum = [&](double* b, double* e) {
+      *b = 0;
+      *e = 0;
+      for (size_t k = 0; k < s; ++k) {
+        const int64_t* edges = cached->hash(k);
+        *b += below(edges[cursor[k] - 1]);
+        *e += below(edges[cursor[k]]);
+      }
+    };
+    double sum_b = 0, sum_e = 0;
+    for (int64_t n = 0; n < nt; ++n) {
+      const int64_t t = t0 + n;
+      for (int64_t ev = cached->events(n); ev < cached->events(n + 1); ++ev) {
+        const size_t k = static_cast<size_t>(cached->event_hash(ev));
+        const int64_t* edges = cached->hash(k);
+        // The block [edges[c - 1], edges[c]) ends at t; [t, edges[c + 1]) begins.
+        const int64_t c = cursor[k];
+        sum_b += below(edges[c]) - below(edges[c - 1]);
+        sum_e += below(edges[c + 1]) - below(edges[c]);
+        cursor[k] = c + 1;
+      }
+      if (n % 256 == 0) resum(&sum_b, &sum_e);
+      const double mx = left && right ? sum_e - sum_b : left ? ds * below(t + 1) - sum_b : sum_e - ds * below(t);
+      y[n] -= inv_s * mx;
+    }
+    return;
+  }
   for (size_t k = 0; k < m.draws.size(); ++k) {
     const int64_t* edges;
     if (cached != nullptr) {
@@ -220,8 +283,22 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
 
 void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose) {
   ProductScratch scratch;
+  std::unique_ptr<BlockEdges> edges;
+  if (m.mode == Mode::kLsh) {
+    const int64_t t0 = transpose ? r.k_pos0 : r.q_pos0, nt = transpose ? r.kv_len : r.q_len;
+    edges = std::make_unique<BlockEdges>(m.draws, t0, nt, kEdgeCacheEntries);
+  }
+  apply_mask_error_with(m, r, x, y, transpose, edges.get(), &scratch);
+}
+
+namespace estimates_detail {
+
+void apply_mask_error_per_hash(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose) {
+  ProductScratch scratch;
   apply_mask_error_with(m, r, x, y, transpose, nullptr, &scratch);
 }
+
+}  // namespace estimates_detail
 
 SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uint64_t start_seed,
                                   int64_t max_iterations, double tolerance, const ExecContext* ctx) {
@@ -234,11 +311,7 @@ SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uin
   const bool on_keys = r.kv_len <= r.q_len;
   const size_t n = static_cast<size_t>(on_keys ? r.kv_len : r.q_len);
   std::vector<double> between(static_cast<size_t>(on_keys ? r.q_len : r.kv_len));
-  // Block edges over the query and the key range, kept while they fit in
-  // 64 MiB each (8M edges: s = 256 hashes of sigma = 2 over 65536
-  // positions take 6.6M); else found again in every product, one hash at a
-  // time. Lanczos at sigma = 2, s = 256, n = 65536: 10 s -> 3 s.
-  constexpr size_t kEdgeCacheEntries = 64 * 1024 * 1024 / sizeof(int64_t);
+  // Block edges over the query and the key range (kEdgeCacheEntries).
   std::unique_ptr<BlockEdges> query_edges, key_edges;
   if (m.mode == Mode::kLsh) {
     query_edges = std::make_unique<BlockEdges>(m.draws, r.q_pos0, r.q_len, kEdgeCacheEntries);

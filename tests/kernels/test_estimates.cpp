@@ -19,6 +19,7 @@
 #include "plsh/estimates.h"
 #include "plsh/numeric.h"
 #include "reference.h"
+#include "src/estimates_internal.h"
 
 namespace plsh {
 namespace {
@@ -292,18 +293,59 @@ TEST(Estimates, MaskErrorProductMatchesDense) {
         std::vector<double> x(p.kv_len), y(p.q_len), xt(p.q_len), yt(p.kv_len);
         for (double& v : x) v = normal(rng);
         for (double& v : xt) v = normal(rng);
-        apply_mask_error(m, range, x.data(), y.data(), false);
-        apply_mask_error(m, range, xt.data(), yt.data(), true);
-        for (int64_t i = 0; i < p.q_len; ++i) {
-          double want = 0;
-          for (int64_t j = 0; j < p.kv_len; ++j) want += e[i][j] * x[j];
-          ASSERT_NEAR(y[i], want, 1e-10 * (1 + std::fabs(want))) << mode_name(mode) << " h " << h << " row " << i;
+        // Both paths: summed over the hashes at once from cached block
+        // edges (apply_mask_error), and one hash at a time.
+        for (const bool per_hash : {false, true}) {
+          if (per_hash) {
+            estimates_detail::apply_mask_error_per_hash(m, range, x.data(), y.data(), false);
+            estimates_detail::apply_mask_error_per_hash(m, range, xt.data(), yt.data(), true);
+          } else {
+            apply_mask_error(m, range, x.data(), y.data(), false);
+            apply_mask_error(m, range, xt.data(), yt.data(), true);
+          }
+          for (int64_t i = 0; i < p.q_len; ++i) {
+            double want = 0;
+            for (int64_t j = 0; j < p.kv_len; ++j) want += e[i][j] * x[j];
+            ASSERT_NEAR(y[i], want, 1e-10 * (1 + std::fabs(want)))
+                << mode_name(mode) << " h " << h << " row " << i << (per_hash ? " per hash" : " cached");
+          }
+          for (int64_t j = 0; j < p.kv_len; ++j) {
+            double want = 0;
+            for (int64_t i = 0; i < p.q_len; ++i) want += e[i][j] * xt[i];
+            ASSERT_NEAR(yt[j], want, 1e-10 * (1 + std::fabs(want)))
+                << mode_name(mode) << " h " << h << " col " << j << (per_hash ? " per hash" : " cached");
+          }
         }
-        for (int64_t j = 0; j < p.kv_len; ++j) {
-          double want = 0;
-          for (int64_t i = 0; i < p.q_len; ++i) want += e[i][j] * xt[i];
-          ASSERT_NEAR(yt[j], want, 1e-10 * (1 + std::fabs(want))) << mode_name(mode) << " h " << h << " col " << j;
+      }
+    }
+  }
+}
+
+// The cached path sums the hashes' block sums incrementally: over a long
+// range its running sums must not drift from the per-hash products.
+TEST(Estimates, SummedMaskProductsDoNotDriftOverLongRanges) {
+  for (const bool causal : {false, true}) {
+    AttentionOptions o = mask_options(40000, 40000, causal, {1.0, 1.0 / 64});
+    o.samples = 32;
+    StatusOr<AttentionParams> p = resolve_params(o);
+    ASSERT_TRUE(p.ok());
+    const Plan plan = plan_of(*p);
+    const PositionRange range = position_range(*p);
+    std::mt19937_64 rng(5);
+    std::normal_distribution<double> normal;
+    std::vector<double> x(40000), cached(40000), per_hash(40000);
+    for (double& v : x) v = normal(rng) / 200;  // unit norm
+    for (int64_t h = 0; h < 2; ++h) {
+      const HeadMask m = head_mask(plan, h);
+      for (const bool transpose : {false, true}) {
+        apply_mask_error(m, range, x.data(), cached.data(), transpose);
+        estimates_detail::apply_mask_error_per_hash(m, range, x.data(), per_hash.data(), transpose);
+        double diff = 0, norm = 0;
+        for (size_t i = 0; i < x.size(); ++i) {
+          diff = std::max(diff, std::fabs(cached[i] - per_hash[i]));
+          norm = std::max(norm, std::fabs(per_hash[i]));
         }
+        EXPECT_LE(diff, 1e-12 * (1 + norm)) << "head " << h << (causal ? " causal" : "") << (transpose ? " E^T" : " E");
       }
     }
   }

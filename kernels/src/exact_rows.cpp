@@ -15,7 +15,7 @@ bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span
 
 bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows,
                        std::span<const KeyRange> ranges, const std::function<void(const KeyTile&)>& visit,
-                       const ExecContext* ctx) {
+                       const ExecContext* ctx, std::span<const KeyRange> row_windows) {
   const int64_t R = static_cast<int64_t>(rows.size());
   const int64_t D = p.head_dim;
   const int64_t hk = h / p.head_group;
@@ -51,19 +51,26 @@ bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span
         }
         v2[static_cast<size_t>(jj)] = n2;
       }
+      int64_t r0 = 0, r1 = R;
+      if (!row_windows.empty()) {
+        while (r0 < R && row_windows[static_cast<size_t>(r0)].end <= j0) ++r0;
+        while (r1 > r0 && row_windows[static_cast<size_t>(r1 - 1)].begin >= j0 + tn) --r1;
+      }
       std::fill(scores.begin(), scores.begin() + tn * R, 0.0);
       for (int64_t jj = 0; jj < tn; ++jj) {
         double* sj = &scores[static_cast<size_t>(jj * R)];
         for (int64_t d = 0; d < D; ++d) {
           const double kd = kt[static_cast<size_t>(jj * D + d)];
           const double* qd = &qt[static_cast<size_t>(d * R)];
-          for (int64_t r = 0; r < R; ++r) sj[r] += qd[r] * kd;
+          for (int64_t r = r0; r < r1; ++r) sj[r] += qd[r] * kd;
         }
       }
       KeyTile tile;
       tile.j0 = j0;
       tile.count = tn;
       tile.rows = R;
+      tile.row_begin = r0;
+      tile.row_end = r1;
       tile.scores = scores.data();
       tile.values = vt.data();
       tile.value_norm2 = v2.data();

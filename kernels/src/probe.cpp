@@ -77,18 +77,41 @@ ProbeEstimate summarize_probe(const std::vector<ProbeStats>& heads) {
 
 using namespace estimates_detail;
 
+namespace {
+
+// ||row||^2 in double; float32 rows read in place.
+double squared_norm(const void* data, DType t, int64_t offset, int64_t n, std::vector<float>& buf) {
+  const float* x = static_cast<const float*>(data) + offset;
+  if (t != DType::kF32) {
+    load_row(data, t, offset, n, buf.data());
+    x = buf.data();
+  }
+  // Four running sums: one would wait on its own addition's latency at
+  // every element (IEEE order forbids the compiler from splitting it).
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  int64_t d = 0;
+  for (; d + 4 <= n; d += 4) {
+    s0 += static_cast<double>(x[d]) * x[d];
+    s1 += static_cast<double>(x[d + 1]) * x[d + 1];
+    s2 += static_cast<double>(x[d + 2]) * x[d + 2];
+    s3 += static_cast<double>(x[d + 3]) * x[d + 3];
+  }
+  for (; d < n; ++d) s0 += static_cast<double>(x[d]) * x[d];
+  return (s0 + s1) + (s2 + s3);
+}
+
+}  // namespace
+
 ProbeKeyStats probe_key_stats(const AttentionParams& p, int64_t b, int64_t kv_head) {
   ProbeKeyStats st;
   st.v2_prefix_max.resize(static_cast<size_t>(p.kv_len));
   std::vector<float> buf(static_cast<size_t>(p.head_dim));
   double max_k2 = 0, max_v2 = 0;
   for (int64_t j = 0; j < p.kv_len; ++j) {
-    load_row(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + kv_head * p.k_head_stride, p.head_dim, buf.data());
-    double k2 = 0;
-    for (float x : buf) k2 += static_cast<double>(x) * x;
-    load_row(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + kv_head * p.v_head_stride, p.head_dim, buf.data());
-    double v2 = 0;
-    for (float x : buf) v2 += static_cast<double>(x) * x;
+    const double k2 =
+        squared_norm(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + kv_head * p.k_head_stride, p.head_dim, buf);
+    const double v2 =
+        squared_norm(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + kv_head * p.v_head_stride, p.head_dim, buf);
     max_k2 = std::max(max_k2, k2);
     max_v2 = std::max(max_v2, v2);
     st.v2_prefix_max[static_cast<size_t>(j)] = max_v2;
@@ -137,7 +160,8 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
                D, qbuf.data());
       double q2 = 0;
       for (float x : qbuf) q2 += static_cast<double>(x) * x;
-      row.a_max = p.scale * std::sqrt(q2) * keys->max_k_norm;
+      // (1 + 1e-12): the norms' own rounding cannot make the bound too small.
+      row.a_max = p.scale * std::sqrt(q2) * keys->max_k_norm * (1 + 1e-12);
       // The nearest allowed key (lsh and window keep queries among the keys: 0).
       const int64_t key_pos_last = p.k_pos0 + row.keys - 1;
       const int64_t nearest = row.pos < p.k_pos0 ? p.k_pos0 - row.pos : row.pos > key_pos_last ? row.pos - key_pos_last : 0;
@@ -187,6 +211,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
   });
   std::vector<double> logit(kExactRowsKeyTile), logw(kExactRowsKeyTile);
   std::vector<int64_t> group, group_rows;
+  std::vector<KeyRange> windows;
   bool finished = true;
   for (size_t g = 0; g < order.size() && finished;) {
     group.clear();
@@ -199,7 +224,11 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
     }
     if (group.empty()) continue;
     group_rows.clear();
-    for (int64_t r : group) group_rows.push_back(rows[static_cast<size_t>(r)]);
+    windows.clear();
+    for (int64_t r : group) {
+      group_rows.push_back(rows[static_cast<size_t>(r)]);
+      windows.push_back({st[static_cast<size_t>(r)].lo, st[static_cast<size_t>(r)].hi});
+    }
     const int64_t G = static_cast<int64_t>(group.size());
     finished = for_each_key_tile(p, h, b, group_rows, std::span<const KeyRange>(&span, 1), [&](const KeyTile& tile) {
       for (int64_t gr = 0; gr < G; ++gr) {
@@ -242,7 +271,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
           row.bound_den += a * mask;
         }
       }
-    }, ctx);
+    }, ctx, windows);
   }
   if (!finished) return;
 

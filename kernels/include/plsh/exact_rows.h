@@ -25,7 +25,8 @@ inline constexpr int64_t kExactRowsKeyTile = 128;
 
 struct KeyTile {
   int64_t j0 = 0, count = 0;            // key rows [j0, j0 + count)
-  int64_t rows = 0;                     // query rows scored
+  int64_t rows = 0;                     // query rows (the row stride of scores)
+  int64_t row_begin = 0, row_end = 0;   // the rows scored in this tile (all, without row windows)
   const double* scores = nullptr;       // [count][rows]: q_r . k_j, unscaled (query row innermost)
   const double* values = nullptr;       // [count][D]
   const double* value_norm2 = nullptr;  // [count]: ||v_j||^2
@@ -41,9 +42,12 @@ struct KeyRange {
 // kExactRowsKeyTile keys at a time, in order. The sums over d run in index
 // order. Returns false when ctx (may be null) asked to stop (polled every 64
 // tiles, ~8k keys).
+// With row_windows (one per row, the keys that row needs; rows in order of
+// their windows' starts), a tile scores only the rows between the first whose
+// window ends after it and the last whose window starts before its end.
 bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows,
                        std::span<const KeyRange> ranges, const std::function<void(const KeyTile&)>& visit,
-                       const ExecContext* ctx = nullptr);
+                       const ExecContext* ctx = nullptr, std::span<const KeyRange> row_windows = {});
 // The same over key rows [0, key_end).
 bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows, int64_t key_end,
                        const std::function<void(const KeyTile&)>& visit, const ExecContext* ctx = nullptr);

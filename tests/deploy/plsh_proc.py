@@ -17,10 +17,12 @@ class ServerError(RuntimeError):
 class Server:
     """plsh-server as a child process, its stderr kept for error messages."""
 
-    def __init__(self, binary, args=(), env=None, startup_timeout=30.0):
+    def __init__(self, binary, args=(), env=None, startup_timeout=30.0, inherit_env=True):
+        """inherit_env=False: exactly `env`, as in a container (image_test.py)."""
         self.lines = []
         self.serving = None
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("PLSH_")}
+        inherited = os.environ.items() if inherit_env else ()
+        full_env = {k: v for k, v in inherited if not k.startswith("PLSH_")}
         full_env.update(env or {})
         self.proc = subprocess.Popen([binary, *args], env=full_env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -17,16 +17,18 @@
 # - Everything podman keeps lives in DIR: its containers.conf, storage.conf
 #   and registries.conf (CONTAINERS_CONF, CONTAINERS_STORAGE_CONF,
 #   CONTAINERS_REGISTRIES_CONF), images and layers, its CNI lock, temporary
-#   files. No system configuration is read or changed; the one file podman
-#   4.3 still writes outside DIR is its blob-info cache
-#   (/var/lib/containers/cache/blob-info-cache-v1.boltdb, 128 KiB), which
-#   has no setting.
-# - What these machines need: `default_ulimits = []` (podman's default
-#   nofile limit is above what the machine allows), cgroupfs instead of
-#   systemd, `--isolation chroot` (RUN steps cannot create cgroups here) and
-#   explicit `--ulimit`s; `--pull=never`, so a missing base is an error here
-#   and not a pull from Docker Hub; `--format docker`, which keeps the
-#   HEALTHCHECK (OCI image configs have none).
+#   files. No system configuration is changed, and the system's
+#   containers.conf, storage.conf and registries.conf are not read; podman
+#   4.3 still reads /etc/containers/policy.json and writes its blob-info
+#   cache to /var/lib/containers/cache (128 KiB), which no setting moves.
+# - What worked on the test machines: `--isolation chroot` (RUN steps
+#   cannot create cgroups there), cgroupfs instead of systemd, and
+#   `default_ulimits = []` with explicit `--ulimit`s, so that the build's
+#   limits never depend on podman's defaults or the machine's (some of
+#   these machines refused them; where they do not, the build's limits are
+#   simply pinned). `--pull=never`: a missing base is an error here, not a
+#   pull from Docker Hub. `--format docker` keeps the HEALTHCHECK: podman's
+#   default OCI format drops it with a warning.
 # - Layers are cached in DIR: a rerun with unchanged sources takes seconds;
 #   images that a rebuild replaced are pruned.
 set -euo pipefail

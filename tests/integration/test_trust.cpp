@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "plsh/client.h"
+#include "plsh/params.h"
 #include "server_process.h"
 #include "trust_files.h"
 
@@ -45,16 +46,17 @@ struct Request {
   AttentionOptions options;
   std::vector<float> q, k, v;
 
-  explicit Request(int64_t n = 64) {
+  explicit Request(int64_t n = 64, int64_t heads = 2, Mode mode = Mode::kLsh) {
     options.batch = 1;
     options.q_len = options.kv_len = n;
-    options.heads = options.kv_heads = 2;
+    options.heads = options.kv_heads = heads;
     options.head_dim = 16;
+    options.mode = mode;
     options.samples = 8;
     std::mt19937_64 rng(7);
     std::normal_distribution<float> normal;
     for (auto* t : {&q, &k, &v}) {
-      t->resize(static_cast<size_t>(n * 2 * 16));
+      t->resize(static_cast<size_t>(n * heads * 16));
       for (float& x : *t) x = normal(rng);
     }
   }
@@ -555,6 +557,29 @@ TEST_F(Trust, HealthOnlyListenerServesProbesWithoutCredentialsAndNothingElse) {
   o.tls_key = pki("client.key");
   std::unique_ptr<Client> c = connect(server.grpc_address(), o);
   EXPECT_TRUE(attend(*c).ok());
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
+TEST_F(Trust, HealthOnlyListenerTurnsNotServingWhileDraining) {
+  ServerProcess server({"--health-listen", "127.0.0.1:0", "--threads", "2"});
+  ASSERT_TRUE(server.started()) << server.log();
+  Client probe(field(server.log(), "health"));
+  EXPECT_EQ(health(probe, "plsh.v1.Attention"), "SERVING");
+  // Seconds of exact attention (~34 GFLOP) to drain.
+  const Request r(8192, 8, Mode::kExact);
+  grpc::Status status;
+  std::thread caller([&] {
+    Client c(server.grpc_address());
+    status = attend(c, r);
+  });
+  ASSERT_TRUE(eventually([&] {
+    return metric_sum(scrape(server), "plsh_received_bytes_total") >= 3.0 * r.q.size() * sizeof(float);
+  }, 30));
+  kill(server.pid(), SIGTERM);
+  EXPECT_TRUE(eventually([&] { return health(probe) == "NOT_SERVING"; }, 5));
+  EXPECT_EQ(health(probe, "plsh.v1.Attention"), "NOT_SERVING");
+  caller.join();
+  EXPECT_TRUE(status.ok()) << client::status_string(status);  // the request in flight still finished
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 

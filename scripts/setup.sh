@@ -15,6 +15,9 @@ build_packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev
   prometheus-cpp-dev libmicrohttpd-dev
+  # libcrypto: token digests and the TLS files' checks (server/auth.h, tls.h);
+  # the openssl command makes the trust tests' certificates.
+  libssl-dev openssl
   # Not linked: prometheus-cpp's CMake config asks for civetweb (its Exposer's server) all the same.
   libcivetweb-dev
   libopenblas-dev

@@ -52,6 +52,10 @@ void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Statu
   if (r.sending >= 0) fields["sending_s"] = r.sending;
   if (!status.ok()) fields["message"] = status.error_message();
   if (stop_reason != nullptr) fields["stop_reason"] = stop_reason;
+  if (s.auth != nullptr) {
+    fields["client"] = r.client;
+    m.client_request(r.client, r.method, code, static_cast<double>(r.received_bytes), static_cast<double>(r.sent_bytes));
+  }
   const auto level = status.error_code() == grpc::StatusCode::INTERNAL ? spdlog::level::err : spdlog::level::info;
   log_event(level, "request", fields);
 }
@@ -72,6 +76,8 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 CallBase::CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method)
     : s_(s), ctx_(ctx), deadline_(steady_deadline(ctx)) {
   record_.method = method;
+  if (Method m{}; parse_method(method, &m)) method_ = m;
+  if (s_.auth != nullptr) record_.client = "unauthenticated";
   record_.peer = ctx->peer();
   s_.metrics->inflight_add(1);
 }
@@ -81,10 +87,23 @@ Status CallBase::open(bool watched) {
   counted_open_ = true;
   enter(Phase::kReading, 0);
   if (watched && s_.watchdog != nullptr) watch_ = s_.watchdog->watch(this);
+  // Credentials first: a caller without them learns nothing else, and the
+  // log and metrics name the client of every refusal after this.
+  if (s_.auth != nullptr) {
+    if (!method_) return permission_denied(record_.method + " is not a method a token can allow");
+    Authorization a = s_.auth->authorize(ctx_->client_metadata(), *method_);
+    if (a.client) record_.client = a.client->name();
+    RETURN_IF_ERROR(a.status);
+    client_ = std::move(a.client);
+  }
   if (s_.draining.load()) return unavailable("server is shutting down; retry on another replica");
   if (open > s_.config->max_concurrent)
     return resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
                               std::to_string(s_.config->max_concurrent) + " (the server's --max-concurrent); retry later");
+  if (client_) {
+    RETURN_IF_ERROR(client_->open_stream());
+    client_stream_open_ = true;
+  }
   return Status::Ok();
 }
 
@@ -103,6 +122,12 @@ Status CallBase::plan(const v1::AttendHeader& header) {
 }
 
 Status CallBase::reserve_and_allocate() {
+  // The client's share first: one client at its limit is told so, rather
+  // than taking the server's budget from the others.
+  if (client_) {
+    RETURN_IF_ERROR(client_->reserve(plan_->charge));
+    client_reserved_ = plan_->charge;
+  }
   RETURN_IF_ERROR(s_.scheduler->reserve(plan_->charge));
   reserved_ = plan_->charge;
   try {
@@ -177,6 +202,12 @@ grpc::Status CallBase::close(grpc::Status status) {
   record_request(s_, record_, seen, reason);
   s_.scheduler->release(reserved_);
   reserved_ = MemoryCharge{};
+  if (client_) {
+    client_->release(client_reserved_);
+    client_reserved_ = MemoryCharge{};
+    if (client_stream_open_) client_->close_stream();
+    client_stream_open_ = false;
+  }
   buffers_ = RequestBuffers{};
   if (counted_open_) s_.open_streams.fetch_sub(1);
   counted_open_ = false;

@@ -17,6 +17,7 @@
 
 #include "plsh/attention.h"
 #include "plsh/v1/plsh.pb.h"
+#include "server/auth.h"
 #include "server/config.h"
 #include "server/metrics.h"
 #include "server/request.h"
@@ -32,6 +33,7 @@ struct ServiceContext {
   Metrics* metrics = nullptr;
   Scheduler* scheduler = nullptr;
   StreamWatchdog* watchdog = nullptr;  // null: streams are not watched
+  const Authenticator* auth = nullptr;  // null: no token file, every call is let in
   std::atomic<int64_t> open_streams{0};
   std::atomic<bool> draining{false};  // new requests get UNAVAILABLE
 };
@@ -43,6 +45,7 @@ double seconds_between(Clock::time_point a, Clock::time_point b);
 // What one request leaves behind in the log and the metrics.
 struct RequestRecord {
   std::string method;
+  std::string client;  // the token file's name for the caller; "" without a token file
   std::string id;
   std::string peer;
   std::string shape;
@@ -56,16 +59,18 @@ struct RequestRecord {
 
 class CallBase : public WatchedCall {
  protected:
+  // method: Attend or AttendUnary (the token file's names for them).
   CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method);
 
-  // Counts the call as open: UNAVAILABLE while draining, RESOURCE_EXHAUSTED
-  // over --max-concurrent. A streamed call is watched (watchdog.h) from here
-  // until close().
+  // Counts the call as open: UNAVAILABLE while draining; with a token file
+  // UNAUTHENTICATED or PERMISSION_DENIED (auth.h); RESOURCE_EXHAUSTED over
+  // --max-concurrent or the client's max_streams. A streamed call is watched
+  // (watchdog.h) from here until close().
   Status open(bool watched);
   // The header: plan_request (limits, backend, plan). Sets plan_.
   Status plan(const v1::AttendHeader& header);
-  // Then the plan's memory charge against both budgets and the host
-  // buffers. Sets buffers_.
+  // Then the plan's memory charge against the client's limits and both
+  // budgets, and the host buffers. Sets buffers_.
   Status reserve_and_allocate();
   // On a worker: the computation unless the client left while the request
   // was queued; fills the queued and computing times.
@@ -93,6 +98,10 @@ class CallBase : public WatchedCall {
   RequestBuffers buffers_;
 
  private:
+  std::optional<Method> method_;  // none: a name the token file cannot allow
+  std::shared_ptr<ClientState> client_;  // with a token file, once authorized
+  bool client_stream_open_ = false;
+  MemoryCharge client_reserved_;
   MemoryCharge reserved_;
   bool counted_open_ = false;
   std::shared_ptr<CallWatch> watch_;

@@ -2,9 +2,24 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdio>
+
 #include "plsh/params.h"
 
 namespace plsh::server {
+
+std::string trust_config_error(const ServerConfig& c) {
+  if (c.tls_cert.empty() != c.tls_key.empty())
+    return c.tls_cert.empty() ? "--tls-key is set without --tls-cert, expected both or neither"
+                              : "--tls-cert is set without --tls-key, expected both or neither";
+  if (c.tls_client_auth != "none" && c.tls_client_ca.empty())
+    return "--tls-client-auth = " + c.tls_client_auth + " needs --tls-client-ca (the CA that signs client certificates)";
+  if (!c.tls_client_ca.empty() && c.tls_client_auth == "none")
+    return "--tls-client-ca is set with --tls-client-auth = none, expected optional or require (or no --tls-client-ca)";
+  if (c.tls_client_auth != "none" && !c.tls_enabled())
+    return "--tls-client-auth = " + c.tls_client_auth + " needs TLS: set --tls-cert and --tls-key";
+  return "";
+}
 
 ParsedConfig parse_config(int argc, char** argv) {
   ServerConfig c;
@@ -75,10 +90,41 @@ ParsedConfig parse_config(int argc, char** argv) {
       ->envname("PLSH_DRAIN_TIMEOUT")
       ->check(CLI::Range(0.0, 86400.0));
 
+  // Trust: TLS on --listen, client certificates, bearer tokens, and a
+  // plaintext health-only listener for probes that speak neither.
+  app.add_option("--tls-cert", c.tls_cert,
+                 "PEM certificate (chain) for --listen: serve TLS; needs --tls-key. Unset: plaintext")
+      ->envname("PLSH_TLS_CERT");
+  app.add_option("--tls-key", c.tls_key, "PEM private key (unencrypted) of --tls-cert")->envname("PLSH_TLS_KEY");
+  app.add_option("--tls-client-ca", c.tls_client_ca,
+                 "PEM CA certificates that client certificates must chain to (with --tls-client-auth optional|require)")
+      ->envname("PLSH_TLS_CLIENT_CA");
+  app.add_option("--tls-client-auth", c.tls_client_auth,
+                 "client certificates: none; optional (verified when sent); require (the handshake fails without one)")
+      ->envname("PLSH_TLS_CLIENT_AUTH")
+      ->check(CLI::IsMember({"none", "optional", "require"}));
+  app.add_option("--token-file", c.token_file,
+                 "JSON file of the clients and the SHA-256 digests of their bearer tokens (README: Server settings); "
+                 "every Attend, AttendUnary and GetInfo call then needs 'authorization: Bearer <token>'. Unset: no "
+                 "tokens")
+      ->envname("PLSH_TOKEN_FILE");
+  app.add_option("--token-reload-interval", c.token_reload_interval,
+                 "seconds between checks of --token-file for changes (also reloaded on SIGHUP); 0: on SIGHUP only")
+      ->envname("PLSH_TOKEN_RELOAD_INTERVAL")
+      ->check(CLI::Range(0.0, 86400.0));
+  app.add_option("--health-listen", c.health_listen,
+                 "plaintext address serving only grpc.health.v1 (for probes that cannot speak TLS or send "
+                 "tokens); \"\" or off disables")
+      ->envname("PLSH_HEALTH_LISTEN");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return ParsedConfig{std::nullopt, app.exit(e)};
+  }
+  if (const std::string error = trust_config_error(c); !error.empty()) {
+    fprintf(stderr, "plsh-server: %s\n", error.c_str());
+    return ParsedConfig{std::nullopt, 2};
   }
   return ParsedConfig{c, 0};
 }

@@ -28,8 +28,19 @@ struct ServerConfig {
   double drain_timeout = 30;                       // seconds to finish in-flight work on SIGTERM
   double stream_idle_timeout = 30;                 // seconds a stream may wait on its client (read or write); 0: none
   int64_t min_stream_rate = int64_t{1} << 20;      // bytes/s a stream's input and output must average; 0: none
+  // Trust (SPEC section 9; all off by default: plaintext, no tokens).
+  std::string tls_cert;                            // PEM certificate chain of --listen; "": plaintext
+  std::string tls_key;                             // PEM private key of tls_cert (unencrypted)
+  std::string tls_client_ca;                       // PEM CA bundle that client certificates must chain to
+  std::string tls_client_auth = "none";            // none|optional|require: client certificates
+  std::string token_file;                          // JSON token file (server/auth.h); "": no bearer tokens
+  double token_reload_interval = 5;                // seconds between checks of the token file; 0: on SIGHUP only
+  std::string health_listen = "off";               // plaintext grpc.health.v1-only address; "" or "off": none
 
   bool metrics_enabled() const { return !metrics_listen.empty() && metrics_listen != "off"; }
+  bool tls_enabled() const { return !tls_cert.empty(); }
+  bool tokens_enabled() const { return !token_file.empty(); }
+  bool health_listen_enabled() const { return !health_listen.empty() && health_listen != "off"; }
 };
 
 // Parses argv and the PLSH_* environment. Returns the config, or the exit
@@ -40,5 +51,11 @@ struct ParsedConfig {
   int exit_code = 0;
 };
 ParsedConfig parse_config(int argc, char** argv);
+
+// The trust flags that only make sense together, checked after parsing:
+// "" when consistent, else the message (--tls-cert without --tls-key, a
+// client CA without --tls-client-auth, ...). The files themselves are read
+// at start (tls.h, auth.h).
+std::string trust_config_error(const ServerConfig& config);
 
 }  // namespace plsh::server

@@ -1,6 +1,7 @@
 // plsh-server: the whole wiring at a glance.
-//   flags/config -> metrics server -> backends -> service -> health and
-//   reflection -> serve -> drain on SIGTERM/SIGINT.
+//   flags/config -> metrics server -> trust (TLS, tokens) -> backends ->
+//   service -> health and reflection (and the health-only listener) ->
+//   serve -> drain on SIGTERM/SIGINT.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -16,13 +17,16 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <vector>
 
 #include "plsh/backend.h"
+#include "server/auth.h"
 #include "server/config.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/service.h"
+#include "server/tls.h"
 #include "server/watchdog.h"
 
 namespace {
@@ -47,6 +51,30 @@ bool install_shutdown_handlers() {
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
   return sigaction(SIGTERM, &action, nullptr) == 0 && sigaction(SIGINT, &action, nullptr) == 0;
+}
+
+// SIGHUP (with a token file only: otherwise it keeps its default action)
+// writes a byte that wakes the token file's watcher (auth.h).
+int g_reload_pipe[2] = {-1, -1};
+
+extern "C" void on_reload_signal(int) {
+  const char byte = 1;
+  [[maybe_unused]] const ssize_t n = write(g_reload_pipe[1], &byte, 1);
+}
+
+bool install_reload_handler() {
+  if (pipe(g_reload_pipe) != 0) return false;
+  struct sigaction action {};
+  action.sa_handler = on_reload_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  return sigaction(SIGHUP, &action, nullptr) == 0;
+}
+
+// 127.0.0.1:port, localhost:port, [::1]:port.
+bool is_loopback(const std::string& address) {
+  const std::string host = address.substr(0, address.rfind(':'));
+  return host.rfind("127.", 0) == 0 || host == "localhost" || host == "[::1]";
 }
 
 // Refreshes plsh_device_memory_*_bytes until destroyed; does nothing for
@@ -116,7 +144,36 @@ int main(int argc, char** argv) {
     }
   }
 
-  // 3. Backends: CUDA when its library loads and a device is present, the CPU always.
+  // 3. Trust (SPEC section 9): the listener's credentials (plaintext, TLS,
+  // or TLS with client certificates) and the token file, both read and
+  // checked now, so that a bad file stops the start with its flag named.
+  plsh::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = plsh::server::listener_credentials(config);
+  if (!credentials.ok()) {
+    log_event(spdlog::level::err, "startup_failed", {{"error", credentials.status().to_string()}});
+    return 2;
+  }
+  std::unique_ptr<plsh::server::Authenticator> auth;
+  if (config.tokens_enabled()) {
+    plsh::StatusOr<std::unique_ptr<plsh::server::Authenticator>> loaded =
+        plsh::server::Authenticator::load(config.token_file, &metrics);
+    if (!loaded.ok()) {
+      log_event(spdlog::level::err, "startup_failed", {{"error", loaded.status().to_string()}});
+      return 2;
+    }
+    auth = std::move(loaded).value();
+    log_event(spdlog::level::info, "token_file_loaded", {{"file", config.token_file}, {"clients", auth->client_count()}});
+    if (!install_reload_handler()) {
+      log_event(spdlog::level::err, "startup_failed", {{"error", "cannot install the SIGHUP handler"}});
+      return 1;
+    }
+    auth->watch(config.token_reload_interval, g_reload_pipe[0]);
+    if (!config.tls_enabled() && !is_loopback(config.listen))
+      log_event(spdlog::level::warn, "tokens_in_clear",
+                {{"listen", config.listen},
+                 {"note", "bearer tokens cross the network unencrypted: set --tls-cert and --tls-key, or listen on loopback"}});
+  }
+
+  // 4. Backends: CUDA when its library loads and a device is present, the CPU always.
   plsh::BackendRegistry& registry = plsh::BackendRegistry::global();
   for (plsh::Backend* b : registry.backends())
     log_event(spdlog::level::info, "backend", {{"name", b->name()}, {"device", b->device()}});
@@ -133,7 +190,7 @@ int main(int argc, char** argv) {
   // wait on the device driver), for backends with a device.
   DeviceMemorySampler sampler(*chosen, &metrics);
 
-  // 4. The service: workers and queue, then the gRPC server.
+  // 5. The service: workers and queue, then the gRPC server.
   // Budgets by memory space: host from --memory-budget, device from
   // --device-memory-budget or, by default, the device backend's own.
   plsh::server::MemoryCharge budget{config.memory_budget, config.device_memory_budget};
@@ -152,15 +209,17 @@ int main(int argc, char** argv) {
   // Streams waiting on their clients end after --stream-idle-timeout or below
   // --min-stream-rate (watchdog.h).
   plsh::server::StreamWatchdog watchdog(config.stream_idle_timeout, config.min_stream_rate, &metrics);
-  plsh::server::AttentionService service(config, &metrics, &scheduler, &watchdog);
+  plsh::server::AttentionService service(config, &metrics, &scheduler, &watchdog, auth.get());
 
-  // 5. Health checking (grpc.health.v1) and reflection.
+  // 6. Health checking (grpc.health.v1) and reflection. Neither needs a
+  // token (they carry no data); with client certificates required, probes
+  // that cannot present one use the health-only listener below.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(config.listen, *credentials, &port);
   // gRPC's own receive limit is twice ours: a message between the two is
   // refused by the service, which then knows the code its client got (gRPC's
   // refusal would reach the service as a bare cancellation); past twice, gRPC
@@ -173,14 +232,38 @@ int main(int argc, char** argv) {
     log_event(spdlog::level::err, "startup_failed", {{"error", "cannot listen on " + config.listen}});
     return 1;
   }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus("", true);
-  health->SetServingStatus(kServiceName, true);
+  // The health-only listener: plaintext, for probes that speak neither TLS
+  // nor tokens (Kubernetes' gRPC probes). A server of its own with no
+  // service of ours, so Attend and GetInfo are UNIMPLEMENTED there; it has
+  // gRPC's default health service (and the reflection plugin, which every
+  // server gets: it lists only what this server has).
+  std::unique_ptr<grpc::Server> health_server;
+  int health_port = 0;
+  if (config.health_listen_enabled()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(config.health_listen, grpc::InsecureServerCredentials(), &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      log_event(spdlog::level::err, "startup_failed", {{"error", "cannot listen on " + config.health_listen}});
+      return 1;
+    }
+  }
+  std::vector<grpc::HealthCheckServiceInterface*> health = {server->GetHealthCheckService()};
+  if (health_server) health.push_back(health_server->GetHealthCheckService());
+  for (grpc::HealthCheckServiceInterface* h : health) {
+    h->SetServingStatus("", true);
+    h->SetServingStatus(kServiceName, true);
+  }
 
-  // 6. Serve. Tests and scripts read the bound addresses from this line.
+  // 7. Serve. Tests and scripts read the bound addresses from this line.
   const std::string grpc_addr = config.listen.substr(0, config.listen.rfind(':')) + ":" + std::to_string(port);
+  const std::string health_addr =
+      health_server ? config.health_listen.substr(0, config.health_listen.rfind(':')) + ":" + std::to_string(health_port) : "off";
   log_event(spdlog::level::info, "serving",
             {{"grpc", grpc_addr},
+             {"health", health_addr},
+             {"tls", plsh::server::tls_mode(config)},
+             {"tokens", auth ? std::to_string(auth->client_count()) + " clients" : "off"},
              {"metrics", config.metrics_enabled() ? metrics.bound_address() : "off"},
              {"backend", (*chosen)->name()},
              {"version", PLSH_VERSION},
@@ -188,15 +271,17 @@ int main(int argc, char** argv) {
 
   const int signal_number = wait_for_shutdown_signal();
 
-  // 7. Drain: report NOT_SERVING, refuse new requests (UNAVAILABLE), let
+  // 8. Drain: report NOT_SERVING, refuse new requests (UNAVAILABLE), let
   // those in flight finish for up to --drain-timeout, then stop gRPC (which
   // cancels what is left) and the workers.
   log_event(spdlog::level::info, "draining", {{"signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT"},
                                              {"in_flight", service.open_requests()},
                                              {"reserved_host_bytes", scheduler.reserved().host_bytes},
                                              {"drain_timeout_s", config.drain_timeout}});
-  health->SetServingStatus(kServiceName, false);
-  health->SetServingStatus("", false);
+  for (grpc::HealthCheckServiceInterface* h : health) {
+    h->SetServingStatus(kServiceName, false);
+    h->SetServingStatus("", false);
+  }
   service.begin_drain();
   const auto drain_until = std::chrono::steady_clock::now() + std::chrono::duration<double>(config.drain_timeout);
   while (service.open_requests() > 0 && std::chrono::steady_clock::now() < drain_until)
@@ -204,6 +289,7 @@ int main(int argc, char** argv) {
   // A short grace for final statuses already on their way out. (Without a
   // deadline, Shutdown waits seconds on idle client connections.)
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  if (health_server) health_server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   scheduler.stop();
   log_event(spdlog::level::info, "stopped");
   return 0;

@@ -86,7 +86,38 @@ Metrics::Metrics()
       stream_timeouts_(BuildCounter()
                            .Name("plsh_stream_timeouts_total")
                            .Help("Attend streams ended for waiting on their client, by reason")
-                           .Register(*registry_)) {
+                           .Register(*registry_)),
+      // Families without a series print nothing: without --token-file
+      // /metrics is as before.
+      client_requests_(BuildCounter()
+                           .Name("plsh_client_requests_total")
+                           .Help("Calls by client (token file name, or unauthenticated), method and gRPC status code")
+                           .Register(*registry_)),
+      client_received_(BuildCounter()
+                           .Name("plsh_client_received_bytes_total")
+                           .Help("Tensor payload bytes received, by client")
+                           .Register(*registry_)),
+      client_sent_(BuildCounter()
+                       .Name("plsh_client_sent_bytes_total")
+                       .Help("Tensor payload bytes sent, by client")
+                       .Register(*registry_)),
+      client_open_streams_(BuildGauge()
+                               .Name("plsh_client_open_streams")
+                               .Help("Attend and AttendUnary calls open, by client (its max_streams counts these)")
+                               .Register(*registry_)),
+      client_reserved_(BuildGauge()
+                           .Name("plsh_client_reserved_bytes")
+                           .Help("Bytes reserved by a client's requests in flight, by memory space (its "
+                                 "max_reserved_bytes and max_reserved_device_bytes count these)")
+                           .Register(*registry_)),
+      token_reloads_(BuildCounter()
+                         .Name("plsh_token_file_reloads_total")
+                         .Help("Loads of --token-file: ok, or error (the previous clients stay)")
+                         .Register(*registry_)),
+      token_clients_(BuildGauge()
+                         .Name("plsh_token_file_clients")
+                         .Help("Clients in the token file in use")
+                         .Register(*registry_)) {
   for (const char* reason : {"receive_idle", "receive_slow", "send_idle", "send_slow"})
     stream_timeouts_.Add({{"reason", reason}});
   for (const char* p : {"queued", "receiving", "computing", "sending"}) phase_duration_.Add({{"phase", p}}, duration_buckets());
@@ -158,6 +189,38 @@ void Metrics::mask_max_error(const std::string& mode, double err) {
   if (!std::isfinite(err)) return;
   std::lock_guard<std::mutex> lock(mutex_);
   mask_error_.Add({{"mode", mode}}, error_buckets()).Observe(err);
+}
+
+}  // namespace plsh::server
+
+namespace plsh::server {
+
+void Metrics::client_request(const std::string& client, const std::string& method, const std::string& code,
+                             double received_bytes, double sent_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  client_requests_.Add({{"client", client}, {"method", method}, {"code", code}}).Increment();
+  if (received_bytes > 0) client_received_.Add({{"client", client}}).Increment(received_bytes);
+  if (sent_bytes > 0) client_sent_.Add({{"client", client}}).Increment(sent_bytes);
+}
+
+void Metrics::client_open_streams(const std::string& client, double streams) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  client_open_streams_.Add({{"client", client}}).Set(streams);
+}
+
+void Metrics::client_reserved_bytes(const std::string& client, const std::string& space, double bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  client_reserved_.Add({{"client", client}, {"space", space}}).Set(bytes);
+}
+
+void Metrics::token_file_reload(bool ok) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  token_reloads_.Add({{"result", ok ? "ok" : "error"}}).Increment();
+}
+
+void Metrics::token_file_clients(double clients) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  token_clients_.Add({}).Set(clients);
 }
 
 }  // namespace plsh::server

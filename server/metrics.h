@@ -48,6 +48,19 @@ class Metrics {
   // receive_slow, send_idle, send_slow.
   void stream_timeout(const std::string& reason);
 
+  // Per client, with a token file only (auth.h). client is a name from the
+  // token file, or "unauthenticated" for calls without a valid token: never
+  // a token, so the label's values are as few as the file's clients.
+  // method: Attend|AttendUnary|GetInfo.
+  void client_request(const std::string& client, const std::string& method, const std::string& code,
+                      double received_bytes, double sent_bytes);
+  void client_open_streams(const std::string& client, double streams);
+  // space: host|device.
+  void client_reserved_bytes(const std::string& client, const std::string& space, double bytes);
+  // A load of the token file: at start, and each change (ok) or refused change (error).
+  void token_file_reload(bool ok);
+  void token_file_clients(double clients);
+
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsHttpServer> http_;
@@ -69,6 +82,13 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& memory_budget_;
   prometheus::Family<prometheus::Gauge>& memory_reserved_;
   prometheus::Family<prometheus::Counter>& stream_timeouts_;
+  prometheus::Family<prometheus::Counter>& client_requests_;
+  prometheus::Family<prometheus::Counter>& client_received_;
+  prometheus::Family<prometheus::Counter>& client_sent_;
+  prometheus::Family<prometheus::Gauge>& client_open_streams_;
+  prometheus::Family<prometheus::Gauge>& client_reserved_;
+  prometheus::Family<prometheus::Counter>& token_reloads_;
+  prometheus::Family<prometheus::Gauge>& token_clients_;
 };
 
 }  // namespace plsh::server

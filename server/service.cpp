@@ -9,6 +9,7 @@
 #include "proto/wire.h"
 #include "server/assembler.h"
 #include "server/call.h"
+#include "server/logging.h"
 #include "server/status_map.h"
 
 #ifndef PLSH_VERSION
@@ -373,9 +374,10 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
 }  // namespace
 
 AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler,
-                                   StreamWatchdog* watchdog) {
+                                   StreamWatchdog* watchdog, const Authenticator* auth) {
   shared_.config = &config;
   shared_.watchdog = watchdog;
+  shared_.auth = auth;
   shared_.limits.max_tokens = config.max_tokens;
   shared_.limits.max_request_bytes = config.max_request_bytes;
   shared_.limits.max_samples = config.max_samples;
@@ -410,6 +412,22 @@ grpc::ServerUnaryReactor* AttentionService::AttendUnary(grpc::CallbackServerCont
 
 grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext* ctx, const v1::GetInfoRequest*,
                                                     v1::GetInfoResponse* response) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (shared_.auth != nullptr) {
+    // GetInfo goes through no CallBase (it holds nothing): its check is
+    // here, and only its refusals are logged, as before.
+    const Authorization a = shared_.auth->authorize(ctx->client_metadata(), Method::kGetInfo);
+    const std::string client = a.client ? a.client->name() : "unauthenticated";
+    const grpc::Status status = to_grpc_status(a.status);
+    shared_.metrics->client_request(client, "GetInfo", grpc_code_name(status.error_code()), 0, 0);
+    if (!status.ok()) {
+      log_event(spdlog::level::info, "request",
+                {{"method", "GetInfo"}, {"client", client}, {"peer", ctx->peer()},
+                 {"status", grpc_code_name(status.error_code())}, {"message", status.error_message()}});
+      reactor->Finish(status);
+      return reactor;
+    }
+  }
   const ServerConfig& c = *shared_.config;
   response->set_version(PLSH_VERSION);
   for (Backend* b : BackendRegistry::global().backends()) {
@@ -440,7 +458,6 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   d->set_check_finite(defaults.check_finite);
   d->set_out_chunk_bytes(c.max_message_bytes - kMessageHeadroom);
   d->set_backend(c.backend);
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

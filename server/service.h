@@ -13,6 +13,7 @@
 #include <string>
 
 #include "plsh/v1/plsh.grpc.pb.h"
+#include "server/auth.h"
 #include "server/call.h"
 #include "server/config.h"
 #include "server/metrics.h"
@@ -23,7 +24,9 @@ namespace plsh::server {
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:
-  AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler, StreamWatchdog* watchdog);
+  // auth: the token file's clients (auth.h); null lets every call in.
+  AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler, StreamWatchdog* watchdog,
+                   const Authenticator* auth = nullptr);
 
   grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* Attend(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* AttendUnary(grpc::CallbackServerContext* ctx, const v1::AttendUnaryRequest* request,

@@ -31,10 +31,8 @@ std::vector<uint8_t> random_tensor(int64_t elements, DType dtype, uint64_t seed,
 }
 
 grpc::ChannelArguments channel_arguments(int connection) {
-  grpc::ChannelArguments args;
   // The server enforces its own message limit; the client never refuses first.
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetMaxSendMessageSize(-1);
+  grpc::ChannelArguments args = client::default_channel_arguments();
   // Channels with equal arguments share one TCP connection through gRPC's
   // global subchannel pool; a local pool and a distinct argument give each
   // --connections channel its own.
@@ -80,9 +78,13 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
   load->reference_size_ = static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(load->out_dtype_);
   load->tolerance_ = config.verify_tolerance.value_or(verify_tolerance(load->out_dtype_));
 
-  for (int c = 0; c < config.connections; ++c)
-    load->clients_.push_back(std::make_unique<client::Client>(
-        grpc::CreateCustomChannel(config.target, grpc::InsecureChannelCredentials(), channel_arguments(c))));
+  for (int c = 0; c < config.connections; ++c) {
+    std::shared_ptr<grpc::Channel> channel;
+    std::string token;
+    const grpc::Status made = client::make_channel(config.target, config.channel, channel_arguments(c), &channel, &token);
+    if (!made.ok()) return invalid_argument(made.error_message());
+    load->clients_.push_back(std::make_unique<client::Client>(std::move(channel), std::move(token)));
+  }
   const grpc::Status info = load->clients_.front()->info(&load->info_, 10);
   if (!info.ok()) return unavailable("target " + config.target + ": GetInfo failed: " + client::status_string(info));
 

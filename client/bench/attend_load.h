@@ -20,6 +20,7 @@ namespace plsh::bench {
 
 struct AttendLoadConfig {
   std::string target;              // host:port of plsh-server
+  client::ChannelOptions channel;  // TLS and the bearer token
   AttentionOptions options;        // shape, wire dtype, mode and its parameters
   std::string backend = "auto";    // the server's backend to ask for
   int64_t chunk_bytes = 0;         // payload per message; 0: the largest the server allows

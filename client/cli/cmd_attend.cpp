@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/connection_flags.h"
 #include "cli/flags.h"
 #include "cli/meta_json.h"
 #include "cli/npy.h"
@@ -26,6 +27,7 @@ struct AttendArgs {
   AttentionCliArgs attention;
   OutputCliArgs outputs;
   std::string target = "127.0.0.1:50051";
+  client::ChannelOptions channel;  // TLS and the bearer token
   std::string wire_dtype;    // f32 | f16 | bf16; empty: the inputs' dtype
   int64_t chunk_bytes = 0;   // 0: the largest the server allows
   double deadline = 0;       // seconds; 0: none
@@ -105,10 +107,11 @@ int attend(const AttendArgs& args) {
   call.chunk_bytes = args.chunk_bytes;
   call.deadline_seconds = args.deadline;
 
-  client::Client c(args.target);
+  std::unique_ptr<client::Client> c;
+  if (const grpc::Status s = client::Client::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
   client::AttendReply reply;
   const auto t_call = std::chrono::steady_clock::now();
-  const grpc::Status status = c.attend(call, &reply);
+  const grpc::Status status = c->attend(call, &reply);
   const double call_seconds = seconds_since(t_call);
   if (!status.ok()) return report_rpc_error(status);
 
@@ -150,6 +153,7 @@ RunFn setup_attend(CLI::App& app) {
   add_attention_flags(app, args->attention);
   add_output_flags(app, args->outputs);
   app.add_option("--target", args->target, "plsh-server address host:port")->capture_default_str();
+  add_connection_flags(app, args->channel);
   app.add_option("--wire-dtype", args->wire_dtype, "dtype of q, k, v on the wire: f32, f16 or bf16 (default: the files')")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   app.add_option("--chunk-bytes", args->chunk_bytes, "payload bytes per message (0: the server's largest)")

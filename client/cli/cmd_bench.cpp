@@ -28,6 +28,7 @@
 #include "bench/report.h"
 #include "bench/server_metrics.h"
 #include "cli/commands.h"
+#include "cli/connection_flags.h"
 #include "cli/flags.h"
 #include "plsh/backend.h"
 
@@ -36,6 +37,7 @@ namespace {
 
 struct BenchArgs {
   std::string target = "127.0.0.1:50051";
+  client::ChannelOptions channel;   // TLS and the bearer token
   std::string concurrency;          // "4" or "1,2,4,8"
   std::string rate;                 // "50" or "10,20,40" requests/s
   std::string arrivals = "constant";
@@ -194,6 +196,7 @@ Status bench(const BenchArgs& a, int* exit_code) {
 
   bench::AttendLoadConfig config;
   config.target = a.target;
+  config.channel = a.channel;
   AttentionOptions& o = config.options;
   RETURN_IF_ERROR(apply_shape(a.shape, &o));
   ASSIGN_OR_RETURN(o.dtype, parse_dtype(a.wire_dtype));
@@ -352,6 +355,7 @@ Status bench(const BenchArgs& a, int* exit_code) {
 RunFn setup_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   app.add_option("--target", a->target, "plsh-server address host:port")->capture_default_str();
+  add_connection_flags(app, a->channel);
   app.add_option("--concurrency", a->concurrency,
                  "requests in flight (closed loop), one value or a sweep '1,2,4,8'; with --rate: the most in flight "
                  "(default 1; 64 with --rate)");

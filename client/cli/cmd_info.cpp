@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "cli/connection_flags.h"
 #include "plsh/client.h"
 
 namespace plsh::cli {
@@ -14,15 +15,18 @@ namespace {
 
 struct InfoArgs {
   std::string target = "127.0.0.1:50051";
+  client::ChannelOptions channel;  // TLS and the bearer token
   double deadline = 10;
 };
 
 int info(const InfoArgs& args) {
   v1::GetInfoResponse response;
-  const grpc::Status s = client::Client(args.target).info(&response, args.deadline);
+  std::unique_ptr<client::Client> c;
+  grpc::Status s = client::Client::connect(args.target, args.channel, &c);
+  if (s.ok()) s = c->info(&response, args.deadline);
   if (!s.ok()) {
     std::cerr << "plsh info: " << client::status_string(s) << std::endl;
-    return kExitRuntime;
+    return s.error_code() == grpc::StatusCode::INVALID_ARGUMENT ? kExitUsage : kExitRuntime;
   }
   google::protobuf::util::JsonPrintOptions options;
   options.add_whitespace = true;
@@ -40,6 +44,7 @@ int info(const InfoArgs& args) {
 RunFn setup_info(CLI::App& app) {
   auto args = std::make_shared<InfoArgs>();
   app.add_option("--target", args->target, "plsh-server address host:port")->capture_default_str();
+  add_connection_flags(app, args->channel);
   app.add_option("--deadline", args->deadline, "seconds")->capture_default_str()->check(CLI::PositiveNumber);
   return [args] { return info(*args); };
 }

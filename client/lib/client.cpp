@@ -1,8 +1,11 @@
 #include "plsh/client.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/wire.h"
@@ -15,6 +18,20 @@ void set_deadline(grpc::ClientContext* ctx, double seconds) {
   if (seconds > 0)
     ctx->set_deadline(std::chrono::system_clock::now() +
                       std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(seconds)));
+}
+
+grpc::Status invalid(const std::string& what) { return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what); }
+
+// A credentials file (PEM, a token): small; its bytes never go in a message.
+grpc::Status read_small_file(const char* name, const std::string& path, std::string* bytes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return invalid(std::string(name) + " = '" + path + "': cannot read: " + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return invalid(std::string(name) + " = '" + path + "': cannot read: " + std::strerror(errno));
+  *bytes = text.str();
+  if (bytes->size() > (size_t{1} << 20)) return invalid(std::string(name) + " = '" + path + "': larger than 1 MiB");
+  return grpc::Status::OK;
 }
 
 grpc::Status protocol_error(const std::string& what) {
@@ -115,24 +132,90 @@ v1::AttendHeader make_header(const AttendCall& call) {
   return h;
 }
 
-Client::Client(const std::string& target) {
+grpc::ChannelArguments default_channel_arguments() {
   grpc::ChannelArguments args;
-  // The server enforces its own limit; the client should never be the one to refuse.
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  return args;
+}
+
+grpc::Status make_channel(const std::string& target, const ChannelOptions& o, grpc::ChannelArguments args,
+                          std::shared_ptr<grpc::Channel>* channel, std::string* token) {
+  token->clear();
+  if (!o.token.empty() && !o.token_file.empty())
+    return invalid("token and token_file are both set, expected one");
+  if (!o.token.empty()) {
+    *token = o.token;
+  } else if (!o.token_file.empty()) {
+    std::string text;
+    if (grpc::Status s = read_small_file("token_file", o.token_file, &text); !s.ok()) return s;
+    const size_t begin = text.find_first_not_of(" \t\r\n");
+    const size_t end = text.find_last_not_of(" \t\r\n");
+    *token = begin == std::string::npos ? "" : text.substr(begin, end - begin + 1);
+    if (token->empty()) return invalid("token_file = '" + o.token_file + "' is empty, expected a bearer token");
+  }
+  // gRPC refuses metadata values outside visible ASCII; say so here, and
+  // where, without the token.
+  for (size_t i = 0; i < token->size(); ++i) {
+    const unsigned char ch = static_cast<unsigned char>((*token)[i]);
+    if (ch < 0x21 || ch > 0x7e)
+      return invalid(std::string(o.token.empty() ? "token_file" : "token") + ": byte " + std::to_string(i) +
+                     " of the token is not visible ASCII (a space, a control character or non-ASCII), expected one word");
+  }
+
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (o.uses_tls()) {
+    if (o.tls_cert.empty() != o.tls_key.empty())
+      return invalid(o.tls_cert.empty() ? "tls_key is set without tls_cert, expected both or neither"
+                                        : "tls_cert is set without tls_key, expected both or neither");
+    grpc::SslCredentialsOptions ssl;
+    const struct {
+      const char* name;
+      const std::string& path;
+      std::string* pem;
+      const char* begin;
+    } files[] = {{"tls_ca", o.tls_ca, &ssl.pem_root_certs, "-----BEGIN CERTIFICATE-----"},
+                 {"tls_cert", o.tls_cert, &ssl.pem_cert_chain, "-----BEGIN CERTIFICATE-----"},
+                 {"tls_key", o.tls_key, &ssl.pem_private_key, "PRIVATE KEY-----"}};
+    for (const auto& f : files) {
+      if (f.path.empty()) continue;
+      if (grpc::Status s = read_small_file(f.name, f.path, f.pem); !s.ok()) return s;
+      if (f.pem->find(f.begin) == std::string::npos)
+        return invalid(std::string(f.name) + " = '" + f.path + "': no PEM block with '" + f.begin + "'");
+    }
+    credentials = grpc::SslCredentials(ssl);
+    if (!o.tls_server_name.empty()) args.SetSslTargetNameOverride(o.tls_server_name);
+  }
+  *channel = grpc::CreateCustomChannel(target, credentials, args);
+  return grpc::Status::OK;
+}
+
+Client::Client(const std::string& target)
+    : Client(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), default_channel_arguments())) {}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, std::string token)
+    : channel_(std::move(channel)), token_(std::move(token)) {
   stub_ = v1::Attention::NewStub(channel_);
 }
 
-Client::Client(std::shared_ptr<grpc::Channel> channel) : channel_(std::move(channel)) {
-  stub_ = v1::Attention::NewStub(channel_);
+grpc::Status Client::connect(const std::string& target, const ChannelOptions& options, std::unique_ptr<Client>* client) {
+  std::shared_ptr<grpc::Channel> channel;
+  std::string token;
+  if (grpc::Status s = make_channel(target, options, default_channel_arguments(), &channel, &token); !s.ok()) return s;
+  *client = std::make_unique<Client>(std::move(channel), std::move(token));
+  return grpc::Status::OK;
+}
+
+void Client::prepare(grpc::ClientContext* ctx, double deadline_seconds) const {
+  set_deadline(ctx, deadline_seconds);
+  if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
 }
 
 grpc::Status Client::attend(const AttendCall& call, AttendReply* reply) {
   *reply = AttendReply{};
   const Sizes z = sizes_of(call.options);
   grpc::ClientContext ctx;
-  set_deadline(&ctx, call.deadline_seconds);
+  prepare(&ctx, call.deadline_seconds);
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream = stub_->Attend(&ctx);
 
   auto note = [reply](const google::protobuf::Message& m) {
@@ -242,7 +325,7 @@ grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
   *reply = AttendReply{};
   const Sizes z = sizes_of(call.options);
   grpc::ClientContext ctx;
-  set_deadline(&ctx, call.deadline_seconds);
+  prepare(&ctx, call.deadline_seconds);
   v1::AttendUnaryRequest request;
   *request.mutable_header() = make_header(call);
   request.set_q(call.q, static_cast<size_t>(z.q_rows * z.q_row_bytes));
@@ -270,7 +353,7 @@ grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
 
 grpc::Status Client::info(v1::GetInfoResponse* info, double deadline_seconds) {
   grpc::ClientContext ctx;
-  set_deadline(&ctx, deadline_seconds);
+  prepare(&ctx, deadline_seconds);
   return stub_->GetInfo(&ctx, v1::GetInfoRequest{}, info);
 }
 

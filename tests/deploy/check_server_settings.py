@@ -106,6 +106,10 @@ def run_server(label, binary, env, args, used_metrics, extra=None):
         check(re.fullmatch(r"[\w.\-\[\]:]+:\d+", env.get(key, "")), f"{label}: {key}={env.get(key)!r} is not host:port")
     env["PLSH_LISTEN"] = "127.0.0.1:0"
     env["PLSH_METRICS_LISTEN"] = "127.0.0.1:0"
+    if env.get("PLSH_HEALTH_LISTEN", "off") not in ("", "off"):
+        check(re.fullmatch(r"[\w.\-\[\]:]+:\d+", env["PLSH_HEALTH_LISTEN"]),
+              f"{label}: PLSH_HEALTH_LISTEN={env['PLSH_HEALTH_LISTEN']!r} is not host:port or off")
+        env["PLSH_HEALTH_LISTEN"] = "127.0.0.1:0"
     if env.get("PLSH_BACKEND") == "cuda":
         # No GPU on the test machines: the value itself is checked by --help.
         env["PLSH_BACKEND"] = "cpu"
@@ -147,10 +151,17 @@ def check_chart(docs, label, envs, defaults, service_name, image_uid, values_exp
     check(ports.get("grpc") == port_of(env["PLSH_LISTEN"]), f"{label}: grpc containerPort != PLSH_LISTEN port")
     check(ports.get("metrics") == port_of(env["PLSH_METRICS_LISTEN"]),
           f"{label}: metrics containerPort != PLSH_METRICS_LISTEN port")
+    # Probes go to the plaintext health-only port when the chart opens one
+    # (TLS or tokens on: check_chart_trust.py), else to the gRPC port.
+    health_listen = env.get("PLSH_HEALTH_LISTEN", "off")
+    probe_port_name = "grpc" if health_listen in ("", "off") else "health"
+    if probe_port_name == "health":
+        check(ports.get("health") == port_of(health_listen), f"{label}: health containerPort != PLSH_HEALTH_LISTEN port")
     for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
         probe = c.get(kind, {})
         check("grpc" in probe, f"{label}: {kind} is not a native gRPC probe")
-        check(probe.get("grpc", {}).get("port") == ports.get("grpc"), f"{label}: {kind} port != grpc containerPort")
+        check(probe.get("grpc", {}).get("port") == ports.get(probe_port_name),
+              f"{label}: {kind} port != {probe_port_name} containerPort")
     check(c["livenessProbe"]["grpc"].get("service", "") == "", f"{label}: liveness should ask for service ''")
     check(c["readinessProbe"]["grpc"].get("service") == service_name,
           f"{label}: readiness asks for {c['readinessProbe']['grpc'].get('service')!r}, the server registers {service_name!r}")

@@ -11,6 +11,11 @@ Defaults and limits are the server's: options left as None are not sent, and
 the server applies the defaults that c.info().defaults lists. Errors raise
 PlshError, which carries the gRPC status code.
 
+A server with TLS and bearer tokens:
+
+    Client("plsh.example:50051", tls_ca="ca.crt", token_file="plsh.token")
+    # client certificates: also tls_cert="client.crt", tls_key="client.key"
+
 The generated stubs (plsh/v1/plsh_pb2.py, ...) are built by CMake into
 <build>/python; that directory must be on sys.path (PYTHONPATH), or set
 PLSH_PYTHON_STUBS to it.

@@ -125,13 +125,72 @@ def _meta(summary):
     }
 
 
-class Client:
-    """A channel to one plsh-server. Thread-safe; close() (or `with`) when done."""
+def _read_credential(name, value):
+    """A PEM given as bytes, or read from a path; ValueError naming the
+    argument (never the contents) otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{name} = {os.fspath(value)!r}: cannot read: {e.strerror}") from None
 
-    def __init__(self, target, options=None):
+
+def _check_token(token, where):
+    # gRPC refuses metadata values outside visible ASCII; say where, not what.
+    for i, ch in enumerate(token):
+        if not "!" <= ch <= "~":
+            raise ValueError(f"{where}: character {i} of the token is not visible ASCII, expected one word")
+    return token
+
+
+class Client:
+    """A channel to one plsh-server. Thread-safe; close() (or `with`) when done.
+
+    Plaintext by default. tls=True, or any tls_* argument, connects with TLS:
+    tls_ca is the CA (PEM path or bytes) the server's certificate must chain
+    to (default: the system's roots), tls_cert and tls_key this client's
+    certificate and key for servers that ask for one, tls_server_name the
+    name the server's certificate must carry (default: the target's host).
+    token (or token_file, a file holding it) is sent as `authorization:
+    Bearer <token>` with every call but health(); it never appears in repr()
+    or an error message."""
+
+    def __init__(self, target, options=None, *, tls=False, tls_ca=None, tls_cert=None, tls_key=None,
+                 tls_server_name=None, token=None, token_file=None):
         opts = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-        self._channel = grpc.insecure_channel(target, options=opts + list(options or []))
+        if token is not None and token_file is not None:
+            raise ValueError("token and token_file are both set, expected one")
+        if token_file is not None:
+            try:
+                with open(token_file, encoding="ascii", errors="replace") as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise ValueError(f"token_file = {os.fspath(token_file)!r}: cannot read: {e.strerror}") from None
+            if not token:
+                raise ValueError(f"token_file = {os.fspath(token_file)!r} is empty, expected a bearer token")
+        self._metadata = (("authorization", "Bearer " + _check_token(token, "token_file" if token_file else "token")),) \
+            if token else None
+        self._target = target
+        if tls or tls_ca is not None or tls_cert is not None or tls_key is not None or tls_server_name:
+            if (tls_cert is None) != (tls_key is None):
+                raise ValueError("tls_cert and tls_key: give both or neither")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read_credential("tls_ca", tls_ca),
+                private_key=_read_credential("tls_key", tls_key),
+                certificate_chain=_read_credential("tls_cert", tls_cert))
+            if tls_server_name:
+                opts.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(target, credentials, options=opts + list(options or []))
+        else:
+            self._channel = grpc.insecure_channel(target, options=opts + list(options or []))
         self._stub = pb_grpc.AttentionStub(self._channel)
+
+    def __repr__(self):
+        return f"Client({self._target!r}{', token=<set>' if self._metadata else ''})"
 
     def close(self):
         self._channel.close()
@@ -145,12 +204,12 @@ class Client:
     def info(self, timeout=10):
         """GetInfo as a GetInfoResponse message."""
         try:
-            return self._stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
+            return self._stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise PlshError(e.code(), e.details()) from None
 
     def health(self, service="", timeout=10):
-        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ...
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... (sends no token: health needs none)
 
         The two health messages are encoded by hand: stubs generated from
         grpc/health/v1/health.proto would be the module grpc.health.v1,
@@ -251,7 +310,7 @@ class Client:
             yield pb.AttendRequest(end=pb.EndOfInput())
 
         out_parts, lse_parts, summary = [], [], None
-        call = self._stub.Attend(requests(), timeout=deadline)
+        call = self._stub.Attend(requests(), timeout=deadline, metadata=self._metadata)
         try:
             for response in call:
                 kind = response.WhichOneof("kind")

@@ -11,6 +11,14 @@
 //   grpc::Status s = c.attend(call, &reply);   // reply.out, reply.result, reply.timings
 //
 // Errors are the server's (or the channel's) grpc::Status, unchanged.
+//
+// A server with TLS, client certificates or bearer tokens (README, "Server
+// settings"):
+//
+//   plsh::client::ChannelOptions o;
+//   o.tls_ca = "ca.crt"; o.token_file = "plsh.token";     // and tls_cert/tls_key for client certificates
+//   std::unique_ptr<plsh::client::Client> c;
+//   grpc::Status s = plsh::client::Client::connect("plsh.example:50051", o, &c);
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -56,10 +64,41 @@ struct AttendReply {
   int64_t messages = 0;               // messages either way
 };
 
+// How to reach a server: plaintext (all empty: the default), TLS, TLS with
+// a client certificate; with a bearer token or without.
+struct ChannelOptions {
+  bool tls = false;             // TLS; implied by any tls_* field below (alone: the system's CA roots)
+  std::string tls_ca;           // PEM file: the CA(s) the server's certificate must chain to
+  std::string tls_cert;         // PEM file: this client's certificate chain (client certificates); needs tls_key
+  std::string tls_key;          // PEM file: its private key
+  std::string tls_server_name;  // the name the server's certificate must carry; "": the target's host
+  std::string token;            // bearer token, sent as `authorization: Bearer <token>` with every call but health
+  std::string token_file;       // or a file that holds it (surrounding whitespace ignored); not both
+
+  bool uses_tls() const { return tls || !tls_ca.empty() || !tls_cert.empty() || !tls_key.empty() || !tls_server_name.empty(); }
+};
+
+// What every plsh channel sets: no client-side message limits (the server
+// enforces its own; the client should never be the one to refuse).
+grpc::ChannelArguments default_channel_arguments();
+
+// The channel to target with options' credentials, files read now, and
+// the bearer token ("" without one). INVALID_ARGUMENT naming the option and
+// the file when one cannot be read or holds no PEM/token; messages never
+// hold the token or key bytes.
+grpc::Status make_channel(const std::string& target, const ChannelOptions& options, grpc::ChannelArguments args,
+                          std::shared_ptr<grpc::Channel>* channel, std::string* token);
+
 class Client {
  public:
+  // Plaintext, no token.
   explicit Client(const std::string& target);
-  explicit Client(std::shared_ptr<grpc::Channel> channel);
+  // A channel made elsewhere (make_channel, or your own arguments); token:
+  // sent with every call but health checks (which need none). Must be
+  // visible ASCII (make_channel checks it).
+  explicit Client(std::shared_ptr<grpc::Channel> channel, std::string token = "");
+  // make_channel(target, options, default_channel_arguments()) and a Client on it.
+  static grpc::Status connect(const std::string& target, const ChannelOptions& options, std::unique_ptr<Client>* client);
 
   // Streams the request (Attend). Checks that the server's output covers
   // every row exactly once.
@@ -71,8 +110,12 @@ class Client {
   grpc::Status health(const std::string& service, std::string* status_name, double deadline_seconds = 10);
 
  private:
+  // Deadline and credentials of one call.
+  void prepare(grpc::ClientContext* ctx, double deadline_seconds) const;
+
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
+  std::string token_;
 };
 
 // The wire header for a call (what the Python client builds too).

@@ -76,8 +76,6 @@ std::string methods_text(uint8_t methods) {
 
 }  // namespace
 
-Status unauthenticated(std::string message) { return {static_cast<StatusCode>(16), std::move(message)}; }
-Status permission_denied(std::string message) { return {static_cast<StatusCode>(7), std::move(message)}; }
 
 const char* method_name(Method method) {
   switch (method) {

@@ -57,11 +57,6 @@
 
 namespace plsh::server {
 
-// plsh::StatusCode mirrors gRPC's numbering but has no names for these two,
-// which only the server gives (status_map.cpp casts codes through).
-Status unauthenticated(std::string message);
-Status permission_denied(std::string message);
-
 // The calls a token may be allowed, as bits.
 enum class Method : uint8_t { kAttend = 1, kAttendUnary = 2, kGetInfo = 4 };
 constexpr uint8_t kAllMethods = 7;

@@ -109,7 +109,15 @@ Status CallBase::open(bool watched) {
 
 Status CallBase::plan(const v1::AttendHeader& header) {
   record_.mode = wire::mode_label(header.mode());  // labels a refused request too
-  ASSIGN_OR_RETURN(RequestPlan plan, plan_request(header, s_.limits));
+  ASSIGN_OR_RETURN(RequestPlan plan, check_request(header, s_.limits));
+  // Planning allocates the draws (heads x samples of them) before the real
+  // charge is known: hold their bound against the budget meanwhile, so
+  // that concurrent headers cannot allocate past it.
+  const MemoryCharge planning{planning_bytes(plan), 0};
+  RETURN_IF_ERROR(s_.scheduler->reserve(planning));
+  const Status planned = plan_kernels(&plan, s_.limits);
+  s_.scheduler->release(planning);
+  RETURN_IF_ERROR(planned);
   record_.id = plan.id;
   record_.shape = shape_of(plan);
   record_.mode = mode_name(plan.options.mode);

@@ -31,6 +31,19 @@ std::string next_request_id() {
 }  // namespace
 
 StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimits& limits) {
+  ASSIGN_OR_RETURN(RequestPlan plan, check_request(h, limits));
+  RETURN_IF_ERROR(plan_kernels(&plan, limits));
+  return plan;
+}
+
+int64_t planning_bytes(const RequestPlan& plan) {
+  // Per head and sample: the draw (16 bytes) and what backends derive from
+  // it (a CUDA lane pass, 72 bytes), with room to spare.
+  const AttentionOptions& o = plan.options;
+  return o.heads * (o.mode == Mode::kLsh ? o.samples : 1) * 128;
+}
+
+StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimits& limits) {
   RequestPlan plan;
   RETURN_IF_ERROR(check_request_id(h.request_id()));
   plan.id = h.request_id().empty() ? next_request_id() : h.request_id();
@@ -111,7 +124,12 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimit
   }
   const int64_t wanted = h.out_chunk_bytes() == 0 ? payload_cap : std::min(h.out_chunk_bytes(), payload_cap);
   plan.out_chunk_bytes = std::max({wanted, plan.out_row_bytes, plan.return_lse ? plan.lse_row_bytes : 0});
+  return plan;
+}
 
+Status plan_kernels(RequestPlan* request, const RequestLimits& limits) {
+  RequestPlan& plan = *request;
+  const AttentionOptions& o = plan.options;
   // The backend and its plan, before any tensor byte: a request whose
   // workspace cannot fit is refused here, with the header.
   ASSIGN_OR_RETURN(const AttentionParams params, resolve_params(o));
@@ -123,7 +141,7 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimit
   const Workspace workspace = plan.kernel.workspace();
   plan.charge.host_bytes = plan.total_bytes + workspace.host_bytes;
   plan.charge.device_bytes = workspace.device_bytes;
-  return plan;
+  return Status::Ok();
 }
 
 int64_t summary_bytes(const AttentionOptions& o) {

@@ -69,7 +69,16 @@ int64_t summary_bytes(const AttentionOptions& options);
 // headers, RESOURCE_EXHAUSTED for sizes over the server's limits,
 // FAILED_PRECONDITION for a backend that is not there; then the backend and
 // its plan, and the request's charge. Touches no tensor memory.
+// check_request then plan_kernels.
 StatusOr<RequestPlan> plan_request(const v1::AttendHeader& header, const RequestLimits& limits);
+// The header's checks alone (no backend, no plan).
+StatusOr<RequestPlan> check_request(const v1::AttendHeader& header, const RequestLimits& limits);
+// Picks the backend and makes the kernels' plan and the charge.
+Status plan_kernels(RequestPlan* plan, const RequestLimits& limits);
+// An upper bound of the host bytes plan_kernels allocates (the lsh draws of
+// every head and what backends derive from them): charged to the budget
+// while the plan is made, since the real charge is known only after.
+int64_t planning_bytes(const RequestPlan& plan);
 
 // The host memory of one request's tensors.
 struct RequestBuffers {

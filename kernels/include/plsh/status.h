@@ -16,11 +16,13 @@ enum class StatusCode : int {
   kCancelled = 1,
   kInvalidArgument = 3,
   kDeadlineExceeded = 4,
+  kPermissionDenied = 7,
   kResourceExhausted = 8,
   kFailedPrecondition = 9,
   kUnimplemented = 12,
   kInternal = 13,
   kUnavailable = 14,
+  kUnauthenticated = 16,
 };
 
 const char* status_code_name(StatusCode code);
@@ -50,6 +52,8 @@ inline Status cancelled(std::string m) { return {StatusCode::kCancelled, std::mo
 inline Status deadline_exceeded(std::string m) { return {StatusCode::kDeadlineExceeded, std::move(m)}; }
 inline Status failed_precondition(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
 inline Status unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
+inline Status permission_denied(std::string m) { return {StatusCode::kPermissionDenied, std::move(m)}; }
+inline Status unauthenticated(std::string m) { return {StatusCode::kUnauthenticated, std::move(m)}; }
 
 // A caller's string as an error message or log field may show it: at most
 // max_bytes of it, each byte outside printable ASCII (and the quote and

@@ -13,25 +13,27 @@ std::string rows_str(int64_t start, int64_t end) {
 }  // namespace
 
 Assembler::Assembler(const RequestPlan& plan, RequestBuffers* buffers) {
-  tensors_[0] = {"q", buffers->q.get(), plan.q_rows, plan.q_row_bytes, "batch * q_len", {}, 0};
-  tensors_[1] = {"k", buffers->k.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", {}, 0};
-  tensors_[2] = {"v", buffers->v.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", {}, 0};
+  tensors_[0] = {"q", buffers->q.get(), plan.q_rows, plan.q_row_bytes, "batch * q_len", plan.in_shm.q, {}, 0};
+  tensors_[1] = {"k", buffers->k.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", plan.in_shm.k, {}, 0};
+  tensors_[2] = {"v", buffers->v.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", plan.in_shm.v, {}, 0};
+  for (TensorState& t : tensors_)
+    if (t.in_shm) t.rows_received = t.rows;
 }
 
-Status Assembler::add(const v1::TensorChunk& chunk) {
+StatusOr<uint8_t*> Assembler::accept(int tensor, int64_t start, int64_t count, size_t data_bytes) {
   int index = -1;
-  switch (chunk.tensor()) {
+  switch (tensor) {
     case v1::TENSOR_Q: index = 0; break;
     case v1::TENSOR_K: index = 1; break;
     case v1::TENSOR_V: index = 2; break;
     default:
-      return invalid_argument("chunk.tensor = " + std::to_string(chunk.tensor()) +
-                              ", expected TENSOR_Q, TENSOR_K or TENSOR_V");
+      return invalid_argument("chunk.tensor = " + std::to_string(tensor) + ", expected TENSOR_Q, TENSOR_K or TENSOR_V");
   }
   TensorState& t = tensors_[index];
   const std::string who = std::string("chunk of ") + t.name + ": ";
-  const int64_t start = chunk.row_start();
-  const int64_t count = chunk.row_count();
+  if (t.in_shm)
+    return invalid_argument(who + "the header placed " + t.name + " in shared memory (" + t.name +
+                            "_shm), expected no chunks of it");
   if (start < 0 || start >= t.rows)
     return invalid_argument(who + "row_start = " + std::to_string(start) + ", expected in [0, " + std::to_string(t.rows) +
                             ") (" + t.rows_expr + ")");
@@ -41,8 +43,8 @@ Status Assembler::add(const v1::TensorChunk& chunk) {
                             std::to_string(t.rows) + " rows)");
   const int64_t end = start + count;
   const int64_t expected_bytes = count * t.row_bytes;
-  if (static_cast<int64_t>(chunk.data().size()) != expected_bytes)
-    return invalid_argument(who + "data = " + std::to_string(chunk.data().size()) + " bytes, expected " +
+  if (data_bytes != static_cast<size_t>(expected_bytes))
+    return invalid_argument(who + "data = " + std::to_string(data_bytes) + " bytes, expected " +
                             std::to_string(expected_bytes) + " (row_count " + std::to_string(count) + " * " +
                             std::to_string(t.row_bytes) + " bytes per row)");
 
@@ -58,7 +60,6 @@ Status Assembler::add(const v1::TensorChunk& chunk) {
                               " received before, expected each row once");
   }
 
-  std::memcpy(t.data + start * t.row_bytes, chunk.data().data(), static_cast<size_t>(expected_bytes));
   t.rows_received += count;
   received_bytes_ += expected_bytes;
 
@@ -76,6 +77,12 @@ Status Assembler::add(const v1::TensorChunk& chunk) {
     }
   }
   t.ranges[merged_start] = merged_end;
+  return t.data + start * t.row_bytes;
+}
+
+Status Assembler::add(const v1::TensorChunk& chunk) {
+  ASSIGN_OR_RETURN(uint8_t* dst, accept(chunk.tensor(), chunk.row_start(), chunk.row_count(), chunk.data().size()));
+  std::memcpy(dst, chunk.data().data(), chunk.data().size());
   return Status::Ok();
 }
 

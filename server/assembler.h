@@ -1,7 +1,12 @@
 // Puts a streamed request back together: every TensorChunk must name q, k or
-// v, lie inside the tensor's rows, not overlap a chunk already received, and
-// carry exactly its rows' bytes; at the end of input every row must have
-// arrived. Errors name the chunk's fields and the rows involved.
+// v (one the header did not place in shared memory), lie inside the
+// tensor's rows, not overlap a chunk already received, and carry exactly
+// its rows' bytes; at the end of input every row must have arrived. Errors
+// name the chunk's fields and the rows involved.
+//
+// accept() checks a chunk from its fields alone and says where its bytes
+// go, so that the service copies them there straight from the slices gRPC
+// received (proto/chunk_codec.h); add() does both for a parsed message.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +22,10 @@ class Assembler {
  public:
   Assembler(const RequestPlan& plan, RequestBuffers* buffers);
 
-  // Copies the chunk's bytes into place.
+  // Checks a chunk of `data_bytes` bytes and records its rows as received:
+  // where its data_bytes go (the caller copies them there).
+  StatusOr<uint8_t*> accept(int tensor, int64_t row_start, int64_t row_count, size_t data_bytes);
+  // accept, then copies the chunk's bytes into place.
   Status add(const v1::TensorChunk& chunk);
   // OK when every row of q, k and v has arrived.
   Status complete() const;
@@ -30,6 +38,7 @@ class Assembler {
     int64_t rows = 0;
     int64_t row_bytes = 0;
     const char* rows_expr = "";          // "batch * q_len"
+    bool in_shm = false;                 // in shared memory: no chunks
     std::map<int64_t, int64_t> ranges;   // start -> end (exclusive), disjoint, merged when adjacent
     int64_t rows_received = 0;
   };

@@ -110,6 +110,8 @@ Status CallBase::open(bool watched) {
 Status CallBase::plan(const v1::AttendHeader& header) {
   record_.mode = wire::mode_label(header.mode());  // labels a refused request too
   ASSIGN_OR_RETURN(RequestPlan plan, check_request(header, s_.limits));
+  // The regions first: they are held from here until close().
+  RETURN_IF_ERROR(use_shared_memory(header, &plan, s_.shm, owner()));
   // Planning allocates the draws (heads x samples of them) before the real
   // charge is known: hold their bound against the budget meanwhile, so
   // that concurrent headers cannot allocate past it.
@@ -124,7 +126,7 @@ Status CallBase::plan(const v1::AttendHeader& header) {
   record_.tokens = plan.tokens();
   record_.backend = plan.backend->name();
   // What the rest of the receiving phase moves.
-  phase_bytes.store(plan.q_bytes() + 2 * plan.kv_bytes());
+  phase_bytes.store(plan.streamed_input_bytes());
   plan_ = std::move(plan);
   return Status::Ok();
 }
@@ -139,7 +141,7 @@ Status CallBase::reserve_and_allocate() {
   RETURN_IF_ERROR(s_.scheduler->reserve(plan_->charge));
   reserved_ = plan_->charge;
   try {
-    buffers_ = RequestBuffers::allocate(*plan_);
+    buffers_ = RequestBuffers::allocate(*plan_, s_.pool);
   } catch (const std::bad_alloc&) {
     return resource_exhausted("out of host memory for the request's " + std::to_string(plan_->total_bytes) + " bytes");
   }
@@ -156,6 +158,11 @@ StatusOr<AttentionResult> CallBase::compute(Clock::time_point queued_at) {
   StatusOr<AttentionResult> result = cancelled("not run");
   try {
     result = compute_request(*plan_, buffers_, exec);
+    // A region whose file shrank while it was read or written: the result
+    // is not what the client sent (server/shm_registry.h).
+    if (result.ok()) {
+      if (const Status intact = check_shared_memory_intact(*plan_); !intact.ok()) result = intact;
+    }
   } catch (const std::bad_alloc&) {
     result = resource_exhausted("out of host memory while computing request " + plan_->id);
   } catch (const std::exception& e) {
@@ -217,11 +224,14 @@ grpc::Status CallBase::close(grpc::Status status) {
     client_stream_open_ = false;
   }
   buffers_ = RequestBuffers{};
+  if (plan_) plan_->shared = RequestPlan::SharedUses{};  // the regions may be unregistered from now on
   if (counted_open_) s_.open_streams.fetch_sub(1);
   counted_open_ = false;
   s_.metrics->inflight_add(-1);
   return status;
 }
+
+std::string CallBase::owner() const { return client_ ? client_->name() : ""; }
 
 Status CallBase::check_message_size(size_t bytes) const {
   if (static_cast<int64_t>(bytes) <= s_.limits.max_message_bytes) return Status::Ok();

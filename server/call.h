@@ -18,10 +18,12 @@
 #include "plsh/attention.h"
 #include "plsh/v1/plsh.pb.h"
 #include "server/auth.h"
+#include "server/buffer_pool.h"
 #include "server/config.h"
 #include "server/metrics.h"
 #include "server/request.h"
 #include "server/scheduler.h"
+#include "server/shm_registry.h"
 #include "server/watchdog.h"
 
 namespace plsh::server {
@@ -34,6 +36,8 @@ struct ServiceContext {
   Scheduler* scheduler = nullptr;
   StreamWatchdog* watchdog = nullptr;  // null: streams are not watched
   const Authenticator* auth = nullptr;  // null: no token file, every call is let in
+  BufferPool* pool = nullptr;           // requests' host tensors; null: plain heap memory
+  SharedMemoryRegistry* shm = nullptr;  // null (or disabled): no shared memory
   std::atomic<int64_t> open_streams{0};
   std::atomic<bool> draining{false};  // new requests get UNAVAILABLE
 };
@@ -67,14 +71,19 @@ class CallBase : public WatchedCall {
   // --max-concurrent or the client's max_streams. A streamed call is watched
   // (watchdog.h) from here until close().
   Status open(bool watched);
-  // The header: plan_request (limits, backend, plan). Sets plan_.
+  // The header: plan_request (limits, shared-memory regions, backend,
+  // plan). Sets plan_.
   Status plan(const v1::AttendHeader& header);
   // Then the plan's memory charge against the client's limits and both
-  // budgets, and the host buffers. Sets buffers_.
+  // budgets, and the host buffers (from the pool). Sets buffers_.
   Status reserve_and_allocate();
   // On a worker: the computation unless the client left while the request
-  // was queued; fills the queued and computing times.
+  // was queued; fills the queued and computing times. A shared-memory
+  // region whose file shrank meanwhile fails it (FAILED_PRECONDITION).
   StatusOr<AttentionResult> compute(Clock::time_point queued_at);
+  // Who owns the shared-memory regions this call may use: the token
+  // file's client name, "" without a token file.
+  std::string owner() const;
   // The summary of a computed request, timings and byte counts included.
   void fill_summary_message(const AttentionResult& result, v1::Summary* summary);
   // Logs and counts the request with the status its client gets (a

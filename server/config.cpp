@@ -117,6 +117,13 @@ ParsedConfig parse_config(int argc, char** argv) {
                  "tokens); \"\" or off disables")
       ->envname("PLSH_HEALTH_LISTEN");
 
+  // Same-host shared memory: off unless named (server/shm_registry.h).
+  app.add_option("--shm-dir", c.shm_dir,
+                 "directory (e.g. /dev/shm, or a memory-backed volume shared with a sidecar) whose regular files, "
+                 "owned by the server's user, same-host clients may register as shared-memory regions and name in "
+                 "requests instead of sending tensors; \"\" or off: no shared memory")
+      ->envname("PLSH_SHM_DIR");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

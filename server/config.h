@@ -36,11 +36,14 @@ struct ServerConfig {
   std::string token_file;                          // JSON token file (server/auth.h); "": no bearer tokens
   double token_reload_interval = 5;                // seconds between checks of the token file; 0: on SIGHUP only
   std::string health_listen = "off";               // plaintext grpc.health.v1-only address; "" or "off": none
+  // Same-host shared memory (SPEC section 9; off by default).
+  std::string shm_dir = "off";                     // directory whose files clients may register; "" or "off": none
 
   bool metrics_enabled() const { return !metrics_listen.empty() && metrics_listen != "off"; }
   bool tls_enabled() const { return !tls_cert.empty(); }
   bool tokens_enabled() const { return !token_file.empty(); }
   bool health_listen_enabled() const { return !health_listen.empty() && health_listen != "off"; }
+  bool shm_enabled() const { return !shm_dir.empty() && shm_dir != "off"; }
 };
 
 // Parses argv and the PLSH_* environment. Returns the config, or the exit

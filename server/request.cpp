@@ -74,7 +74,8 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   if (h.has_mask_row_budget()) o.mask_row_budget = h.mask_row_budget();
   o.return_draws = h.return_draws();
   if (h.has_check_finite()) o.check_finite = h.check_finite();
-  plan.return_lse = h.return_lse();
+  plan.in_shm = {h.has_q_shm(), h.has_k_shm(), h.has_v_shm(), h.has_out_shm(), h.has_lse_shm()};
+  plan.return_lse = h.return_lse() || h.has_lse_shm();  // lse_shm implies return_lse
 
   if (!h.backend().empty()) RETURN_IF_ERROR(check_backend_name(h.backend()));
   // "" and "auto" leave the choice to the server's --backend.
@@ -106,10 +107,13 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
                               " bytes (q + k + v + out" + (plan.return_lse ? " + lse" : "") + "), expected <= " +
                               std::to_string(limits.max_request_bytes) + " (the server's --max-request-bytes)");
 
-  // Every message carries at least one row, so one row must fit in one.
+  // Every message carries at least one row, so one row of each streamed
+  // tensor must fit in one.
   const int64_t payload_cap = limits.max_message_bytes - kMessageHeadroom;
-  const int64_t widest_row =
-      std::max({plan.q_row_bytes, plan.kv_row_bytes, plan.out_row_bytes, plan.return_lse ? plan.lse_row_bytes : 0});
+  const RequestPlan::InShm& shm = plan.in_shm;
+  const int64_t widest_row = std::max({shm.q ? 0 : plan.q_row_bytes, shm.k && shm.v ? 0 : plan.kv_row_bytes,
+                                       shm.out ? 0 : plan.out_row_bytes,
+                                       plan.return_lse && !shm.lse ? plan.lse_row_bytes : 0});
   if (widest_row > payload_cap)
     return resource_exhausted("heads = " + std::to_string(o.heads) + ", head_dim = " + std::to_string(o.head_dim) +
                               (plan.return_lse ? " with return_lse" : "") + ": one row is " +
@@ -139,7 +143,7 @@ Status plan_kernels(RequestPlan* request, const RequestLimits& limits) {
   plan_limits.device_bytes = limits.device_bytes_per_request;
   ASSIGN_OR_RETURN(plan.kernel, plan_attention(*plan.backend, params, plan_limits));
   const Workspace workspace = plan.kernel.workspace();
-  plan.charge.host_bytes = plan.total_bytes + workspace.host_bytes;
+  plan.charge.host_bytes = plan.host_tensor_bytes() + workspace.host_bytes;
   plan.charge.device_bytes = workspace.device_bytes;
   return Status::Ok();
 }
@@ -151,24 +155,89 @@ int64_t summary_bytes(const AttentionOptions& o) {
   return o.heads * (200 + (draws ? 20 * o.samples : 0));
 }
 
-RequestBuffers RequestBuffers::allocate(const RequestPlan& plan) {
-  RequestBuffers b;
+Status use_shared_memory(const v1::AttendHeader& h, RequestPlan* plan, SharedMemoryRegistry* registry,
+                         const std::string& owner) {
+  const RequestPlan::InShm& in = plan->in_shm;
+  if (!(in.q || in.k || in.v || in.out || in.lse)) return Status::Ok();
+  if (registry == nullptr || !registry->enabled())
+    return unimplemented("q_shm, k_shm, v_shm, out_shm, lse_shm: shared memory is off on this server (it runs "
+                         "without --shm-dir), expected the tensors in chunks");
+  const int64_t in_size = static_cast<int64_t>(dtype_bytes(plan->options.dtype));
+  const int64_t out_size = static_cast<int64_t>(dtype_bytes(plan->options.out_dtype.value_or(plan->options.dtype)));
+  const struct {
+    bool wanted;
+    const char* field;
+    const v1::SharedMemoryRef& ref;
+    int64_t bytes, alignment;
+    SharedMemoryRegistry::Use* use;
+  } tensors[] = {{in.q, "q_shm", h.q_shm(), plan->q_bytes(), in_size, &plan->shared.q},
+                 {in.k, "k_shm", h.k_shm(), plan->kv_bytes(), in_size, &plan->shared.k},
+                 {in.v, "v_shm", h.v_shm(), plan->kv_bytes(), in_size, &plan->shared.v},
+                 {in.out, "out_shm", h.out_shm(), plan->out_bytes(), out_size, &plan->shared.out},
+                 {in.lse, "lse_shm", h.lse_shm(), plan->lse_bytes(), int64_t{sizeof(float)}, &plan->shared.lse}};
+  for (const auto& t : tensors) {
+    if (!t.wanted) continue;
+    ASSIGN_OR_RETURN(*t.use, registry->use(owner, t.field, t.ref.region(), t.ref.offset(), t.ref.byte_size(), t.bytes,
+                                           t.alignment));
+  }
+  // The outputs are written while the inputs are read: no byte may be both.
+  const SharedMemoryRegistry::Use* inputs[] = {&plan->shared.q, &plan->shared.k, &plan->shared.v};
+  const char* input_names[] = {"q_shm", "k_shm", "v_shm"};
+  for (const auto& [written, name] : {std::pair{&plan->shared.out, "out_shm"}, std::pair{&plan->shared.lse, "lse_shm"}}) {
+    for (int i = 0; i < 3; ++i)
+      if (written->overlaps(*inputs[i]))
+        return invalid_argument(std::string(name) + " overlaps " + input_names[i] +
+                                ", expected the outputs apart from the inputs");
+  }
+  if (plan->shared.out.overlaps(plan->shared.lse))
+    return invalid_argument("out_shm overlaps lse_shm, expected them apart");
+  return Status::Ok();
+}
+
+Status check_shared_memory_intact(const RequestPlan& plan) {
+  RETURN_IF_ERROR(plan.shared.q.check_intact("q_shm"));
+  RETURN_IF_ERROR(plan.shared.k.check_intact("k_shm"));
+  RETURN_IF_ERROR(plan.shared.v.check_intact("v_shm"));
+  RETURN_IF_ERROR(plan.shared.out.check_intact("out_shm"));
+  return plan.shared.lse.check_intact("lse_shm");
+}
+
+RequestBuffers RequestBuffers::allocate(const RequestPlan& plan, BufferPool* pool) {
+  // One block for the tensors the server holds, each at a 4 KiB boundary.
   // Left uninitialised: the assembler checks that every row is written.
-  b.q.reset(new uint8_t[static_cast<size_t>(plan.q_bytes())]);
-  b.k.reset(new uint8_t[static_cast<size_t>(plan.kv_bytes())]);
-  b.v.reset(new uint8_t[static_cast<size_t>(plan.kv_bytes())]);
-  b.out.reset(new uint8_t[static_cast<size_t>(plan.out_bytes())]);
-  if (plan.return_lse) b.lse.reset(new float[static_cast<size_t>(plan.q_rows * plan.options.heads)]);
+  constexpr int64_t kAlign = 4096;
+  auto aligned = [](int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
+  const RequestPlan::InShm& shm = plan.in_shm;
+  const int64_t q_at = 0;
+  const int64_t k_at = q_at + (shm.q ? 0 : aligned(plan.q_bytes()));
+  const int64_t v_at = k_at + (shm.k ? 0 : aligned(plan.kv_bytes()));
+  const int64_t out_at = v_at + (shm.v ? 0 : aligned(plan.kv_bytes()));
+  const int64_t lse_at = out_at + (shm.out ? 0 : aligned(plan.out_bytes()));
+  const int64_t bytes = lse_at + (shm.lse ? 0 : aligned(plan.lse_bytes()));
+  RequestBuffers b;
+  if (bytes > 0) {
+    if (pool != nullptr) {
+      b.block = pool->acquire(bytes);
+    } else {
+      b.block = std::shared_ptr<uint8_t>(new uint8_t[static_cast<size_t>(bytes)], std::default_delete<uint8_t[]>());
+    }
+  }
+  uint8_t* base = b.block.get();
+  b.q.ptr = shm.q ? plan.shared.q.data() : base + q_at;
+  b.k.ptr = shm.k ? plan.shared.k.data() : base + k_at;
+  b.v.ptr = shm.v ? plan.shared.v.data() : base + v_at;
+  b.out.ptr = shm.out ? plan.shared.out.data() : base + out_at;
+  if (plan.return_lse) b.lse.ptr = reinterpret_cast<float*>(shm.lse ? plan.shared.lse.data() : base + lse_at);
   return b;
 }
 
 TensorRefs RequestBuffers::refs() const {
   TensorRefs t;
-  t.q = q.get();
-  t.k = k.get();
-  t.v = v.get();
-  t.out = out.get();
-  t.lse = lse.get();
+  t.q = q.ptr;
+  t.k = k.ptr;
+  t.v = v.ptr;
+  t.out = out.ptr;
+  t.lse = lse.ptr;
   t.memory = MemorySpace::kHost;
   return t;
 }

@@ -18,7 +18,9 @@
 #include "plsh/status.h"
 #include "plsh/v1/plsh.pb.h"
 #include "proto/wire.h"
+#include "server/buffer_pool.h"
 #include "server/scheduler.h"
+#include "server/shm_registry.h"
 
 namespace plsh::server {
 
@@ -48,6 +50,17 @@ struct RequestPlan {
   int64_t out_chunk_bytes = 0;       // payload per output chunk, >= one row of out and of lse
   int64_t total_bytes = 0;           // q + k + v + out + lse
 
+  // Tensors the header placed in shared memory (AttendHeader.*_shm): no
+  // chunks for them, no host memory charged for them.
+  struct InShm {
+    bool q = false, k = false, v = false, out = false, lse = false;
+  } in_shm;
+  // Their bytes, held from the header until the request closes
+  // (use_shared_memory); empty uses for the tensors that are streamed.
+  struct SharedUses {
+    SharedMemoryRegistry::Use q, k, v, out, lse;
+  } shared;
+
   Backend* backend = nullptr;  // chosen for these params (registry.select: auto falls back to the CPU)
   Plan kernel;                 // the backend's plan; its tensors are bound on the worker
   MemoryCharge charge;         // host: tensors + host workspace; device: device workspace
@@ -57,6 +70,15 @@ struct RequestPlan {
   int64_t out_bytes() const { return q_rows * out_row_bytes; }
   int64_t lse_bytes() const { return return_lse ? q_rows * lse_row_bytes : 0; }
   int64_t tokens() const { return q_rows; }
+  // What goes over the wire, each way: the tensors not in shared memory.
+  int64_t streamed_input_bytes() const {
+    return (in_shm.q ? 0 : q_bytes()) + (in_shm.k ? 0 : kv_bytes()) + (in_shm.v ? 0 : kv_bytes());
+  }
+  int64_t streamed_output_bytes() const { return (in_shm.out ? 0 : out_bytes()) + (in_shm.lse ? 0 : lse_bytes()); }
+  // Host bytes of the tensors the server holds itself (the rest are in shared memory).
+  int64_t host_tensor_bytes() const {
+    return streamed_input_bytes() + (in_shm.out ? 0 : out_bytes()) + (in_shm.lse ? 0 : lse_bytes());
+  }
 };
 
 // Bytes of a successful request's per-head summary entries: ~200 per head,
@@ -75,17 +97,39 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& header, const Request
 StatusOr<RequestPlan> check_request(const v1::AttendHeader& header, const RequestLimits& limits);
 // Picks the backend and makes the kernels' plan and the charge.
 Status plan_kernels(RequestPlan* plan, const RequestLimits& limits);
+// The header's *_shm references, resolved in the owner's regions and held
+// (plan->shared); out and lse must not overlap each other or an input.
+// UNIMPLEMENTED when the header has one and shared memory is off (registry
+// null or disabled).
+Status use_shared_memory(const v1::AttendHeader& header, RequestPlan* plan, SharedMemoryRegistry* registry,
+                         const std::string& owner);
+// OK unless a region's file shrank while the request used it.
+Status check_shared_memory_intact(const RequestPlan& plan);
 // An upper bound of the host bytes plan_kernels allocates (the lsh draws of
 // every head and what backends derive from them): charged to the budget
 // while the plan is made, since the real charge is known only after.
 int64_t planning_bytes(const RequestPlan& plan);
 
-// The host memory of one request's tensors.
-struct RequestBuffers {
-  std::unique_ptr<uint8_t[]> q, k, v, out;  // [B, Nq, H, D], [B, Nk, Hkv, D] x2, [B, Nq, H, D]
-  std::unique_ptr<float[]> lse;             // [B, Nq, H] with return_lse
+// Where a tensor of a request lies (not owning): in the request's block or
+// in a shared-memory region.
+template <typename T>
+struct TensorMemory {
+  T* ptr = nullptr;
+  T* get() const { return ptr; }
+};
 
-  static RequestBuffers allocate(const RequestPlan& plan);
+// The host memory of one request's tensors: one block for the tensors the
+// server holds (from the BufferPool: reused across requests, faulted in
+// once), and the shared-memory regions' bytes for the others.
+struct RequestBuffers {
+  TensorMemory<uint8_t> q, k, v, out;  // [B, Nq, H, D], [B, Nk, Hkv, D] x2, [B, Nq, H, D]
+  TensorMemory<float> lse;             // [B, Nq, H] with return_lse
+  // The block; output chunks being sent hold a copy of it, so that it goes
+  // back to the pool only once gRPC is done with them.
+  std::shared_ptr<uint8_t> block;
+
+  // pool null: plain heap memory (tests, tools).
+  static RequestBuffers allocate(const RequestPlan& plan, BufferPool* pool = nullptr);
   TensorRefs refs() const;
 };
 

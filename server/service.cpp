@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "plsh/backend.h"
+#include "proto/chunk_codec.h"
 #include "proto/wire.h"
 #include "server/assembler.h"
 #include "server/call.h"
@@ -20,9 +21,26 @@ namespace plsh::server {
 
 namespace {
 
+// A protobuf message <-> gRPC's ByteBuffer, for the raw Attend method's
+// small messages (header, end, ack, summary).
+bool parse_message(grpc::ByteBuffer* buffer, v1::AttendRequest* message) {
+  return grpc::SerializationTraits<v1::AttendRequest>::Deserialize(buffer, message).ok();
+}
+
+grpc::ByteBuffer serialize_message(const google::protobuf::Message& message) {
+  grpc::ByteBuffer buffer;
+  bool own_buffer = false;
+  grpc::SerializationTraits<v1::AttendResponse>::Serialize(message, &buffer, &own_buffer);
+  return buffer;
+}
+
+// The keep-alive of an output chunk's slice: a reference to the request's
+// block, dropped when gRPC lets go of the slice.
+void release_block(void* arg) { delete static_cast<std::shared_ptr<uint8_t>*>(arg); }
+
 // ---------------------------------------------------------------- Attend
 
-class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>, private CallBase {
+class AttendReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>, private CallBase {
  public:
   AttendReactor(ServiceContext& s, grpc::CallbackServerContext* ctx) : CallBase(s, ctx, "Attend") {
     const Status opened = open(/*watched=*/true);
@@ -46,8 +64,9 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
       return;
     }
     progress();
-    Status status = check_message_size(request_.ByteSizeLong());
-    if (status.ok()) status = handle(request_);
+    Status status = check_message_size(request_.Length());
+    if (status.ok()) status = handle_message();
+    request_.Clear();  // gRPC's slices go back before the next read
     if (!status.ok()) {
       fail(status);
       return;
@@ -78,7 +97,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   // fine (Finish sends the status; the read then fails). A write the client
   // does not take completes only seconds after a cancel: the call is
   // cancelled and finished without waiting for it (the write holds its own
-  // copy of the bytes; OnDone waits for it).
+  // reference to the bytes it sends; OnDone waits for it).
   void expire(const grpc::Status& status, const char* reason) override {
     phase.store(static_cast<int>(Phase::kDone));  // once: the watchdog looks no more
     bool write_stuck = false;
@@ -100,6 +119,32 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
 
  private:
   enum class Stage { kReading, kComputing, kSending, kFailed };
+
+  // One received message. Chunks, the bulk of a stream, are read from the
+  // slices gRPC received and copied once, straight into the tensor; the
+  // rest (and any chunk the slice reader leaves to protobuf) is parsed.
+  Status handle_message() {
+    if (plan_ && chunk_.read(request_)) {
+      const Status status = handle_chunk();
+      chunk_.clear();
+      return status;
+    }
+    v1::AttendRequest request;
+    if (!parse_message(&request_, &request))
+      return invalid_argument(std::string("a message that is not an AttendRequest, expected ") +
+                              (plan_ ? "chunks then end" : "header, chunks, then end"));
+    return handle(request);
+  }
+
+  Status handle_chunk() {
+    ASSIGN_OR_RETURN(uint8_t* dst,
+                     assembler_->accept(chunk_.tensor(), chunk_.row_start(), chunk_.row_count(), chunk_.data_bytes()));
+    chunk_.copy_data(dst);
+    const auto bytes = static_cast<int64_t>(chunk_.data_bytes());
+    record_.received_bytes += bytes;
+    s_.metrics->received_bytes(static_cast<double>(bytes));
+    return Status::Ok();
+  }
 
   Status handle(const v1::AttendRequest& request) {
     switch (request.kind_case()) {
@@ -163,7 +208,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
         result_ = std::move(result).value();
         stage_ = Stage::kSending;
         send_start_ = Clock::now();
-        enter(Phase::kSending, plan_->out_bytes() + plan_->lse_bytes());
+        enter(Phase::kSending, plan_->streamed_output_bytes());
       } else {
         stage_ = Stage::kFailed;
         if (!finish_) finish_ = to_grpc_status(result.status());
@@ -181,16 +226,17 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   }
 
   // The next output message into response_, or false when all are sent.
-  // Called with mu_ held.
+  // Called with mu_ held. Tensors in shared memory are not sent: the
+  // worker wrote them there.
   bool next_output() {
     const RequestPlan& p = *plan_;
-    if (out_next_ < p.q_rows) {
+    if (!p.in_shm.out && out_next_ < p.q_rows) {
       const int64_t rows = std::min(p.q_rows - out_next_, std::max<int64_t>(1, p.out_chunk_bytes / p.out_row_bytes));
       set_chunk(v1::TENSOR_OUT, out_next_, rows, buffers_.out.get() + out_next_ * p.out_row_bytes, rows * p.out_row_bytes);
       out_next_ += rows;
       return true;
     }
-    if (p.return_lse && lse_next_ < p.q_rows) {
+    if (p.return_lse && !p.in_shm.lse && lse_next_ < p.q_rows) {
       const int64_t rows = std::min(p.q_rows - lse_next_, std::max<int64_t>(1, p.out_chunk_bytes / p.lse_row_bytes));
       set_chunk(v1::TENSOR_LSE, lse_next_, rows,
                 reinterpret_cast<const uint8_t*>(buffers_.lse.get()) + lse_next_ * p.lse_row_bytes,
@@ -201,21 +247,20 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
     return false;
   }
 
+  // An output chunk whose data is a slice of the request's block, not a
+  // copy: the slice holds the block until gRPC is done with it.
   void set_chunk(v1::Tensor tensor, int64_t row_start, int64_t rows, const uint8_t* data, int64_t bytes) {
-    response_.Clear();
-    v1::OutputChunk* c = response_.mutable_out_chunk();
-    c->set_tensor(tensor);
-    c->set_row_start(row_start);
-    c->set_row_count(rows);
-    c->set_data(data, static_cast<size_t>(bytes));
+    response_ = wire::encode_chunk(tensor, row_start, rows, data, static_cast<size_t>(bytes), release_block,
+                                   new std::shared_ptr<uint8_t>(buffers_.block));
     record_.sent_bytes += bytes;
     s_.metrics->sent_bytes(static_cast<double>(bytes));
   }
 
   void set_summary() {
-    response_.Clear();
     record_.sending = seconds_between(send_start_, Clock::now());
-    fill_summary_message(*result_, response_.mutable_summary());
+    v1::AttendResponse message;
+    fill_summary_message(*result_, message.mutable_summary());
+    response_ = serialize_message(message);
   }
 
   // Starts the next write or the finish, whichever is due; one write at a
@@ -236,8 +281,9 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
       } else if (write_in_flight_) {
         return;
       } else if (ack_ready_ && !ack_sent_) {
-        response_.Clear();
-        *response_.mutable_ack() = ack_;
+        v1::AttendResponse message;
+        *message.mutable_ack() = ack_;
+        response_ = serialize_message(message);
         ack_sent_ = true;
         action = Action::kWrite;
       } else if (stage_ == Stage::kSending) {
@@ -264,7 +310,8 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   }
 
   // Reading side (reactions run one at a time).
-  v1::AttendRequest request_;
+  grpc::ByteBuffer request_;
+  wire::ChunkReader chunk_;
   bool end_received_ = false;
   Clock::time_point end_at_;
   std::unique_ptr<Assembler> assembler_;
@@ -282,7 +329,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   Clock::time_point send_start_;
   int64_t out_next_ = 0, lse_next_ = 0;
   bool summary_sent_ = false;
-  v1::AttendResponse response_;
+  grpc::ByteBuffer response_;
 };
 
 // ----------------------------------------------------------- AttendUnary
@@ -310,34 +357,40 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
     // memory is reserved.
     RETURN_IF_ERROR(check_sizes());
     RETURN_IF_ERROR(reserve_and_allocate());
-    std::memcpy(buffers_.q.get(), request_->q().data(), request_->q().size());
-    std::memcpy(buffers_.k.get(), request_->k().data(), request_->k().size());
-    std::memcpy(buffers_.v.get(), request_->v().data(), request_->v().size());
-    record_.received_bytes = plan_->q_bytes() + 2 * plan_->kv_bytes();
+    // Tensors in shared memory are there already (check_sizes: their
+    // fields are empty).
+    if (!plan_->in_shm.q) std::memcpy(buffers_.q.get(), request_->q().data(), request_->q().size());
+    if (!plan_->in_shm.k) std::memcpy(buffers_.k.get(), request_->k().data(), request_->k().size());
+    if (!plan_->in_shm.v) std::memcpy(buffers_.v.get(), request_->v().data(), request_->v().size());
+    record_.received_bytes = plan_->streamed_input_bytes();
     s_.metrics->received_bytes(static_cast<double>(record_.received_bytes));
     record_.receiving = seconds_between(record_.start, Clock::now());
     queued_at_ = Clock::now();
     return s_.scheduler->submit([this] { run(); });
   }
 
-  // q, k and v have their shapes' bytes, and out, lse and the summary fit in
-  // one response message.
+  // q, k and v have their shapes' bytes (none when in shared memory), and
+  // out, lse and the summary fit in one response message.
   Status check_sizes() const {
     const RequestPlan& plan = *plan_;
     const struct {
       const char* name;
       const std::string& data;
+      bool in_shm;
       int64_t expected;
       const char* shape;
-    } inputs[] = {{"q", request_->q(), plan.q_bytes(), "batch * q_len * heads * head_dim"},
-                  {"k", request_->k(), plan.kv_bytes(), "batch * kv_len * kv_heads * head_dim"},
-                  {"v", request_->v(), plan.kv_bytes(), "batch * kv_len * kv_heads * head_dim"}};
+    } inputs[] = {{"q", request_->q(), plan.in_shm.q, plan.q_bytes(), "batch * q_len * heads * head_dim"},
+                  {"k", request_->k(), plan.in_shm.k, plan.kv_bytes(), "batch * kv_len * kv_heads * head_dim"},
+                  {"v", request_->v(), plan.in_shm.v, plan.kv_bytes(), "batch * kv_len * kv_heads * head_dim"}};
     for (const auto& in : inputs) {
-      if (static_cast<int64_t>(in.data.size()) != in.expected)
+      if (in.in_shm && !in.data.empty())
+        return invalid_argument(std::string(in.name) + " = " + std::to_string(in.data.size()) + " bytes with " +
+                                in.name + "_shm set, expected none (the tensor is in shared memory)");
+      if (!in.in_shm && static_cast<int64_t>(in.data.size()) != in.expected)
         return invalid_argument(std::string(in.name) + " = " + std::to_string(in.data.size()) + " bytes, expected " +
                                 std::to_string(in.expected) + " (" + in.shape + " * dtype bytes)");
     }
-    const int64_t response_bytes = plan.out_bytes() + plan.lse_bytes() + kMessageHeadroom + summary_bytes(plan.options);
+    const int64_t response_bytes = plan.streamed_output_bytes() + kMessageHeadroom + summary_bytes(plan.options);
     if (response_bytes > s_.limits.max_message_bytes)
       return resource_exhausted("the response needs ~" + std::to_string(response_bytes) + " bytes, expected <= " +
                                 std::to_string(s_.limits.max_message_bytes) +
@@ -352,10 +405,10 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
       return;
     }
     const Clock::time_point send_start = Clock::now();
-    response_->set_out(buffers_.out.get(), static_cast<size_t>(plan_->out_bytes()));
-    if (plan_->return_lse)
+    if (!plan_->in_shm.out) response_->set_out(buffers_.out.get(), static_cast<size_t>(plan_->out_bytes()));
+    if (plan_->return_lse && !plan_->in_shm.lse)
       response_->set_lse(reinterpret_cast<const char*>(buffers_.lse.get()), static_cast<size_t>(plan_->lse_bytes()));
-    record_.sent_bytes = plan_->out_bytes() + plan_->lse_bytes();
+    record_.sent_bytes = plan_->streamed_output_bytes();
     s_.metrics->sent_bytes(static_cast<double>(record_.sent_bytes));
     record_.sending = seconds_between(send_start, Clock::now());
     fill_summary_message(*result, response_->mutable_summary());
@@ -374,10 +427,13 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
 }  // namespace
 
 AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler,
-                                   StreamWatchdog* watchdog, const Authenticator* auth) {
+                                   StreamWatchdog* watchdog, const Authenticator* auth, BufferPool* pool,
+                                   SharedMemoryRegistry* shm) {
   shared_.config = &config;
   shared_.watchdog = watchdog;
   shared_.auth = auth;
+  shared_.pool = pool;
+  shared_.shm = shm;
   shared_.limits.max_tokens = config.max_tokens;
   shared_.limits.max_request_bytes = config.max_request_bytes;
   shared_.limits.max_samples = config.max_samples;
@@ -399,7 +455,7 @@ void AttentionService::begin_drain() {
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"), "drain");
 }
 
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::Attend(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::Attend(
     grpc::CallbackServerContext* ctx) {
   return new AttendReactor(shared_, ctx);
 }
@@ -410,24 +466,48 @@ grpc::ServerUnaryReactor* AttentionService::AttendUnary(grpc::CallbackServerCont
   return new UnaryReactor(shared_, ctx, request, response);
 }
 
+bool AttentionService::authorize(grpc::CallbackServerContext* ctx, Method method, grpc::ServerUnaryReactor* reactor,
+                                 std::string* client) {
+  client->clear();
+  if (shared_.auth == nullptr) return true;
+  // These calls go through no CallBase (they hold no request): the check is
+  // here, and only GetInfo's refusals are logged, as before.
+  const Authorization a = shared_.auth->authorize(ctx->client_metadata(), method);
+  *client = a.client ? a.client->name() : "unauthenticated";
+  const grpc::Status status = to_grpc_status(a.status);
+  if (method == Method::kGetInfo)
+    shared_.metrics->client_request(*client, "GetInfo", grpc_code_name(status.error_code()), 0, 0);
+  if (status.ok()) return true;
+  if (method == Method::kGetInfo)
+    log_event(spdlog::level::info, "request",
+              {{"method", method_name(method)}, {"client", *client}, {"peer", ctx->peer()},
+               {"status", grpc_code_name(status.error_code())}, {"message", status.error_message()}});
+  else
+    log_shm_call(ctx, method, *client, "", a.status);
+  reactor->Finish(status);
+  return false;
+}
+
+void AttentionService::log_shm_call(grpc::CallbackServerContext* ctx, Method method, const std::string& client,
+                                    const std::string& region, const Status& status) {
+  const grpc::Status s = to_grpc_status(status);
+  const std::string code = grpc_code_name(s.error_code());
+  // The region's name, never its key (a file of the host).
+  nlohmann::json fields = {{"method", method_name(method)}, {"peer", ctx->peer()}, {"status", code}};
+  if (!region.empty()) fields["region"] = echo_value(region);
+  if (shared_.auth != nullptr) {
+    fields["client"] = client;
+    shared_.metrics->client_request(client, method_name(method), code, 0, 0);
+  }
+  if (!status.ok()) fields["message"] = status.message();
+  log_event(spdlog::level::info, "shared_memory", fields);
+}
+
 grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext* ctx, const v1::GetInfoRequest*,
                                                     v1::GetInfoResponse* response) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  if (shared_.auth != nullptr) {
-    // GetInfo goes through no CallBase (it holds nothing): its check is
-    // here, and only its refusals are logged, as before.
-    const Authorization a = shared_.auth->authorize(ctx->client_metadata(), Method::kGetInfo);
-    const std::string client = a.client ? a.client->name() : "unauthenticated";
-    const grpc::Status status = to_grpc_status(a.status);
-    shared_.metrics->client_request(client, "GetInfo", grpc_code_name(status.error_code()), 0, 0);
-    if (!status.ok()) {
-      log_event(spdlog::level::info, "request",
-                {{"method", "GetInfo"}, {"client", client}, {"peer", ctx->peer()},
-                 {"status", grpc_code_name(status.error_code())}, {"message", status.error_message()}});
-      reactor->Finish(status);
-      return reactor;
-    }
-  }
+  std::string client;
+  if (!authorize(ctx, Method::kGetInfo, reactor, &client)) return reactor;
   const ServerConfig& c = *shared_.config;
   response->set_version(PLSH_VERSION);
   for (Backend* b : BackendRegistry::global().backends()) {
@@ -446,6 +526,9 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   l->set_queue_depth(c.queue_depth);
   l->set_workers(c.workers);
   l->set_max_chunk_payload_bytes(wire::max_chunk_payload_bytes(c.max_message_bytes));
+  const bool shm = shared_.shm != nullptr && shared_.shm->enabled();
+  l->set_shared_memory(shm);
+  l->set_max_shared_memory_regions(shm ? SharedMemoryRegistry::kMaxRegions : 0);
   const AttentionOptions defaults;
   v1::Defaults* d = response->mutable_defaults();
   d->set_mode(v1::MODE_LSH);
@@ -459,6 +542,64 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   d->set_out_chunk_bytes(c.max_message_bytes - kMessageHeadroom);
   d->set_backend(c.backend);
   reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+// ------------------------------------------------------ shared memory
+
+namespace {
+Status shm_off() {
+  return unimplemented("shared memory is off on this server (it runs without --shm-dir): send the tensors in chunks");
+}
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(grpc::CallbackServerContext* ctx,
+                                                                 const v1::RegisterSharedMemoryRequest* request,
+                                                                 v1::RegisterSharedMemoryResponse*) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::string client;
+  if (!authorize(ctx, Method::kRegisterSharedMemory, reactor, &client)) return reactor;
+  const Status status = shared_.shm == nullptr ? shm_off()
+                                               : shared_.shm->register_region(client, request->name(), request->key(),
+                                                                              request->offset(), request->byte_size());
+  log_shm_call(ctx, Method::kRegisterSharedMemory, client, request->name(), status);
+  reactor->Finish(to_grpc_status(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(grpc::CallbackServerContext* ctx,
+                                                                   const v1::UnregisterSharedMemoryRequest* request,
+                                                                   v1::UnregisterSharedMemoryResponse*) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::string client;
+  if (!authorize(ctx, Method::kUnregisterSharedMemory, reactor, &client)) return reactor;
+  const Status status =
+      shared_.shm == nullptr ? shm_off() : shared_.shm->unregister_region(client, request->name());
+  log_shm_call(ctx, Method::kUnregisterSharedMemory, client, request->name(), status);
+  reactor->Finish(to_grpc_status(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::ListSharedMemory(grpc::CallbackServerContext* ctx,
+                                                             const v1::ListSharedMemoryRequest*,
+                                                             v1::ListSharedMemoryResponse* response) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::string client;
+  if (!authorize(ctx, Method::kListSharedMemory, reactor, &client)) return reactor;
+  StatusOr<std::vector<SharedMemoryRegistry::RegionInfo>> regions =
+      shared_.shm == nullptr ? StatusOr<std::vector<SharedMemoryRegistry::RegionInfo>>(shm_off())
+                             : shared_.shm->list(client);
+  if (regions.ok()) {
+    for (const SharedMemoryRegistry::RegionInfo& r : *regions) {
+      v1::SharedMemoryRegion* out = response->add_regions();
+      out->set_name(r.name);
+      out->set_key(r.key);
+      out->set_offset(r.offset);
+      out->set_byte_size(r.byte_size);
+      out->set_requests(r.requests);
+    }
+  }
+  reactor->Finish(to_grpc_status(regions.status()));
   return reactor;
 }
 

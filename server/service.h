@@ -1,9 +1,10 @@
 // plsh.v1.Attention on gRPC's callback API. Each call goes through CallBase
 // (call.h): admitted and planned at its header (plan_request: limits,
 // backend, the kernels' plan), charged to the host and device budgets
-// (Scheduler), assembled from chunks (Assembler), computed on a worker
+// (Scheduler), assembled from chunks (Assembler) or read in place from
+// shared memory (SharedMemoryRegistry), computed on a worker
 // (compute_request: the backend does the maths), and streamed back in chunks
-// no larger than the message limit.
+// no larger than the message limit (or written to shared memory).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -14,25 +15,45 @@
 
 #include "plsh/v1/plsh.grpc.pb.h"
 #include "server/auth.h"
+#include "server/buffer_pool.h"
 #include "server/call.h"
 #include "server/config.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
+#include "server/shm_registry.h"
 #include "server/watchdog.h"
 
 namespace plsh::server {
 
-class AttentionService final : public v1::Attention::CallbackService {
+// Attend is a raw method (grpc::ByteBuffer each way): its chunks are read
+// from and written to gRPC's slices directly (proto/chunk_codec.h), so a
+// tensor byte is copied once between the socket buffers and the tensor.
+using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithCallbackMethod_AttendUnary<
+    v1::Attention::WithCallbackMethod_GetInfo<v1::Attention::WithCallbackMethod_RegisterSharedMemory<
+        v1::Attention::WithCallbackMethod_UnregisterSharedMemory<
+            v1::Attention::WithCallbackMethod_ListSharedMemory<v1::Attention::Service>>>>>>;
+
+class AttentionService final : public AttentionServiceBase {
  public:
   // auth: the token file's clients (auth.h); null lets every call in.
+  // pool: the requests' host tensors (null: heap memory per request). shm:
+  // the shared-memory regions (null or disabled: the RPCs are UNIMPLEMENTED).
   AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler, StreamWatchdog* watchdog,
-                   const Authenticator* auth = nullptr);
+                   const Authenticator* auth = nullptr, BufferPool* pool = nullptr, SharedMemoryRegistry* shm = nullptr);
 
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* Attend(grpc::CallbackServerContext* ctx) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Attend(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* AttendUnary(grpc::CallbackServerContext* ctx, const v1::AttendUnaryRequest* request,
                                         v1::AttendUnaryResponse* response) override;
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* ctx, const v1::GetInfoRequest* request,
                                     v1::GetInfoResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(grpc::CallbackServerContext* ctx,
+                                                 const v1::RegisterSharedMemoryRequest* request,
+                                                 v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(grpc::CallbackServerContext* ctx,
+                                                   const v1::UnregisterSharedMemoryRequest* request,
+                                                   v1::UnregisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* ListSharedMemory(grpc::CallbackServerContext* ctx, const v1::ListSharedMemoryRequest* request,
+                                             v1::ListSharedMemoryResponse* response) override;
 
   // Refuses new requests with UNAVAILABLE from now on, and ends the streams
   // that are still receiving.
@@ -41,6 +62,15 @@ class AttentionService final : public v1::Attention::CallbackService {
   int64_t open_requests() const { return shared_.open_streams.load(); }
 
  private:
+  // A unary call outside CallBase (GetInfo, the shared-memory calls): the
+  // token check. False when refused (logged, and the reactor finished);
+  // *client is the token file's name for the caller ("" without one).
+  bool authorize(grpc::CallbackServerContext* ctx, Method method, grpc::ServerUnaryReactor* reactor,
+                 std::string* client);
+  // The shared-memory calls' log line and per-client count.
+  void log_shm_call(grpc::CallbackServerContext* ctx, Method method, const std::string& client, const std::string& region,
+                    const Status& status);
+
   ServiceContext shared_;
 };
 

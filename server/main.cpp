@@ -252,6 +252,18 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(2 * config.max_message_bytes, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
   builder.RegisterService(&service);
+  if (const char* e = getenv("PLSH_EXPERIMENT_ARGS")) {  // EXPERIMENT: remove
+    std::string spec = e;
+    size_t at = 0;
+    while (at < spec.size()) {
+      size_t comma = spec.find(',', at);
+      if (comma == std::string::npos) comma = spec.size();
+      const std::string item = spec.substr(at, comma - at);
+      const size_t eq = item.find('=');
+      builder.AddChannelArgument(item.substr(0, eq), std::stoi(item.substr(eq + 1)));
+      at = comma + 1;
+    }
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     log_event(spdlog::level::err, "startup_failed", {{"error", "cannot listen on " + config.listen}});

@@ -184,6 +184,9 @@ class AttendReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (plan_) return invalid_argument("header received twice, expected exactly one header as the first message");
     RETURN_IF_ERROR(plan(header));
     RETURN_IF_ERROR(reserve_and_allocate());
+    // Mapping and faulting in a new pool block can take a while (hundreds of
+    // ms for GiBs): the server's time, not the client's idleness.
+    progress();
     assembler_ = std::make_unique<Assembler>(*plan_, &buffers_);
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
 
 #include "plsh/attention.h"
@@ -87,6 +89,14 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
   }
   const grpc::Status info = load->clients_.front()->info(&load->info_, 10);
   if (!info.ok()) return unavailable("target " + config.target + ": GetInfo failed: " + client::status_string(info));
+  if (config.workers < 1) return invalid_argument("workers = " + std::to_string(config.workers) + ", expected >= 1");
+  if (!config.shm_dir.empty()) {
+    if (config.unary) return invalid_argument("shm: AttendUnary is not used with shared memory, expected no --unary");
+    RETURN_IF_ERROR(load->setup_shared_memory());
+  } else {
+    // Written (faulted in) now, not in the first measured request.
+    load->outputs_.assign(static_cast<size_t>(config.workers), std::vector<uint8_t>(load->reference_size_, 0));
+  }
 
   if (config.verify_fraction > 0) {
     // The reference needs only the output: no estimates.
@@ -111,15 +121,47 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
   return load;
 }
 
-double AttendLoad::compare_with_reference(const std::vector<uint8_t>& out) const {
-  if (out.size() != reference_size_) return std::numeric_limits<double>::infinity();
+Status AttendLoad::setup_shared_memory() {
+  if (!info_.limits().shared_memory())
+    return failed_precondition("shm: the server at " + config_.target +
+                               " has no shared memory (start it with --shm-dir on this host)");
+  auto aligned = [](int64_t n) { return (n + 4095) / 4096 * 4096; };
+  k_at_ = aligned(static_cast<int64_t>(q_.size()));
+  v_at_ = k_at_ + aligned(static_cast<int64_t>(k_.size()));
+  outputs_at_ = v_at_ + aligned(static_cast<int64_t>(v_.size()));
+  output_stride_ = aligned(static_cast<int64_t>(reference_size_));
+  const int64_t total = outputs_at_ + output_stride_ * config_.workers;
+  const std::string key = client::unique_shared_memory_key("plsh-bench");
+  const grpc::Status created = client::SharedMemoryFile::create(config_.shm_dir, key, total, &shm_);
+  if (!created.ok()) return failed_precondition("shm: " + created.error_message());
+  std::memcpy(shm_->data(), q_.data(), q_.size());
+  std::memcpy(shm_->data() + k_at_, k_.data(), k_.size());
+  std::memcpy(shm_->data() + v_at_, v_.data(), v_.size());
+  const grpc::Status registered = clients_.front()->register_shared_memory(key, key, 0, total);
+  if (!registered.ok())
+    return Status(static_cast<StatusCode>(registered.error_code()), "shm: RegisterSharedMemory: " + registered.error_message());
+  shm_region_ = key;
+  return Status::Ok();
+}
+
+AttendLoad::~AttendLoad() {
+  if (!shm_region_.empty()) clients_.front()->unregister_shared_memory(shm_region_);
+}
+
+uint8_t* AttendLoad::output_of(int worker) {
+  const int slot = worker % config_.workers;
+  if (shm_) return shm_->data() + outputs_at_ + output_stride_ * slot;
+  return outputs_[static_cast<size_t>(slot)].data();
+}
+
+double AttendLoad::compare_with_reference(const uint8_t* out) const {
   double max_diff = 0, max_ref = 0;
   constexpr int64_t kRow = 4096;
   std::vector<float> row(kRow);
   const int64_t n = static_cast<int64_t>(reference_.size());
   for (int64_t at = 0; at < n; at += kRow) {
     const int64_t m = std::min(kRow, n - at);
-    load_row(out.data(), out_dtype_, at, m, row.data());
+    load_row(out, out_dtype_, at, m, row.data());
     for (int64_t i = 0; i < m; ++i) {
       const double ref = reference_[static_cast<size_t>(at + i)];
       const double got = row[static_cast<size_t>(i)];
@@ -142,6 +184,14 @@ Outcome AttendLoad::call(int worker, int64_t index) {
   call.chunk_bytes = config_.chunk_bytes;
   call.deadline_seconds = config_.deadline;
   call.request_id = "bench-" + std::to_string(index);
+  uint8_t* out = output_of(worker);
+  call.out = out;
+  if (shm_) {
+    call.q_shm = {shm_region_, 0};
+    call.k_shm = {shm_region_, k_at_};
+    call.v_shm = {shm_region_, v_at_};
+    call.out_shm = {shm_region_, out - shm_->data()};
+  }
   client::AttendReply reply;
   client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
   const grpc::Status status = config_.unary ? c.attend_unary(call, &reply) : c.attend(call, &reply);
@@ -162,7 +212,10 @@ Outcome AttendLoad::call(int worker, int64_t index) {
   o.sending = reply.timings.sending;
   if (!reference_.empty() && selected_for_verify(config_.input_seed, index, config_.verify_fraction)) {
     o.verified = true;
-    o.verify_error = compare_with_reference(reply.out);
+    // AttendUnary answers in reply.out; Attend wrote to `out`.
+    const bool whole = !config_.unary || reply.out.size() == reference_size_;
+    o.verify_error = whole ? compare_with_reference(config_.unary ? reply.out.data() : out)
+                           : std::numeric_limits<double>::infinity();
     o.mismatch = !(o.verify_error <= tolerance_);
   }
   return o;

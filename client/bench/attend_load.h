@@ -3,6 +3,13 @@
 // request, so that the client measures the service, not its own data
 // generation. A seeded share of the responses is checked against the same
 // request computed in this process on the CPU backend (--verify).
+//
+// The client's side of the transport costs as little as the library allows:
+// chunks point at the inputs (no copy), and each worker receives its
+// output into a buffer of its own, reused from one request to the next (no
+// fresh, page-faulted 100s of MiB per response). With shared memory
+// (--shm) the inputs sit in one file of the server's --shm-dir, registered
+// once, and each worker's output has its own place there.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +21,7 @@
 #include "bench/load.h"
 #include "plsh/client.h"
 #include "plsh/params.h"
+#include "plsh/shared_memory.h"
 #include "plsh/status.h"
 
 namespace plsh::bench {
@@ -30,6 +38,8 @@ struct AttendLoadConfig {
   uint64_t input_seed = 0;         // seed of q, k, v ~ N(0, 1)
   double verify_fraction = 0;      // share of responses checked, in [0, 1]
   std::optional<double> verify_tolerance;  // default: verify_tolerance(out dtype)
+  int workers = 1;                 // the most requests in flight at once: one output buffer each
+  std::string shm_dir;             // shared memory: the server's --shm-dir as this process sees it; "": none
 };
 
 // Largest max |out - ref| / max |ref| that counts as a match, by output
@@ -61,11 +71,17 @@ class AttendLoad {
   double tolerance() const { return tolerance_; }
   double reference_seconds() const { return reference_seconds_; }  // time to compute the reference (0 without)
 
-  // max |out - ref| / max |ref| over the output, both in out dtype.
-  double compare_with_reference(const std::vector<uint8_t>& out) const;
+  // max |out - ref| / max |ref| over the output (output_bytes()), both in out dtype.
+  double compare_with_reference(const uint8_t* out) const;
+
+  // Unregisters the shared-memory region (the file goes with shm_).
+  ~AttendLoad();
 
  private:
   explicit AttendLoad(AttendLoadConfig config) : config_(std::move(config)) {}
+  Status setup_shared_memory();
+  // Where worker w's output goes: its own buffer (or place in the file).
+  uint8_t* output_of(int worker);
   AttendLoadConfig config_;
   std::vector<std::unique_ptr<client::Client>> clients_;
   std::vector<uint8_t> q_, k_, v_;
@@ -75,6 +91,11 @@ class AttendLoad {
   double tolerance_ = 0;
   double reference_seconds_ = 0;
   v1::GetInfoResponse info_;
+  std::vector<std::vector<uint8_t>> outputs_;  // per worker, allocated (and faulted in) when the load is made
+  // Shared memory: one file, q | k | v | worker 0's out | worker 1's out ...
+  std::unique_ptr<client::SharedMemoryFile> shm_;
+  std::string shm_region_;
+  int64_t k_at_ = 0, v_at_ = 0, outputs_at_ = 0, output_stride_ = 0;
 };
 
 }  // namespace plsh::bench

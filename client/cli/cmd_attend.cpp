@@ -2,6 +2,11 @@
 // the same .npy / META.json contract, plus where to send it (--target), the
 // dtype on the wire, the chunk size and a deadline; META.json also gets the
 // server's timings. Errors print the gRPC status name and message.
+//
+// --shm (a server on this host with --shm-dir): q, k and v go into one file
+// of --shm-dir instead of over the socket, registered as a region for the
+// call, and the server writes out and lse there; the file and the region
+// are removed afterwards.
 #include <grpcpp/grpcpp.h>
 
 #include <cerrno>
@@ -19,6 +24,7 @@
 #include "cli/npy.h"
 #include "plsh/client.h"
 #include "plsh/numeric.h"
+#include "plsh/shared_memory.h"
 
 namespace plsh::cli {
 namespace {
@@ -31,6 +37,60 @@ struct AttendArgs {
   std::string wire_dtype;    // f32 | f16 | bf16; empty: the inputs' dtype
   int64_t chunk_bytes = 0;   // 0: the largest the server allows
   double deadline = 0;       // seconds; 0: none
+  bool shm = false;          // tensors through a shared-memory file instead of the socket
+  std::string shm_dir = "/dev/shm";  // the server's --shm-dir, as this process sees it
+};
+
+// One shared-memory file holding q, k, v, out and lse for one call, each
+// at a 4 KiB boundary, registered as a region of the same name.
+class SharedCall {
+ public:
+  static grpc::Status setup(client::Client& c, const std::string& dir, client::AttendCall* call,
+                            std::unique_ptr<SharedCall>* out) {
+    auto shared = std::unique_ptr<SharedCall>(new SharedCall(c));
+    const AttentionOptions& o = call->options;
+    const int64_t batch = std::max<int64_t>(1, o.batch);
+    const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
+    const int64_t in_size = static_cast<int64_t>(dtype_bytes(o.dtype));
+    const int64_t q_bytes = batch * o.q_len * o.heads * o.head_dim * in_size;
+    const int64_t kv_bytes = batch * o.kv_len * kv_heads * o.head_dim * in_size;
+    const int64_t out_bytes =
+        batch * o.q_len * o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.out_dtype.value_or(o.dtype)));
+    const int64_t lse_bytes = call->return_lse ? batch * o.q_len * o.heads * 4 : 0;
+    auto aligned = [](int64_t n) { return (n + 4095) / 4096 * 4096; };
+    const int64_t k_at = aligned(q_bytes), v_at = k_at + aligned(kv_bytes), out_at = v_at + aligned(kv_bytes);
+    const int64_t lse_at = out_at + aligned(out_bytes), total = lse_at + aligned(lse_bytes);
+    const std::string key = client::unique_shared_memory_key("plsh-attend");
+    if (grpc::Status s = client::SharedMemoryFile::create(dir, key, total, &shared->file_); !s.ok()) return s;
+    uint8_t* base = shared->file_->data();
+    std::memcpy(base, call->q, static_cast<size_t>(q_bytes));
+    std::memcpy(base + k_at, call->k, static_cast<size_t>(kv_bytes));
+    std::memcpy(base + v_at, call->v, static_cast<size_t>(kv_bytes));
+    if (grpc::Status s = c.register_shared_memory(key, key, 0, total); !s.ok()) return s;
+    shared->region_ = key;
+    call->q_shm = {key, 0};
+    call->k_shm = {key, k_at};
+    call->v_shm = {key, v_at};
+    call->out_shm = {key, out_at};
+    if (call->return_lse) call->lse_shm = {key, lse_at};
+    shared->out_ = base + out_at;
+    shared->lse_ = reinterpret_cast<const float*>(base + lse_at);
+    *out = std::move(shared);
+    return grpc::Status::OK;
+  }
+  ~SharedCall() {
+    if (!region_.empty()) c_.unregister_shared_memory(region_);
+  }
+  const uint8_t* out() const { return out_; }
+  const float* lse() const { return lse_; }
+
+ private:
+  explicit SharedCall(client::Client& c) : c_(c) {}
+  client::Client& c_;
+  std::unique_ptr<client::SharedMemoryFile> file_;
+  std::string region_;
+  const uint8_t* out_ = nullptr;
+  const float* lse_ = nullptr;
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -111,15 +171,20 @@ int attend(const AttendArgs& args) {
   if (const grpc::Status s = client::Client::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
   client::AttendReply reply;
   const auto t_call = std::chrono::steady_clock::now();
+  std::unique_ptr<SharedCall> shared;
+  if (args.shm) {
+    if (const grpc::Status s = SharedCall::setup(*c, args.shm_dir, &call, &shared); !s.ok()) return report_rpc_error(s);
+  }
   const grpc::Status status = c->attend(call, &reply);
   const double call_seconds = seconds_since(t_call);
   if (!status.ok()) return report_rpc_error(status);
 
   const auto t_save = std::chrono::steady_clock::now();
   const AttentionOptions& o = in.options;
-  Status saved = write_npy(args.outputs.out_path, reply.out_dtype, output_shape(o, in.batched), reply.out.data());
-  if (saved.ok() && call.return_lse)
-    saved = write_npy(args.outputs.lse_path, DType::kF32, lse_shape(o, in.batched), reply.lse.data());
+  const void* out = shared ? static_cast<const void*>(shared->out()) : reply.out.data();
+  const float* lse = shared ? shared->lse() : reply.lse.data();
+  Status saved = write_npy(args.outputs.out_path, reply.out_dtype, output_shape(o, in.batched), out);
+  if (saved.ok() && call.return_lse) saved = write_npy(args.outputs.lse_path, DType::kF32, lse_shape(o, in.batched), lse);
   if (!saved.ok()) return report_error("attend", saved);
 
   if (!args.outputs.meta_path.empty()) {
@@ -134,6 +199,7 @@ int attend(const AttendArgs& args) {
     meta["server"] = {{"target", args.target},
                       {"request_id", reply.request_id},
                       {"wire_dtype", dtype_name(wire)},
+                      {"shared_memory", args.shm},
                       {"timings", {{"queued", reply.timings.queued},
                                    {"receiving", reply.timings.receiving},
                                    {"computing", reply.timings.computing},
@@ -162,6 +228,10 @@ RunFn setup_attend(CLI::App& app) {
   app.add_option("--deadline", args->deadline, "seconds for the whole call (0: none)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--shm", args->shm,
+               "hand q, k, v and the outputs over in a shared-memory file of --shm-dir instead of the socket (a "
+               "server on this host started with the same --shm-dir, running as the same user)");
+  app.add_option("--shm-dir", args->shm_dir, "with --shm: the server's shared-memory directory")->capture_default_str();
   return [args] { return attend(*args); };
 }
 

@@ -63,6 +63,8 @@ struct BenchArgs {
   std::optional<double> p99_threshold_ms;
   std::string metrics;              // host:port of the server's /metrics
   bool quiet = false;
+  bool shm = false;                 // inputs and outputs in a shared-memory file (same host)
+  std::string shm_dir = "/dev/shm"; // the server's --shm-dir as this process sees it
 };
 
 // Default cap on requests in flight for --rate without --concurrency: the
@@ -246,9 +248,12 @@ Status bench(const BenchArgs& a, int* exit_code) {
       levels.push_back(l);
     }
   }
-  for (const bench::LevelSpec& l : levels)
+  for (const bench::LevelSpec& l : levels) {
     if (l.concurrency > 4096)
       return invalid_argument("concurrency = " + std::to_string(l.concurrency) + ", expected at most 4096 (one thread each)");
+    config.workers = std::max(config.workers, l.concurrency);  // one output buffer per request in flight
+  }
+  if (a.shm) config.shm_dir = a.shm_dir;
 
   std::unique_ptr<std::ofstream> json_out, csv_out;
   if (!a.json_path.empty()) {
@@ -290,6 +295,7 @@ Status bench(const BenchArgs& a, int* exit_code) {
                 {"chunk_bytes", a.chunk_bytes},
                 {"deadline_s", a.deadline},
                 {"connections", a.connections},
+                {"shared_memory", a.shm},
                 {"seed", a.seed},
                 {"verify", a.verify},
                 {"duration_s", base.duration > 0 ? nlohmann::ordered_json(base.duration) : nlohmann::ordered_json(nullptr)},
@@ -401,6 +407,10 @@ RunFn setup_bench(CLI::App& app) {
                  "the server's metrics address host:port: report its plsh_requests_total change per level next to "
                  "this client's counts");
   app.add_flag("--quiet", a->quiet, "no progress on stderr");
+  app.add_flag("--shm", a->shm,
+               "inputs and outputs in a shared-memory file of --shm-dir, registered once, instead of the socket (a "
+               "server on this host started with the same --shm-dir, as the same user)");
+  app.add_option("--shm-dir", a->shm_dir, "with --shm: the server's shared-memory directory")->capture_default_str();
   return [a] {
     int exit_code = kExitOk;
     const Status s = bench(*a, &exit_code);

@@ -7,7 +7,14 @@
 #include <fstream>
 #include <sstream>
 
+#include <grpcpp/generic/generic_stub.h>
+
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/chunk_codec.h"
 #include "proto/wire.h"
 
 namespace plsh::client {
@@ -126,9 +133,27 @@ v1::AttendHeader make_header(const AttendCall& call) {
   h.set_mask_row_budget(o.mask_row_budget);
   h.set_return_draws(o.return_draws);
   h.set_check_finite(o.check_finite);
-  h.set_return_lse(call.return_lse);
+  h.set_return_lse(call.return_lse || call.lse_shm.set());
   h.set_out_chunk_bytes(std::max<int64_t>(0, call.chunk_bytes));
   h.set_backend(call.backend);
+  // Tensors in shared memory: their place and exact size.
+  const Sizes z = sizes_of(o);
+  const struct {
+    const SharedTensor& tensor;
+    v1::SharedMemoryRef* (v1::AttendHeader::*field)();
+    int64_t bytes;
+  } shared[] = {{call.q_shm, &v1::AttendHeader::mutable_q_shm, z.q_rows * z.q_row_bytes},
+                {call.k_shm, &v1::AttendHeader::mutable_k_shm, z.kv_rows * z.kv_row_bytes},
+                {call.v_shm, &v1::AttendHeader::mutable_v_shm, z.kv_rows * z.kv_row_bytes},
+                {call.out_shm, &v1::AttendHeader::mutable_out_shm, z.q_rows * z.out_row_bytes},
+                {call.lse_shm, &v1::AttendHeader::mutable_lse_shm, z.q_rows * z.lse_row_bytes}};
+  for (const auto& t : shared) {
+    if (!t.tensor.set()) continue;
+    v1::SharedMemoryRef* ref = (h.*t.field)();
+    ref->set_region(t.tensor.region);
+    ref->set_offset(t.tensor.offset);
+    ref->set_byte_size(t.bytes);
+  }
   return h;
 }
 
@@ -136,6 +161,18 @@ grpc::ChannelArguments default_channel_arguments() {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
+  if (const char* e = getenv("PLSH_EXPERIMENT_CLIENT_ARGS")) {  // EXPERIMENT: remove
+    std::string spec = e;
+    size_t at = 0;
+    while (at < spec.size()) {
+      size_t comma = spec.find(',', at);
+      if (comma == std::string::npos) comma = spec.size();
+      const std::string item = spec.substr(at, comma - at);
+      const size_t eq = item.find('=');
+      args.SetInt(item.substr(0, eq), std::stoi(item.substr(eq + 1)));
+      at = comma + 1;
+    }
+  }
   return args;
 }
 
@@ -211,112 +248,291 @@ void Client::prepare(grpc::ClientContext* ctx, double deadline_seconds) const {
   if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
 }
 
+namespace {
+
+// Counts the chunk slices gRPC still holds that point at the caller's
+// tensors; attend() waits for none before it returns, so the caller may free
+// them then.
+class LentSlices {
+ public:
+  void* lend() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++count_;
+    return this;
+  }
+  static void give_back(void* arg) {
+    auto* self = static_cast<LentSlices*>(arg);
+    std::lock_guard<std::mutex> lock(self->mu_);
+    if (--self->count_ == 0) self->none_.notify_all();
+  }
+  void wait_for_none() {
+    std::unique_lock<std::mutex> lock(mu_);
+    none_.wait(lock, [this] { return count_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable none_;
+  int64_t count_ = 0;
+};
+
+grpc::ByteBuffer serialize(const google::protobuf::Message& message) {
+  grpc::ByteBuffer buffer;
+  bool own = false;
+  grpc::SerializationTraits<v1::AttendRequest>::Serialize(message, &buffer, &own);
+  return buffer;
+}
+
+// The events of one streamed call on its own completion queue, driven by
+// the calling thread (no hand-off to another thread per message).
+enum Event : intptr_t { kStarted = 1, kWritten, kRead, kWritesDone, kFinished };
+
+}  // namespace
+
 grpc::Status Client::attend(const AttendCall& call, AttendReply* reply) {
   *reply = AttendReply{};
-  const Sizes z = sizes_of(call.options);
-  grpc::ClientContext ctx;
-  prepare(&ctx, call.deadline_seconds);
-  std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream = stub_->Attend(&ctx);
+  LentSlices lent;
+  grpc::Status status;
+  {
+    grpc::ClientContext ctx;
+    prepare(&ctx, call.deadline_seconds);
+    grpc::CompletionQueue cq;
+    status = stream_attend(call, reply, &ctx, &cq, &lent);
+    cq.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+    }
+  }
+  lent.wait_for_none();  // the call is gone: gRPC drops what it still held of q, k, v
+  return status;
+}
 
-  auto note = [reply](const google::protobuf::Message& m) {
-    reply->largest_message_bytes = std::max<int64_t>(reply->largest_message_bytes, static_cast<int64_t>(m.ByteSizeLong()));
+grpc::Status Client::stream_attend(const AttendCall& call, AttendReply* reply, grpc::ClientContext* ctx,
+                                   grpc::CompletionQueue* cq, void* lent_slices) {
+  LentSlices& lent = *static_cast<LentSlices*>(lent_slices);
+  const Sizes z = sizes_of(call.options);
+  const bool return_lse = call.return_lse || call.lse_shm.set();
+  grpc::GenericStub generic(channel_);
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> stream =
+      generic.PrepareCall(ctx, "/plsh.v1.Attention/Attend", cq);
+
+  // Waits for the next event; false once the queue is shut down.
+  auto next = [cq](Event* event, bool* ok) {
+    void* tag = nullptr;
+    if (!cq->Next(&tag, ok)) return false;
+    *event = static_cast<Event>(reinterpret_cast<intptr_t>(tag));
+    return true;
+  };
+  auto tag = [](Event e) { return reinterpret_cast<void*>(static_cast<intptr_t>(e)); };
+  auto note = [reply](size_t bytes) {
+    reply->largest_message_bytes = std::max<int64_t>(reply->largest_message_bytes, static_cast<int64_t>(bytes));
     ++reply->messages;
   };
-  // After a refused write or read the server has closed the stream: what
-  // it said is in Finish.
-  auto finish = [&stream]() {
-    v1::AttendResponse ignored;
-    while (stream->Read(&ignored)) {
+
+  // Ends the call: waits for the outstanding operations, then Finish.
+  bool write_pending = false, read_pending = false;
+  auto finish = [&](grpc::Status* status) {
+    stream->Finish(status, tag(kFinished));
+    Event e{};
+    bool ok = false;
+    while (next(&e, &ok) && e != kFinished) {
     }
-    return stream->Finish();
   };
-
-  v1::AttendRequest request;
-  *request.mutable_header() = make_header(call);
-  note(request);
-  if (!stream->Write(request)) return finish();
-
-  // The ack says how large a message may be.
-  v1::AttendResponse response;
-  if (!stream->Read(&response)) return stream->Finish();
-  note(response);
-  if (!response.has_ack()) {
-    ctx.TryCancel();
-    stream->Finish();
-    return protocol_error("first response is not an ack");
-  }
-  // The server says the largest payload per chunk. Servers older than that
-  // field (0) said it only as out_chunk_bytes: the payload it cut from this
-  // call's chunk_bytes, capped by the same limit.
-  const v1::Ack& ack = response.ack();
-  const int64_t cap = ack.max_chunk_payload_bytes() > 0 ? ack.max_chunk_payload_bytes() : ack.out_chunk_bytes();
-  const int64_t payload = call.chunk_bytes > 0 ? std::min(call.chunk_bytes, cap) : cap;
-
-  bool writing = true;
-  const struct {
-    v1::Tensor tensor;
-    const void* data;
-    int64_t rows, row_bytes;
-  } inputs[] = {{v1::TENSOR_Q, call.q, z.q_rows, z.q_row_bytes},
-                {v1::TENSOR_K, call.k, z.kv_rows, z.kv_row_bytes},
-                {v1::TENSOR_V, call.v, z.kv_rows, z.kv_row_bytes}};
-  for (const auto& in : inputs) {
-    const int64_t per_chunk = std::max<int64_t>(1, payload / std::max<int64_t>(1, in.row_bytes));
-    for (int64_t row = 0; writing && row < in.rows; row += per_chunk) {
-      const int64_t rows = std::min(per_chunk, in.rows - row);
-      request.Clear();
-      v1::TensorChunk* c = request.mutable_chunk();
-      c->set_tensor(in.tensor);
-      c->set_row_start(row);
-      c->set_row_count(rows);
-      c->set_data(static_cast<const char*>(in.data) + row * in.row_bytes, static_cast<size_t>(rows * in.row_bytes));
-      note(request);
-      reply->sent_bytes += rows * in.row_bytes;
-      writing = stream->Write(request);
+  stream->StartCall(tag(kStarted));
+  {
+    Event e{};
+    bool ok = false;
+    if (!next(&e, &ok) || !ok) {
+      grpc::Status status;
+      finish(&status);
+      return status;
     }
   }
-  if (writing) {
-    request.Clear();
-    request.mutable_end();
-    note(request);
-    writing = stream->Write(request);
-  }
-  if (writing) stream->WritesDone();
 
-  reply->out.assign(static_cast<size_t>(z.q_rows * z.out_row_bytes), 0);
-  if (call.return_lse) reply->lse.assign(static_cast<size_t>(z.q_rows * call.options.heads), 0.0f);
+  // The header, and the ack that says how large a chunk may be.
+  v1::AttendRequest header_message;
+  *header_message.mutable_header() = make_header(call);
+  grpc::ByteBuffer out_message = serialize(header_message);
+  note(out_message.Length());
+  stream->Write(out_message, tag(kWritten));
+  write_pending = true;
+  grpc::ByteBuffer in_message;
+  stream->Read(&in_message, tag(kRead));
+  read_pending = true;
+
+  // The inputs to send, as (tensor, data, rows, row bytes), in order.
+  struct Input {
+    v1::Tensor tensor;
+    const uint8_t* data;
+    int64_t rows, row_bytes;
+  };
+  std::vector<Input> inputs;
+  if (!call.q_shm.set()) inputs.push_back({v1::TENSOR_Q, static_cast<const uint8_t*>(call.q), z.q_rows, z.q_row_bytes});
+  if (!call.k_shm.set()) inputs.push_back({v1::TENSOR_K, static_cast<const uint8_t*>(call.k), z.kv_rows, z.kv_row_bytes});
+  if (!call.v_shm.set()) inputs.push_back({v1::TENSOR_V, static_cast<const uint8_t*>(call.v), z.kv_rows, z.kv_row_bytes});
+  size_t input = 0;
+  int64_t next_row = 0, payload = 0;
+  bool acked = false, end_sent = false, writes_done = false, failed_write = false;
+
+  // Where the output goes.
+  const bool out_streamed = !call.out_shm.set();
+  const bool lse_streamed = return_lse && !call.lse_shm.set();
+  uint8_t* out_dst = static_cast<uint8_t*>(call.out);
+  if (out_streamed && out_dst == nullptr) {
+    reply->out.resize(static_cast<size_t>(z.q_rows * z.out_row_bytes));
+    out_dst = reply->out.data();
+  }
+  uint8_t* lse_dst = reinterpret_cast<uint8_t*>(call.lse);
+  if (lse_streamed && lse_dst == nullptr) {
+    reply->lse.resize(static_cast<size_t>(z.q_rows * call.options.heads));
+    lse_dst = reinterpret_cast<uint8_t*>(reply->lse.data());
+  }
   int64_t out_rows = 0, lse_rows = 0;
   bool have_summary = false;
   v1::Summary summary;
-  while (stream->Read(&response)) {
-    note(response);
-    if (response.has_out_chunk()) {
-      const v1::OutputChunk& c = response.out_chunk();
-      const bool is_lse = c.tensor() == v1::TENSOR_LSE;
-      if (!is_lse && c.tensor() != v1::TENSOR_OUT) return protocol_error("output chunk of tensor " + std::to_string(c.tensor()));
-      if (is_lse && !call.return_lse) return protocol_error("lse chunk not asked for");
-      const int64_t row_bytes = is_lse ? z.lse_row_bytes : z.out_row_bytes;
-      int64_t& next = is_lse ? lse_rows : out_rows;
-      // In row order, each row once: the server's contract.
-      if (c.row_start() != next || c.row_count() < 1 || c.row_count() > z.q_rows - next ||
-          static_cast<int64_t>(c.data().size()) != c.row_count() * row_bytes)
-        return protocol_error("output chunk rows [" + std::to_string(c.row_start()) + ", +" +
-                              std::to_string(c.row_count()) + ") with " + std::to_string(c.data().size()) + " bytes");
-      uint8_t* dst = is_lse ? reinterpret_cast<uint8_t*>(reply->lse.data()) : reply->out.data();
-      std::memcpy(dst + c.row_start() * row_bytes, c.data().data(), c.data().size());
-      next += c.row_count();
-      reply->received_bytes += static_cast<int64_t>(c.data().size());
-    } else if (response.has_summary()) {
-      summary = response.summary();
-      have_summary = true;
+  grpc::Status protocol;  // set on a broken protocol: the call is cancelled
+  wire::ChunkReader chunk;
+
+  // Starts the next write, if one is due: a chunk, the end, then WritesDone.
+  auto write_next = [&]() {
+    if (write_pending || failed_write || !acked || writes_done) return;
+    while (input < inputs.size() && next_row >= inputs[input].rows) {
+      ++input;
+      next_row = 0;
+    }
+    if (input < inputs.size()) {
+      const Input& in = inputs[input];
+      const int64_t per_chunk = std::max<int64_t>(1, payload / std::max<int64_t>(1, in.row_bytes));
+      const int64_t rows = std::min(per_chunk, in.rows - next_row);
+      const size_t bytes = static_cast<size_t>(rows * in.row_bytes);
+      out_message = wire::encode_chunk(in.tensor, next_row, rows, in.data + next_row * in.row_bytes, bytes,
+                                       LentSlices::give_back, lent.lend());
+      note(out_message.Length());
+      reply->sent_bytes += static_cast<int64_t>(bytes);
+      next_row += rows;
+      stream->Write(out_message, tag(kWritten));
+    } else if (!end_sent) {
+      v1::AttendRequest end;
+      end.mutable_end();
+      out_message = serialize(end);
+      note(out_message.Length());
+      end_sent = true;
+      stream->Write(out_message, tag(kWritten));
     } else {
-      return protocol_error("unexpected message after the ack");
+      writes_done = true;
+      stream->WritesDone(tag(kWritesDone));
+    }
+    write_pending = true;
+  };
+
+  // An output chunk: checked, then copied by copy_to(dst). False when it
+  // breaks the protocol.
+  auto take_chunk = [&](int tensor, int64_t row_start, int64_t row_count, size_t bytes,
+                        const std::function<void(uint8_t*)>& copy_to) -> bool {
+    const bool is_lse = tensor == v1::TENSOR_LSE;
+    if (!is_lse && tensor != v1::TENSOR_OUT) {
+      protocol = protocol_error("output chunk of tensor " + std::to_string(tensor));
+      return false;
+    }
+    if (is_lse ? !lse_streamed : !out_streamed) {
+      protocol = protocol_error(std::string(is_lse ? "lse" : "out") + " chunk not asked for");
+      return false;
+    }
+    const int64_t row_bytes = is_lse ? z.lse_row_bytes : z.out_row_bytes;
+    int64_t& next_out = is_lse ? lse_rows : out_rows;
+    // In row order, each row once: the server's contract.
+    if (row_start != next_out || row_count < 1 || row_count > z.q_rows - next_out ||
+        static_cast<int64_t>(bytes) != row_count * row_bytes) {
+      protocol = protocol_error("output chunk rows [" + std::to_string(row_start) + ", +" + std::to_string(row_count) +
+                                ") with " + std::to_string(bytes) + " bytes");
+      return false;
+    }
+    copy_to((is_lse ? lse_dst : out_dst) + row_start * row_bytes);
+    next_out += row_count;
+    reply->received_bytes += static_cast<int64_t>(bytes);
+    return true;
+  };
+
+  // One message from the server: false when it breaks the protocol. Output
+  // chunks are copied once, from gRPC's slices to their rows.
+  auto on_message = [&]() -> bool {
+    note(in_message.Length());
+    if (acked && chunk.read(in_message)) {
+      const bool fine = take_chunk(chunk.tensor(), chunk.row_start(), chunk.row_count(), chunk.data_bytes(),
+                                   [&chunk](uint8_t* dst) { chunk.copy_data(dst); });
+      chunk.clear();
+      return fine;
+    }
+    v1::AttendResponse response;
+    if (!grpc::SerializationTraits<v1::AttendResponse>::Deserialize(&in_message, &response).ok()) {
+      protocol = protocol_error("a message that is not an AttendResponse");
+      return false;
+    }
+    if (!acked) {
+      if (!response.has_ack()) {
+        protocol = protocol_error("first response is not an ack");
+        return false;
+      }
+      // The server says the largest payload per chunk. Servers older than
+      // that field (0) said it only as out_chunk_bytes: the payload it cut
+      // from this call's chunk_bytes, capped by the same limit.
+      const v1::Ack& ack = response.ack();
+      const int64_t cap = ack.max_chunk_payload_bytes() > 0 ? ack.max_chunk_payload_bytes() : ack.out_chunk_bytes();
+      payload = call.chunk_bytes > 0 ? std::min(call.chunk_bytes, cap) : cap;
+      acked = true;
+      return true;
+    }
+    if (response.has_out_chunk()) {  // an encoding the slice reader leaves to protobuf
+      const v1::OutputChunk& c = response.out_chunk();
+      return take_chunk(c.tensor(), c.row_start(), c.row_count(), c.data().size(),
+                        [&c](uint8_t* dst) { std::memcpy(dst, c.data().data(), c.data().size()); });
+    }
+    if (response.has_summary()) {
+      summary = std::move(*response.mutable_summary());
+      have_summary = true;
+      return true;
+    }
+    protocol = protocol_error("unexpected message after the ack");
+    return false;
+  };
+
+  // The loop: one write and one read outstanding at a time, each
+  // restarted as it completes, until the server closes the stream.
+  bool reading = true;
+  while (write_pending || read_pending) {
+    Event e{};
+    bool ok = false;
+    if (!next(&e, &ok)) break;
+    if (e == kWritten || e == kWritesDone) {
+      write_pending = false;
+      out_message.Clear();
+      if (!ok) failed_write = true;  // the server closed the stream: its status says why
+      else if (reading && protocol.ok()) write_next();
+    } else if (e == kRead) {
+      read_pending = false;
+      if (!ok) {
+        reading = false;  // the stream is closed: the status follows
+        continue;
+      }
+      const bool fine = on_message();
+      in_message.Clear();
+      if (!fine) {
+        ctx->TryCancel();
+        reading = false;
+        continue;
+      }
+      stream->Read(&in_message, tag(kRead));
+      read_pending = true;
+      write_next();
     }
   }
-  const grpc::Status status = stream->Finish();
+  grpc::Status status;
+  finish(&status);
+  if (!protocol.ok()) return protocol;
   if (!status.ok()) return status;
   if (!have_summary) return protocol_error("stream ended OK without a summary");
-  if (out_rows != z.q_rows || (call.return_lse && lse_rows != z.q_rows))
+  if ((out_streamed && out_rows != z.q_rows) || (lse_streamed && lse_rows != z.q_rows))
     return protocol_error("output rows missing: " + std::to_string(out_rows) + " of " + std::to_string(z.q_rows));
   return fill_timings(summary, reply);
 }
@@ -355,6 +571,37 @@ grpc::Status Client::info(v1::GetInfoResponse* info, double deadline_seconds) {
   grpc::ClientContext ctx;
   prepare(&ctx, deadline_seconds);
   return stub_->GetInfo(&ctx, v1::GetInfoRequest{}, info);
+}
+
+grpc::Status Client::register_shared_memory(const std::string& name, const std::string& key, int64_t offset,
+                                            int64_t byte_size, double deadline_seconds) {
+  grpc::ClientContext ctx;
+  prepare(&ctx, deadline_seconds);
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  return stub_->RegisterSharedMemory(&ctx, request, &response);
+}
+
+grpc::Status Client::unregister_shared_memory(const std::string& name, double deadline_seconds) {
+  grpc::ClientContext ctx;
+  prepare(&ctx, deadline_seconds);
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSharedMemoryResponse response;
+  return stub_->UnregisterSharedMemory(&ctx, request, &response);
+}
+
+grpc::Status Client::list_shared_memory(std::vector<v1::SharedMemoryRegion>* regions, double deadline_seconds) {
+  grpc::ClientContext ctx;
+  prepare(&ctx, deadline_seconds);
+  v1::ListSharedMemoryResponse response;
+  const grpc::Status status = stub_->ListSharedMemory(&ctx, v1::ListSharedMemoryRequest{}, &response);
+  regions->assign(response.regions().begin(), response.regions().end());
+  return status;
 }
 
 grpc::Status Client::health(const std::string& service, std::string* status_name, double deadline_seconds) {

@@ -12,6 +12,20 @@
 //
 // Errors are the server's (or the channel's) grpc::Status, unchanged.
 //
+// Tensor bytes are not copied on their way out: each chunk message points
+// at the caller's q, k and v (proto/chunk_codec.h), and attend() returns
+// only once gRPC has let go of them. Output chunks are copied once, from
+// gRPC's received slices to reply.out, or to call.out when given.
+//
+// Same-host shared memory (a server with --shm-dir): put tensors in a file
+// of the server's shared-memory directory (plsh/shared_memory.h), register
+// a range of it once, and name (region, offset) per tensor instead of
+// sending it:
+//
+//   c.register_shared_memory("inputs", "plsh-inputs", 0, bytes);
+//   call.q_shm = {"inputs", 0}; call.k_shm = {"inputs", q_bytes}; ...
+//   call.out_shm = {"outputs", 0};   // the server writes out there; reply.out stays empty
+//
 // A server with TLS, client certificates or bearer tokens (README, "Server
 // settings"):
 //
@@ -34,12 +48,27 @@
 
 namespace plsh::client {
 
+// A tensor's place in a registered shared-memory region; unset (empty
+// region): the tensor travels in chunks.
+struct SharedTensor {
+  std::string region;  // the name it was registered under
+  int64_t offset = 0;  // bytes from the region's start
+  bool set() const { return !region.empty(); }
+};
+
 struct AttendCall {
   AttentionOptions options;      // shape, dtype of q/k/v on the wire, mode and its parameters
-  const void* q = nullptr;       // [B, Nq, H, D]   options.dtype, host memory
+  const void* q = nullptr;       // [B, Nq, H, D]   options.dtype, host memory; not copied, read until attend returns
   const void* k = nullptr;       // [B, Nk, Hkv, D]
   const void* v = nullptr;       // [B, Nk, Hkv, D]
   bool return_lse = false;
+  // Where attend() writes the output: [B, Nq, H, D] of out_dtype, and lse
+  // [B, Nq, H] float32 with return_lse. Null: reply.out and reply.lse.
+  void* out = nullptr;
+  float* lse = nullptr;
+  // Tensors in shared memory instead of q, k, v, out and lse (attend only;
+  // a server with --shm-dir). lse_shm implies return_lse.
+  SharedTensor q_shm, k_shm, v_shm, out_shm, lse_shm;
   std::string backend = "auto";  // auto | cpu | cuda: the server's backend
   int64_t chunk_bytes = 0;       // payload per message both ways; 0: the largest the server allows
   double deadline_seconds = 0;   // whole call; 0: none
@@ -52,8 +81,8 @@ struct ServerTimings {
 };
 
 struct AttendReply {
-  std::vector<uint8_t> out;    // [B, Nq, H, D] of result out_dtype
-  std::vector<float> lse;      // [B, Nq, H] with return_lse
+  std::vector<uint8_t> out;    // [B, Nq, H, D] of result out_dtype; empty with call.out or call.out_shm
+  std::vector<float> lse;      // [B, Nq, H] with return_lse; empty with call.lse or call.lse_shm
   DType out_dtype = DType::kF32;
   AttentionResult result;      // backend, device, estimates, FLOPs, backend timings
   ServerTimings timings;
@@ -79,7 +108,8 @@ struct ChannelOptions {
 };
 
 // What every plsh channel sets: no client-side message limits (the server
-// enforces its own; the client should never be the one to refuse).
+// enforces its own; the client should never be the one to refuse), and the
+// transport settings measured for large tensors (client.cpp).
 grpc::ChannelArguments default_channel_arguments();
 
 // The channel to target with options' credentials, files read now, and
@@ -106,12 +136,22 @@ class Client {
   // The same in one message each way (AttendUnary), for small requests.
   grpc::Status attend_unary(const AttendCall& call, AttendReply* reply);
   grpc::Status info(v1::GetInfoResponse* info, double deadline_seconds = 10);
+  // Same-host shared memory (plsh.proto: RegisterSharedMemory and the
+  // rest): key is a file name in the server's --shm-dir.
+  grpc::Status register_shared_memory(const std::string& name, const std::string& key, int64_t offset,
+                                      int64_t byte_size, double deadline_seconds = 10);
+  grpc::Status unregister_shared_memory(const std::string& name, double deadline_seconds = 10);
+  grpc::Status list_shared_memory(std::vector<v1::SharedMemoryRegion>* regions, double deadline_seconds = 10);
   // grpc.health.v1 Check: status_name = "SERVING", "NOT_SERVING", ...
   grpc::Status health(const std::string& service, std::string* status_name, double deadline_seconds = 10);
 
  private:
   // Deadline and credentials of one call.
   void prepare(grpc::ClientContext* ctx, double deadline_seconds) const;
+  // attend's stream on its own completion queue; lent_slices counts the
+  // chunk slices gRPC holds of the caller's tensors.
+  grpc::Status stream_attend(const AttendCall& call, AttendReply* reply, grpc::ClientContext* ctx,
+                             grpc::CompletionQueue* cq, void* lent_slices);
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;

@@ -154,6 +154,11 @@ uint8_t* AttendLoad::output_of(int worker) {
   return outputs_[static_cast<size_t>(slot)].data();
 }
 
+double AttendLoad::compare_with_reference(const std::vector<uint8_t>& out) const {
+  if (out.size() != reference_size_) return std::numeric_limits<double>::infinity();
+  return compare_with_reference(out.data());
+}
+
 double AttendLoad::compare_with_reference(const uint8_t* out) const {
   double max_diff = 0, max_ref = 0;
   constexpr int64_t kRow = 4096;
@@ -213,9 +218,7 @@ Outcome AttendLoad::call(int worker, int64_t index) {
   if (!reference_.empty() && selected_for_verify(config_.input_seed, index, config_.verify_fraction)) {
     o.verified = true;
     // AttendUnary answers in reply.out; Attend wrote to `out`.
-    const bool whole = !config_.unary || reply.out.size() == reference_size_;
-    o.verify_error = whole ? compare_with_reference(config_.unary ? reply.out.data() : out)
-                           : std::numeric_limits<double>::infinity();
+    o.verify_error = config_.unary ? compare_with_reference(reply.out) : compare_with_reference(out);
     o.mismatch = !(o.verify_error <= tolerance_);
   }
   return o;

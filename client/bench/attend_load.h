@@ -71,7 +71,10 @@ class AttendLoad {
   double tolerance() const { return tolerance_; }
   double reference_seconds() const { return reference_seconds_; }  // time to compute the reference (0 without)
 
-  // max |out - ref| / max |ref| over the output (output_bytes()), both in out dtype.
+  // max |out - ref| / max |ref| over the output, both in out dtype; +inf
+  // for an output of the wrong size.
+  double compare_with_reference(const std::vector<uint8_t>& out) const;
+  // The same over output_bytes() bytes at out.
   double compare_with_reference(const uint8_t* out) const;
 
   // Unregisters the shared-memory region (the file goes with shm_).

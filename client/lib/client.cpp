@@ -544,9 +544,10 @@ grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
   prepare(&ctx, call.deadline_seconds);
   v1::AttendUnaryRequest request;
   *request.mutable_header() = make_header(call);
-  request.set_q(call.q, static_cast<size_t>(z.q_rows * z.q_row_bytes));
-  request.set_k(call.k, static_cast<size_t>(z.kv_rows * z.kv_row_bytes));
-  request.set_v(call.v, static_cast<size_t>(z.kv_rows * z.kv_row_bytes));
+  // Tensors in shared memory are named in the header, not sent.
+  if (!call.q_shm.set()) request.set_q(call.q, static_cast<size_t>(z.q_rows * z.q_row_bytes));
+  if (!call.k_shm.set()) request.set_k(call.k, static_cast<size_t>(z.kv_rows * z.kv_row_bytes));
+  if (!call.v_shm.set()) request.set_v(call.v, static_cast<size_t>(z.kv_rows * z.kv_row_bytes));
   reply->sent_bytes = static_cast<int64_t>(request.q().size() + request.k().size() + request.v().size());
   reply->largest_message_bytes = static_cast<int64_t>(request.ByteSizeLong());
   v1::AttendUnaryResponse response;
@@ -554,10 +555,12 @@ grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
   if (!status.ok()) return status;
   reply->messages = 2;
   reply->largest_message_bytes = std::max<int64_t>(reply->largest_message_bytes, static_cast<int64_t>(response.ByteSizeLong()));
-  if (static_cast<int64_t>(response.out().size()) != z.q_rows * z.out_row_bytes)
+  const bool out_streamed = !call.out_shm.set();
+  const bool lse_streamed = call.return_lse && !call.lse_shm.set();
+  if (static_cast<int64_t>(response.out().size()) != (out_streamed ? z.q_rows * z.out_row_bytes : 0))
     return protocol_error("out has " + std::to_string(response.out().size()) + " bytes");
   reply->out.assign(response.out().begin(), response.out().end());
-  if (call.return_lse) {
+  if (lse_streamed) {
     if (static_cast<int64_t>(response.lse().size()) != z.q_rows * z.lse_row_bytes)
       return protocol_error("lse has " + std::to_string(response.lse().size()) + " bytes");
     reply->lse.resize(static_cast<size_t>(z.q_rows * call.options.heads));

@@ -21,6 +21,6 @@ The generated stubs (plsh/v1/plsh_pb2.py, ...) are built by CMake into
 PLSH_PYTHON_STUBS to it.
 """
 
-from ._client import Client, PlshError
+from ._client import Client, PlshError, SharedMemoryRegion
 
-__all__ = ["Client", "PlshError"]
+__all__ = ["Client", "PlshError", "SharedMemoryRegion"]

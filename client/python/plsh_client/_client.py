@@ -1,6 +1,8 @@
 """The implementation behind plsh_client.Client (see the package docstring)."""
 
+import mmap
 import os
+import secrets
 import sys
 import threading
 
@@ -74,6 +76,87 @@ def _decode(data, wire, shape):
     if wire == "f16":
         return np.frombuffer(data, dtype="<f2").reshape(shape).copy()
     return _from_bf16_bits(np.frombuffer(data, dtype="<u2")).reshape(shape)
+
+
+def _decode_into(raw, wire, shape):
+    """The output from its wire bytes (a uint8 array filled in place): a view
+    for float32 and float16, a conversion for bfloat16."""
+    if wire == "f32":
+        return raw.view("<f4").reshape(shape)
+    if wire == "f16":
+        return raw.view("<f2").reshape(shape)
+    return _from_bf16_bits(raw.view("<u2")).reshape(shape)
+
+
+def _read_varint(buf, at, end):
+    """(value, next position) of a base-128 varint in buf[at:end]; None when malformed."""
+    value, shift = 0, 0
+    while at < end and shift < 70:
+        b = buf[at]
+        at += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, at
+        shift += 7
+    return None
+
+
+def _parse_chunk(buf):
+    """An AttendResponse holding only an out_chunk, read without copying its
+    data: (tensor, row_start, row_count, data offset, data length), or None
+    for any other message (parse that with protobuf). Mirrors
+    proto/chunk_codec.cpp: the last of a repeated field wins, unknown fields
+    are skipped, anything unusual goes to protobuf."""
+    end = len(buf)
+    if end < 2 or buf[0] != 0x12:  # field 2 (out_chunk), length-delimited
+        return None
+    r = _read_varint(buf, 1, end)
+    if r is None or r[0] != end - r[1]:
+        return None
+    at = r[1]
+    fields = [0, 0, 0]
+    data = (at, 0)
+    while at < end:
+        r = _read_varint(buf, at, end)
+        if r is None:
+            return None
+        key, at = r
+        field, wire_type = key >> 3, key & 7
+        if 1 <= field <= 3:
+            if wire_type != 0 or (r := _read_varint(buf, at, end)) is None:
+                return None
+            value, at = r
+            fields[field - 1] = value - (1 << 64) if value >= 1 << 63 else value
+        elif field == 4:
+            if wire_type != 2 or (r := _read_varint(buf, at, end)) is None or r[0] > end - r[1]:
+                return None
+            data = (r[1], r[0])
+            at = r[1] + r[0]
+        elif field == 0:
+            return None
+        elif wire_type == 0:
+            if (r := _read_varint(buf, at, end)) is None:
+                return None
+            at = r[1]
+        elif wire_type in (1, 5):
+            at += 8 if wire_type == 1 else 4
+        elif wire_type == 2:
+            if (r := _read_varint(buf, at, end)) is None:
+                return None
+            at = r[1] + r[0]
+        else:
+            return None
+        if at > end:
+            return None
+    tensor = ((fields[0] + (1 << 31)) % (1 << 32)) - (1 << 31)  # an enum: int32, as protobuf truncates it
+    return tensor, fields[1], fields[2], data[0], data[1]
+
+
+def _chunk_prefix(tensor, row_start, row_count, nbytes):
+    """Everything of an AttendRequest{chunk} but its data's bytes."""
+    fields = (b"\x08" + _varint(tensor) + b"\x10" + _varint(row_start) + b"\x18" + _varint(row_count) +
+              b"\x22" + _varint(nbytes))
+    return b"\x12" + _varint(len(fields) + nbytes) + fields
 
 
 def _varint(n):
@@ -175,6 +258,7 @@ class Client:
         self._metadata = (("authorization", "Bearer " + _check_token(token, "token_file" if token_file else "token")),) \
             if token else None
         self._target = target
+        self._regions = []  # SharedMemoryRegions registered through this client
         if tls or tls_ca is not None or tls_cert is not None or tls_key is not None or tls_server_name:
             if (tls_cert is None) != (tls_key is None):
                 raise ValueError("tls_cert and tls_key: give both or neither")
@@ -228,7 +312,8 @@ class Client:
     def attend(self, q, k, v, *, mode=None, samples=None, seed=0, causal=False, scale=None, slopes=None,
                q_pos0=None, k_pos0=0, lsh_algorithm="auto", window_eps=None, window_width=0, estimates=None,
                probe_rows=None, mask_row_budget=None, return_draws=False, check_finite=None, return_lse=False,
-               out_dtype=None, wire_dtype=None, backend=None, chunk_bytes=0, deadline=None, request_id=""):
+               out_dtype=None, wire_dtype=None, backend=None, chunk_bytes=0, deadline=None, request_id="",
+               out=None, lse=None):
         """Runs one attention request; returns (out, meta).
 
         Defaults and limits are the server's, not this client's: an argument
@@ -249,7 +334,16 @@ class Client:
         message's payload (0: the largest the server allows, which its ack
         states as max_chunk_payload_bytes); deadline is in seconds. Raises
         PlshError with the gRPC status code on failure.
+
+        Same-host shared memory (a server with --shm-dir): q, k and v that are
+        arrays of a SharedMemoryRegion of this client (region.array(...)),
+        in the wire dtype, are named in the request instead of sent, and the
+        server reads them in place; out= and lse= arrays of a region receive
+        the output there (out is then the array returned, meta["lse"] the
+        lse array). Other arrays travel in chunks as usual, so regions and
+        streaming mix freely.
         """
+        originals = (q, k, v)
         q, k, v = (np.asarray(a) for a in (q, k, v))
         if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
             raise ValueError(f"q, k, v ranks {q.ndim}, {k.ndim}, {v.ndim}: expected all 4 ([B, N, H, D]) or all 3")
@@ -284,15 +378,35 @@ class Client:
             if value is not None:
                 setattr(header, field, value)
 
+        # Tensors in one of this client's shared-memory regions are named, not sent.
+        refs = {}
+        for name, array in (("q", originals[0]), ("k", originals[1]), ("v", originals[2])):
+            ref = self._shm_ref(array, wire)
+            if ref is not None:
+                refs[name] = ref
+        out_bytes = B * Nq * H * D * (4 if out_wire == "f32" else 2)
+        for name, array, nbytes in (("out", out, out_bytes), ("lse", lse, B * Nq * H * 4)):
+            if array is None:
+                continue
+            ref = self._shm_ref(array, out_wire if name == "out" else "f32")
+            if ref is None or ref.byte_size != nbytes:
+                raise ValueError(f"{name}= must be a C-contiguous array of {nbytes} bytes in a SharedMemoryRegion of "
+                                 f"this client, in the output dtype")
+            refs[name] = ref
+        if "lse" in refs:
+            header.return_lse = return_lse = True
+        for name, ref in refs.items():
+            getattr(header, name + "_shm").CopyFrom(ref)
+
         # Rows are flat over batch and sequence: [B * N, heads * D] slabs.
-        tensors = [(pb.TENSOR_Q, _encode(q, wire).reshape(B * Nq, -1)),
-                   (pb.TENSOR_K, _encode(k, wire).reshape(B * Nk, -1)),
-                   (pb.TENSOR_V, _encode(v, wire).reshape(B * Nk, -1))]
+        tensors = [(t, _encode(a, wire).reshape(rows, -1)) for t, name, a, rows in
+                   ((pb.TENSOR_Q, "q", q, B * Nq), (pb.TENSOR_K, "k", k, B * Nk), (pb.TENSOR_V, "v", v, B * Nk))
+                   if name not in refs]
         ack_seen = threading.Event()
         ack = {}
 
         def requests():
-            yield pb.AttendRequest(header=header)
+            yield pb.AttendRequest(header=header).SerializeToString()
             # Chunk sizes follow the limit the server states in its ack.
             ack_seen.wait()
             if "ack" not in ack:
@@ -304,34 +418,189 @@ class Client:
             for tensor, rows in tensors:
                 per_chunk = max(1, payload // max(1, rows.strides[0]))
                 for start in range(0, rows.shape[0], per_chunk):
-                    part = rows[start:start + per_chunk]
-                    yield pb.AttendRequest(chunk=pb.TensorChunk(
-                        tensor=tensor, row_start=start, row_count=part.shape[0], data=part.tobytes()))
-            yield pb.AttendRequest(end=pb.EndOfInput())
+                    part = memoryview(rows[start:start + per_chunk]).cast("B")
+                    # One copy, straight from the array into the message (grpcio
+                    # takes bytes); the protobuf message would copy it twice more.
+                    yield b"".join((_chunk_prefix(tensor, start, len(part) // rows.strides[0], len(part)), part))
+            yield pb.AttendRequest(end=pb.EndOfInput()).SerializeToString()
 
-        out_parts, lse_parts, summary = [], [], None
-        call = self._stub.Attend(requests(), timeout=deadline, metadata=self._metadata)
+        # The output, filled in place from each response's bytes.
+        out_row, lse_row = H * D * (4 if out_wire == "f32" else 2), H * 4
+        out_raw = np.empty(B * Nq * out_row, np.uint8) if "out" not in refs else None
+        lse_raw = np.empty(B * Nq * lse_row, np.uint8) if return_lse and "lse" not in refs else None
+        filled = {pb.TENSOR_OUT: 0, pb.TENSOR_LSE: 0}
+        summary = None
+        attend = self._channel.stream_stream("/plsh.v1.Attention/Attend")  # bytes both ways
+        call = attend(requests(), timeout=deadline, metadata=self._metadata)
         try:
             for response in call:
-                kind = response.WhichOneof("kind")
-                if kind == "ack":
-                    ack["ack"] = response.ack
-                    ack_seen.set()
-                elif kind == "out_chunk":
-                    c = response.out_chunk
-                    (lse_parts if c.tensor == pb.TENSOR_LSE else out_parts).append((c.row_start, c.data))
-                elif kind == "summary":
-                    summary = response.summary
+                chunk = _parse_chunk(response) if "ack" in ack else None
+                if chunk is None:
+                    message = pb.AttendResponse.FromString(response)
+                    kind = message.WhichOneof("kind")
+                    if kind == "ack":
+                        ack["ack"] = message.ack
+                        ack_seen.set()
+                    elif kind == "summary":
+                        summary = message.summary
+                    elif kind == "out_chunk":  # an encoding _parse_chunk leaves to protobuf
+                        c = message.out_chunk
+                        self._take_chunk(c.tensor, c.row_start, c.row_count, memoryview(c.data), out_raw, lse_raw,
+                                         out_row, lse_row, filled)
+                    continue
+                tensor, row_start, row_count, at, n = chunk
+                self._take_chunk(tensor, row_start, row_count, memoryview(response)[at:at + n], out_raw, lse_raw,
+                                 out_row, lse_row, filled)
         except grpc.RpcError as e:
             raise PlshError(e.code(), e.details()) from None
         finally:
             ack_seen.set()
         if summary is None:
             raise PlshError(grpc.StatusCode.INTERNAL, "the server closed the stream without a summary")
+        if (out_raw is not None and filled[pb.TENSOR_OUT] != B * Nq) or \
+                (lse_raw is not None and filled[pb.TENSOR_LSE] != B * Nq):
+            raise PlshError(grpc.StatusCode.INTERNAL, "the server's output misses rows")
 
-        out = _decode(b"".join(d for _, d in sorted(out_parts, key=lambda p: p[0])), out_wire, (B, Nq, H, D))
+        result = out if out_raw is None else _decode_into(out_raw, out_wire, (B, Nq, H, D))
         meta = _meta(summary)
         if return_lse:
-            lse = np.frombuffer(b"".join(d for _, d in sorted(lse_parts, key=lambda p: p[0])), dtype="<f4")
-            meta["lse"] = lse.reshape(B, Nq, H).copy() if batched else lse.reshape(Nq, H).copy()
-        return (out if batched else out[0]), meta
+            lse_out = lse if lse_raw is None else lse_raw.view("<f4").reshape(B, Nq, H)
+            meta["lse"] = lse_out if batched or lse_raw is None else lse_out[0]
+        return (result if batched or out_raw is None else result[0]), meta
+
+    @staticmethod
+    def _take_chunk(tensor, row_start, row_count, data, out_raw, lse_raw, out_row, lse_row, filled):
+        """An output chunk into its rows (one copy), in order and whole, as the server promises."""
+        raw, row = (out_raw, out_row) if tensor == pb.TENSOR_OUT else (lse_raw, lse_row) \
+            if tensor == pb.TENSOR_LSE else (None, 0)
+        if raw is None or row_start != filled[tensor] or row_count < 1 or len(data) != row_count * row or \
+                (row_start + row_count) * row > len(raw):
+            raise PlshError(grpc.StatusCode.INTERNAL,
+                            f"the server broke the plsh.v1 protocol: output chunk of tensor {tensor}, rows "
+                            f"[{row_start}, +{row_count}) with {len(data)} bytes")
+        raw[row_start * row:(row_start + row_count) * row] = np.frombuffer(data, np.uint8)
+        filled[tensor] += row_count
+
+    # ------------------------------------------------------ shared memory
+
+    def register_shm(self, name, key, offset, byte_size, timeout=10):
+        """RegisterSharedMemory: bytes [offset, offset + byte_size) of the file
+        `key` in the server's --shm-dir, as region `name`."""
+        self._unary("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(
+            name=name, key=key, offset=offset, byte_size=byte_size), timeout)
+
+    def unregister_shm(self, name, timeout=10):
+        """UnregisterSharedMemory (FAILED_PRECONDITION while a request uses it)."""
+        self._unary("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(name=name), timeout)
+        self._regions = [r for r in self._regions if r.name != name]
+
+    def list_shm(self, timeout=10):
+        """ListSharedMemory: [{"name", "key", "offset", "byte_size", "requests"}]."""
+        response = self._unary("ListSharedMemory", pb.ListSharedMemoryRequest(), timeout)
+        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size,
+                 "requests": r.requests} for r in response.regions]
+
+    def shm_region(self, size, name=None, dir="/dev/shm"):
+        """A new SharedMemoryRegion of `size` bytes in `dir` (the server's
+        --shm-dir as this process sees it), registered with the server."""
+        return SharedMemoryRegion(self, size, name=name, dir=dir)
+
+    def _unary(self, method, request, timeout):
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise PlshError(e.code(), e.details()) from None
+
+    def _shm_ref(self, array, wire):
+        """The SharedMemoryRef of an array that lies in one of this client's
+        regions, in the wire dtype and C-contiguous; None otherwise."""
+        if not isinstance(array, np.ndarray) or not self._regions or not array.flags.c_contiguous:
+            return None
+        expected = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}[wire]
+        if array.dtype != expected:
+            return None
+        address = array.__array_interface__["data"][0]
+        for region in self._regions:
+            offset = address - region.address
+            if 0 <= offset and offset + array.nbytes <= region.size:
+                return pb.SharedMemoryRef(region=region.name, offset=offset, byte_size=array.nbytes)
+        return None
+
+
+class SharedMemoryRegion:
+    """A file in the server's shared-memory directory, mapped into this
+    process and registered with the server: numpy arrays made with array()
+    live in it, and Client.attend names them instead of sending them (and
+    writes out= / lse= arrays of it in place).
+
+        with Client(addr) as c, c.shm_region(nbytes) as region:
+            q = region.array((1, 4096, 8, 64), np.float32)
+            q[...] = my_q                              # or compute straight into it
+            out = region.array((1, 4096, 8, 64), np.float32)
+            c.attend(q, k_region_array, v_region_array, out=out)
+
+    The file is created with mode 0600 (the server takes only files of its own
+    user that others cannot write: run both as one user) and removed by
+    close(), which also unregisters the region."""
+
+    def __init__(self, client, size, name=None, dir="/dev/shm"):
+        self.key = f"plsh-py-{os.getpid()}-{secrets.token_hex(8)}"
+        self.name = name or self.key
+        self.size = int(size)
+        self._client = client
+        self._path = os.path.join(dir, self.key)
+        self._next = 0
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.size)  # on tmpfs: the pages now, not SIGBUS later
+            self._map = mmap.mmap(fd, self.size)
+        except BaseException:
+            os.unlink(self._path)
+            raise
+        finally:
+            os.close(fd)
+        self._bytes = np.frombuffer(self._map, np.uint8)
+        self.address = self._bytes.__array_interface__["data"][0]
+        try:
+            client.register_shm(self.name, self.key, 0, self.size)
+        except BaseException:
+            self._release()
+            raise
+        client._regions.append(self)
+
+    def array(self, shape, dtype, offset=None):
+        """A C-contiguous array of the region: at `offset` bytes, or after
+        the last one made (each at a 4 KiB boundary)."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        if offset is None:
+            offset = self._next
+        if offset < 0 or offset % dtype.itemsize or offset + count * dtype.itemsize > self.size:
+            raise ValueError(f"offset {offset} with {count * dtype.itemsize} bytes does not fit the region's "
+                             f"{self.size} bytes at a multiple of {dtype.itemsize}")
+        self._next = max(self._next, -(-(offset + count * dtype.itemsize) // 4096) * 4096)
+        return self._bytes[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def close(self):
+        """Unregisters the region, unmaps and removes the file."""
+        if self._client is None:
+            return
+        client, self._client = self._client, None
+        try:
+            client.unregister_shm(self.name)
+        finally:
+            self._release()
+
+    def _release(self):
+        self._bytes = None
+        try:
+            self._map.close()
+        except BufferError:  # arrays of it still exist: unmapped when they go
+            pass
+        os.unlink(self._path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# Streaming ingest of one 256 MiB request on loopback, against a raw TCP
-# transfer of the same bytes measured in the same run (bench/raw_tcp.cpp).
+# Tensor transport on loopback: one 256 MiB request in, its 128 MiB output
+# out, against raw TCP transfers of the same bytes measured in the same run
+# (bench/raw_tcp.cpp); then the same request through same-host shared
+# memory.
 #
 #   bench/ingest.sh [BUILD_DIR]      (default: build)
 #
 # The request: q [1, 131072, 4, 64] and k, v [1, 131072, 2, 64], float32:
-# 128 + 64 + 64 MiB = 256 MiB up. Mode window with width 1 and no
-# estimates, so computing is small and the figure is the server's
-# receiving phase (header to end of input, from the response summaries):
-# ingest MB/s = 268435456 B / receiving seconds. Prints lscpu, the date,
-# every command, their output and the ratio, and where the CPU went: the
-# server's gRPC threads and its compute threads (/proc/PID/task), the
-# client process, and raw TCP's two ends. Three server setups: gRPC's
-# default 4 MiB messages, 64 MiB messages, and 4 MiB messages with glibc's
-# mmap threshold raised (GLIBC_TUNABLES) so that message buffers are
-# reused instead of mapped and faulted in anew for every message. Then
-# strace -c of the server over one request when strace is installed
-# (PLSH_INGEST_STRACE=0 skips it). PLSH_INGEST_REQUESTS: requests per setup (5).
+# 128 + 64 + 64 MiB = 256 MiB up, out [1, 131072, 4, 64] = 128 MiB down.
+# Mode window with width 1 and no estimates, so computing is small.
+#
+#   ingest = 268435456 B / the server's receiving phase (header to end of
+#            input, from the response summaries), vs raw TCP's 256 MiB
+#   send   = 134217728 B / the server's sending phase (first output chunk to
+#            the summary), vs raw TCP's 128 MiB
+#
+# The server runs as shipped: default flags, no environment variables
+# (it sets its own allocator behaviour). One warmup second first, so that
+# the request's pooled buffers are mapped before the measured requests.
+# Raw TCP runs before and after the plsh runs; the ratios use the mean of
+# its two medians (the machine's load moves both alike).
+#
+# Shared memory: the server with --shm-dir (a fresh directory under
+# /dev/shm), `plsh bench --shm` (inputs in one registered file, the output
+# written there): its receiving phase against the streamed one, and its
+# end-to-end latency against its computing phase.
+#
+# Prints lscpu, the date, the load, every command and its output, the
+# ratios, and the CPU seconds per request of the server's gRPC threads, its
+# compute threads and the client. PLSH_INGEST_REQUESTS: requests per run
+# (5). PLSH_INGEST_PERF=1: also perf record the server's gRPC threads over
+# the streamed requests and print their top symbols.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -28,10 +42,11 @@ for b in "$server_bin" "$plsh_bin" "$raw_bin"; do
 done
 requests=${PLSH_INGEST_REQUESTS:-5}
 work=$(mktemp -d)
+shm_dir=$(mktemp -d /dev/shm/plsh-ingest-XXXXXX)
 server_pid=
 cleanup() {
   if [[ -n $server_pid ]]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
-  rm -rf "$work"
+  rm -rf "$work" "$shm_dir"
 }
 trap cleanup EXIT
 
@@ -41,8 +56,8 @@ echo "kernel: $(uname -r)"
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-start_server() {  # extra flags...
-  env ${tunables:+GLIBC_TUNABLES=$tunables} "$server_bin" --listen 127.0.0.1:0 --metrics-listen off --workers 1 "$@" 2>"$work/server.log" &
+start_server() {  # flags...
+  "$server_bin" --listen 127.0.0.1:0 --metrics-listen off --workers 1 "$@" 2>"$work/server.log" &
   server_pid=$!
   for _ in $(seq 200); do
     grep -q ' serving ' "$work/server.log" && break
@@ -55,19 +70,19 @@ stop_server() {
   kill "$server_pid"; wait "$server_pid" || true; server_pid=
 }
 
-bytes=268435456
-echo
-echo "## raw TCP, the same bytes"
-cmd=("$raw_bin" --bytes $bytes --chunk 4194304 --repeat "$requests")
-echo "\$ ${cmd[*]}"
-raw_line=$("${cmd[@]}")
-echo "$raw_line"
-raw_mb_s=$(sed -E 's/.*median_mb_s=([0-9.]+).*/\1/' <<<"$raw_line")
-raw_cpu_s=$(sed -E 's/.*cpu_s=([0-9.]+).*/\1/' <<<"$raw_line")
+raw() {  # label
+  echo
+  echo "## raw TCP ($1)"
+  for bytes in 268435456 134217728; do
+    cmd=("$raw_bin" --bytes $bytes --chunk 4194304 --repeat "$requests")
+    echo "\$ ${cmd[*]}"
+    "${cmd[@]}" | tee -a "$work/raw.txt"
+  done
+}
 
 # CPU ticks of the server's threads: "grpc compute", split by thread name
 # (compute: the threads named plsh-server, i.e. main, the workers and their
-# OpenMP teams; grpc: gRPC's own threads).
+# OpenMP teams; grpc: gRPC's own threads, which run the stream's callbacks).
 server_cpu() {
   local grpc=0 compute=0
   for t in /proc/"$server_pid"/task/*; do
@@ -78,60 +93,95 @@ server_cpu() {
   echo "$grpc $compute"
 }
 
-bench_ingest() {  # label, server flags...
-  local label=$1
-  shift
-  start_server "$@"
+run_bench() {  # label json extra-bench-flags...
+  local label=$1 json=$2
+  shift 2
+  cmd=("$plsh_bin" bench --target "$addr" --shape 1,131072,4,2,64 --mode window --window-width 1 --no-estimates
+       --concurrency 1 --requests "$requests" --warmup 1 --quiet --json "$json" "$@")
   echo
-  echo "## plsh ingest: $label (server: ${tunables:+GLIBC_TUNABLES=$tunables }--workers 1 $*)"
-  cmd=(env ${tunables:+GLIBC_TUNABLES=$tunables} "$plsh_bin" bench --target "$addr" --shape 1,131072,4,2,64 --mode window
-       --window-width 1 --no-estimates --concurrency 1 --requests "$requests" --warmup 0 --quiet --json "$work/ingest.json")
+  echo "## plsh: $label"
   echo "\$ ${cmd[*]}"
-  local cpu_before cpu_after
-  cpu_before=$(server_cpu)
+  local before after
+  before=$(server_cpu)
   "${cmd[@]}"
-  cpu_after=$(server_cpu)
-  /usr/bin/python3 - "$work/ingest.json" "$raw_mb_s" "$raw_cpu_s" "$label" $cpu_before $cpu_after <<'PY'
-import json, os, sys
-run = json.load(open(sys.argv[1]))
-raw, raw_cpu, label = float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-hz = os.sysconf("SC_CLK_TCK")
-grpc0, compute0, grpc1, compute1 = (float(a) / hz for a in sys.argv[5:9])
-level = run["levels"][0]
-n = level["ok"]
-up = run["client"]["input_bytes"]
-rec = level["server_ms"]["receiving"]
-mb_p50 = up / (rec["p50"] / 1e3) / 1e6
-print(f"ingest [{label}]: {up} bytes up, server receiving p50 {rec['p50']:.1f} ms (avg {rec['avg']:.1f}, max {rec['max']:.1f}) "
-      f"-> {mb_p50:.1f} MB/s; raw TCP median {raw:.1f} MB/s; ratio {mb_p50 / raw:.2f}")
-print(f"  whole request p50 {level['latency_ms']['p50']:.1f} ms; server phases p50 ms: "
-      + ", ".join(f"{p} {level['server_ms'][p]['p50']:.1f}" for p in ("queued", "receiving", "computing", "sending")))
-cpu = level["client_cpu"]
-client_cpu = cpu["process_cores"] * cpu["wall_s"] / n
-print(f"  CPU seconds per request: server gRPC threads {(grpc1 - grpc0) / n:.2f} (256 MiB in + 128 MiB out), "
-      f"server compute threads {(compute1 - compute0) / n:.2f}, client {client_cpu:.2f}; "
-      f"raw TCP both ends {raw_cpu:.2f} for 256 MiB")
-PY
-  stop_server
+  after=$(server_cpu)
+  echo "$before $after" >"$json.cpu"
 }
 
-tunables=
-bench_ingest "default 4 MiB messages"
-bench_ingest "64 MiB messages" --max-message-bytes 67108864
-tunables=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824
-bench_ingest "4 MiB messages, malloc buffers reused (mmap threshold 256 MiB)"
-tunables=
+raw "before"
 
-if [[ ${PLSH_INGEST_STRACE:-1} != 0 ]] && command -v strace >/dev/null; then
-  start_server
+start_server
+run_bench "streamed (server: --workers 1, defaults)" "$work/streamed.json" &
+bench_pid=$!
+if [[ ${PLSH_INGEST_PERF:-0} != 0 ]] && command -v perf >/dev/null; then
+  sleep 2  # past the warmup second
+  perf record -F 999 -g -o "$work/perf.data" -p "$server_pid" 2>/dev/null &
+  perf_pid=$!
+  wait $bench_pid
+  kill -INT $perf_pid; wait $perf_pid || true
+else
+  wait $bench_pid
+fi
+stop_server
+
+start_server --shm-dir "$shm_dir"
+run_bench "shared memory (server: --workers 1 --shm-dir $shm_dir)" "$work/shm.json" --shm --shm-dir "$shm_dir"
+stop_server
+
+raw "after"
+
+echo
+echo "## summary"
+/usr/bin/python3 - "$work" "$requests" <<'PY'
+import json, os, re, sys
+work, n = sys.argv[1], int(sys.argv[2])
+raw = {}
+for line in open(os.path.join(work, "raw.txt")):
+    m = re.search(r"bytes=(\d+) .*median_s=([\d.]+) .*cpu_s=([\d.]+)", line)
+    raw.setdefault(int(m.group(1)), []).append((float(m.group(2)), float(m.group(3))))
+hz = os.sysconf("SC_CLK_TCK")
+
+def load(name):
+    run = json.load(open(os.path.join(work, name + ".json")))
+    g0, c0, g1, c1 = (float(x) / hz for x in open(os.path.join(work, name + ".json.cpu")).read().split())
+    level = run["levels"][0]
+    ok = level["ok"] + level["warmup"]["ok"]
+    cpu = level["client_cpu"]
+    return level, {"grpc": (g1 - g0) / ok, "compute": (c1 - c0) / ok,
+                   "client": cpu["process_cores"] * cpu["wall_s"] / max(1, level["ok"])}
+
+def raw_s(nbytes):
+    runs = raw[nbytes]
+    return sum(s for s, _ in runs) / len(runs), [s for s, _ in runs]
+
+streamed, streamed_cpu = load("streamed")
+shm, shm_cpu = load("shm")
+ms = lambda level, phase, stat="p50": level["server_ms"][phase][stat]
+for nbytes, phase, what in ((268435456, "receiving", "ingest"), (134217728, "sending", "send")):
+    raw_mean, raw_each = raw_s(nbytes)
+    t = ms(streamed, phase) / 1e3
+    print(f"{what}: {nbytes} bytes, server {phase} p50 {t * 1e3:.1f} ms (avg {ms(streamed, phase, 'avg'):.1f}, "
+          f"max {ms(streamed, phase, 'max'):.1f}) -> {nbytes / t / 1e6:.0f} MB/s; raw TCP median "
+          f"{' / '.join(f'{s * 1e3:.1f}' for s in raw_each)} ms (before / after) -> {nbytes / raw_mean / 1e6:.0f} MB/s; "
+          f"ratio {raw_mean / t:.2f}")
+print(f"streamed: whole request p50 {streamed['latency_ms']['p50']:.1f} ms; server phases p50 ms: "
+      + ", ".join(f"{p} {ms(streamed, p):.1f}" for p in ("queued", "receiving", "computing", "sending")))
+print(f"  CPU seconds per request: server gRPC threads {streamed_cpu['grpc']:.3f} (256 MiB in + 128 MiB out), "
+      f"server compute threads {streamed_cpu['compute']:.3f}, client {streamed_cpu['client']:.3f}; raw TCP both ends "
+      f"{raw[268435456][0][1]:.3f} for 256 MiB")
+print(f"shared memory: whole request p50 {shm['latency_ms']['p50']:.1f} ms; server phases p50 ms: "
+      + ", ".join(f"{p} {ms(shm, p):.2f}" for p in ("queued", "receiving", "computing", "sending")))
+print(f"  receiving {ms(shm, 'receiving'):.2f} ms = {ms(shm, 'receiving') / ms(streamed, 'receiving'):.3f} of the "
+      f"streamed {ms(streamed, 'receiving'):.1f} ms (goal < 0.1); end to end {shm['latency_ms']['p50']:.1f} ms = "
+      f"{shm['latency_ms']['p50'] / ms(shm, 'computing'):.2f}x its computing {ms(shm, 'computing'):.1f} ms (goal <= 1.3)")
+print(f"  CPU seconds per request: server gRPC threads {shm_cpu['grpc']:.3f}, compute threads {shm_cpu['compute']:.3f}, "
+      f"client {shm_cpu['client']:.3f}")
+PY
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+if [[ -f $work/perf.data ]]; then
   echo
-  echo "## strace -c -f of plsh-server over one request (default messages)"
-  strace -c -f -p "$server_pid" -o "$work/strace.txt" &
-  strace_pid=$!
-  sleep 0.5
-  "$plsh_bin" bench --target "$addr" --shape 1,131072,4,2,64 --mode window --window-width 1 --no-estimates \
-    --concurrency 1 --requests 1 --warmup 0 --quiet >/dev/null
-  kill -INT $strace_pid; wait $strace_pid || true
-  head -25 "$work/strace.txt"
-  stop_server
+  echo "## perf: the server's gRPC threads over the streamed requests (perf record -F 999 -g)"
+  perf report -i "$work/perf.data" --no-children --sort comm,dso,sym -g none --stdio 2>/dev/null |
+    grep -v '^#' | grep -v plsh-server | grep '%' | head -25
 fi

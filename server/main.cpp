@@ -252,18 +252,19 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(2 * config.max_message_bytes, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
   builder.RegisterService(&service);
-  if (const char* e = getenv("PLSH_EXPERIMENT_ARGS")) {  // EXPERIMENT: remove
-    std::string spec = e;
-    size_t at = 0;
-    while (at < spec.size()) {
-      size_t comma = spec.find(',', at);
-      if (comma == std::string::npos) comma = spec.size();
-      const std::string item = spec.substr(at, comma - at);
-      const size_t eq = item.find('=');
-      builder.AddChannelArgument(item.substr(0, eq), std::stoi(item.substr(eq + 1)));
-      at = comma + 1;
-    }
-  }
+  // HTTP/2 flow control for tensors: a fixed stream window instead of BDP
+  // probing. On loopback the BDP estimate stays small, so a sender waits for
+  // a WINDOW_UPDATE whenever this server's reading thread is scheduled late;
+  // on a busy 2-core machine that held a 256 MiB request's receiving phase
+  // at 180 ms (median) against 89-105 ms with 32-64 MiB windows (16 MiB: 147
+  // ms; bench/RESULTS.md, "Transport"). The window is at most 32 MiB and at
+  // most 1/8 of the memory budget spread over --max-concurrent streams: what
+  // clients may push ahead of the service's reads waits in gRPC's buffers,
+  // outside --memory-budget, and stays under an eighth of it.
+  const int64_t stream_window = std::clamp<int64_t>(config.memory_budget / (8 * config.max_concurrent),
+                                                    int64_t{64} << 10, int64_t{32} << 20);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, static_cast<int>(stream_window));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     log_event(spdlog::level::err, "startup_failed", {{"error", "cannot listen on " + config.listen}});

@@ -244,7 +244,11 @@ class Client:
 
     def __init__(self, target, options=None, *, tls=False, tls_ca=None, tls_cert=None, tls_key=None,
                  tls_server_name=None, token=None, token_file=None):
-        opts = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        # No client-side message limits (the server enforces its own), and a
+        # fixed 32 MiB stream window instead of BDP probing, as the C++ client
+        # (client.cpp: output chunks wait less on this client's window updates).
+        opts = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+                ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 32 << 20)]
         if token is not None and token_file is not None:
             raise ValueError("token and token_file are both set, expected one")
         if token_file is not None:

@@ -16,8 +16,11 @@
 #            the summary), vs raw TCP's 128 MiB
 #
 # The server runs as shipped: default flags, no environment variables
-# (it sets its own allocator behaviour). One warmup second first, so that
-# the request's pooled buffers are mapped before the measured requests.
+# (it sets its own allocator behaviour). Two warmup seconds first (two or
+# more requests), so that the pooled buffers are mapped before the measured
+# requests: a request's block returns to the pool only once gRPC has let go
+# of its last output chunk, which may be after the next header arrives, so
+# a second block may be mapped once.
 # Raw TCP runs before and after the plsh runs; the ratios use the mean of
 # its two medians (the machine's load moves both alike).
 #
@@ -97,7 +100,7 @@ run_bench() {  # label json extra-bench-flags...
   local label=$1 json=$2
   shift 2
   cmd=("$plsh_bin" bench --target "$addr" --shape 1,131072,4,2,64 --mode window --window-width 1 --no-estimates
-       --concurrency 1 --requests "$requests" --warmup 1 --quiet --json "$json" "$@")
+       --concurrency 1 --requests "$requests" --warmup 2 --quiet --json "$json" "$@")
   echo
   echo "## plsh: $label"
   echo "\$ ${cmd[*]}"
@@ -114,7 +117,7 @@ start_server
 run_bench "streamed (server: --workers 1, defaults)" "$work/streamed.json" &
 bench_pid=$!
 if [[ ${PLSH_INGEST_PERF:-0} != 0 ]] && command -v perf >/dev/null; then
-  sleep 2  # past the warmup second
+  sleep 3  # past the warmup seconds
   perf record -F 999 -g -o "$work/perf.data" -p "$server_pid" 2>/dev/null &
   perf_pid=$!
   wait $bench_pid

@@ -148,8 +148,18 @@ class CudaBackend final : public Backend {
     return Status::Ok();
   }
 
+  // The backward pass (SPEC section 8) runs on the CPU backend only for now:
+  // a plan asked for with PlanLimits::backward is refused here, and the
+  // registry's "auto" then picks the CPU for a request that needs one.
+  Status supports_backward(const AttentionParams& p) const override {
+    RETURN_IF_ERROR(supports(p));
+    return unimplemented("the backward pass is not implemented on the cuda backend, expected backend = cpu (or auto, "
+                         "which picks the cpu backend for a backward)");
+  }
+
   StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
     RETURN_IF_ERROR(supports(p));
+    if (limits.backward) RETURN_IF_ERROR(supports_backward(p));
     ASSIGN_OR_RETURN(Plan plan, start_plan(p, name(), limits));
     try {
       if (p.mode == Mode::kLsh) plan.lsh_algorithm = LshAlgorithm::kPerSample;

@@ -32,9 +32,15 @@ namespace plsh::cpu {
 namespace {
 
 // Keys per job and query rows per pair (and per dQ lock). Measured with
-// bench_cpu --backward at n = 8192, see bench/RESULTS.md.
-constexpr int64_t kBwdKeyTile = 128;
-constexpr int64_t kBwdRowTile = 128;
+// bench_cpu_backward at n = 8192 (H = 8, D = 64, causal), backward CPU
+// seconds, exact / window / lsh s=16: 256 x 64 gave 1.95 / 0.31 / 0.16;
+// 128 x 128 2.08 / 0.32 / 0.18 (the dK/dV GEMMs' m halves); 64 x 128
+// 2.38 / 0.34 / 0.17; 512 x 64 1.92 / 0.31 / 0.17 (half the jobs, and
+// twice the dK/dV buffers, for 1%); 256 x 32 2.08 / 0.32 / 0.16. S and dP
+// (64 KiB each) and the K, V, dK, dV tiles (64 KiB each at D = 64) stay
+// within L2.
+constexpr int64_t kBwdKeyTile = 256;
+constexpr int64_t kBwdRowTile = 64;
 
 // One work item: a key tile of one (batch item, kv head), across every
 // query head of the kv head's group.

@@ -77,9 +77,10 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const AttentionParams&
   return run_attention(backend, plan, ctx);
 }
 
-StatusOr<BackwardResult> run_backward(Backend& backend, const Plan& plan, const GradientRefs& grads,
-                                      const ExecContext& ctx) {
-  ASSIGN_OR_RETURN(const BackwardParams g, make_backward_params(plan.params, grads));
+namespace {
+
+StatusOr<BackwardResult> run_backward_params(Backend& backend, const Plan& plan, const BackwardParams& g,
+                                             const ExecContext& ctx) {
   BackwardResult result;
   result.backend = backend.name();
   result.device = backend.device();
@@ -93,6 +94,14 @@ StatusOr<BackwardResult> run_backward(Backend& backend, const Plan& plan, const 
   result.host_workspace_bytes = stats.workspace.host_bytes;
   result.device_workspace_bytes = stats.workspace.device_bytes;
   return result;
+}
+
+}  // namespace
+
+StatusOr<BackwardResult> run_backward(Backend& backend, const Plan& plan, const GradientRefs& grads,
+                                      const ExecContext& ctx) {
+  ASSIGN_OR_RETURN(const BackwardParams g, make_backward_params(plan.params, grads));
+  return run_backward_params(backend, plan, g, ctx);
 }
 
 StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const AttentionParams& p, PlanLimits limits,
@@ -113,9 +122,12 @@ StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const Att
     }
     plan.params.lse = own_lse.data();
   }
+  // The backward's tensors are checked before the forward runs: a bad dout
+  // costs no forward.
+  ASSIGN_OR_RETURN(const BackwardParams g, make_backward_params(plan.params, grads));
   ForwardBackwardResult result;
   ASSIGN_OR_RETURN(result.forward, run_attention(backend, plan, ctx));
-  ASSIGN_OR_RETURN(result.backward, run_backward(backend, plan, grads, ctx));
+  ASSIGN_OR_RETURN(result.backward, run_backward_params(backend, plan, g, ctx));
   return result;
 }
 

@@ -60,10 +60,13 @@ StatusOr<BackwardParams> make_backward_params(const AttentionParams& p, const Gr
   b.lse_row_stride = p.heads;
   b.lse_batch_stride = p.q_len * p.heads;
 
+  // out and lse that default to the plan's own are what its forward writes
+  // (possibly after this call): only the caller's are checked.
   if (p.check_finite && b.memory == MemorySpace::kHost) {
     RETURN_IF_ERROR(check_finite_tensor("dout", b.dout, b.out_dtype, p.batch, p.q_len, p.heads, p.head_dim));
-    RETURN_IF_ERROR(check_finite_tensor("out", b.out, b.out_dtype, p.batch, p.q_len, p.heads, p.head_dim));
-    RETURN_IF_ERROR(check_finite_tensor("lse", b.lse, DType::kF32, p.batch, p.q_len, p.heads, 1));
+    if (g.out != nullptr)
+      RETURN_IF_ERROR(check_finite_tensor("out", b.out, b.out_dtype, p.batch, p.q_len, p.heads, p.head_dim));
+    if (g.lse != nullptr) RETURN_IF_ERROR(check_finite_tensor("lse", b.lse, DType::kF32, p.batch, p.q_len, p.heads, 1));
   }
   return b;
 }

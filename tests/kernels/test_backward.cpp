@@ -513,6 +513,15 @@ TEST(BackwardPlan, RefusesForeignUnplannedAndIncompleteRequests) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("dout has a non-finite value"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("[b=1, n=3, h=2, d=5]"), std::string::npos) << s.message();
+
+  // A caller's lse is checked too (the plan's own is the forward's output).
+  std::vector<float> bad_lse = pr.lse;
+  bad_lse[static_cast<size_t>((0 * 97 + 7) * 4 + 1)] = -std::numeric_limits<float>::infinity();
+  g = pr.grads();
+  g.lse = bad_lse.data();
+  s = run_backward(*cpu, *plan, g, ExecContext{}).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("lse has a non-finite value (-inf) at [b=0, n=7, h=1]"), std::string::npos) << s.message();
 }
 
 // A backend without a backward says so, from supports_backward and from

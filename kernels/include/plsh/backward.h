@@ -59,8 +59,10 @@ struct BackwardParams {
 
 // Checks the tensors against the plan's params p (whose q, k, v must be
 // bound), fills the defaults (out and lse from p when not given) and, with
-// p.check_finite, the values of out, lse and dout (host memory): the
-// message names the tensor, the position and what was expected.
+// p.check_finite, the values of dout and of the out and lse given here
+// (host memory; the plan's own are its forward's outputs, which may not be
+// written yet): the message names the tensor, the position and what was
+// expected.
 StatusOr<BackwardParams> make_backward_params(const AttentionParams& p, const GradientRefs& g);
 
 }  // namespace plsh

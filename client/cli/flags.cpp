@@ -109,6 +109,42 @@ void add_output_flags(CLI::App& app, OutputCliArgs& a) {
   app.add_option("--meta", a.meta_path, "metadata and error estimates, JSON");
 }
 
+void add_backward_flags(CLI::App& app, BackwardCliArgs& a) {
+  app.add_option("--dout", a.dout_path,
+                 "backward: dLoss/dout, .npy shaped like --out and of its dtype; with --dq --dk --dv");
+  app.add_option("--dq", a.dq_path, "backward: dLoss/dq, .npy [B, Nq, H, D] (or [Nq, H, D])");
+  app.add_option("--dk", a.dk_path, "backward: dLoss/dk, .npy [B, Nk, Hkv, D], summed over each kv head's query heads");
+  app.add_option("--dv", a.dv_path, "backward: dLoss/dv, .npy [B, Nk, Hkv, D], summed likewise");
+  app.add_option("--grad-dtype", a.grad_dtype, "backward: f32, f16 or bf16 for dq, dk, dv (default: the inputs' dtype)");
+}
+
+StatusOr<std::optional<DType>> check_backward_args(const BackwardCliArgs& a, bool bf16_bits) {
+  const std::pair<const char*, const std::string*> flags[] = {
+      {"--dout", &a.dout_path}, {"--dq", &a.dq_path}, {"--dk", &a.dk_path}, {"--dv", &a.dv_path}};
+  if (!a.requested()) {
+    if (!a.grad_dtype.empty())
+      return invalid_argument("--grad-dtype = '" + a.grad_dtype + "' without the backward, expected it with --dout, "
+                              "--dq, --dk and --dv");
+    return std::optional<DType>{};
+  }
+  std::string missing, given;
+  for (const auto& [flag, path] : flags) {
+    std::string& into = path->empty() ? missing : given;
+    into += (into.empty() ? "" : ", ") + std::string(flag);
+  }
+  if (!missing.empty())
+    return invalid_argument("the backward needs --dout, --dq, --dk and --dv together: " + given + " given, " + missing +
+                            " missing");
+  for (const auto& [flag, path] : flags)
+    if (path != &a.dout_path) RETURN_IF_ERROR(check_output_path(flag + 2, *path));
+  if (a.grad_dtype.empty()) return std::optional<DType>{};
+  StatusOr<DType> t = parse_dtype(a.grad_dtype);
+  if (!t.ok()) return invalid_argument("grad_" + t.status().message());
+  if (*t == DType::kBF16 && !bf16_bits)
+    return invalid_argument("grad_dtype = bf16 needs --bf16-bits (.npy has no bfloat16; it is written as '<u2' bit patterns)");
+  return std::optional<DType>{*t};
+}
+
 StatusOr<std::vector<double>> parse_slopes(const std::string& text) {
   std::vector<double> slopes;
   size_t start = 0;
@@ -158,23 +194,25 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
   return o;
 }
 
-Status check_output_paths(const OutputCliArgs& a) {
-  const std::pair<const char*, const std::string*> outputs[] = {
-      {"out", &a.out_path}, {"lse", &a.lse_path}, {"meta", &a.meta_path}};
-  for (const auto& [flag, path] : outputs) {
-    if (path->empty()) continue;
-    std::filesystem::path dir = std::filesystem::path(*path).parent_path();
-    if (dir.empty()) dir = ".";
-    std::error_code ec;
-    if (!std::filesystem::is_directory(dir, ec))
-      return invalid_argument(std::string(flag) + " = '" + *path + "': directory '" + dir.string() + "' does not exist");
-    if (access(dir.c_str(), W_OK) != 0)
-      return invalid_argument(std::string(flag) + " = '" + *path + "': directory '" + dir.string() +
-                              "' is not writable: " + std::strerror(errno));
-    if (std::filesystem::is_directory(*path, ec))
-      return invalid_argument(std::string(flag) + " = '" + *path + "' is a directory, expected a file name");
-  }
+Status check_output_path(const char* flag, const std::string& path) {
+  if (path.empty()) return Status::Ok();
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    return invalid_argument(std::string(flag) + " = '" + path + "': directory '" + dir.string() + "' does not exist");
+  if (access(dir.c_str(), W_OK) != 0)
+    return invalid_argument(std::string(flag) + " = '" + path + "': directory '" + dir.string() +
+                            "' is not writable: " + std::strerror(errno));
+  if (std::filesystem::is_directory(path, ec))
+    return invalid_argument(std::string(flag) + " = '" + path + "' is a directory, expected a file name");
   return Status::Ok();
+}
+
+Status check_output_paths(const OutputCliArgs& a) {
+  RETURN_IF_ERROR(check_output_path("out", a.out_path));
+  RETURN_IF_ERROR(check_output_path("lse", a.lse_path));
+  return check_output_path("meta", a.meta_path);
 }
 
 Status apply_shapes(const NpyArray& q, const NpyArray& k, const NpyArray& v, const std::string& q_name,
@@ -230,6 +268,12 @@ StatusOr<AttentionInputs> load_attention_inputs(const AttentionCliArgs& a) {
 std::vector<int64_t> output_shape(const AttentionOptions& o, bool batched) {
   if (batched) return {o.batch, o.q_len, o.heads, o.head_dim};
   return {o.q_len, o.heads, o.head_dim};
+}
+
+std::vector<int64_t> kv_shape(const AttentionOptions& o, bool batched) {
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
+  if (batched) return {o.batch, o.kv_len, kv_heads, o.head_dim};
+  return {o.kv_len, kv_heads, o.head_dim};
 }
 
 std::vector<int64_t> lse_shape(const AttentionOptions& o, bool batched) {

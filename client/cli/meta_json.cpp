@@ -58,6 +58,19 @@ nlohmann::ordered_json result_to_json(const AttentionResult& r) {
           {"heads", std::move(heads)}};
 }
 
+nlohmann::ordered_json backward_to_json(const BackwardResult& r, DType grad_dtype) {
+  nlohmann::ordered_json timings = nlohmann::ordered_json::object();
+  for (const auto& [name, seconds] : r.timings) timings[name] = number(seconds);
+  return {{"backend", r.backend},
+          {"device", r.device},
+          {"grad_dtype", dtype_name(grad_dtype)},
+          {"flops", number(r.flops)},
+          {"dense_flops", number(r.dense_flops)},
+          {"host_workspace_bytes", r.host_workspace_bytes},
+          {"device_workspace_bytes", r.device_workspace_bytes},
+          {"timings", std::move(timings)}};
+}
+
 void add_params_json(const AttentionOptions& o, const AttentionResult& r, bool batched, nlohmann::ordered_json* meta) {
   (*meta)["shape"] = {{"batch", o.batch},
                       {"q_len", o.q_len},

@@ -10,7 +10,10 @@
 //               "mask_spectral_err", "spectral_iterations",
 //               "probe": {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max"},
 //               "draws": [[pitch, shift], ...]}],          (draws: only when asked for)
-//    "shape": {...}, "params": {...}}                       (from add_params_json)
+//    "shape": {...}, "params": {...},                       (from add_params_json)
+//    "backward": {"backend", "device", "grad_dtype", "flops", "dense_flops",
+//                 "host_workspace_bytes", "device_workspace_bytes",
+//                 "timings": {name: seconds}}}                (plsh compute --dout: backward_to_json)
 //
 // JSON has no infinity: sigma of a head with slope 0 (+inf), its pitch, and
 // a window of kNoWindow ("every key") are written as null; any other
@@ -29,6 +32,10 @@ namespace plsh::cli {
 nlohmann::ordered_json probe_to_json(const ProbeEstimate& p);
 nlohmann::ordered_json head_to_json(const HeadEstimate& h);
 nlohmann::ordered_json result_to_json(const AttentionResult& r);
+// The backward's part of the metadata: FLOPs done (the five GEMMs of SPEC
+// section 8) and those of the dense equivalent, the workspace, the timings
+// ("backward": the pass itself; "save": writing dq, dk, dv).
+nlohmann::ordered_json backward_to_json(const BackwardResult& r, DType grad_dtype);
 
 // "shape": {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim",
 // "dtype", "out_dtype", "batched"} and "params": {"scale", "causal",

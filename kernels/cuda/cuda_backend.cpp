@@ -3,7 +3,8 @@
 // carves the workspace exactly as the plan sized it, and runs the rounds:
 // build_round -> cuBLAS S = Q K^T -> masked softmax -> cuBLAS O = P V ->
 // merge, then finalize per chunk. The kernels are in cuda_kernels.cu, the
-// memory pool in device_memory.h.
+// memory pool in device_memory.h. backward() checks its plan and lends a
+// handle to cuda_backward.cpp, which runs the backward's rounds.
 #include "cuda/cuda_backend.h"
 
 #include <cublas_v2.h>
@@ -22,9 +23,12 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/backward_plan.h"
+#include "cuda/cuda_backward.h"
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_kernels.h"
 #include "cuda/device_memory.h"
+#include "cuda/step_events.h"
 #include "cuda/step_pacer.h"
 #include "cuda/tile_plan.h"
 #include "plsh/draws.h"
@@ -42,30 +46,6 @@ cudaDataType_t cuda_type(DType t) {
   }
   return CUDA_R_32F;
 }
-
-// The events of StepPacer's steps, destroyed with the forward call (an event
-// still pending is released once it completes).
-class StepEvents {
- public:
-  StepEvents() = default;
-  StepEvents(const StepEvents&) = delete;
-  StepEvents& operator=(const StepEvents&) = delete;
-  ~StepEvents() {
-    for (cudaEvent_t e : events_) (void)cudaEventDestroy(e);
-  }
-  Status create(int n) {
-    for (int i = 0; i < n; ++i) {
-      cudaEvent_t e = nullptr;
-      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      events_.push_back(e);
-    }
-    return Status::Ok();
-  }
-  cudaEvent_t at(int slot) const { return events_[static_cast<size_t>(slot)]; }
-
- private:
-  std::vector<cudaEvent_t> events_;
-};
 
 class CudaBackend final : public Backend {
  public:
@@ -148,17 +128,34 @@ class CudaBackend final : public Backend {
     return Status::Ok();
   }
 
+  // The backward (SPEC section 8, backward_plan.h): on host tensors with
+  // out_dtype = dtype; the CPU backend takes the rest.
+  Status supports_backward(const AttentionParams& p) const override {
+    RETURN_IF_ERROR(supports(p));
+    return check_backward_support(p);
+  }
+
   StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
     RETURN_IF_ERROR(supports(p));
+    if (limits.backward) RETURN_IF_ERROR(supports_backward(p));
     ASSIGN_OR_RETURN(Plan plan, start_plan(p, name(), limits));
     try {
       if (p.mode == Mode::kLsh) plan.lsh_algorithm = LshAlgorithm::kPerSample;
       // The caller's share, or half the pool (request_device_cap); a request
       // too large for half the pool may have all of it: it can only run alone.
       const int64_t cap = request_device_cap(pool_.budget(), limits.device_bytes);
-      StatusOr<CudaLayout> planned = plan_layout(p, plan.draws, cap);
-      if (!planned.ok() && limits.device_bytes <= 0 && cap < pool_.budget())
-        planned = plan_layout(p, plan.draws, pool_.budget());
+      // The forward's layout and, when asked, the backward's, against one cap
+      // (they run one after the other, each holding its own bytes).
+      auto plan_for = [&](int64_t bytes) -> StatusOr<CudaLayout> {
+        ASSIGN_OR_RETURN(CudaLayout l, plan_layout(p, plan.draws, bytes));
+        if (limits.backward) {
+          ASSIGN_OR_RETURN(l.backward, plan_backward_layout(p, l, bytes));
+          l.has_backward = true;
+        }
+        return l;
+      };
+      StatusOr<CudaLayout> planned = plan_for(cap);
+      if (!planned.ok() && limits.device_bytes <= 0 && cap < pool_.budget()) planned = plan_for(pool_.budget());
       if (!planned.ok()) return planned.status();
       CudaLayout layout = std::move(*planned);
       // Exactly what forward allocates from the pool (staging, tables with
@@ -170,6 +167,12 @@ class CudaBackend final : public Backend {
       plan.forward_workspace.host_bytes =
           (layout.table_entries + passes) * static_cast<int64_t>(sizeof(LanePass)) +
           p.heads * p.samples * static_cast<int64_t>(sizeof(Draw));
+      if (layout.has_backward) {
+        plan.backward = true;
+        plan.backward_workspace.device_bytes = layout.backward.device_bytes();
+        // And on the host the per-row terms (D_i, lse') besides the same tables.
+        plan.backward_workspace.host_bytes = plan.forward_workspace.host_bytes + 2 * p.batch * p.heads * p.q_len * 4;
+      }
       plan.layout = std::make_shared<const CudaLayout>(std::move(layout));
     } catch (const std::bad_alloc&) {
       return resource_exhausted("cuda backend: the plan for heads = " + std::to_string(p.heads) +
@@ -179,9 +182,15 @@ class CudaBackend final : public Backend {
   }
 
   Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override;
+  Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) override;
 
  private:
   Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats);
+  Status run_backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats);
+  // forward and backward around their run_*: the device's health before
+  // and after, stale errors cleared, sticky ones recorded.
+  template <typename Run>
+  Status guarded(Run&& run);
 
   StatusOr<cublasHandle_t> acquire_handle() {
     {
@@ -234,7 +243,8 @@ class CudaBackend final : public Backend {
   std::vector<cublasHandle_t> free_handles_;
 };
 
-Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+template <typename Run>
+Status CudaBackend::guarded(Run&& run) {
   RETURN_IF_ERROR(health_.usable());
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   // An error an earlier call left on this thread (a pool allocation that did
@@ -242,14 +252,23 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   // read by this request's first launch check as its own.
   const cudaError_t stale = cudaGetLastError();
   if (health_.record(stale, "found at the start of a request")) return health_.usable();
-  const Status s = run_forward(plan, ctx, stats);
-  // run_forward drains the stream on every path; a sticky error shows in
-  // the last-error slot whichever call met it (a cuBLAS status, the drain).
+  const Status s = run();
+  // run_forward and run_backward drain the stream on every path; a sticky
+  // error shows in the last-error slot whichever call met it (a cuBLAS
+  // status, the drain).
   const cudaError_t last = cudaGetLastError();
   if (health_.record(last, "during a request")) return s.ok() ? health_.usable() : s;
-  // UNAVAILABLE from run_forward comes only from a sticky error (cuda_check.h).
+  // UNAVAILABLE from a run comes only from a sticky error (cuda_check.h).
   if (s.code() == StatusCode::kUnavailable) health_.record_lost(s.message());
   return s;
+}
+
+Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+  return guarded([&] { return run_forward(plan, ctx, stats); });
+}
+
+Status CudaBackend::backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) {
+  return guarded([&] { return run_backward(plan, g, ctx, stats); });
 }
 
 Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
@@ -361,28 +380,7 @@ Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, Forwar
   // deadline and progress follow the GPU, not the host (step_pacer.h).
   StepEvents events;
   RETURN_IF_ERROR(events.create(kStepsInFlight));
-  StepPacer::Hooks hooks;
-  hooks.record = [&](int slot) {
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(events.at(slot), stream));
-    return Status::Ok();
-  };
-  hooks.done = [&](int slot) -> StatusOr<bool> {
-    const cudaError_t e = cudaEventQuery(events.at(slot));
-    if (e == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // "not yet" is no error to keep
-      return false;
-    }
-    CUDA_RETURN_IF_ERROR(e);
-    return true;
-  };
-  hooks.check_stop = [&] { return ctx.check_stop(); };
-  hooks.progress = ctx.progress;
-  hooks.pause = [](int polls) {
-    // Spin briefly (a step may be nearly done), then sleep: the next step is
-    // queued behind this one, so the GPU does not wait for the host.
-    if (polls < 64) std::this_thread::yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(50));
-  };
+  StepPacer::Hooks hooks = event_hooks(events, stream, ctx);
   StepPacer pacer(kStepsInFlight, kStepFlops, std::move(hooks));
 
   const cudaDataType_t in_type = cuda_type(p.dtype);
@@ -478,6 +476,43 @@ Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, Forwar
     stats->workspace = plan.forward_workspace;
   }
   return Status::Ok();
+}
+
+Status CudaBackend::run_backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx,
+                                 BackwardStats* stats) {
+  if (plan.backend != name())
+    return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cuda backend");
+  const auto* layout = dynamic_cast<const CudaLayout*>(plan.layout.get());
+  if (layout == nullptr) return invalid_argument("cuda backend: the plan has no cuda layout, expected CudaBackend::plan's");
+  const AttentionParams& p = plan.params;
+  if (p.q == nullptr || p.k == nullptr || p.v == nullptr)
+    return failed_precondition("cuda backend: the plan's tensors are not bound, expected bind_tensors first");
+  RETURN_IF_ERROR(supports_backward(p));
+  if (g.memory != MemorySpace::kHost || g.out == nullptr || g.lse == nullptr || g.dout == nullptr ||
+      g.dq == nullptr || g.dk == nullptr || g.dv == nullptr)
+    return invalid_argument("cuda backend: backward tensors missing or not in host memory, expected "
+                            "make_backward_params' for this plan");
+  RETURN_IF_ERROR(check_backward_layout_fits(*layout, p, static_cast<int64_t>(dtype_bytes(g.grad_dtype))));
+  if (plan.backward_workspace.device_bytes != layout->backward.device_bytes())
+    return internal_error("cuda backend: the plan charges " + std::to_string(plan.backward_workspace.device_bytes) +
+                          " device bytes for the backward, its layout sized " +
+                          std::to_string(layout->backward.device_bytes()));
+  cudaStream_t stream = ctx.stream != nullptr ? static_cast<cudaStream_t>(ctx.stream) : cudaStreamPerThread;
+  Reservation reservation(pool_);
+  RETURN_IF_ERROR(reservation.take(layout->backward.device_bytes()));
+  ASSIGN_OR_RETURN(cublasHandle_t handle, acquire_handle());
+  // As in run_forward: the queued work drains before the handle goes back.
+  struct HandleGuard {
+    CudaBackend* self;
+    cublasHandle_t h;
+    cudaStream_t stream;
+    ~HandleGuard() {
+      (void)cudaStreamSynchronize(stream);
+      self->release_handle(h);
+    }
+  } handle_guard{this, handle, stream};
+  CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle, stream));
+  return run_cuda_backward(plan, *layout, g, ctx, pool_, handle, stream, stats);
 }
 
 Status no_device_reason(std::string* why) {

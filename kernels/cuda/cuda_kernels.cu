@@ -1,50 +1,13 @@
 #include "cuda/cuda_kernels.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <string>
 
 #include "cuda/cuda_check.h"
+#include "cuda/device_types.cuh"
 
 namespace plsh::cuda {
 
 namespace {
-
-// ---- dtypes: runtime DType -> template argument, in one place ---------------
-
-template <typename F>
-auto dispatch_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::kF16: return f(__half{});
-    case DType::kBF16: return f(__nv_bfloat16{});
-    case DType::kF32: break;
-  }
-  return f(float{});
-}
-
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 constexpr int kThreads = 256;  // 8 warps: one query row per warp at a time
 constexpr int kWarps = kThreads / 32;

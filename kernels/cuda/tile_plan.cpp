@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -181,17 +182,22 @@ std::vector<GemmBatch> gemm_batches(int64_t slots) {
 }
 
 StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& s, int64_t budget_bytes) {
+  const int64_t T = std::min(kTileRows, s.q_len), Kc = std::min(kMaxKeyCols, s.kv_len);
+  return plan_workspace_for(s, budget_bytes, [&](int64_t slots) {
+    return carve_work(slots, T, Kc, s.head_dim, s.elem_bytes, nullptr, nullptr, nullptr);
+  });
+}
+
+StatusOr<WorkspacePlan> plan_workspace_for(const WorkspaceShape& s, int64_t budget_bytes,
+                                           const std::function<int64_t(int64_t slots)>& work_bytes) {
   if (s.lanes < 1 || s.q_len < 1 || s.kv_len < 1 || s.head_dim < 1 || s.elem_bytes < 1)
     return invalid_argument("workspace shape: lanes, q_len, kv_len, head_dim and elem_bytes must be >= 1");
   WorkspacePlan p;
   p.tile_rows = std::min(kTileRows, s.q_len);
   p.key_cols = std::min(kMaxKeyCols, s.kv_len);
   const int64_t T = p.tile_rows;
-  auto work_bytes = [&](int64_t slots) {
-    return carve_work(slots, T, p.key_cols, s.head_dim, s.elem_bytes, nullptr, nullptr, nullptr);
-  };
   // kSliceAlign slots make every slice a multiple of the alignment: no
-  // padding, so this is the exact per-slot sum of carve_work's slices.
+  // padding, so this is the exact per-slot sum of the carved slices.
   p.bytes_per_slot = work_bytes(kSliceAlign) / kSliceAlign;
   int64_t max_slots = std::min(kMaxSlots, std::max<int64_t>(budget_bytes, 0) / p.bytes_per_slot);
   while (max_slots > 0 && work_bytes(max_slots) > budget_bytes) --max_slots;  // the slices' padding

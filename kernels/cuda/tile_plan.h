@@ -19,6 +19,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include "plsh/draws.h"
@@ -432,6 +434,10 @@ std::vector<GemmBatch> gemm_batches(int64_t slots);
 // The largest chunk of (lanes x tiles) whose work buffer (carve_work) fits
 // `budget_bytes`; RESOURCE_EXHAUSTED when not even one tile fits.
 StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& shape, int64_t budget_bytes);
+// The same for any work buffer whose bytes for a number of slots
+// work_bytes gives (the backward's, backward_plan.h).
+StatusOr<WorkspacePlan> plan_workspace_for(const WorkspaceShape& shape, int64_t budget_bytes,
+                                           const std::function<int64_t(int64_t slots)>& work_bytes);
 
 // One lane's passes, as the planner needs them: per pass the rule and its
 // parameters (acc_lane, batch and head filled, tiles and slots not).
@@ -452,6 +458,17 @@ std::vector<LaneSetup> head_passes(const AttentionParams& p, const std::vector<s
 // per lane, pass and key chunk.
 int64_t lane_table_entries(const SpanShape& shape, const std::vector<LaneSetup>& heads, int64_t lanes_per_chunk);
 
+// The backward's device layout (backward_plan.h), when the plan was made
+// with PlanLimits::backward: what plan.backward_workspace.device_bytes
+// counts is exactly what backward allocates.
+struct CudaBackwardLayout {
+  WorkspacePlan work;          // slots of carve_backward_work
+  int64_t staging_bytes = 0;   // carve_backward_staging
+  int64_t table_bytes = 0;     // carve_tables, as the forward's
+  int64_t work_bytes = 0;      // carve_backward_work for work.slots
+  int64_t device_bytes() const { return staging_bytes + table_bytes + work_bytes; }
+};
+
 // The whole device layout of one request, made once by the CUDA backend's
 // plan() and read by its forward(): what plan.forward_workspace.device_bytes
 // counts is exactly what forward allocates.
@@ -463,6 +480,8 @@ struct CudaLayout : BackendLayout {
   int64_t cublas_workspace_bytes = 0;  // cublas_workspace_for the cap
   int64_t table_bytes = 0;       // carve_tables
   int64_t work_bytes = 0;        // carve_work for work.slots
+  bool has_backward = false;     // planned with PlanLimits::backward
+  CudaBackwardLayout backward;   // then: the backward's layout
   int64_t device_bytes() const { return staging_bytes + table_bytes + work_bytes; }
 };
 

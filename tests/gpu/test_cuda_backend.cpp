@@ -27,6 +27,7 @@
 #include "plsh/draws.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
+#include "cuda_test_backend.h"
 #include "log_reference.h"
 #include "reference.h"
 
@@ -36,18 +37,6 @@ namespace {
 using testing::compare;
 using testing::ErrorStats;
 
-// One backend per process: creating cuBLAS handles and the pool once.
-Backend* cuda_backend(std::string* why) {
-  static std::string reason;
-  static std::unique_ptr<Backend> backend = cuda::make_cuda_backend(&reason);
-  *why = reason;
-  return backend.get();
-}
-
-#define REQUIRE_CUDA(backend_var)                         \
-  std::string why_no_cuda;                                \
-  Backend* backend_var = cuda_backend(&why_no_cuda);      \
-  if (backend_var == nullptr) GTEST_SKIP() << why_no_cuda
 
 struct GpuCase {
   std::string name;

@@ -1,9 +1,10 @@
 // The library's front door: plan one attention request on a backend, run it,
 // and return the output's metadata with the error estimates of SPEC
-// section 6.
+// section 6; and its backward pass (SPEC section 8) on the same plan.
 #pragma once
 
 #include "plsh/backend.h"
+#include "plsh/backward.h"
 #include "plsh/params.h"
 #include "plsh/plan.h"
 #include "plsh/result.h"
@@ -27,5 +28,24 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const AttentionParams&
 
 // FLOPs of exact attention over the allowed (i, j) pairs: 4 * B * H * D * pairs.
 double dense_flops(const AttentionParams& p);
+
+// The backward of the forward `plan` computes: make_backward_params (out and
+// lse default to the plan's own, i.e. what its forward wrote), then
+// backend.backward. The plan must come from plan_attention (or
+// Backend::plan) with PlanLimits::backward, with q, k, v bound.
+StatusOr<BackwardResult> run_backward(Backend& backend, const Plan& plan, const GradientRefs& grads,
+                                      const ExecContext& ctx);
+
+struct ForwardBackwardResult {
+  AttentionResult forward;
+  BackwardResult backward;
+};
+
+// One plan (PlanLimits::backward set here), its forward with the estimates
+// into p.out and p.lse, then its backward: a training step in one process
+// (plsh compute --dout). grads.out and grads.lse must be null (the
+// forward's own are used); when p.lse is null a host buffer stands in.
+StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const AttentionParams& p, PlanLimits limits,
+                                                     const GradientRefs& grads, const ExecContext& ctx);
 
 }  // namespace plsh

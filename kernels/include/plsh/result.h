@@ -59,4 +59,15 @@ struct AttentionResult {
   std::map<std::string, double> timings;  // seconds: "compute", "estimates", ...
 };
 
+// What a backward pass returns besides dq, dk, dv.
+struct BackwardResult {
+  std::string backend;
+  std::string device;
+  double flops = 0;          // done: the five GEMMs of SPEC section 8 over the pairs visited
+  double dense_flops = 0;    // the same five GEMMs over every allowed pair of exact attention (2.5x the forward's)
+  int64_t host_workspace_bytes = 0;    // extra memory used, by memory space
+  int64_t device_workspace_bytes = 0;
+  std::map<std::string, double> timings;  // seconds: "backward"
+};
+
 }  // namespace plsh

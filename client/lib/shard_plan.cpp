@@ -286,7 +286,7 @@ StatusOr<ShardPlan> plan_shards(const AttentionOptions& options, bool return_lse
     const int64_t by_size = sharding.min_shard_bytes > 0 ? std::max<int64_t>(1, bytes / sharding.min_shard_bytes) : replicas;
     parts = std::min(replicas, by_size);
     why = "automatic: " + std::to_string(replicas) + (replicas == 1 ? " replica" : " replicas") + ", " + mib(bytes) +
-          (by_size < replicas ? " keeps " + std::to_string(by_size) + " shard(s) of at least " + mib(sharding.min_shard_bytes)
+          " in and out" + (by_size < replicas ? " keeps " + std::to_string(by_size) + " shard(s) of at least " + mib(sharding.min_shard_bytes)
                               : "") +
           "; ";
   } else {
@@ -318,7 +318,7 @@ StatusOr<ShardPlan> plan_shards(const AttentionOptions& options, bool return_lse
   ShardPlan plan = std::move(candidates[best]);
   std::ostringstream reason;
   reason << why << shard_kind_name(plan.kind) << " into " << plan.shards.size() << ": largest shard "
-         << mib(plan.max_shard_bytes) << ", " << mib(plan.sent_bytes) << " sent in all";
+         << mib(plan.max_shard_bytes) << " in and out, " << mib(plan.sent_bytes) << " sent in all";
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (i == best) continue;
     reason << "; " << shard_kind_name(kinds[i]) << " would give " << candidates[i].shards.size() << " with largest " << mib(candidates[i].max_shard_bytes) << ", "

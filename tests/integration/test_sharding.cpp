@@ -19,6 +19,7 @@
 #include <memory>
 #include <ostream>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "plsh/numeric.h"
@@ -276,6 +277,43 @@ TEST_F(Sharding, HalfPrecisionSequenceShardsOfOneItem) {
   const ShardedReply reply = sharded(call, ShardBy::kAuto, addresses());
   EXPECT_EQ(reply.sharding.kind, ShardKind::kSequence) << reply.sharding.reason;  // one kv head: no head cut
   expect_same_bits(reply.reply, reference);
+}
+
+// lsh_algorithm auto: each shard's backend picks per-sample or banded for
+// its own shape (CPU: by the cost model of kernels/cpu/cpu_lsh.cpp), so
+// shards may run another algorithm than the whole request. Both compute the
+// same o~ (SPEC 3) to rounding: equal to 1e-6, not bit for bit. Three heads
+// with slopes 0.01, 0.02, 0.04 and s = 2 over 2048 positions: the whole
+// runs per-sample, the one-head shards not all of them.
+TEST_F(Sharding, AutoAlgorithmAgreesToRounding) {
+  AttentionOptions o;
+  o.q_len = o.kv_len = 2048;
+  o.heads = o.kv_heads = 3;
+  o.head_dim = 64;
+  o.mode = Mode::kLsh;
+  o.samples = 2;
+  o.causal = true;
+  o.slopes = {0.01, 0.02, 0.04};
+  o.estimates = false;
+  const Inputs in = random_inputs(o, 31);
+  const AttendCall call = call_of(o, in);
+  const AttendReply reference = whole(call);
+  const ShardedReply reply = sharded(call, ShardBy::kHeads, addresses());
+  std::set<LshAlgorithm> used;
+  for (const ShardReport& r : reply.sharding.shards) used.insert(r.lsh_algorithm);
+  ASSERT_EQ(reference.result.lsh_algorithm, LshAlgorithm::kPerSample);
+  ASSERT_TRUE(used.count(LshAlgorithm::kBanded)) << "every shard ran per-sample: the case no longer mixes algorithms";
+  double max_diff = 0, max_ref = 0, lse_diff = 0;
+  for (size_t i = 0; i < reference.out.size() / 4; ++i) {
+    const double a = load_element(reference.out.data(), DType::kF32, static_cast<int64_t>(i));
+    const double b = load_element(reply.reply.out.data(), DType::kF32, static_cast<int64_t>(i));
+    max_diff = std::max(max_diff, std::fabs(a - b));
+    max_ref = std::max(max_ref, std::fabs(a));
+  }
+  for (size_t i = 0; i < reference.lse.size(); ++i)
+    lse_diff = std::max(lse_diff, static_cast<double>(std::fabs(reference.lse[i] - reply.reply.lse[i])));
+  EXPECT_LE(max_diff / max_ref, 2e-6);
+  EXPECT_LE(lse_diff, 4e-6);
 }
 
 // A replica that refuses connections: its shard goes to another, and the

@@ -78,15 +78,24 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
   load->reference_size_ = static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(load->out_dtype_);
   load->tolerance_ = config.verify_tolerance.value_or(verify_tolerance(load->out_dtype_));
 
-  for (int c = 0; c < config.connections; ++c) {
+  if (config.shard) {
+    const grpc::Status made = client::ShardedClient::connect(config.target, config.channel, &load->sharded_);
+    if (!made.ok()) return Status(static_cast<StatusCode>(made.error_code()), made.error_message());
+    const grpc::Status info = load->sharded_->replica(0).info(&load->info_, 10);
+    if (!info.ok())
+      return unavailable("target " + load->sharded_->replicas()[0] + ": GetInfo failed: " + client::status_string(info));
+  }
+  for (int c = 0; !config.shard && c < config.connections; ++c) {
     std::shared_ptr<grpc::Channel> channel;
     std::string token;
     const grpc::Status made = client::make_channel(config.target, config.channel, channel_arguments(c), &channel, &token);
     if (!made.ok()) return invalid_argument(made.error_message());
     load->clients_.push_back(std::make_unique<client::Client>(std::move(channel), std::move(token)));
   }
-  const grpc::Status info = load->clients_.front()->info(&load->info_, 10);
-  if (!info.ok()) return unavailable("target " + config.target + ": GetInfo failed: " + client::status_string(info));
+  if (!config.shard) {
+    const grpc::Status info = load->clients_.front()->info(&load->info_, 10);
+    if (!info.ok()) return unavailable("target " + config.target + ": GetInfo failed: " + client::status_string(info));
+  }
 
   if (config.verify_fraction > 0) {
     // The reference needs only the output: no estimates.
@@ -143,8 +152,15 @@ Outcome AttendLoad::call(int worker, int64_t index) {
   call.deadline_seconds = config_.deadline;
   call.request_id = "bench-" + std::to_string(index);
   client::AttendReply reply;
-  client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
-  const grpc::Status status = config_.unary ? c.attend_unary(call, &reply) : c.attend(call, &reply);
+  grpc::Status status;
+  if (sharded_) {
+    client::ShardedReply sharded;
+    status = sharded_->attend(call, config_.sharding, &sharded);
+    reply = std::move(sharded.reply);
+  } else {
+    client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
+    status = config_.unary ? c.attend_unary(call, &reply) : c.attend(call, &reply);
+  }
 
   Outcome o;
   o.code = client::status_code_name(status.error_code());

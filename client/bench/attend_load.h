@@ -14,6 +14,7 @@
 #include "bench/load.h"
 #include "plsh/client.h"
 #include "plsh/params.h"
+#include "plsh/sharding.h"
 #include "plsh/status.h"
 
 namespace plsh::bench {
@@ -30,6 +31,11 @@ struct AttendLoadConfig {
   uint64_t input_seed = 0;         // seed of q, k, v ~ N(0, 1)
   double verify_fraction = 0;      // share of responses checked, in [0, 1]
   std::optional<double> verify_tolerance;  // default: verify_tolerance(out dtype)
+  // Each request cut across the replicas of `target` (a list or a dns:
+  // name; plsh/sharding.h) instead of sent whole; `connections` and `unary`
+  // do not apply.
+  bool shard = false;
+  client::ShardingOptions sharding;
 };
 
 // Largest max |out - ref| / max |ref| that counts as a match, by output
@@ -68,6 +74,7 @@ class AttendLoad {
   explicit AttendLoad(AttendLoadConfig config) : config_(std::move(config)) {}
   AttendLoadConfig config_;
   std::vector<std::unique_ptr<client::Client>> clients_;
+  std::unique_ptr<client::ShardedClient> sharded_;  // with config.shard
   std::vector<uint8_t> q_, k_, v_;
   std::vector<float> reference_;   // [B, Nq, H, D] as float, the CPU backend's output
   size_t reference_size_ = 0;      // output bytes in out dtype

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "cli/commands.h"
@@ -17,6 +18,7 @@
 #include "cli/flags.h"
 #include "cli/meta_json.h"
 #include "cli/npy.h"
+#include "cli/shard_flags.h"
 #include "plsh/client.h"
 #include "plsh/numeric.h"
 
@@ -31,6 +33,7 @@ struct AttendArgs {
   std::string wire_dtype;    // f32 | f16 | bf16; empty: the inputs' dtype
   int64_t chunk_bytes = 0;   // 0: the largest the server allows
   double deadline = 0;       // seconds; 0: none
+  ShardCliArgs sharding;     // --shards, --shard-by: with a list of targets
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -107,11 +110,22 @@ int attend(const AttendArgs& args) {
   call.chunk_bytes = args.chunk_bytes;
   call.deadline_seconds = args.deadline;
 
-  std::unique_ptr<client::Client> c;
-  if (const grpc::Status s = client::Client::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
   client::AttendReply reply;
+  std::optional<client::ShardingSummary> sharding;  // with a list of targets (plsh/sharding.h)
   const auto t_call = std::chrono::steady_clock::now();
-  const grpc::Status status = c->attend(call, &reply);
+  grpc::Status status;
+  if (wants_sharding(args.target, args.sharding)) {
+    std::unique_ptr<client::ShardedClient> c;
+    if (const grpc::Status s = client::ShardedClient::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
+    client::ShardedReply sharded;
+    status = c->attend(call, sharding_options(args.sharding), &sharded);
+    reply = std::move(sharded.reply);
+    sharding = std::move(sharded.sharding);
+  } else {
+    std::unique_ptr<client::Client> c;
+    if (const grpc::Status s = client::Client::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
+    status = c->attend(call, &reply);
+  }
   const double call_seconds = seconds_since(t_call);
   if (!status.ok()) return report_rpc_error(status);
 
@@ -143,6 +157,7 @@ int attend(const AttendArgs& args) {
                       {"largest_message_bytes", reply.largest_message_bytes},
                       {"sent_bytes", reply.sent_bytes},
                       {"received_bytes", reply.received_bytes}};
+    if (sharding) meta["sharding"] = sharding_json(*sharding);
     if (Status s = write_text(args.outputs.meta_path, meta.dump(2) + "\n"); !s.ok()) return report_error("attend", s);
   }
   return kExitOk;
@@ -152,7 +167,10 @@ RunFn setup_attend(CLI::App& app) {
   auto args = std::make_shared<AttendArgs>();
   add_attention_flags(app, args->attention);
   add_output_flags(app, args->outputs);
-  app.add_option("--target", args->target, "plsh-server address host:port")->capture_default_str();
+  app.add_option("--target", args->target,
+                 "plsh-server address host:port; a list a:1,b:2 or dns:///name:port shards the request across them")
+      ->capture_default_str();
+  add_shard_flags(app, args->sharding);
   add_connection_flags(app, args->channel);
   app.add_option("--wire-dtype", args->wire_dtype, "dtype of q, k, v on the wire: f32, f16 or bf16 (default: the files')")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));

@@ -30,6 +30,7 @@
 #include "cli/commands.h"
 #include "cli/connection_flags.h"
 #include "cli/flags.h"
+#include "cli/shard_flags.h"
 #include "plsh/backend.h"
 
 namespace plsh::cli {
@@ -63,6 +64,7 @@ struct BenchArgs {
   std::optional<double> p99_threshold_ms;
   std::string metrics;              // host:port of the server's /metrics
   bool quiet = false;
+  ShardCliArgs sharding;            // --shards, --shard-by: with a list of targets
 };
 
 // Default cap on requests in flight for --rate without --concurrency: the
@@ -214,6 +216,9 @@ Status bench(const BenchArgs& a, int* exit_code) {
   config.input_seed = a.seed;
   config.verify_fraction = a.verify;
   config.verify_tolerance = a.verify_tolerance;
+  config.shard = wants_sharding(a.target, a.sharding);
+  config.sharding = sharding_options(a.sharding);
+  if (config.shard && a.unary) return invalid_argument("unary: AttendUnary sends one request whole, expected no --unary with --shards or a list of targets");
 
   std::vector<bench::LevelSpec> levels;
   bench::LevelSpec base;
@@ -295,6 +300,8 @@ Status bench(const BenchArgs& a, int* exit_code) {
                 {"duration_s", base.duration > 0 ? nlohmann::ordered_json(base.duration) : nlohmann::ordered_json(nullptr)},
                 {"requests", base.requests > 0 ? nlohmann::ordered_json(base.requests) : nlohmann::ordered_json(nullptr)},
                 {"warmup_s", a.warmup}};
+  if (config.shard)
+    run.config["sharding"] = {{"shards", a.sharding.shards}, {"by", a.sharding.by}};
   run.server = server_json(load->server_info());
   run.client = {{"host", host_name()},
                 {"cores", bench::usable_cores()},
@@ -354,7 +361,10 @@ Status bench(const BenchArgs& a, int* exit_code) {
 
 RunFn setup_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
-  app.add_option("--target", a->target, "plsh-server address host:port")->capture_default_str();
+  app.add_option("--target", a->target,
+                 "plsh-server address host:port; a list a:1,b:2 or dns:///name:port shards each request across them")
+      ->capture_default_str();
+  add_shard_flags(app, a->sharding);
   add_connection_flags(app, a->channel);
   app.add_option("--concurrency", a->concurrency,
                  "requests in flight (closed loop), one value or a sweep '1,2,4,8'; with --rate: the most in flight "

@@ -16,11 +16,20 @@ A server with TLS and bearer tokens:
     Client("plsh.example:50051", tls_ca="ca.crt", token_file="plsh.token")
     # client certificates: also tls_cert="client.crt", tls_key="client.key"
 
+Several replicas of one service (a list of targets, or a dns: name whose
+every address is a replica) can share one request, cut by heads or by
+sequence, with the same output bit for bit (plsh_client.sharding):
+
+    from plsh_client import ShardedClient
+    with ShardedClient("a:50051,b:50051,c:50051") as c:
+        out, meta = c.attend(q, k, v, mode="lsh", causal=True)   # meta["sharding"]: the cut, replicas, timings
+
 The generated stubs (plsh/v1/plsh_pb2.py, ...) are built by CMake into
 <build>/python; that directory must be on sys.path (PYTHONPATH), or set
 PLSH_PYTHON_STUBS to it.
 """
 
 from ._client import Client, PlshError
+from .sharding import ShardedClient
 
-__all__ = ["Client", "PlshError"]
+__all__ = ["Client", "PlshError", "ShardedClient"]

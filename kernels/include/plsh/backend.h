@@ -118,7 +118,7 @@ class BackendRegistry {
 // CPU serves). Bump kBackendApiVersion whenever Backend, Plan, AttentionParams
 // or ExecContext change layout: the library and the process are separate
 // builds.
-inline constexpr uint32_t kBackendApiVersion = 2;
+inline constexpr uint32_t kBackendApiVersion = 3;
 extern "C" {
 struct PlshBackendPlugin {
   uint32_t api_version;  // kBackendApiVersion of the library's build

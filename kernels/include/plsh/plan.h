@@ -53,6 +53,12 @@ struct Plan {
   Workspace forward_workspace;           // what forward needs
   Workspace estimates_workspace;         // what compute_estimates needs (host only)
   std::shared_ptr<const BackendLayout> layout;
+  // Error-targeted requests (params.target_rel_err > 0, plsh/targeted.h):
+  // one plan per configuration to try, cheapest first, made with this one;
+  // the workspaces above are the largest attempt's plus every attempt's
+  // draws. Empty otherwise.
+  std::vector<Plan> attempts;
+  double target_window_scale = 0;        // an attempt's window: c in W_h = ceil(c sigma_h)
 
   // Peak extra memory of the request: forward and the estimates run one
   // after the other, so the larger of the two per memory space.
@@ -62,8 +68,8 @@ struct Plan {
   }
 };
 
-// The draws of every head for lsh params, nothing otherwise: the one place
-// that calls draw_hashes for a request.
+// The draws of every head for lsh params (SPEC section 5, by p.sampling),
+// nothing otherwise: the one place that calls draw_hashes for a request.
 std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p);
 
 // What every backend's plan starts from: the params, the backend's name,

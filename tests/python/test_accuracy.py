@@ -67,3 +67,28 @@ def test_target_errors_name_the_field(server):
         assert meta["target"]["attempts"][0]["samples"] == 8
         with pytest.raises(ValueError):
             c.attend(q, k, v, sampling="sobol")
+
+
+def test_cli_attend_target_error_equals_compute(server, tmp_path):
+    """plsh attend --target-error (the C++ client library's header) against plsh compute."""
+    import json
+    import os
+    import subprocess
+    q, k, v = rng_inputs((1, 300, 2, 16), (1, 300, 2, 16), seed=6)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        np.save(tmp_path / f"{name}.npy", a)
+    common = ["--q", str(tmp_path / "q.npy"), "--k", str(tmp_path / "k.npy"), "--v", str(tmp_path / "v.npy"),
+              "--target-error", "0.05", "--slopes", "0.5,0.125", "--causal"]
+    plsh = os.environ["PLSH_CLI"]
+    local = subprocess.run([plsh, "compute", *common, "--backend", "cpu", "--out", str(tmp_path / "c.npy"),
+                            "--meta", str(tmp_path / "c.json")], capture_output=True, text=True)
+    assert local.returncode == 0, local.stderr
+    remote = subprocess.run([plsh, "attend", *common, "--target", server.address, "--out", str(tmp_path / "a.npy"),
+                             "--meta", str(tmp_path / "a.json")], capture_output=True, text=True)
+    assert remote.returncode == 0, remote.stderr
+    meta, ref = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "c.json").read_text())
+    assert rel(np.load(tmp_path / "a.npy"), np.load(tmp_path / "c.npy")) <= 1e-6
+    assert meta["mode"] == ref["mode"] == "window"
+    assert meta["target"]["chosen"] == ref["target"]["chosen"]
+    assert [a["mode"] for a in meta["target"]["attempts"]] == [a["mode"] for a in ref["target"]["attempts"]]
+    assert meta["summary"]["probe"]["rel_err_upper"] <= 0.05

@@ -27,6 +27,7 @@ inline constexpr int64_t max_chunk_payload_bytes(int64_t max_message_bytes) {
 v1::DType to_wire(DType t);
 v1::Mode to_wire(Mode m);
 v1::LshAlgorithm to_wire(LshAlgorithm a);
+v1::Sampling to_wire(Sampling s);
 
 // INVALID_ARGUMENT naming `field` for values outside the enum;
 // DTYPE_UNSPECIFIED gives `if_unspecified`, or an error without one.
@@ -34,6 +35,7 @@ StatusOr<DType> dtype_from_wire(const char* field, int value, std::optional<DTyp
 // MODE_UNSPECIFIED is lsh (SPEC section 4's default).
 StatusOr<Mode> mode_from_wire(int value);
 StatusOr<LshAlgorithm> lsh_algorithm_from_wire(int value);
+StatusOr<Sampling> sampling_from_wire(int value);
 // "exact", "lsh", "window", "unknown": a metrics label for any wire value.
 const char* mode_label(v1::Mode m);
 

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "plsh/backend.h"
+#include "plsh/targeted.h"
 #include "proto/wire.h"
 
 namespace plsh::server {
@@ -67,6 +68,14 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   if (h.has_samples()) o.samples = h.samples();
   o.seed = h.seed();
   ASSIGN_OR_RETURN(o.lsh_algorithm, wire::lsh_algorithm_from_wire(h.lsh_algorithm()));
+  ASSIGN_OR_RETURN(o.sampling, wire::sampling_from_wire(h.sampling()));
+  if (h.has_target_rel_err()) {
+    o.target_rel_err = h.target_rel_err();
+    // 0 is "no target" in the library; on the wire an unset field says that.
+    if (!(o.target_rel_err > 0))
+      return invalid_argument("target_rel_err = " + std::to_string(o.target_rel_err) + ", expected in (0, 1]");
+    if (h.mode() == v1::MODE_UNSPECIFIED) o.mode = kDefaultTargetMode;
+  }
   if (h.has_window_eps()) o.window_eps = h.window_eps();
   o.window_width = h.window_width();
   if (h.has_estimates()) o.estimates = h.estimates();
@@ -89,6 +98,9 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   if (o.mode == Mode::kLsh && o.samples > limits.max_samples)
     return resource_exhausted("samples = " + std::to_string(o.samples) + ", expected <= " +
                               std::to_string(limits.max_samples) + " (the server's --max-samples)");
+  if (o.mode == Mode::kLsh && target_max_samples(o) > limits.max_samples)
+    return resource_exhausted("target_rel_err with lsh tries up to samples = " + std::to_string(target_max_samples(o)) +
+                              ", expected <= " + std::to_string(limits.max_samples) + " (the server's --max-samples)");
   // validate_options bounded every element count by 2^50, so these products fit.
   const int64_t tokens = o.batch * std::max(o.q_len, o.kv_len);
   if (tokens > limits.max_tokens)
@@ -148,7 +160,9 @@ int64_t summary_bytes(const AttentionOptions& o) {
   // The fixed fields fit in kMessageHeadroom; exact has no per-head entries.
   if (o.mode == Mode::kExact) return 0;
   const bool draws = o.return_draws && o.mode == Mode::kLsh;
-  return o.heads * (200 + (draws ? 20 * o.samples : 0));
+  // A targeted request's summary lists its attempts (~100 bytes each).
+  const int64_t attempts = o.target_rel_err > 0 ? 100 * kTargetMaxAttempts : 0;
+  return o.heads * (200 + (draws ? 20 * target_max_samples(o) : 0)) + attempts;
 }
 
 RequestBuffers RequestBuffers::allocate(const RequestPlan& plan) {

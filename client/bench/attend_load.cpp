@@ -98,9 +98,11 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
   }
 
   if (config.verify_fraction > 0) {
-    // The reference needs only the output: no estimates.
+    // The reference needs only the output: no estimates, except where the
+    // output depends on them (an error-targeted request keeps the first
+    // configuration whose estimate meets the target).
     AttentionOptions ref_options = o;
-    ref_options.estimates = false;
+    ref_options.estimates = o.target_rel_err > 0;
     std::vector<uint8_t> out(load->reference_size_);
     TensorRefs t;
     t.q = load->q_.data();

@@ -48,6 +48,9 @@ struct BenchArgs {
   std::string shape = "1,1024,8,8,64";
   std::string mode = mode_name(AttentionOptions{}.mode);
   int64_t samples = kDefaultSamples;
+  std::string sampling = sampling_name(kDefaultSampling);
+  double target_error = 0;          // > 0: error-targeted requests
+  bool mode_given = false;
   bool causal = false;
   std::string wire_dtype = "f32";
   int64_t window_width = 0;
@@ -203,6 +206,11 @@ Status bench(const BenchArgs& a, int* exit_code) {
   RETURN_IF_ERROR(apply_shape(a.shape, &o));
   ASSIGN_OR_RETURN(o.dtype, parse_dtype(a.wire_dtype));
   ASSIGN_OR_RETURN(o.mode, parse_mode(a.mode));
+  ASSIGN_OR_RETURN(o.sampling, parse_sampling(a.sampling));
+  if (!(a.target_error >= 0 && a.target_error <= 1))
+    return invalid_argument("target_rel_err = " + std::to_string(a.target_error) + ", expected in (0, 1] (0: no target)");
+  o.target_rel_err = a.target_error;
+  if (o.target_rel_err > 0 && !a.mode_given) o.mode = kDefaultTargetMode;
   o.samples = a.samples;
   o.seed = a.seed;
   o.causal = a.causal;
@@ -286,6 +294,8 @@ Status bench(const BenchArgs& a, int* exit_code) {
   run.config = {{"shape", {{"batch", o.batch}, {"n", o.q_len}, {"heads", o.heads}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim}}},
                 {"mode", mode_name(o.mode)},
                 {"samples", o.samples},
+                {"sampling", sampling_name(o.sampling)},
+                {"target_rel_err", o.target_rel_err},
                 {"causal", o.causal},
                 {"wire_dtype", dtype_name(o.dtype)},
                 {"window_width", o.window_width},
@@ -378,8 +388,14 @@ RunFn setup_bench(CLI::App& app) {
   app.add_option("--warmup", a->warmup, "seconds of the same load before each level is measured")->capture_default_str();
   app.add_option("--shape", a->shape, "B,N,H,Hkv,D: batch, sequence length (q and kv), heads, kv heads, head dim")
       ->capture_default_str();
-  app.add_option("--mode", a->mode, "exact, lsh or window")->capture_default_str();
+  app.add_option("--mode", a->mode, "exact, lsh or window (with --target-error and no --mode: window)")
+      ->capture_default_str()
+      ->each([a](const std::string&) { a->mode_given = true; });
   app.add_option("--samples", a->samples, "lsh: hashes per head")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--sampling", a->sampling, "lsh: iid, stratified or ash")->capture_default_str();
+  app.add_option("--target-error", a->target_error,
+                 "error-targeted requests: the relative error each must stay under (0: off)")
+      ->capture_default_str();
   app.add_flag("--causal", a->causal, "causal attention");
   app.add_option("--wire-dtype", a->wire_dtype, "dtype of q, k, v and out on the wire: f32, f16 or bf16")->capture_default_str();
   app.add_option("--window-width", a->window_width, "window: one width for every head (0: from the server's eps)")

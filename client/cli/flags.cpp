@@ -75,7 +75,9 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_flag("--bf16-bits", a.bf16_bits,
                "read '<u2' (uint16) arrays as bfloat16 bit patterns, and write bf16 outputs the same way");
 
-  app.add_option("--mode", a.mode, "exact, lsh or window")->capture_default_str();
+  app.add_option("--mode", a.mode, "exact, lsh or window (with --target-error and no --mode: window)")
+      ->capture_default_str()
+      ->each([&a](const std::string&) { a.mode_given = true; });
   app.add_option("--samples", a.samples, "lsh: hashes per head (s)")->capture_default_str()->transform(decimal_integer(true));
   app.add_option("--seed", a.seed, "lsh: seed of the hash draws (uint64)")->capture_default_str()->transform(decimal_integer(false));
   app.add_flag("--causal", a.causal, "mask keys after the query's position");
@@ -83,6 +85,13 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_option_function<double>(
       "--scale", [&a](const double& v) { a.scale = v; }, "softmax scale (default 1/sqrt(D))");
   app.add_option("--lsh-algorithm", a.lsh_algorithm, "auto, per_sample or banded")->capture_default_str();
+  app.add_option("--sampling", a.sampling,
+                 "lsh: how a head's hashes depend on each other: iid, stratified or ash (SPEC 5; README)")
+      ->capture_default_str();
+  app.add_option("--target-error", a.target_error,
+                 "relative L2 error to promise (0: off): the cheapest configuration of --mode (window widths, "
+                 "lsh samples) whose probe upper bound is under it, else exact")
+      ->capture_default_str();
   app.add_option("--window-eps", a.window_eps, "window: W_h = ceil(sigma_h ln(1/eps))")->capture_default_str();
   app.add_option("--window-width", a.window_width, "window: one width W for every head (0: from --window-eps)")
       ->capture_default_str()
@@ -167,6 +176,11 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
   AttentionOptions o;
   ASSIGN_OR_RETURN(o.mode, parse_mode(a.mode));
   ASSIGN_OR_RETURN(o.lsh_algorithm, parse_lsh_algorithm(a.lsh_algorithm));
+  ASSIGN_OR_RETURN(o.sampling, parse_sampling(a.sampling));
+  if (!std::isfinite(a.target_error))
+    return invalid_argument("target_rel_err = " + str(a.target_error) + ", expected in (0, 1] (0: no target)");
+  o.target_rel_err = a.target_error;
+  if (o.target_rel_err > 0 && !a.mode_given) o.mode = kDefaultTargetMode;
   o.samples = a.samples;
   o.seed = a.seed;
   o.causal = a.causal;

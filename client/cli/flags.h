@@ -30,6 +30,9 @@ struct AttentionCliArgs {
   std::string slopes;                   // "a,b,..." one per query head; empty: standard ALiBi slopes
   std::optional<double> scale;          // default 1/sqrt(D)
   std::string lsh_algorithm = lsh_algorithm_name(AttentionOptions{}.lsh_algorithm);  // auto | per_sample | banded
+  std::string sampling = sampling_name(kDefaultSampling);  // lsh: iid | stratified | ash
+  double target_error = 0;              // > 0: error-targeted request (target_rel_err)
+  bool mode_given = false;              // --mode was on the command line (a target without it searches windows)
   double window_eps = kDefaultWindowEps;  // window: W_h = ceil(sigma_h ln(1/eps))
   int64_t window_width = 0;             // window: one W for all heads; 0: from window_eps
   std::optional<int64_t> q_pos0;        // default Nk - Nq

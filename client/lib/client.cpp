@@ -119,6 +119,8 @@ v1::AttendHeader make_header(const AttendCall& call) {
   h.set_samples(o.samples);
   h.set_seed(o.seed);
   h.set_lsh_algorithm(wire::to_wire(o.lsh_algorithm));
+  h.set_sampling(wire::to_wire(o.sampling));
+  if (o.target_rel_err > 0) h.set_target_rel_err(o.target_rel_err);
   h.set_window_eps(o.window_eps);
   h.set_window_width(o.window_width);
   h.set_estimates(o.estimates);

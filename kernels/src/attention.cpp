@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "plsh/estimates.h"
+#include "plsh/targeted.h"
 
 namespace plsh {
 
@@ -38,12 +39,14 @@ double dense_flops(const AttentionParams& p) {
 }
 
 StatusOr<Plan> plan_attention(const Backend& backend, const AttentionParams& p, const PlanLimits& limits) {
+  if (p.target_rel_err > 0) return plan_targeted(backend, p, limits);
   ASSIGN_OR_RETURN(Plan plan, backend.plan(p, limits));
   plan.estimates_workspace.host_bytes = estimates_host_bytes(p, plan.threads);
   return plan;
 }
 
 StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, const ExecContext& ctx) {
+  if (!plan.attempts.empty()) return run_targeted(backend, plan, ctx);
   const AttentionParams& p = plan.params;
   AttentionResult result;
   result.backend = backend.name();
@@ -51,6 +54,7 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, cons
   result.mode = p.mode;
   result.samples = p.samples;
   result.seed = p.seed;
+  result.sampling = p.sampling;
   result.scale = p.scale;
   result.q_pos0 = p.q_pos0;
   result.k_pos0 = p.k_pos0;

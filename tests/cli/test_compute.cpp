@@ -112,6 +112,33 @@ std::vector<Case> cases() {
     c.push_back(p);
   }
   {
+    // The ash sampler's draws come back in the metadata, recomputable.
+    Case a{"lsh_ash_draws", {}, true, {"--mode", "lsh", "--samples", "16", "--sampling", "ash", "--seed", "5", "--return-draws"}};
+    a.options.batch = 1;
+    a.options.q_len = a.options.kv_len = 64;
+    a.options.heads = 2;
+    a.options.head_dim = 8;
+    a.options.mode = Mode::kLsh;
+    a.options.samples = 16;
+    a.options.sampling = Sampling::kAsh;
+    a.options.seed = 5;
+    a.options.return_draws = true;
+    c.push_back(a);
+  }
+  {
+    // An error-targeted request without --mode searches windows.
+    Case t{"targeted_window", {}, true, {"--target-error", "0.05", "--causal", "--slopes", "0.5,0.25"}};
+    t.options.batch = 1;
+    t.options.q_len = t.options.kv_len = 200;
+    t.options.heads = 2;
+    t.options.head_dim = 16;
+    t.options.mode = kDefaultTargetMode;
+    t.options.target_rel_err = 0.05;
+    t.options.causal = true;
+    t.options.slopes = {0.5, 0.25};
+    c.push_back(t);
+  }
+  {
     // bfloat16 travels as '<u2' bit patterns, in and out, with --bf16-bits.
     Case b{"exact_bf16_bits", {}, true, {"--mode", "exact", "--bf16-bits"}};
     b.options.batch = 1;
@@ -201,13 +228,31 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   expect_keys(meta["timings"], {"compute", "load", "save"}, "timings");
   expect_keys(meta["summary"], {"mask_max_err", "mask_spectral_err", "probe"}, "summary");
   expect_keys(meta["shape"], {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "dtype", "out_dtype"}, "shape");
-  EXPECT_EQ(meta["mode"], mode_name(o.mode));
+  EXPECT_EQ(meta["mode"], mode_name(expected->mode));  // a targeted request's: the kept attempt's
+  if (o.target_rel_err == 0) EXPECT_EQ(expected->mode, o.mode);
   EXPECT_EQ(meta["seed"].get<uint64_t>(), expected->seed);
   EXPECT_EQ(meta["samples"].get<int64_t>(), expected->samples);
   EXPECT_EQ(meta["backend"], "cpu");
   EXPECT_EQ(meta["flops"].get<double>(), expected->flops);
   EXPECT_EQ(meta["dense_flops"].get<double>(), expected->dense_flops);
   EXPECT_EQ(meta["lsh_algorithm"], lsh_algorithm_name(expected->lsh_algorithm));
+  EXPECT_EQ(meta["sampling"], sampling_name(expected->sampling));
+  EXPECT_EQ(meta.contains("target"), o.target_rel_err > 0);
+  if (o.target_rel_err > 0) {
+    const nlohmann::json& t = meta["target"];
+    EXPECT_EQ(t["target_rel_err"].get<double>(), o.target_rel_err);
+    EXPECT_TRUE(t["met"].get<bool>());
+    EXPECT_EQ(t["chosen"].get<int64_t>(), expected->target.chosen);
+    ASSERT_EQ(t["attempts"].size(), expected->target.attempts.size());
+    for (size_t i = 0; i < expected->target.attempts.size(); ++i) {
+      const TargetAttempt& a = expected->target.attempts[i];
+      const nlohmann::json& ja = t["attempts"][i];
+      EXPECT_EQ(ja["mode"], mode_name(a.mode));
+      EXPECT_EQ(ja["flops"].get<double>(), a.flops);
+      EXPECT_EQ(ja["met"].get<bool>(), a.met);
+      expect_keys(ja, {"rel_err", "rel_err_upper", "seconds"}, "target.attempts");
+    }
+  }
   EXPECT_EQ(meta["shape"]["kv_heads"].get<int64_t>(), kv_heads);
   EXPECT_EQ(meta["shape"]["batched"].get<bool>(), c.batched);
   // The resolved defaults, as the library resolved them.
@@ -219,7 +264,7 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   EXPECT_EQ(meta["params"]["k_pos0"].get<int64_t>(), params->k_pos0);
 
   ASSERT_EQ(meta["heads"].size(), expected->heads.size());
-  if (o.mode != Mode::kExact) {
+  if (expected->mode != Mode::kExact) {
     ASSERT_EQ(static_cast<int64_t>(expected->heads.size()), o.heads);
   }
   for (size_t h = 0; h < expected->heads.size(); ++h) {
@@ -229,7 +274,8 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
     expect_keys(jh, {"head", "slope", "sigma", "window", "max_block", "mask_max_err", "mask_rows_checked",
                      "mask_rows_sampled", "mask_spectral_err", "spectral_iterations", "probe"},
                 where);
-    expect_keys(jh["probe"], {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max"}, where + ".probe");
+    expect_keys(jh["probe"], {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max", "rel_err_upper"},
+                where + ".probe");
     EXPECT_EQ(jh["head"].get<int64_t>(), eh.head);
     if (std::isfinite(eh.sigma)) {
       EXPECT_EQ(jh["sigma"].get<double>(), eh.sigma) << where;
@@ -240,10 +286,11 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
     EXPECT_EQ(jh["mask_max_err"].get<double>(), eh.mask_max_err) << where;
     EXPECT_EQ(jh["probe"]["rows"].get<int64_t>(), eh.probe.rows) << where;
 
-    // The draws are SPEC section 5's, recomputable from (seed, head, sigma).
+    // The draws are SPEC section 5's, recomputable from (seed, head, sigma, samples, sampling).
     ASSERT_EQ(jh.contains("draws"), o.return_draws) << where;
     if (!o.return_draws) continue;
-    const std::vector<Draw> draws = draw_hashes(o.seed, static_cast<int64_t>(h), params->sigma(static_cast<int64_t>(h)), o.samples);
+    const std::vector<Draw> draws =
+        draw_hashes(o.seed, static_cast<int64_t>(h), params->sigma(static_cast<int64_t>(h)), o.samples, o.sampling);
     ASSERT_EQ(jh["draws"].size(), draws.size()) << where;
     for (size_t k = 0; k < draws.size(); ++k) {
       EXPECT_EQ(jh["draws"][k][0].get<double>(), draws[k].pitch) << where << " draw " << k;
@@ -370,13 +417,16 @@ TEST(Demo, PrintsOneRowPerModeWithExactAsItsOwnReference) {
       {"demo", "--n", "96", "--heads", "2", "--head-dim", "8", "--samples", "4", "--threads", "2", "--per-head"}, dir);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.err, "");
-  for (const char* row : {"\nexact ", "\nwindow ", "\nlsh "})
+  for (const char* row : {"\nexact ", "\nwindow ", "\nlsh iid ", "\nlsh ash ", "\ntarget 1.00e-02 "})
     EXPECT_NE(r.out.find(row), std::string::npos) << "no row '" << row + 1 << "' in:\n" << r.out;
   // exact against itself: relative error exactly 0.
   const size_t exact = r.out.find("\nexact ");
   ASSERT_NE(exact, std::string::npos);
   EXPECT_NE(r.out.substr(exact, r.out.find('\n', exact + 1) - exact).find("0.00e+00"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("lsh, per head:"), std::string::npos) << r.out;
+  // The targeted row lists its attempts and marks the one kept.
+  EXPECT_NE(r.out.find("kept the first whose probe upper bound met it"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  * "), std::string::npos) << r.out;
 
   EXPECT_NE(r.out.find(", causal,"), std::string::npos) << r.out;  // the default
   const RunResult open = testing::run_plsh({"demo", "--n", "40", "--heads", "1", "--head-dim", "4", "--no-causal"}, dir);

@@ -49,6 +49,7 @@ struct GpuCase {
   int64_t samples;
   int64_t window_width;  // window: 0 = from window_eps
   std::vector<double> slopes;  // empty: standard
+  Sampling sampling = Sampling::kIid;  // lsh: the backend reads plan.draws, whichever sampler made them
 };
 
 // ctest lists a case by its name, not by a byte dump of the struct.
@@ -103,6 +104,7 @@ TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
   o.seed = 1234;
   o.window_width = c.window_width;
   o.slopes = c.slopes;
+  o.sampling = c.sampling;
   o.estimates = false;
   const testing::RandomTensors t = testing::random_qkv(o, 77);
   std::vector<uint8_t> out_gpu = testing::output_buffer(o);
@@ -167,6 +169,9 @@ std::vector<GpuCase> cases() {
   v.push_back({"lsh_noncausal_f32", 2, 97, 97, 8, 2, 40, f, Mode::kLsh, false, std::nullopt, 0, 7, 0, {}});
   v.push_back({"lsh_tail_positions_f32", 1, 70, 700, 4, 1, 64, f, Mode::kLsh, true, int64_t{123456 + 630}, 123456, 16, 0,
                {1.0 / 300, 0.8, 0.2, 0.04}});
+  v.push_back({"lsh_ash_causal_f32", 1, 300, 300, 4, 2, 64, f, Mode::kLsh, true, std::nullopt, 0, 64, 0, {}, Sampling::kAsh});
+  v.push_back({"lsh_stratified_noncausal_f32", 1, 97, 97, 4, 4, 40, f, Mode::kLsh, false, std::nullopt, 0, 16, 0, {},
+               Sampling::kStratified});
   v.push_back({"lsh_wide_pitch_f32", 1, 600, 600, 2, 2, 128, f, Mode::kLsh, false, std::nullopt, 0, 4, 0, {1.0 / 400, 1.0 / 150}});
   v.push_back({"window_fixed_width_f32", 1, 257, 300, 2, 1, 64, f, Mode::kWindow, false, std::nullopt, 0, 0, 17, {}});
   v.push_back({"window_wide_f32", 1, 200, 1100, 2, 2, 40, f, Mode::kWindow, true, std::nullopt, 0, 0, 700, {}});

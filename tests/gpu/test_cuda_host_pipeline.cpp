@@ -162,6 +162,7 @@ struct PipelineCase {
   int64_t budget;       // bytes for the workspace plan
   int64_t min_chunks;   // the budget must force at least this many chunks
   int64_t window_width = 0;  // window: 0 = from window_eps
+  Sampling sampling = Sampling::kIid;  // lsh: the plan's draws, whichever sampler made them
 };
 
 // ctest lists a case by its name, not by a byte dump of the struct.
@@ -187,6 +188,7 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   o.seed = 99;
   o.slopes = c.slopes;
   o.window_width = c.window_width;
+  o.sampling = c.sampling;
   o.estimates = false;
   const testing::RandomTensors t = testing::random_qkv(o, 5);
   std::vector<uint8_t> out = testing::output_buffer(o);
@@ -239,6 +241,13 @@ INSTANTIATE_TEST_SUITE_P(
                      {0.9, 0.05, 1.0 / 300, 0.0}, 3 * 150000, 4},
         PipelineCase{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0, 8,
                      {0.7, 0.02}, kRoomy, 1},
+        // The CUDA backend reads plan.draws only: other samplers' draws need
+        // no change there (stratified pitches, ash's shared pitches with
+        // evenly spaced shifts).
+        PipelineCase{"lsh_ash_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt, 0,
+                     64, {0.9, 0.05, 1.0 / 300, 0.0}, 3 * 150000, 4, 0, Sampling::kAsh},
+        PipelineCase{"lsh_stratified_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
+                     16, {0.7, 0.02}, kRoomy, 1, 0, Sampling::kStratified},
         PipelineCase{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true, int64_t{7000 + 590}, 7000, 5,
                      {0.5, 1.0 / 200}, kRoomy, 1},
         PipelineCase{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true, std::nullopt, 0, 0,

@@ -16,14 +16,18 @@ const std::vector<std::vector<Draw>>& head_draws(const AttentionParams& p) {
   thread_local const AttentionParams* cached_for = nullptr;
   thread_local uint64_t cached_seed = 0;
   thread_local int64_t cached_samples = -1;
+  thread_local Sampling cached_sampling = Sampling::kIid;
   thread_local std::vector<double> cached_slopes;
   thread_local std::vector<std::vector<Draw>> draws;
-  if (cached_for != &p || cached_seed != p.seed || cached_samples != p.samples || cached_slopes != p.slopes) {
+  if (cached_for != &p || cached_seed != p.seed || cached_samples != p.samples || cached_slopes != p.slopes ||
+      cached_sampling != p.sampling) {
     draws.assign(static_cast<size_t>(p.heads), {});
-    for (int64_t h = 0; h < p.heads; ++h) draws[static_cast<size_t>(h)] = draw_hashes(p.seed, h, p.sigma(h), p.samples);
+    for (int64_t h = 0; h < p.heads; ++h)
+      draws[static_cast<size_t>(h)] = draw_hashes(p.seed, h, p.sigma(h), p.samples, p.sampling);
     cached_for = &p;
     cached_seed = p.seed;
     cached_samples = p.samples;
+    cached_sampling = p.sampling;
     cached_slopes = p.slopes;
   }
   return draws;

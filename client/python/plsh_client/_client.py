@@ -22,6 +22,7 @@ _DTYPES = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
 _MODES = {"exact": pb.MODE_EXACT, "lsh": pb.MODE_LSH, "window": pb.MODE_WINDOW}
 _ALGORITHMS = {"auto": pb.LSH_ALGORITHM_AUTO, "per_sample": pb.LSH_ALGORITHM_PER_SAMPLE,
                "banded": pb.LSH_ALGORITHM_BANDED}
+_SAMPLINGS = {"iid": pb.SAMPLING_IID, "stratified": pb.SAMPLING_STRATIFIED, "ash": pb.SAMPLING_ASH}
 
 
 class PlshError(Exception):
@@ -87,19 +88,39 @@ def _varint(n):
 
 def _probe(p):
     return {"rows": p.rows, "rel_err": p.rel_err, "rel_err_stderr": p.rel_err_stderr,
-            "max_abs_err": p.max_abs_err, "bound_max": p.bound_max}
+            "max_abs_err": p.max_abs_err, "bound_max": p.bound_max, "rel_err_upper": p.rel_err_upper}
+
+
+def _target(summary):
+    """The attempts of an error-targeted request, or None for other requests."""
+    if not summary.HasField("target") or summary.target.target_rel_err <= 0:
+        return None
+    names = {v: k for k, v in _MODES.items()}
+    t = summary.target
+    attempts = []
+    for a in t.attempts:
+        entry = {"mode": names.get(a.mode, "lsh")}
+        if a.mode == pb.MODE_LSH:
+            entry["samples"] = a.samples
+        if a.mode == pb.MODE_WINDOW:
+            entry.update(window_scale=a.window_scale, window_max=a.window_max)
+        entry.update(flops=a.flops, rel_err=a.rel_err, rel_err_upper=a.rel_err_upper, met=a.met, seconds=a.seconds)
+        attempts.append(entry)
+    return {"target_rel_err": t.target_rel_err, "met": t.met, "chosen": t.chosen, "attempts": attempts}
 
 
 def _meta(summary):
     names = {v: k for k, v in _MODES.items()}
     algorithms = {v: k for k, v in _ALGORITHMS.items()}
+    samplings = {v: k for k, v in _SAMPLINGS.items()}
     t = summary.timings
-    return {
+    meta = {
         "request_id": summary.request_id,
         "backend": summary.backend,
         "device": summary.device,
         "mode": names.get(summary.mode, "lsh"),
         "lsh_algorithm": algorithms.get(summary.lsh_algorithm, "auto"),
+        "sampling": samplings.get(summary.sampling, "iid"),
         "samples": summary.samples,
         "seed": summary.seed,
         # The defaults as the server resolved them (0 from servers before these fields).
@@ -123,6 +144,10 @@ def _meta(summary):
         "received_bytes": summary.received_bytes,
         "sent_bytes": summary.sent_bytes,
     }
+    target = _target(summary)
+    if target is not None:
+        meta["target"] = target
+    return meta
 
 
 def _read_credential(name, value):
@@ -228,7 +253,8 @@ class Client:
     def attend(self, q, k, v, *, mode=None, samples=None, seed=0, causal=False, scale=None, slopes=None,
                q_pos0=None, k_pos0=0, lsh_algorithm="auto", window_eps=None, window_width=0, estimates=None,
                probe_rows=None, mask_row_budget=None, return_draws=False, check_finite=None, return_lse=False,
-               out_dtype=None, wire_dtype=None, backend=None, chunk_bytes=0, deadline=None, request_id=""):
+               out_dtype=None, wire_dtype=None, backend=None, chunk_bytes=0, deadline=None, request_id="",
+               sampling=None, target_rel_err=None):
         """Runs one attention request; returns (out, meta).
 
         Defaults and limits are the server's, not this client's: an argument
@@ -249,6 +275,15 @@ class Client:
         message's payload (0: the largest the server allows, which its ack
         states as max_chunk_payload_bytes); deadline is in seconds. Raises
         PlshError with the gRPC status code on failure.
+
+        sampling ("iid", "stratified" or "ash"; None: the server's default,
+        iid) picks how lsh draws a head's hashes (README, "Which mode").
+        target_rel_err (in (0, 1]) makes an error-targeted request: the
+        library tries configurations of `mode` from the cheapest up (mode
+        None: windows) and keeps the first whose probe upper bound
+        meta["summary"]["probe"]["rel_err_upper"] is under the target, or
+        computes exact; meta["target"] lists the attempts, each with its
+        FLOPs, estimate, bound and seconds, and "chosen", the one kept.
         """
         q, k, v = (np.asarray(a) for a in (q, k, v))
         if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
@@ -266,6 +301,8 @@ class Client:
             raise ValueError(f"mode = {mode!r}, expected one of {sorted(_MODES)}")
         if lsh_algorithm not in _ALGORITHMS:
             raise ValueError(f"lsh_algorithm = {lsh_algorithm!r}, expected one of {sorted(_ALGORITHMS)}")
+        if sampling is not None and sampling not in _SAMPLINGS:
+            raise ValueError(f"sampling = {sampling!r}, expected one of {sorted(_SAMPLINGS)}")
         B, Nq, H, D = q.shape
         Nk, Hkv = k.shape[1], k.shape[2]
 
@@ -277,10 +314,13 @@ class Client:
             backend=backend or "")
         if mode is not None:
             header.mode = _MODES[mode]
+        if sampling is not None:
+            header.sampling = _SAMPLINGS[sampling]
         # Optional on the wire: unset means the server's default.
         for field, value in (("scale", scale), ("q_pos0", q_pos0), ("samples", samples),
                              ("window_eps", window_eps), ("estimates", estimates), ("probe_rows", probe_rows),
-                             ("mask_row_budget", mask_row_budget), ("check_finite", check_finite)):
+                             ("mask_row_budget", mask_row_budget), ("check_finite", check_finite),
+                             ("target_rel_err", target_rel_err)):
             if value is not None:
                 setattr(header, field, value)
 

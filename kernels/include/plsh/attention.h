@@ -14,10 +14,12 @@ namespace plsh {
 
 // The backend's plan with the estimates' workspace added: what a server
 // plans at the header (p may have no tensors yet) and charges to its budgets.
+// With p.target_rel_err > 0, the plan of every attempt (plsh/targeted.h).
 StatusOr<Plan> plan_attention(const Backend& backend, const AttentionParams& p, const PlanLimits& limits = {});
 
 // forward + estimates + FLOP counts on a plan of plan_attention whose
-// tensors are bound; the whole of what the server needs. Estimates need host
+// tensors are bound; the whole of what the server needs (for a targeted
+// plan, its attempts until one meets the target: run_targeted). Estimates need host
 // tensors (params.memory == kHost).
 StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, const ExecContext& ctx);
 

@@ -147,8 +147,8 @@ class BackendRegistry {
 // CPU serves). Bump kBackendApiVersion whenever Backend, Plan, AttentionParams,
 // BackwardParams or ExecContext change layout: the library and the process
 // are separate builds. 3: Backend::supports_backward and ::backward, the
-// plan's backward workspace.
-inline constexpr uint32_t kBackendApiVersion = 3;
+// plan's backward workspace; 4: AttentionParams' sampling and target.
+inline constexpr uint32_t kBackendApiVersion = 4;
 extern "C" {
 struct PlshBackendPlugin {
   uint32_t api_version;  // kBackendApiVersion of the library's build

@@ -59,6 +59,12 @@ struct Plan {
   bool backward = false;                 // planned with PlanLimits::backward: backward may run on it
   Workspace backward_workspace;          // what backward needs; zero unless planned for it
   std::shared_ptr<const BackendLayout> layout;
+  // Error-targeted requests (params.target_rel_err > 0, plsh/targeted.h):
+  // one plan per configuration to try, cheapest first, made with this one;
+  // the workspaces above are the largest attempt's plus every attempt's
+  // draws. Empty otherwise.
+  std::vector<Plan> attempts;
+  double target_window_scale = 0;        // an attempt's window: c in W_h = ceil(c sigma_h)
 
   // Peak extra memory of the request: forward, the estimates and the
   // backward run one after the other, so the largest per memory space.
@@ -69,8 +75,8 @@ struct Plan {
   }
 };
 
-// The draws of every head for lsh params, nothing otherwise: the one place
-// that calls draw_hashes for a request.
+// The draws of every head for lsh params (SPEC section 5, by p.sampling),
+// nothing otherwise: the one place that calls draw_hashes for a request.
 std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p);
 
 // What every backend's plan starts from: the params, the backend's name,

@@ -93,7 +93,7 @@ class KeyReach {
       for (int64_t w : p.window) width_ = std::max(width_, w);
     } else if (p.mode == Mode::kLsh) {
       for (int64_t h = 0; h < p.heads; ++h) {
-        const std::vector<Draw> d = draw_hashes(p.seed, h, p.sigma(h), p.samples);
+        const std::vector<Draw> d = draw_hashes(p.seed, h, p.sigma(h), p.samples, p.sampling);
         draws_.insert(draws_.end(), d.begin(), d.end());
       }
       // Longest pitches first: they reach furthest, and the scans below
@@ -291,6 +291,12 @@ StatusOr<ShardPlan> plan_shards(const AttentionOptions& options, bool return_lse
           "; ";
   } else {
     why = "asked for " + std::to_string(parts) + " shard(s); ";
+  }
+  // An error-targeted request picks its mode on the server, attempt by
+  // attempt: the client cannot know the keys a shard needs.
+  if (options.target_rel_err > 0) {
+    whole.reason = "one shard: an error-targeted request picks its configuration on the server";
+    return whole;
   }
   if (parts == 1) {
     whole.reason = why + "one shard: the request as is";

@@ -157,6 +157,7 @@ struct Case {
   LshAlgorithm algorithm;
   bool causal;
   ShardBy by;
+  Sampling sampling = Sampling::kIid;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -180,6 +181,7 @@ AttentionOptions case_options(const Case& c) {
   o.causal = c.causal;
   o.samples = 8;
   o.seed = 3;
+  o.sampling = c.sampling;
   if (c.by == ShardBy::kSequence) o.slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125};
   return o;
 }
@@ -256,7 +258,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"LshPerSampleSequence", Mode::kLsh, LshAlgorithm::kPerSample, false, ShardBy::kSequence},
                       Case{"LshPerSampleCausalSequence", Mode::kLsh, LshAlgorithm::kPerSample, true, ShardBy::kSequence},
                       Case{"LshBandedSequence", Mode::kLsh, LshAlgorithm::kBanded, false, ShardBy::kSequence},
-                      Case{"LshBandedCausalSequence", Mode::kLsh, LshAlgorithm::kBanded, true, ShardBy::kSequence}),
+                      Case{"LshBandedCausalSequence", Mode::kLsh, LshAlgorithm::kBanded, true, ShardBy::kSequence},
+                      // Other samplers: the client's sequence cuts use the
+                      // same sampler's draws, head cuts the same seed rule.
+                      Case{"LshAshCausalSequence", Mode::kLsh, LshAlgorithm::kBanded, true, ShardBy::kSequence,
+                           Sampling::kAsh},
+                      Case{"LshStratifiedHeads", Mode::kLsh, LshAlgorithm::kPerSample, false, ShardBy::kHeads,
+                           Sampling::kStratified}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // One batch item, float16, default positions, the standard slopes: sequence

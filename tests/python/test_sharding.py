@@ -72,6 +72,32 @@ def test_sharded_equals_unsharded_bit_for_bit(replicas, tensors, mode, algorithm
         assert all(x["keys"][1] - x["keys"][0] < 1500 for x in s["shards"])
 
 
+@pytest.mark.parametrize("sampling", ["stratified", "ash"])
+def test_other_samplers_shard_by_heads_bit_for_bit(replicas, tensors, sampling):
+    # Every sampler's draws are linear in the head index (the head shards'
+    # seed translation holds); sequence cuts would need the draws on the
+    # client, which computes only iid ones: they are not offered.
+    q, k, v = tensors
+    kw = dict(mode="lsh", lsh_algorithm="banded", causal=True, samples=16, seed=3, sampling=sampling,
+              return_lse=True, backend="cpu")
+    with Client(replicas[0]) as c:
+        out, meta = c.attend(q, k, v, **kw)
+    with ShardedClient(",".join(replicas)) as c:
+        sharded_out, sharded_meta = c.attend(q, k, v, shards=3, **kw)
+        _, refused_meta = c.attend(q, k, v, shards=3, shard_by="sequence", **kw)
+    assert sharded_meta["sharding"]["kind"] == "heads", sharded_meta["sharding"]["reason"]
+    assert same_bits(sharded_out, out)
+    assert same_bits(sharded_meta["lse"], meta["lse"])
+    assert refused_meta["sharding"]["kind"] == "single", refused_meta["sharding"]["reason"]
+
+
+def test_error_targeted_requests_go_whole(replicas, tensors):
+    q, k, v = tensors
+    with ShardedClient(",".join(replicas)) as c:
+        _, meta = c.attend(q, k, v, shards=3, mode="window", causal=True, target_rel_err=0.05, backend="cpu")
+    assert meta["sharding"]["kind"] == "single", meta["sharding"]["reason"]
+
+
 def test_draws_and_slopes_are_the_servers(replicas):
     """The client's SPEC-5 draws and standard slopes, bit for bit as the server returns them."""
     q = np.random.default_rng(3).standard_normal((1, 64, 12, 8)).astype(np.float32)

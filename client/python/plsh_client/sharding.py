@@ -154,7 +154,12 @@ class _Request:
     """The request's shape and the options a cut depends on, resolved."""
 
     def __init__(self, B, Nq, Nk, H, Hkv, D, in_bytes, out_bytes, return_lse, causal, mode, q_pos0, k_pos0,
-                 slopes, samples, seed, window_eps, window_width):
+                 slopes, samples, seed, window_eps, window_width, heads_only=False):
+        # heads_only: the keys a sequence shard needs are not computable here
+        # (lsh with a sampler other than iid, whose draws this module does
+        # not reimplement); head shards stay exact (every sampler's draws are
+        # linear in the head index, as the seed translation needs).
+        self.heads_only = heads_only
         self.B, self.Nq, self.Nk, self.H, self.Hkv, self.D = B, Nq, Nk, H, Hkv, D
         self.causal, self.mode, self.k_pos0 = causal, mode, k_pos0
         self.q_pos0 = Nk - Nq if q_pos0 is None else q_pos0
@@ -335,10 +340,15 @@ def plan_shards(r, shards, shard_by, replicas, min_shard_bytes=DEFAULT_MIN_SHARD
         return whole
     candidates = []
     for kind in ("heads", "sequence"):
+        if kind == "sequence" and r.heads_only:
+            continue
         if shard_by in (kind, "auto"):
             cut = _head_shards(r, parts) if kind == "heads" else _sequence_shards(r, parts)
             candidates.append((kind, _plan(kind, cut)))
     # Fewer bytes for the largest shard, then in all; heads on a tie.
+    if not candidates:
+        whole["reason"] = why + "one shard: sequence cuts need the draws, and this module computes only iid draws"
+        return whole
     best_kind, best = min(candidates, key=lambda c: (c[1]["max_shard_bytes"], c[1]["sent_bytes"] + c[1]["received_bytes"]))
     reason = (why + f"{best['kind']} into {len(best['shards'])}: largest shard {best['max_shard_bytes'] / 2**20:.3g} MiB "
               f"in and out, {best['sent_bytes'] / 2**20:.3g} MiB sent in all")
@@ -708,6 +718,8 @@ class ShardedClient:
         """The _Request of a call, with the server's defaults for what it leaves out."""
         B, Nq, H, D = q4.shape
         Nk, Hkv = k4.shape[1], k4.shape[2]
+        if options.get("target_rel_err") is not None:
+            return None  # the server picks the configuration, attempt by attempt: sent whole
         mode, samples, eps = options.get("mode"), options.get("samples"), options.get("window_eps")
         if mode is None or (mode == "lsh" and samples is None) or (mode == "window" and eps is None):
             d = self._server_defaults()
@@ -730,4 +742,5 @@ class ShardedClient:
             return None
         return _Request(B, Nq, Nk, H, Hkv, D, _BYTES.get(wire, 4), _BYTES.get(out_wire, 4), return_lse,
                         bool(options.get("causal")), mode, q_pos0, k_pos0, slopes, samples or 0,
-                        options.get("seed") or 0, eps or 1e-4, options.get("window_width") or 0)
+                        options.get("seed") or 0, eps or 1e-4, options.get("window_width") or 0,
+                        heads_only=mode == "lsh" and options.get("sampling") not in (None, "iid"))

@@ -373,7 +373,7 @@ TEST(ShardingFailure, ReplicaKilledMidRequest) {
     replicas.push_back(s->grpc_address());
   }
   AttentionOptions o;
-  o.q_len = o.kv_len = 6144;  // about a second of compute per shard on one core
+  o.q_len = o.kv_len = 8192;  // 0.4-2 s of compute per shard on one core
   o.heads = 6;
   o.kv_heads = 3;
   o.head_dim = 64;
@@ -398,7 +398,7 @@ TEST(ShardingFailure, ReplicaKilledMidRequest) {
   while (inflight(victim) < 1 && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   ASSERT_GE(inflight(victim), 1) << "the shard never reached replica 1";
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // into its compute
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // into its compute
   ASSERT_EQ(kill(victim.pid(), SIGKILL), 0);
   request.join();
   ASSERT_TRUE(status.ok()) << status_string(status);
@@ -409,9 +409,9 @@ TEST(ShardingFailure, ReplicaKilledMidRequest) {
   EXPECT_EQ(retried.failures[0].replica, replicas[1]);
   EXPECT_NE(retried.replica, replicas[1]);
   EXPECT_FALSE(victim.running());
-  // Killed while it held the shard (its compute takes longer than the wait).
-  EXPECT_GE(retried.failures[0].seconds, 0.2);
-  EXPECT_GT(retried.timings.computing, 0.3);
+  // Killed while it held the shard: had the victim answered first, the
+  // shard would show no failure above.
+  EXPECT_GE(retried.failures[0].seconds, 0.05);
   std::cout << "killed replica's attempt: " << retried.failures[0].status << " after " << retried.failures[0].seconds
             << " s; retried on " << retried.replica << " in " << retried.seconds << " s" << std::endl;
 

@@ -224,6 +224,16 @@ SpanShape span_shape(const AttentionParams& p) {
   return s;
 }
 
+WorkspaceShape workspace_shape(const AttentionParams& p) {
+  WorkspaceShape ws;
+  ws.lanes = p.batch * p.heads;
+  ws.q_len = p.q_len;
+  ws.kv_len = p.kv_len;
+  ws.head_dim = p.head_dim;
+  ws.elem_bytes = static_cast<int64_t>(dtype_bytes(p.dtype));
+  return ws;
+}
+
 std::vector<LaneSetup> head_passes(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws) {
   std::vector<LaneSetup> heads(static_cast<size_t>(p.heads));
   for (int64_t h = 0; h < p.heads; ++h) {
@@ -368,12 +378,7 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
   layout.table_entries = lane_table_entries(shape, layout.heads, std::min(lanes, kMaxLanesPerChunk));
   layout.cublas_workspace_bytes = cublas_workspace_for(device_cap_bytes);
   layout.table_bytes = carve_tables(p.heads, layout.table_entries, layout.cublas_workspace_bytes, nullptr, nullptr);
-  WorkspaceShape ws;
-  ws.lanes = lanes;
-  ws.q_len = p.q_len;
-  ws.kv_len = p.kv_len;
-  ws.head_dim = p.head_dim;
-  ws.elem_bytes = static_cast<int64_t>(dtype_bytes(p.dtype));
+  const WorkspaceShape ws = workspace_shape(p);
   const int64_t left = device_cap_bytes - layout.staging_bytes - layout.table_bytes;
   if (left <= 0)
     return resource_exhausted("cuda workspace: staging (" + std::to_string(layout.staging_bytes) + " bytes) and lane tables (" +

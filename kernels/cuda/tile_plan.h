@@ -446,6 +446,9 @@ struct LaneSetup {
 };
 
 SpanShape span_shape(const AttentionParams& p);
+// The workspace shape of a request: B * H lanes, its lengths, head_dim and
+// the bytes of its dtype.
+WorkspaceShape workspace_shape(const AttentionParams& p);
 
 // Per query head (batch 0, acc_lane 0): exact one pass, weight
 // exp(-slope |d|); window one pass, also |d| < W_h (exact where W_h is

@@ -30,6 +30,7 @@
 #include "plsh/backward.h"
 #include "plsh/numeric.h"
 #include "plsh/plan.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh::cuda {
@@ -212,110 +213,59 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
   return e;
 }
 
-struct BackwardPipelineCase {
-  std::string name;
-  int64_t batch, q_len, kv_len, heads, kv_heads, head_dim;
-  DType dtype;
-  Mode mode;
-  bool causal;
-  std::optional<int64_t> q_pos0;
-  int64_t k_pos0;
-  int64_t samples;
-  std::vector<double> slopes;
-  int64_t max_slots;      // > 0: a budget of this many work slots (chunks over lanes and tiles)
-  int64_t min_chunks;     // the budget must force at least this many chunks
-  int64_t window_width = 0;
-  std::optional<DType> grad_dtype = std::nullopt;
+// A case and the work slots its budget holds.
+struct BackwardPipelineCase : testing::AttentionCase {
+  int64_t max_slots;   // > 0: a budget of this many work slots (chunks over lanes and tiles)
+  int64_t min_chunks;  // the budget must force at least this many chunks
 };
-
-void PrintTo(const BackwardPipelineCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const BackwardPipelineCase& c, std::ostream* os) { testing::PrintTo(c, os); }
 
 class CudaBackwardOnHost : public ::testing::TestWithParam<BackwardPipelineCase> {};
 
 TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   const BackwardPipelineCase& c = GetParam();
-  AttentionOptions o;
-  o.batch = c.batch;
-  o.q_len = c.q_len;
-  o.kv_len = c.kv_len;
-  o.heads = c.heads;
-  o.kv_heads = c.kv_heads;
-  o.head_dim = c.head_dim;
-  o.dtype = c.dtype;
-  o.mode = c.mode;
-  o.causal = c.causal;
-  o.q_pos0 = c.q_pos0;
-  o.k_pos0 = c.k_pos0;
-  o.samples = c.samples > 0 ? c.samples : kDefaultSamples;
-  o.seed = 99;
-  o.slopes = c.slopes;
-  o.window_width = c.window_width;
+  AttentionOptions o = testing::options_of(c, 99);
   o.lsh_algorithm = c.mode == Mode::kLsh ? LshAlgorithm::kPerSample : LshAlgorithm::kAuto;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 5);
-  const int64_t q_elems = o.batch * o.q_len * o.heads * o.head_dim;
-  const int64_t kv_elems = o.batch * o.kv_len * resolved_kv_heads(o.heads, o.kv_heads) * o.head_dim;
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  std::vector<float> lse(static_cast<size_t>(o.batch * o.q_len * o.heads));
-  std::vector<uint8_t> dout(static_cast<size_t>(q_elems) * dtype_bytes(o.dtype));
-  std::mt19937_64 rng(6);
-  std::normal_distribution<float> normal;
-  for (int64_t i = 0; i < q_elems; ++i) store_element(dout.data(), o.dtype, i, normal(rng));
-  StatusOr<AttentionParams> p =
-      make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), lse.data(), MemorySpace::kHost});
-  ASSERT_TRUE(p.ok()) << p.status().to_string();
-  ASSERT_TRUE(check_backward_support(*p).ok());
+  const testing::Problem pr = testing::make_problem(o, 5);
+  ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
+  const AttentionParams& p = pr.params;
+  ASSERT_TRUE(check_backward_support(p).ok());
 
   // The forward's out and lse, and the CPU backend's gradients, on one plan.
   const DType grad_dtype = c.grad_dtype.value_or(o.dtype);
-  std::vector<uint8_t> dq_cpu(static_cast<size_t>(q_elems) * dtype_bytes(grad_dtype)),
-      dk_cpu(static_cast<size_t>(kv_elems) * dtype_bytes(grad_dtype)), dv_cpu(dk_cpu.size());
+  testing::GradTensors cpu_grads = testing::grad_tensors(o, grad_dtype, 6);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  GradientRefs refs;
-  refs.dout = dout.data();
-  refs.dq = dq_cpu.data();
-  refs.dk = dk_cpu.data();
-  refs.dv = dv_cpu.data();
-  refs.grad_dtype = grad_dtype;
+  const GradientRefs refs = cpu_grads.refs();
   PlanLimits limits;
   limits.threads = 1;
-  StatusOr<ForwardBackwardResult> cpu_run = run_forward_backward(*cpu, *p, limits, refs, ExecContext{});
+  StatusOr<ForwardBackwardResult> cpu_run = run_forward_backward(*cpu, p, limits, refs, ExecContext{});
   ASSERT_TRUE(cpu_run.ok()) << cpu_run.status().to_string();
-  StatusOr<BackwardParams> g = make_backward_params(*p, refs);
+  StatusOr<BackwardParams> g = make_backward_params(p, refs);
   ASSERT_TRUE(g.ok()) << g.status().to_string();
 
   int64_t budget = int64_t{1} << 30;
   if (c.max_slots > 0) {
     // Staging, the tables with cuBLAS's smallest workspace (what a budget
     // this small gets, cublas_workspace_for) and max_slots slots of work.
-    StatusOr<CudaLayout> roomy = plan_layout(*p, plan_draws(*p), budget);
+    StatusOr<CudaLayout> roomy = plan_layout(p, plan_draws(p), budget);
     ASSERT_TRUE(roomy.ok());
     const int64_t tables = carve_tables(o.heads, roomy->table_entries, kCublasMinWorkspaceBytes, nullptr, nullptr);
-    budget = carve_backward_staging(*p, 4, nullptr, nullptr) + tables +
+    budget = carve_backward_staging(p, 4, nullptr, nullptr) + tables +
              carve_backward_work(c.max_slots, std::min(kTileRows, o.q_len), std::min(kMaxKeyCols, o.kv_len),
                                  o.head_dim, static_cast<int64_t>(dtype_bytes(o.dtype)), nullptr, nullptr, nullptr);
   }
-  const Emulated e = emulate_backward(*p, *g, budget);
+  const Emulated e = emulate_backward(p, *g, budget);
   ASSERT_FALSE(e.dq.empty());
   EXPECT_GE(e.chunks, c.min_chunks);
 
   const testing::ReferenceGradients ref = testing::reference_backward(
-      *p, testing::dense_inputs(*p), testing::reference_weights(*p), [&] {
-        std::vector<double> d(static_cast<size_t>(q_elems));
-        for (int64_t i = 0; i < q_elems; ++i) d[static_cast<size_t>(i)] = load_element(dout.data(), o.dtype, i);
-        return d;
-      }());
-  auto to_double = [&](const std::vector<uint8_t>& bytes) {
-    std::vector<double> d(bytes.size() / dtype_bytes(grad_dtype));
-    for (size_t i = 0; i < d.size(); ++i) d[i] = load_element(bytes.data(), grad_dtype, static_cast<int64_t>(i));
-    return d;
-  };
+      p, testing::dense_inputs(p), testing::reference_weights(p), cpu_grads.dout_values());
   const testing::ErrorStats eq = testing::compare(e.dq.data(), grad_dtype, ref.dq);
   const testing::ErrorStats ek = testing::compare(e.dk.data(), grad_dtype, ref.dk);
   const testing::ErrorStats ev = testing::compare(e.dv.data(), grad_dtype, ref.dv);
-  const testing::ErrorStats cq = testing::compare(e.dq.data(), grad_dtype, to_double(dq_cpu));
-  const testing::ErrorStats ck = testing::compare(e.dk.data(), grad_dtype, to_double(dk_cpu));
-  const testing::ErrorStats cv = testing::compare(e.dv.data(), grad_dtype, to_double(dv_cpu));
+  const testing::ErrorStats cq = testing::compare(e.dq.data(), grad_dtype, cpu_grads.values(cpu_grads.dq));
+  const testing::ErrorStats ck = testing::compare(e.dk.data(), grad_dtype, cpu_grads.values(cpu_grads.dk));
+  const testing::ErrorStats cv = testing::compare(e.dv.data(), grad_dtype, cpu_grads.values(cpu_grads.dv));
   // float32: 1e-5 (SPEC, STYLE). 16-bit inputs: P and dS are rounded for
   // the GEMMs (one unit each, as the forward rounds P), O through D_i and
   // the gradients themselves: four units (2^-11 f16, 2^-8 bf16), except
@@ -334,31 +284,37 @@ TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   EXPECT_LE(cv.max_rel, 2 * tol) << "dv vs cpu";
 }
 
+constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
+
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaBackwardOnHost,
     ::testing::Values(
         // sigma from 1.1 to 300 and a slope of 0; GQA; chunked over lanes and tiles.
-        BackwardPipelineCase{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true,
-                             std::nullopt, 0, 16, {0.9, 0.05, 1.0 / 300, 0.0}, 3, 4},
-        BackwardPipelineCase{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
-                             8, {0.7, 0.02}, 0, 1},
-        BackwardPipelineCase{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true,
-                             int64_t{7000 + 590}, 7000, 5, {0.5, 1.0 / 200}, 0, 1},
-        BackwardPipelineCase{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true,
-                             std::nullopt, 0, 0, {}, 2, 2},
-        BackwardPipelineCase{"exact_noncausal_offsets_f16", 1, 33, 300, 3, 3, 59, DType::kF16, Mode::kExact, false,
-                             int64_t{1000}, 900, 0, {}, 0, 1},
+        BackwardPipelineCase{{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true,
+                              std::nullopt, 0, 16, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
+                             3, 4},
+        BackwardPipelineCase{{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
+                              8, kAuto, {0.7, 0.02}},
+                             0, 1},
+        BackwardPipelineCase{{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true,
+                              int64_t{7000 + 590}, 7000, 5, kAuto, {0.5, 1.0 / 200}},
+                             0, 1},
+        BackwardPipelineCase{{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true},
+                             2, 2},
+        BackwardPipelineCase{{"exact_noncausal_offsets_f16", 1, 33, 300, 3, 3, 59, DType::kF16, Mode::kExact, false,
+                              int64_t{1000}, 900},
+                             0, 1},
         // One query row (T = 1) against 37 keys.
-        BackwardPipelineCase{"exact_one_query_f32", 1, 1, 37, 2, 1, 40, DType::kF32, Mode::kExact, false, std::nullopt,
-                             0, 0, {}, 0, 1},
-        BackwardPipelineCase{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true, std::nullopt, 0, 0,
-                             {}, 0, 1},
-        BackwardPipelineCase{"window_width_bf16_f32_grads", 1, 130, 130, 2, 2, 59, DType::kBF16, Mode::kWindow, false,
-                             std::nullopt, 0, 0, {}, 0, 1, 9, DType::kF32},
+        BackwardPipelineCase{{"exact_one_query_f32", 1, 1, 37, 2, 1, 40, DType::kF32, Mode::kExact, false}, 0, 1},
+        BackwardPipelineCase{{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true}, 0, 1},
+        BackwardPipelineCase{{"window_width_bf16_f32_grads", 1, 130, 130, 2, 2, 59, DType::kBF16, Mode::kWindow, false,
+                              std::nullopt, 0, 0, kAuto, {}, 9, std::nullopt, DType::kF32},
+                             0, 1},
         // Queries past the keys: the nearest-key shift goes through row_lse_for.
-        BackwardPipelineCase{"exact_queries_past_keys_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
-                             int64_t{380}, 0, 0, {0.5, 1.0 / 64}, 0, 1}),
-    [](const ::testing::TestParamInfo<BackwardPipelineCase>& info) { return info.param.name; });
+        BackwardPipelineCase{{"exact_queries_past_keys_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
+                              int64_t{380}, 0, 0, kAuto, {0.5, 1.0 / 64}},
+                             0, 1}),
+    testing::CaseName());
 
 // What the backward takes and refuses, and that its workspace is planned.
 TEST(CudaBackwardPlan, SupportAndSizing) {

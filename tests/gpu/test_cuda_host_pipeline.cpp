@@ -24,6 +24,7 @@
 #include "plsh/numeric.h"
 #include "plsh/params.h"
 #include "log_reference.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh::cuda {
@@ -48,13 +49,7 @@ struct Emulated {
 Emulated emulate(const AttentionParams& p, int64_t budget) {
   const SpanShape shape = span_shape(p);
   const std::vector<LaneSetup> heads = head_passes(p, plan_draws(p));
-  WorkspaceShape ws;
-  ws.lanes = p.batch * p.heads;
-  ws.q_len = p.q_len;
-  ws.kv_len = p.kv_len;
-  ws.head_dim = p.head_dim;
-  ws.elem_bytes = static_cast<int64_t>(dtype_bytes(p.dtype));
-  StatusOr<WorkspacePlan> plan_or = plan_workspace(ws, budget);
+  StatusOr<WorkspacePlan> plan_or = plan_workspace(workspace_shape(p), budget);
   EXPECT_TRUE(plan_or.ok()) << plan_or.status().to_string();
   const WorkspacePlan plan = *plan_or;
   const int64_t T = plan.tile_rows, D = p.head_dim;
@@ -149,54 +144,23 @@ Emulated emulate(const AttentionParams& p, int64_t budget) {
   return e;
 }
 
-struct PipelineCase {
-  std::string name;
-  int64_t batch, q_len, kv_len, heads, kv_heads, head_dim;
-  DType dtype;
-  Mode mode;
-  bool causal;
-  std::optional<int64_t> q_pos0;
-  int64_t k_pos0;
-  int64_t samples;
-  std::vector<double> slopes;
-  int64_t budget;       // bytes for the workspace plan
-  int64_t min_chunks;   // the budget must force at least this many chunks
-  int64_t window_width = 0;  // window: 0 = from window_eps
-  Sampling sampling = Sampling::kIid;  // lsh: the plan's draws, whichever sampler made them
+// A case and the workspace budget to plan it for.
+struct PipelineCase : testing::AttentionCase {
+  int64_t budget;      // bytes for the workspace plan
+  int64_t min_chunks;  // the budget must force at least this many chunks
 };
-
-// ctest lists a case by its name, not by a byte dump of the struct.
-void PrintTo(const PipelineCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const PipelineCase& c, std::ostream* os) { testing::PrintTo(c, os); }
 
 class CudaPipelineOnHost : public ::testing::TestWithParam<PipelineCase> {};
 
 TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   const PipelineCase& c = GetParam();
-  AttentionOptions o;
-  o.batch = c.batch;
-  o.q_len = c.q_len;
-  o.kv_len = c.kv_len;
-  o.heads = c.heads;
-  o.kv_heads = c.kv_heads;
-  o.head_dim = c.head_dim;
-  o.dtype = c.dtype;
-  o.mode = c.mode;
-  o.causal = c.causal;
-  o.q_pos0 = c.q_pos0;
-  o.k_pos0 = c.k_pos0;
-  o.samples = c.samples;
-  o.seed = 99;
-  o.slopes = c.slopes;
-  o.window_width = c.window_width;
-  o.sampling = c.sampling;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 5);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok()) << p.status().to_string();
-  const Emulated e = emulate(*p, c.budget);
+  const AttentionOptions o = testing::options_of(c, 99);
+  const testing::Problem pr = testing::make_problem(o, 5, false);
+  ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
+  const Emulated e = emulate(pr.params, c.budget);
   EXPECT_GE(e.chunks, c.min_chunks);
-  const testing::ReferenceOutput ref = testing::log_domain_reference(*p);
+  const testing::ReferenceOutput ref = testing::log_domain_reference(pr.params);
   double max_err = 0, max_ref = 0, lse_err = 0;
   for (size_t i = 0; i < ref.out.size(); ++i) {
     ASSERT_TRUE(std::isfinite(e.out[i])) << "output element " << i << " not written";
@@ -212,17 +176,15 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   EXPECT_LE(lse_err, f32 ? 1e-5 : 4e-3);
 
   // And against the CPU backend, as the GPU tests compare the device.
-  std::vector<uint8_t> out_cpu = testing::output_buffer(o);
-  std::vector<float> lse_cpu(ref.lse.size());
-  StatusOr<AttentionParams> pc =
-      make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_cpu.data(), lse_cpu.data(), MemorySpace::kHost});
-  ASSERT_TRUE(pc.ok()) << pc.status().to_string();
+  const testing::Problem on_cpu = testing::make_problem(o, 5);
+  ASSERT_TRUE(on_cpu.status.ok()) << on_cpu.status.to_string();
+  const std::vector<float>& lse_cpu = on_cpu.lse;
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  const Status s = testing::plan_and_forward(*cpu, *pc, ExecContext{}, nullptr, 1);
+  const Status s = testing::plan_and_forward(*cpu, on_cpu.params, ExecContext{}, nullptr, 1);
   ASSERT_TRUE(s.ok()) << s.to_string();
+  const std::vector<double> out_cpu = testing::to_doubles(on_cpu.out, on_cpu.params.out_dtype);
   double cpu_err = 0, cpu_lse_err = 0;
-  for (size_t i = 0; i < e.out.size(); ++i)
-    cpu_err = std::max(cpu_err, std::fabs(e.out[i] - load_element(out_cpu.data(), p->out_dtype, static_cast<int64_t>(i))));
+  for (size_t i = 0; i < e.out.size(); ++i) cpu_err = std::max(cpu_err, std::fabs(e.out[i] - out_cpu[i]));
   for (size_t i = 0; i < e.lse.size(); ++i)
     cpu_lse_err = std::max(cpu_lse_err, std::fabs(e.lse[i] - lse_cpu[i]) / std::max(1.0, std::fabs(static_cast<double>(lse_cpu[i]))));
   std::printf("%s: vs float64 max_rel %.3g lse %.3g; vs cpu backend max_rel %.3g lse %.3g\n", c.name.c_str(),
@@ -232,41 +194,51 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
 }
 
 constexpr int64_t kRoomy = int64_t{1} << 30;
+constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaPipelineOnHost,
     ::testing::Values(
         // sigma from 1.1 to 300 and a slope of 0; GQA; chunked over lanes and tiles.
-        PipelineCase{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 16,
-                     {0.9, 0.05, 1.0 / 300, 0.0}, 3 * 150000, 4},
-        PipelineCase{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0, 8,
-                     {0.7, 0.02}, kRoomy, 1},
+        PipelineCase{{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 16,
+                      kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
+                     3 * 150000, 4},
+        PipelineCase{{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0, 8, kAuto,
+                      {0.7, 0.02}},
+                     kRoomy, 1},
         // The CUDA backend reads plan.draws only: other samplers' draws need
         // no change there (stratified pitches, ash's shared pitches with
         // evenly spaced shifts).
-        PipelineCase{"lsh_ash_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt, 0,
-                     64, {0.9, 0.05, 1.0 / 300, 0.0}, 3 * 150000, 4, 0, Sampling::kAsh},
-        PipelineCase{"lsh_stratified_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
-                     16, {0.7, 0.02}, kRoomy, 1, 0, Sampling::kStratified},
-        PipelineCase{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true, int64_t{7000 + 590}, 7000, 5,
-                     {0.5, 1.0 / 200}, kRoomy, 1},
-        PipelineCase{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true, std::nullopt, 0, 0,
-                     {}, 2 * 150000, 2},
-        PipelineCase{"exact_noncausal_offsets_bf16", 1, 33, 300, 3, 3, 59, DType::kBF16, Mode::kExact, false, int64_t{1000}, 900, 0,
-                     {}, kRoomy, 1},
-        PipelineCase{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true, std::nullopt, 0, 0, {}, kRoomy, 1},
+        PipelineCase{{"lsh_ash_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt,
+                      0, 64, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}, 0, std::nullopt, std::nullopt, Sampling::kAsh},
+                     3 * 150000, 4},
+        PipelineCase{{"lsh_stratified_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
+                      16, kAuto, {0.7, 0.02}, 0, std::nullopt, std::nullopt, Sampling::kStratified},
+                     kRoomy, 1},
+        PipelineCase{{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true, int64_t{7000 + 590}, 7000,
+                      5, kAuto, {0.5, 1.0 / 200}},
+                     kRoomy, 1},
+        PipelineCase{{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true}, 2 * 150000, 2},
+        PipelineCase{{"exact_noncausal_offsets_bf16", 1, 33, 300, 3, 3, 59, DType::kBF16, Mode::kExact, false, int64_t{1000},
+                      900},
+                     kRoomy, 1},
+        PipelineCase{{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true}, kRoomy, 1},
         // Queries far from every key (shards of a long sequence): a bias of
         // -slope * 1e6 in float would swamp the scores; the logits must be
         // taken relative to the nearest key and the offset added to lse.
-        PipelineCase{"exact_far_queries_noncausal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
-                     int64_t{1000000}, 0, 0, {0.5, 1.0 / 64}, kRoomy, 1},
-        PipelineCase{"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, true,
-                     int64_t{1000000}, 0, 0, {0.5, 1.0 / 64}, kRoomy, 1},
-        PipelineCase{"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, DType::kF32, Mode::kExact, false,
-                     int64_t{-200000}, 0, 0, {0.5, 0.125}, kRoomy, 1},
-        PipelineCase{"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, DType::kF32, Mode::kExact, true, int64_t{65536}, 0,
-                     0, {0.5, 1.0 / 16}, kRoomy, 1}),
-    [](const ::testing::TestParamInfo<PipelineCase>& info) { return info.param.name; });
+        PipelineCase{{"exact_far_queries_noncausal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
+                      int64_t{1000000}, 0, 0, kAuto, {0.5, 1.0 / 64}},
+                     kRoomy, 1},
+        PipelineCase{{"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, true,
+                      int64_t{1000000}, 0, 0, kAuto, {0.5, 1.0 / 64}},
+                     kRoomy, 1},
+        PipelineCase{{"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, DType::kF32, Mode::kExact, false,
+                      int64_t{-200000}, 0, 0, kAuto, {0.5, 0.125}},
+                     kRoomy, 1},
+        PipelineCase{{"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, DType::kF32, Mode::kExact, true, int64_t{65536}, 0,
+                      0, kAuto, {0.5, 1.0 / 16}},
+                     kRoomy, 1}),
+    testing::CaseName());
 
 }  // namespace
 }  // namespace plsh::cuda

@@ -9,7 +9,7 @@ AttentionOptions options_of(const AttentionCase& c, uint64_t seed) {
           .head_dim = c.head_dim, .dtype = c.dtype, .out_dtype = c.out_dtype, .scale = std::nullopt,
           .causal = c.causal, .slopes = c.slopes, .q_pos0 = c.q_pos0, .k_pos0 = c.k_pos0, .mode = c.mode,
           .samples = c.samples > 0 ? c.samples : kDefaultSamples, .seed = seed, .lsh_algorithm = c.algorithm,
-          .window_width = c.window_width, .estimates = false};
+          .sampling = c.sampling, .window_width = c.window_width, .estimates = false};
 }
 
 Problem make_problem(const AttentionOptions& o, uint64_t seed, bool with_lse) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "plsh/backward.h"
+#include "plsh/draws.h"
 #include "plsh/params.h"
 #include "reference.h"
 
@@ -36,6 +37,7 @@ struct AttentionCase {
   int64_t window_width = 0;                         // window; 0: from window_eps
   std::optional<DType> out_dtype = std::nullopt;    // default dtype
   std::optional<DType> grad_dtype = std::nullopt;   // backward; default dtype
+  Sampling sampling = kDefaultSampling;             // lsh: how a head's hashes depend on each other
 };
 
 // ctest lists a case by its name, not by a byte dump of the struct (a case

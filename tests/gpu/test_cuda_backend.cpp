@@ -205,7 +205,7 @@ TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
 
 TEST(CudaControl, CancelStopsTheWork) {
   REQUIRE_CUDA(cuda);
-  const Problem pr =
+  Problem pr =
       make_problem({.q_len = 256, .kv_len = 256, .heads = 2, .head_dim = 64, .mode = Mode::kExact, .estimates = false}, 4,
                    false);
   ASSERT_TRUE(pr.status.ok());
@@ -217,9 +217,9 @@ TEST(CudaControl, CancelStopsTheWork) {
 
 TEST(CudaControl, BandedIsRefusedWithAReason) {
   REQUIRE_CUDA(cuda);
-  const Problem pr = make_problem({.q_len = 16, .kv_len = 16, .heads = 1, .head_dim = 8, .mode = Mode::kLsh,
-                                   .lsh_algorithm = LshAlgorithm::kBanded, .estimates = false},
-                                  4, false);
+  Problem pr = make_problem({.q_len = 16, .kv_len = 16, .heads = 1, .head_dim = 8, .mode = Mode::kLsh,
+                             .lsh_algorithm = LshAlgorithm::kBanded, .estimates = false},
+                            4, false);
   ASSERT_TRUE(pr.status.ok());
   const Status s = cuda->supports(pr.params);
   EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
@@ -231,10 +231,10 @@ TEST(CudaControl, BandedIsRefusedWithAReason) {
 TEST(CudaControl, TightBudgetChunksAndStillMatches) {
   const int64_t budget = 1536 * 1024;  // staging ~0.6 MB; leaves room for about 5 tile slots
   REQUIRE_CUDA_BUDGET(small, budget);
-  const Problem pr = make_problem({.q_len = 300, .kv_len = 300, .heads = 4, .kv_heads = 2, .head_dim = 64,
-                                   .dtype = DType::kBF16, .causal = true, .slopes = {0.9, 0.2, 0.03, 0.0},
-                                   .mode = Mode::kLsh, .samples = 8, .estimates = false},
-                                  8, false);
+  Problem pr = make_problem({.q_len = 300, .kv_len = 300, .heads = 4, .kv_heads = 2, .head_dim = 64,
+                             .dtype = DType::kBF16, .causal = true, .slopes = {0.9, 0.2, 0.03, 0.0},
+                             .mode = Mode::kLsh, .samples = 8, .estimates = false},
+                            8, false);
   ASSERT_TRUE(pr.status.ok());
   ForwardStats stats;
   const Status s = testing::plan_and_forward(*small, pr.params, ExecContext{}, &stats);
@@ -343,9 +343,9 @@ TimedRun timed_forward(Backend& cuda, const Plan& plan, const std::atomic<bool>*
 TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
   REQUIRE_CUDA(cuda);
   // fp32 GEMMs without TF32: the slow path, about 9 TFLOP here.
-  const Problem pr = make_problem({.q_len = 32768, .kv_len = 32768, .heads = 32, .head_dim = 128, .dtype = DType::kF32,
-                                   .causal = true, .mode = Mode::kExact, .estimates = false, .check_finite = false},
-                                  13, false);
+  Problem pr = make_problem({.q_len = 32768, .kv_len = 32768, .heads = 32, .head_dim = 128, .dtype = DType::kF32,
+                             .causal = true, .mode = Mode::kExact, .estimates = false, .check_finite = false},
+                            13, false);
   ASSERT_TRUE(pr.status.ok());
   StatusOr<Plan> plan = cuda->plan(pr.params, PlanLimits{});
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
@@ -382,7 +382,7 @@ TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
 // A budget too small for one tile is refused before any memory is touched.
 TEST(CudaControl, TinyBudgetIsResourceExhausted) {
   REQUIRE_CUDA_BUDGET(small, 4096);
-  const Problem pr =
+  Problem pr =
       make_problem({.q_len = 128, .kv_len = 128, .heads = 1, .head_dim = 64, .mode = Mode::kExact, .estimates = false}, 4,
                    false);
   ASSERT_TRUE(pr.status.ok());
@@ -398,7 +398,7 @@ TEST(CudaErrors, StaleRecoverableErrorDoesNotFailTheNextRequest) {
   void* huge = nullptr;
   ASSERT_EQ(cudaMalloc(&huge, size_t{1} << 60), cudaErrorMemoryAllocation);
   ASSERT_EQ(cudaPeekAtLastError(), cudaErrorMemoryAllocation) << "the runtime keeps it as the last error";
-  const Problem pr = make_problem(
+  Problem pr = make_problem(
       {.q_len = 100, .kv_len = 100, .heads = 2, .head_dim = 64, .causal = true, .mode = Mode::kExact, .estimates = false},
       6, false);
   ASSERT_TRUE(pr.status.ok());

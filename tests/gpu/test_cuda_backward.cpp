@@ -55,7 +55,7 @@ TEST_P(CudaBackwardVsCpu, MatchesCpuBackendAndReference) {
   const AttentionOptions o = options_of(c, 4321);
   const DType grad_dtype = c.grad_dtype.value_or(c.dtype);
   // The same inputs twice: one run on each backend.
-  const Problem on_gpu = make_problem(o, 78), on_cpu = make_problem(o, 78);
+  Problem on_gpu = make_problem(o, 78), on_cpu = make_problem(o, 78);
   ASSERT_TRUE(on_gpu.status.ok() && on_cpu.status.ok());
   GradTensors gpu = grad_tensors(o, grad_dtype, 79), cpu_grads = grad_tensors(o, grad_dtype, 79);
   StatusOr<ForwardBackwardResult> r =
@@ -115,7 +115,7 @@ TEST(CudaBackwardControl, TightBudgetChunksAndStillMatches) {
   const AttentionCase c{"tight", 1, 300, 300, 4, 2, 64, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 8,
                         LshAlgorithm::kAuto, {0.9, 0.2, 0.03, 0.0}};
   const AttentionOptions o = options_of(c, 4321);
-  const Problem on_gpu = make_problem(o, 8, false), on_cpu = make_problem(o, 8, false);
+  Problem on_gpu = make_problem(o, 8, false), on_cpu = make_problem(o, 8, false);
   ASSERT_TRUE(on_gpu.status.ok() && on_cpu.status.ok());
   GradTensors a = grad_tensors(o, DType::kF32, 9), b = grad_tensors(o, DType::kF32, 9);
   PlanLimits limits;
@@ -158,7 +158,7 @@ TEST(CudaBackwardControl, RefusalsNameTheReason) {
   limits.backward = true;
   EXPECT_EQ(cuda->plan(*pm, limits).status().code(), StatusCode::kUnimplemented);
 
-  const Problem bound = make_problem(o, 1);
+  Problem bound = make_problem(o, 1);
   ASSERT_TRUE(bound.status.ok());
   GradTensors g = grad_tensors(o, DType::kF32, 2);
   StatusOr<Plan> forward_only = cuda->plan(bound.params, PlanLimits{});
@@ -176,7 +176,7 @@ TEST(CudaBackwardControl, CancelAndDeadlineStopTheBackward) {
   REQUIRE_CUDA(cuda);
   const AttentionOptions o{.q_len = 8192, .kv_len = 8192, .heads = 8, .head_dim = 64, .dtype = DType::kBF16, .causal = true,
                            .mode = Mode::kExact, .estimates = false};
-  const Problem pr = make_problem(o, 3);
+  Problem pr = make_problem(o, 3);
   ASSERT_TRUE(pr.status.ok());
   PlanLimits limits;
   limits.backward = true;
@@ -214,7 +214,7 @@ TEST(CudaBackwardControl, ReadsThePlanDraws) {
   const AttentionCase c{"tamper", 1, 97, 97, 4, 4, 32, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 6};
   const AttentionOptions o = options_of(c, 4321);
   // The same inputs three times: tampered on the GPU and the CPU, and as seeded.
-  const Problem pa = make_problem(o, 11), pb = make_problem(o, 11), ps = make_problem(o, 11);
+  Problem pa = make_problem(o, 11), pb = make_problem(o, 11), ps = make_problem(o, 11);
   ASSERT_TRUE(pa.status.ok() && pb.status.ok() && ps.status.ok());
   GradTensors a = grad_tensors(o, DType::kF32, 12), b = grad_tensors(o, DType::kF32, 12), seeded = grad_tensors(o, DType::kF32, 12);
   PlanLimits limits;

@@ -452,7 +452,7 @@ TEST(CpuBackend, SteepSlopeFarFromZeroFinishesAndMatches) {
     const AttentionOptions o{.q_len = 40, .kv_len = 40, .heads = 2, .kv_heads = 2, .head_dim = 16, .slopes = {1024.0, 0.5},
                              .q_pos0 = near_2_52, .k_pos0 = near_2_52, .mode = Mode::kLsh, .samples = 16,
                              .lsh_algorithm = a};
-    const Problem pr = make_problem(o, 21, false);
+    Problem pr = make_problem(o, 21, false);
     ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
     ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), pr.params, ExecContext{}, nullptr).ok());
     const testing::ErrorStats e = testing::compare(pr.out.data(), DType::kF32, testing::reference_attention(pr.params).out);

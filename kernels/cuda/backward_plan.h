@@ -37,15 +37,6 @@ namespace plsh::cuda {
 // take one input type), i.e. out_dtype == dtype. UNIMPLEMENTED otherwise.
 Status check_backward_support(const AttentionParams& p);
 
-// One cuBLAS GEMM as cublasGemmBatchedEx takes it: column-major, op(A) is
-// m x k, op(B) k x n, C m x n.
-struct GemmArgs {
-  bool trans_a = false;  // CUBLAS_OP_T
-  bool trans_b = false;
-  int64_t m = 0, n = 0, k = 0;
-  int64_t lda = 0, ldb = 0, ldc = 0;
-};
-
 // The five GEMMs of a backward round; row-major views of the results.
 // dout is staged in q's layout (o.q_*), P and dS are [T][Kp] like the
 // forward's probabilities.

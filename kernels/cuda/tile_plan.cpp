@@ -181,6 +181,17 @@ std::vector<GemmBatch> gemm_batches(int64_t slots) {
   return batches;
 }
 
+ForwardGemms forward_gemms(const OperandLayout& o, int64_t tile_rows, int64_t key_cols) {
+  const int64_t T = tile_rows, Kc = key_cols, D = o.head_dim;
+  const int64_t Kp = key_pitch(Kc), Dp = partial_pitch(D);
+  ForwardGemms g;
+  // Column-major S^T (Kc x T, ld Kp) = op_T(K: D x Kc, ld k_rs) . Q (D x T, ld q_rs): row-major S [T][Kp].
+  g.scores = {true, false, Kc, T, D, o.k_rs, o.q_rs, Kp};
+  // O^T (D x T, ld Dp) = V^T (D x Kc, ld v_rs) . P^T (Kc x T, ld Kp): row-major O [T][Dp].
+  g.partial = {false, false, D, T, Kc, o.v_rs, Kp, Dp};
+  return g;
+}
+
 StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& s, int64_t budget_bytes) {
   const int64_t T = std::min(kTileRows, s.q_len), Kc = std::min(kMaxKeyCols, s.kv_len);
   return plan_workspace_for(s, budget_bytes, [&](int64_t slots) {

@@ -105,104 +105,102 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
   const int64_t Dp = partial_pitch(D);
   const float scale = static_cast<float>(p.scale);
   const int64_t lanes_total = p.batch * p.heads, tiles_total = tile_count(shape);
-  for (int64_t lane0 = 0; lane0 < lanes_total; lane0 += work.lanes_per_chunk) {
-    const int64_t lane1 = std::min(lanes_total, lane0 + work.lanes_per_chunk);
-    const std::vector<LaneSetup> setups = chunk_lanes(layout.heads, p.heads, lane0, lane1);
-    for (int64_t t0 = 0; t0 < tiles_total; t0 += work.tiles_per_chunk) {
-      const int64_t t1 = std::min(tiles_total, t0 + work.tiles_per_chunk);
-      ++e.chunks;
-      std::vector<LanePass> table;
-      const std::vector<Round> rounds = plan_rounds(shape, setups, t0, t1, &table);
-      EXPECT_LE(static_cast<int64_t>(table.size()), layout.table_entries);
-      e.rounds += static_cast<int64_t>(rounds.size());
-      acc.row0 = t0 * T;
-      acc.rows_per_lane = (t1 - t0) * T;
-      std::fill_n(acc.acc, (lane1 - lane0) * acc.rows_per_lane * D, 0.0f);
-      for (const Round& r : rounds) {
-        EXPECT_LE(r.slots, work.slots);
-        const int64_t Kc = r.key_cols, Kp = key_pitch(Kc);
-        const BackwardGemms gemms = backward_gemms(ops, T, Kc);
-        for (int64_t slot = 0; slot < r.slots; ++slot) {
-          const TileDesc d = describe_slot(shape, r, table.data(), slot);
-          const LanePass& l = table[static_cast<size_t>(d.lane)];
-          const BackwardSlotOperands o = backward_slot_operands(ops, l, d, slot, T, Kc);
-          for (int64_t off : {o.q, o.k, o.v, o.dout, o.scores, o.probs, o.ds, o.dq, o.dk, o.dv})
-            EXPECT_TRUE(aligned(off)) << "slot operand at byte " << off << " is not 16-byte aligned";
-          for (const GemmArgs* ga : {&gemms.scores, &gemms.dprob, &gemms.dq, &gemms.dv, &gemms.dk})
-            EXPECT_TRUE(aligned(ga->lda * esz) && aligned(ga->ldb * esz) && aligned(ga->ldc * 4))
-                << "a leading dimension is not a multiple of 16 bytes";
-          float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.scores) + o.scores);
-          char* probs = rb.probs + o.probs;
-          char* ds = rb.ds + o.ds;
-          float* dq_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dq_part) + o.dq);
-          float* dk_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dk_part) + o.dk);
-          float* dv_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dv_part) + o.dv);
-          const int64_t g_lane = static_cast<int64_t>(l.batch) * p.heads + l.head;
+  const Status ran = for_each_chunk(work, layout.heads, p.heads, lanes_total, tiles_total, [&](const Chunk& chunk) {
+    const int64_t lane0 = chunk.lane0, lane1 = chunk.lane1, t0 = chunk.tile0, t1 = chunk.tile1;
+    ++e.chunks;
+    std::vector<LanePass> table;
+    const std::vector<Round> rounds = plan_rounds(shape, chunk.setups, t0, t1, &table);
+    EXPECT_LE(static_cast<int64_t>(table.size()), layout.table_entries);
+    e.rounds += static_cast<int64_t>(rounds.size());
+    acc.row0 = t0 * T;
+    acc.rows_per_lane = (t1 - t0) * T;
+    std::fill_n(acc.acc, (lane1 - lane0) * acc.rows_per_lane * D, 0.0f);
+    for (const Round& r : rounds) {
+      EXPECT_LE(r.slots, work.slots);
+      const int64_t Kc = r.key_cols, Kp = key_pitch(Kc);
+      const BackwardGemms gemms = backward_gemms(ops, T, Kc);
+      const ForwardGemms forward = forward_gemms(ops, T, Kc);  // on the same staged operands
+      for (int64_t slot = 0; slot < r.slots; ++slot) {
+        const TileDesc d = describe_slot(shape, r, table.data(), slot);
+        const LanePass& l = table[static_cast<size_t>(d.lane)];
+        const BackwardSlotOperands o = backward_slot_operands(ops, l, d, slot, T, Kc);
+        for (int64_t off : {o.q, o.k, o.v, o.dout, o.scores, o.probs, o.ds, o.dq, o.dk, o.dv})
+          EXPECT_TRUE(aligned(off)) << "slot operand at byte " << off << " is not 16-byte aligned";
+        for (const GemmArgs* ga :
+             {&gemms.scores, &gemms.dprob, &gemms.dq, &gemms.dv, &gemms.dk, &forward.scores, &forward.partial})
+          EXPECT_TRUE(aligned(ga->lda * esz) && aligned(ga->ldb * esz) && aligned(ga->ldc * 4))
+              << "a leading dimension is not a multiple of 16 bytes";
+        float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.scores) + o.scores);
+        char* probs = rb.probs + o.probs;
+        char* ds = rb.ds + o.ds;
+        float* dq_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dq_part) + o.dq);
+        float* dk_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dk_part) + o.dk);
+        float* dv_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dv_part) + o.dv);
+        const int64_t g_lane = static_cast<int64_t>(l.batch) * p.heads + l.head;
 
-          host_gemm(gemms.scores, scale, st.k + o.k, st.q + o.q, p.dtype, scores);
-          // backward_probs_kernel
-          const bool same_bin = l.rule == SpanRule::kSameBin;
-          for (int64_t rr = 0; rr < T; ++rr) {
-            const int64_t i = d.row0 + rr;
-            const bool owned = i >= d.own_begin && i < d.own_end;
-            const int64_t pos_i = p.q_pos0 + i;
-            const int64_t nearest = nearest_key_distance(shape, i);
-            const int64_t q_bin = same_bin ? span_bin(pos_i, l.pitch, l.shift) : 0;
-            const float lse = st.row_lse[g_lane * p.q_len + i];
-            for (int64_t x = 0; x < Kc; ++x) {
-              const int64_t j = d.col0 + x;
-              float logit = 0;
-              const int64_t k_bin = same_bin ? span_bin(p.k_pos0 + j, l.pitch, l.shift) : 0;
-              const bool ok = owned && slot_logit(l, d, p.causal, pos_i, j, p.k_pos0 + j, nearest, q_bin, k_bin,
-                                                  scores[rr * Kp + x], &logit);
-              store_element(probs, p.dtype, rr * Kp + x, ok ? backward_prob(logit, lse) : 0.0f);
-            }
-          }
-          host_gemm(gemms.dprob, 1.0f, st.v + o.v, st.dout + o.dout, p.dtype, scores);
-          // backward_ds_kernel
-          for (int64_t rr = 0; rr < T; ++rr) {
-            const int64_t i = d.row0 + rr;
-            const bool owned = i >= d.own_begin && i < d.own_end;
-            const float di = owned ? st.row_d[g_lane * p.q_len + i] : 0.0f;
-            for (int64_t x = 0; x < Kc; ++x) {
-              const float pv = owned ? static_cast<float>(load_element(probs, p.dtype, rr * Kp + x)) : 0.0f;
-              store_element(ds, p.dtype, rr * Kp + x, pv * (scores[rr * Kp + x] - di));
-            }
-          }
-          host_gemm(gemms.dq, scale, st.k + o.k, ds, p.dtype, dq_part);
-          // dq_merge_kernel
-          for (int64_t rr = 0; rr < T; ++rr) {
-            const int64_t i = d.row0 + rr;
-            if (i < d.own_begin || i >= d.own_end) continue;
-            float* a = acc.acc + (l.acc_lane * acc.rows_per_lane + (i - acc.row0)) * D;
-            for (int64_t x = 0; x < D; ++x) a[x] += dq_part[rr * Dp + x];
-          }
-          host_gemm(gemms.dv, 1.0f, st.dout + o.dout, probs, p.dtype, dv_part);
-          host_gemm(gemms.dk, scale, st.q + o.q, ds, p.dtype, dk_part);
-          // kv_scatter_kernel
-          const int64_t hk = l.head / p.head_group;
-          for (int64_t x = d.valid_begin - d.col0; x < d.valid_end - d.col0; ++x) {
+        host_gemm(gemms.scores, scale, st.k + o.k, st.q + o.q, p.dtype, scores);
+        // backward_probs_kernel
+        const bool same_bin = l.rule == SpanRule::kSameBin;
+        for (int64_t rr = 0; rr < T; ++rr) {
+          const int64_t i = d.row0 + rr;
+          const bool owned = i >= d.own_begin && i < d.own_end;
+          const SlotRow row = slot_row(l, shape, p.q_pos0, i);
+          const float lse = st.row_lse[g_lane * p.q_len + i];
+          for (int64_t x = 0; x < Kc; ++x) {
             const int64_t j = d.col0 + x;
-            for (int64_t c = 0; c < D; ++c) {
-              const int64_t at = ((static_cast<int64_t>(l.batch) * p.kv_len + j) * p.kv_heads + hk) * D + c;
-              st.dk_acc[at] += dk_part[x * Dp + c];
-              st.dv_acc[at] += dv_part[x * Dp + c];
-            }
+            float logit = 0;
+            const int64_t k_bin = same_bin ? span_bin(p.k_pos0 + j, l.pitch, l.shift) : 0;
+            const bool ok = owned && slot_logit(l, d, p.causal, row.pos, j, p.k_pos0 + j, row.nearest, row.bin, k_bin,
+                                                scores[rr * Kp + x], &logit);
+            store_element(probs, p.dtype, rr * Kp + x, ok ? backward_prob(logit, lse) : 0.0f);
           }
         }
-      }
-      // dq_finalize_kernel
-      for (int64_t gl = lane0; gl < lane1; ++gl) {
-        const int64_t b = gl / p.heads, h = gl % p.heads;
-        for (int64_t local = 0; local < acc.rows_per_lane; ++local) {
-          const int64_t i = acc.row0 + local;
-          if (i >= p.q_len) continue;
-          const float* a = acc.acc + ((gl - lane0) * acc.rows_per_lane + local) * D;
-          for (int64_t x = 0; x < D; ++x) store_element(st.dq, g.grad_dtype, ((b * p.q_len + i) * p.heads + h) * D + x, a[x]);
+        host_gemm(gemms.dprob, 1.0f, st.v + o.v, st.dout + o.dout, p.dtype, scores);
+        // backward_ds_kernel
+        for (int64_t rr = 0; rr < T; ++rr) {
+          const int64_t i = d.row0 + rr;
+          const bool owned = i >= d.own_begin && i < d.own_end;
+          const float di = owned ? st.row_d[g_lane * p.q_len + i] : 0.0f;
+          for (int64_t x = 0; x < Kc; ++x) {
+            const float pv = owned ? static_cast<float>(load_element(probs, p.dtype, rr * Kp + x)) : 0.0f;
+            store_element(ds, p.dtype, rr * Kp + x, pv * (scores[rr * Kp + x] - di));
+          }
+        }
+        host_gemm(gemms.dq, scale, st.k + o.k, ds, p.dtype, dq_part);
+        // dq_merge_kernel
+        for (int64_t rr = 0; rr < T; ++rr) {
+          const int64_t i = d.row0 + rr;
+          if (i < d.own_begin || i >= d.own_end) continue;
+          float* a = acc.acc + (l.acc_lane * acc.rows_per_lane + (i - acc.row0)) * D;
+          for (int64_t x = 0; x < D; ++x) a[x] += dq_part[rr * Dp + x];
+        }
+        host_gemm(gemms.dv, 1.0f, st.dout + o.dout, probs, p.dtype, dv_part);
+        host_gemm(gemms.dk, scale, st.q + o.q, ds, p.dtype, dk_part);
+        // kv_scatter_kernel
+        const int64_t hk = l.head / p.head_group;
+        for (int64_t x = d.valid_begin - d.col0; x < d.valid_end - d.col0; ++x) {
+          const int64_t j = d.col0 + x;
+          for (int64_t c = 0; c < D; ++c) {
+            const int64_t at = ((static_cast<int64_t>(l.batch) * p.kv_len + j) * p.kv_heads + hk) * D + c;
+            st.dk_acc[at] += dk_part[x * Dp + c];
+            st.dv_acc[at] += dv_part[x * Dp + c];
+          }
         }
       }
     }
-  }
+    // dq_finalize_kernel
+    for (int64_t gl = lane0; gl < lane1; ++gl) {
+      const int64_t b = gl / p.heads, h = gl % p.heads;
+      for (int64_t local = 0; local < acc.rows_per_lane; ++local) {
+        const int64_t i = acc.row0 + local;
+        if (i >= p.q_len) continue;
+        const float* a = acc.acc + ((gl - lane0) * acc.rows_per_lane + local) * D;
+        for (int64_t x = 0; x < D; ++x) store_element(st.dq, g.grad_dtype, ((b * p.q_len + i) * p.heads + h) * D + x, a[x]);
+      }
+    }
+    return Status::Ok();
+  });
+  EXPECT_TRUE(ran.ok()) << ran.to_string();
   for (int64_t i = 0; i < st.kv_elems; ++i) {  // to_dtype_kernel
     store_element(st.dk, g.grad_dtype, i, st.dk_acc[i]);
     store_element(st.dv, g.grad_dtype, i, st.dv_acc[i]);
@@ -226,7 +224,7 @@ TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   const BackwardPipelineCase& c = GetParam();
   AttentionOptions o = testing::options_of(c, 99);
   o.lsh_algorithm = c.mode == Mode::kLsh ? LshAlgorithm::kPerSample : LshAlgorithm::kAuto;
-  const testing::Problem pr = testing::make_problem(o, 5);
+  testing::Problem pr = testing::make_problem(o, 5);
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   const AttentionParams& p = pr.params;
   ASSERT_TRUE(check_backward_support(p).ok());

@@ -67,80 +67,76 @@ Emulated emulate(const AttentionParams& p, int64_t budget) {
   };
   const int64_t lanes_total = p.batch * p.heads;
   const int64_t tiles_total = tile_count(shape);
-  for (int64_t lane0 = 0; lane0 < lanes_total; lane0 += plan.lanes_per_chunk) {
-    const int64_t lane1 = std::min(lanes_total, lane0 + plan.lanes_per_chunk);
-    const std::vector<LaneSetup> setups = chunk_lanes(heads, p.heads, lane0, lane1);
-    for (int64_t t0 = 0; t0 < tiles_total; t0 += plan.tiles_per_chunk) {
-      const int64_t t1 = std::min(tiles_total, t0 + plan.tiles_per_chunk);
-      ++e.chunks;
-      std::vector<LanePass> table;
-      const std::vector<Round> rounds = plan_rounds(shape, setups, t0, t1, &table);
-      e.rounds += static_cast<int64_t>(rounds.size());
-      const int64_t row0 = t0 * T, rows = (t1 - t0) * T;
-      std::vector<float> acc(static_cast<size_t>((lane1 - lane0) * rows * D), 0.0f);
-      std::vector<float> acc_max(static_cast<size_t>((lane1 - lane0) * rows), 0.0f);
-      std::vector<float> acc_sum(acc_max.size(), 0.0f);
-      for (const Round& r : rounds) {
-        EXPECT_LE(r.slots, plan.slots);
-        const int64_t Kc = r.key_cols;
-        std::vector<float> logits(static_cast<size_t>(Kc));
-        std::vector<uint8_t> ok(static_cast<size_t>(Kc));
-        std::vector<float> prob(static_cast<size_t>(Kc));
-        std::vector<float> part(static_cast<size_t>(D));
-        for (int64_t slot = 0; slot < r.slots; ++slot) {
-          const TileDesc d = describe_slot(shape, r, table.data(), slot);
-          const LanePass& l = table[static_cast<size_t>(d.lane)];
-          const int64_t hk = l.head / p.head_group;
-          for (int64_t rr = 0; rr < T; ++rr) {
-            const int64_t i = d.row0 + rr;
-            if (i < d.own_begin || i >= d.own_end) continue;
-            const int64_t pos_i = p.q_pos0 + i;
-            const int64_t nearest = nearest_key_distance(shape, i);
-            const bool same_bin = l.rule == SpanRule::kSameBin;
-            const int64_t q_bin = same_bin ? span_bin(pos_i, l.pitch, l.shift) : 0;
-            float m = -INFINITY;
-            for (int64_t x = 0; x < Kc; ++x) {
-              const int64_t j = d.col0 + x;
-              float dot = 0;  // the first GEMM: fp32 accumulation, alpha = scale
-              for (int64_t c = 0; c < D; ++c) dot += q_at(l.batch, i, l.head, c) * k_at(l.batch, j, hk, c);
-              const int64_t k_bin = same_bin ? span_bin(p.k_pos0 + j, l.pitch, l.shift) : 0;
-              ok[x] = slot_logit(l, d, p.causal, pos_i, j, p.k_pos0 + j, nearest, q_bin, k_bin,
-                                 static_cast<float>(p.scale) * dot, &logits[x]);
-              if (ok[x]) m = std::max(m, logits[x]);
-            }
-            float l_part = 0;
-            for (int64_t x = 0; x < Kc; ++x) {
-              prob[x] = ok[x] ? round_to(p.dtype, std::exp(logits[x] - m)) : 0.0f;
-              l_part += prob[x];
-            }
-            std::fill(part.begin(), part.end(), 0.0f);  // the second GEMM
-            for (int64_t x = 0; x < Kc; ++x)
-              if (prob[x] != 0)
-                for (int64_t c = 0; c < D; ++c) part[c] += prob[x] * v_at(l.batch, d.col0 + x, hk, c);
-            if (l_part == 0) continue;
-            const int64_t idx = l.acc_lane * rows + (i - row0);
-            const MergeCoefficients mc = merge_coefficients(acc_max[idx], acc_sum[idx], m);
-            for (int64_t c = 0; c < D; ++c) acc[idx * D + c] = acc[idx * D + c] * mc.c_acc + part[c] * mc.c_part;
-            acc_sum[idx] = acc_sum[idx] * mc.c_acc + l_part * mc.c_part;
-            acc_max[idx] = mc.m_new;
+  const Status ran = for_each_chunk(plan, heads, p.heads, lanes_total, tiles_total, [&](const Chunk& chunk) {
+    const int64_t lane0 = chunk.lane0, lane1 = chunk.lane1, t0 = chunk.tile0, t1 = chunk.tile1;
+    ++e.chunks;
+    std::vector<LanePass> table;
+    const std::vector<Round> rounds = plan_rounds(shape, chunk.setups, t0, t1, &table);
+    e.rounds += static_cast<int64_t>(rounds.size());
+    const int64_t row0 = t0 * T, rows = (t1 - t0) * T;
+    std::vector<float> acc(static_cast<size_t>((lane1 - lane0) * rows * D), 0.0f);
+    std::vector<float> acc_max(static_cast<size_t>((lane1 - lane0) * rows), 0.0f);
+    std::vector<float> acc_sum(acc_max.size(), 0.0f);
+    for (const Round& r : rounds) {
+      EXPECT_LE(r.slots, plan.slots);
+      const int64_t Kc = r.key_cols;
+      std::vector<float> logits(static_cast<size_t>(Kc));
+      std::vector<uint8_t> ok(static_cast<size_t>(Kc));
+      std::vector<float> prob(static_cast<size_t>(Kc));
+      std::vector<float> part(static_cast<size_t>(D));
+      for (int64_t slot = 0; slot < r.slots; ++slot) {
+        const TileDesc d = describe_slot(shape, r, table.data(), slot);
+        const LanePass& l = table[static_cast<size_t>(d.lane)];
+        const int64_t hk = l.head / p.head_group;
+        for (int64_t rr = 0; rr < T; ++rr) {
+          const int64_t i = d.row0 + rr;
+          if (i < d.own_begin || i >= d.own_end) continue;
+          const SlotRow row = slot_row(l, shape, p.q_pos0, i);
+          const bool same_bin = l.rule == SpanRule::kSameBin;
+          float m = -INFINITY;
+          for (int64_t x = 0; x < Kc; ++x) {
+            const int64_t j = d.col0 + x;
+            float dot = 0;  // the first GEMM: fp32 accumulation, alpha = scale
+            for (int64_t c = 0; c < D; ++c) dot += q_at(l.batch, i, l.head, c) * k_at(l.batch, j, hk, c);
+            const int64_t k_bin = same_bin ? span_bin(p.k_pos0 + j, l.pitch, l.shift) : 0;
+            ok[x] = slot_logit(l, d, p.causal, row.pos, j, p.k_pos0 + j, row.nearest, row.bin, k_bin,
+                               static_cast<float>(p.scale) * dot, &logits[x]);
+            if (ok[x]) m = std::max(m, logits[x]);
           }
-        }
-      }
-      for (int64_t g = lane0; g < lane1; ++g) {
-        const int64_t b = g / p.heads, h = g % p.heads;
-        for (int64_t i = row0; i < std::min(row0 + rows, p.q_len); ++i) {
-          const int64_t idx = (g - lane0) * rows + (i - row0);
-          const float l = acc_sum[idx];
-          for (int64_t c = 0; c < D; ++c)
-            e.out[static_cast<size_t>(((b * p.q_len + i) * p.heads + h) * D + c)] =
-                round_to(p.out_dtype, l > 0 ? acc[idx * D + c] / l : 0.0f);
-          // As the device stores it: row_lse in double, rounded to float.
-          e.lse[static_cast<size_t>((b * p.q_len + i) * p.heads + h)] = static_cast<float>(
-              row_lse(acc_max[idx], l, head_lse(p, heads[static_cast<size_t>(h)]), nearest_key_distance(shape, i)));
+          float l_part = 0;
+          for (int64_t x = 0; x < Kc; ++x) {
+            prob[x] = ok[x] ? round_to(p.dtype, std::exp(logits[x] - m)) : 0.0f;
+            l_part += prob[x];
+          }
+          std::fill(part.begin(), part.end(), 0.0f);  // the second GEMM
+          for (int64_t x = 0; x < Kc; ++x)
+            if (prob[x] != 0)
+              for (int64_t c = 0; c < D; ++c) part[c] += prob[x] * v_at(l.batch, d.col0 + x, hk, c);
+          if (l_part == 0) continue;
+          const int64_t idx = l.acc_lane * rows + (i - row0);
+          const MergeCoefficients mc = merge_coefficients(acc_max[idx], acc_sum[idx], m);
+          for (int64_t c = 0; c < D; ++c) acc[idx * D + c] = acc[idx * D + c] * mc.c_acc + part[c] * mc.c_part;
+          acc_sum[idx] = acc_sum[idx] * mc.c_acc + l_part * mc.c_part;
+          acc_max[idx] = mc.m_new;
         }
       }
     }
-  }
+    for (int64_t g = lane0; g < lane1; ++g) {
+      const int64_t b = g / p.heads, h = g % p.heads;
+      for (int64_t i = row0; i < std::min(row0 + rows, p.q_len); ++i) {
+        const int64_t idx = (g - lane0) * rows + (i - row0);
+        const float l = acc_sum[idx];
+        for (int64_t c = 0; c < D; ++c)
+          e.out[static_cast<size_t>(((b * p.q_len + i) * p.heads + h) * D + c)] =
+              round_to(p.out_dtype, l > 0 ? acc[idx * D + c] / l : 0.0f);
+        // As the device stores it: row_lse in double, rounded to float.
+        e.lse[static_cast<size_t>((b * p.q_len + i) * p.heads + h)] = static_cast<float>(
+            row_lse(acc_max[idx], l, head_lse(p, heads[static_cast<size_t>(h)]), nearest_key_distance(shape, i)));
+      }
+    }
+    return Status::Ok();
+  });
+  EXPECT_TRUE(ran.ok()) << ran.to_string();
   return e;
 }
 
@@ -156,7 +152,7 @@ class CudaPipelineOnHost : public ::testing::TestWithParam<PipelineCase> {};
 TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   const PipelineCase& c = GetParam();
   const AttentionOptions o = testing::options_of(c, 99);
-  const testing::Problem pr = testing::make_problem(o, 5, false);
+  testing::Problem pr = testing::make_problem(o, 5, false);
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   const Emulated e = emulate(pr.params, c.budget);
   EXPECT_GE(e.chunks, c.min_chunks);
@@ -176,7 +172,7 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   EXPECT_LE(lse_err, f32 ? 1e-5 : 4e-3);
 
   // And against the CPU backend, as the GPU tests compare the device.
-  const testing::Problem on_cpu = testing::make_problem(o, 5);
+  testing::Problem on_cpu = testing::make_problem(o, 5);
   ASSERT_TRUE(on_cpu.status.ok()) << on_cpu.status.to_string();
   const std::vector<float>& lse_cpu = on_cpu.lse;
   std::unique_ptr<Backend> cpu = make_cpu_backend();

@@ -80,9 +80,9 @@ int64_t carve_backward_staging(const AttentionParams& p, int64_t grad_bytes, cha
   b.dq_bytes = p.batch * p.q_len * p.heads * p.head_dim * grad_bytes;
   b.dkv_bytes = b.kv_elems * grad_bytes;
   Carver c(base);
-  b.q = c.take<char>(b.q_bytes);
-  b.k = c.take<char>(b.kv_bytes);
-  b.v = c.take<char>(b.kv_bytes);
+  b.qkv.q = c.take<char>(b.q_bytes);
+  b.qkv.k = c.take<char>(b.kv_bytes);
+  b.qkv.v = c.take<char>(b.kv_bytes);
   b.dout = c.take<char>(b.q_bytes);
   b.row_d = c.take<float>(b.rows);
   b.row_lse = c.take<float>(b.rows);

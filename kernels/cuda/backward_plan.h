@@ -107,9 +107,7 @@ PLSH_HD inline BackwardSlotOperands backward_slot_operands(const OperandLayout& 
 // D] float32; dq, dk, dv dense in the gradients' dtype (grad_bytes per
 // element: the plan sizes 4, the widest).
 struct BackwardStaging {
-  char* q = nullptr;
-  char* k = nullptr;
-  char* v = nullptr;
+  StagedQkv qkv;
   char* dout = nullptr;
   float* row_d = nullptr;
   float* row_lse = nullptr;

@@ -28,10 +28,10 @@ Status run_cuda_forward(const Plan& plan, const CudaLayout& layout, const ExecCo
   if (p.memory == MemorySpace::kHost) {
     RETURN_IF_ERROR(staging_buffer.allocate(pool, layout.staging_bytes, stream));
     carve_staging(p, staging_buffer.get(), &staged);
-    RETURN_IF_ERROR(stage_qkv(p, pr.operands, staged.q, staged.k, staged.v, stream));
-    pr.q = staged.q;
-    pr.k = staged.k;
-    pr.v = staged.v;
+    RETURN_IF_ERROR(stage_qkv(p, pr.operands, staged.qkv, stream));
+    pr.q = staged.qkv.q;
+    pr.k = staged.qkv.k;
+    pr.v = staged.qkv.v;
     out.out = staged.out;
     out.lse = p.lse != nullptr ? staged.lse : nullptr;
   }

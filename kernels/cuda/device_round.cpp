@@ -41,13 +41,13 @@ Status stage_rows(char* dst, int64_t pitch_elems, const void* src, int64_t rows,
   return Status::Ok();
 }
 
-Status stage_qkv(const AttentionParams& p, const OperandLayout& ops, char* q, char* k, char* v, cudaStream_t stream) {
+Status stage_qkv(const AttentionParams& p, const OperandLayout& ops, const StagedQkv& dst, cudaStream_t stream) {
   // B * N * H rows of D elements each (dense: the source pitch is D).
   const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
   const int64_t q_rows = p.batch * p.q_len * p.heads, kv_rows = p.batch * p.kv_len * p.kv_heads;
-  RETURN_IF_ERROR(stage_rows(q, ops.q_hs, p.q, q_rows, p.head_dim, esz, stream));
-  RETURN_IF_ERROR(stage_rows(k, ops.k_hs, p.k, kv_rows, p.head_dim, esz, stream));
-  return stage_rows(v, ops.v_hs, p.v, kv_rows, p.head_dim, esz, stream);
+  RETURN_IF_ERROR(stage_rows(dst.q, ops.q_hs, p.q, q_rows, p.head_dim, esz, stream));
+  RETURN_IF_ERROR(stage_rows(dst.k, ops.k_hs, p.k, kv_rows, p.head_dim, esz, stream));
+  return stage_rows(dst.v, ops.v_hs, p.v, kv_rows, p.head_dim, esz, stream);
 }
 
 Status carve_table_buffer(DevicePool& pool, const CudaLayout& layout, int64_t table_bytes, int64_t heads,

@@ -38,8 +38,8 @@ struct BatchedGemm {
 Status stage_rows(char* dst, int64_t pitch_elems, const void* src, int64_t rows, int64_t row_elems, int64_t esz,
                   cudaStream_t stream);
 // Host q, k and v (dense, check_operands) to their staging copies in the
-// operand layout `ops` (each head's row padded to 16 bytes).
-Status stage_qkv(const AttentionParams& p, const OperandLayout& ops, char* q, char* k, char* v, cudaStream_t stream);
+// operand layout `ops`.
+Status stage_qkv(const AttentionParams& p, const OperandLayout& ops, const StagedQkv& dst, cudaStream_t stream);
 
 // The work buffer of `work_bytes` from the pool, carved for the plan's
 // slots by `carve` (carve_work, carve_backward_work) into the round's

@@ -146,9 +146,9 @@ int64_t carve_staging(const AttentionParams& p, char* base, StagingBuffers* out)
   // sized whenever the params could carry it, i.e. always.
   b.lse_bytes = ((p.batch - 1) * p.lse_batch_stride + (p.q_len - 1) * p.lse_row_stride + p.heads) * 4;
   Carver c(base);
-  b.q = c.take<char>(b.q_bytes);
-  b.k = c.take<char>(b.k_bytes);
-  b.v = c.take<char>(b.v_bytes);
+  b.qkv.q = c.take<char>(b.q_bytes);
+  b.qkv.k = c.take<char>(b.k_bytes);
+  b.qkv.v = c.take<char>(b.v_bytes);
   b.out = c.take<char>(b.out_bytes);
   b.lse = c.take<float>(b.lse_bytes / 4);
   if (out != nullptr) *out = b;

@@ -396,12 +396,18 @@ OperandLayout operand_layout(const AttentionParams& p);
 // leading dimension beyond cuBLAS's int. UNIMPLEMENTED, naming the tensor.
 Status check_operands(const AttentionParams& p);
 
-// Device copies of host tensors: q, k and v in operand_layout (padded),
-// out and lse spanning their strided extents.
-struct StagingBuffers {
+// Device copies of host q, k and v in operand_layout (each head's row
+// padded to 16 bytes): the forward's and the backward's staging.
+struct StagedQkv {
   char* q = nullptr;
   char* k = nullptr;
   char* v = nullptr;
+};
+
+// Device copies of host tensors: q, k and v (StagedQkv), out and lse
+// spanning their strided extents.
+struct StagingBuffers {
+  StagedQkv qkv;
   char* out = nullptr;
   float* lse = nullptr;
   // Bytes of each tensor's extent (what is copied in or out).
@@ -593,15 +599,7 @@ PLSH_HD inline TileDesc describe_slot(const SpanShape& s, const Round& round, co
   const int64_t t = l.tile_begin + (slot - l.slot_begin);
   const TileRows r = tile_rows_of(s, t);
   const KeyChunk c = key_chunk(tile_key_span(s, l.reach, t), round.key_cols, s.kv_len, round.chunk);
-  TileDesc d;
-  d.lane = static_cast<int32_t>(li);
-  d.row0 = r.row0;
-  d.own_begin = r.own_begin;
-  d.own_end = r.own_end;
-  d.col0 = c.col0;
-  d.valid_begin = c.valid_begin;
-  d.valid_end = c.valid_end;
-  return d;
+  return TileDesc{static_cast<int32_t>(li), 0, r.row0, r.own_begin, r.own_end, c.col0, c.valid_begin, c.valid_end};
 }
 
 // Byte offsets of one slot's GEMM operands: q, k, v from their tensors'

@@ -84,13 +84,16 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
   const OperandLayout ops = operand_layout(p);
   // The 2D copies: every [D] row to its padded place.
   for (int64_t r = 0; r < p.batch * p.q_len * p.heads; ++r) {
-    std::memcpy(st.q + r * ops.q_hs * esz, static_cast<const char*>(p.q) + r * D * esz, static_cast<size_t>(D * esz));
+    std::memcpy(st.qkv.q + r * ops.q_hs * esz, static_cast<const char*>(p.q) + r * D * esz,
+                static_cast<size_t>(D * esz));
     std::memcpy(st.dout + r * ops.q_hs * esz, static_cast<const char*>(g.dout) + r * D * esz,
                 static_cast<size_t>(D * esz));
   }
   for (int64_t r = 0; r < p.batch * p.kv_len * p.kv_heads; ++r) {
-    std::memcpy(st.k + r * ops.k_hs * esz, static_cast<const char*>(p.k) + r * D * esz, static_cast<size_t>(D * esz));
-    std::memcpy(st.v + r * ops.v_hs * esz, static_cast<const char*>(p.v) + r * D * esz, static_cast<size_t>(D * esz));
+    std::memcpy(st.qkv.k + r * ops.k_hs * esz, static_cast<const char*>(p.k) + r * D * esz,
+                static_cast<size_t>(D * esz));
+    std::memcpy(st.qkv.v + r * ops.v_hs * esz, static_cast<const char*>(p.v) + r * D * esz,
+                static_cast<size_t>(D * esz));
   }
   backward_row_stats(p, g, layout.heads, st.row_d, st.row_lse);
 
@@ -138,7 +141,7 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
         float* dv_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dv_part) + o.dv);
         const int64_t g_lane = static_cast<int64_t>(l.batch) * p.heads + l.head;
 
-        host_gemm(gemms.scores, scale, st.k + o.k, st.q + o.q, p.dtype, scores);
+        host_gemm(gemms.scores, scale, st.qkv.k + o.k, st.qkv.q + o.q, p.dtype, scores);
         // backward_probs_kernel
         const bool same_bin = l.rule == SpanRule::kSameBin;
         for (int64_t rr = 0; rr < T; ++rr) {
@@ -155,7 +158,7 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
             store_element(probs, p.dtype, rr * Kp + x, ok ? backward_prob(logit, lse) : 0.0f);
           }
         }
-        host_gemm(gemms.dprob, 1.0f, st.v + o.v, st.dout + o.dout, p.dtype, scores);
+        host_gemm(gemms.dprob, 1.0f, st.qkv.v + o.v, st.dout + o.dout, p.dtype, scores);
         // backward_ds_kernel
         for (int64_t rr = 0; rr < T; ++rr) {
           const int64_t i = d.row0 + rr;
@@ -166,7 +169,7 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
             store_element(ds, p.dtype, rr * Kp + x, pv * (scores[rr * Kp + x] - di));
           }
         }
-        host_gemm(gemms.dq, scale, st.k + o.k, ds, p.dtype, dq_part);
+        host_gemm(gemms.dq, scale, st.qkv.k + o.k, ds, p.dtype, dq_part);
         // dq_merge_kernel
         for (int64_t rr = 0; rr < T; ++rr) {
           const int64_t i = d.row0 + rr;
@@ -175,7 +178,7 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
           for (int64_t x = 0; x < D; ++x) a[x] += dq_part[rr * Dp + x];
         }
         host_gemm(gemms.dv, 1.0f, st.dout + o.dout, probs, p.dtype, dv_part);
-        host_gemm(gemms.dk, scale, st.q + o.q, ds, p.dtype, dk_part);
+        host_gemm(gemms.dk, scale, st.qkv.q + o.q, ds, p.dtype, dk_part);
         // kv_scatter_kernel
         const int64_t hk = l.head / p.head_group;
         for (int64_t x = d.valid_begin - d.col0; x < d.valid_end - d.col0; ++x) {

@@ -22,7 +22,6 @@
   starts with it (secret files from this test); the overlay's health check
   command answers SERVING against its health-only port.
 """
-import argparse
 import hashlib
 import json
 import os
@@ -210,12 +209,7 @@ def check_compose(args, envs, files, token, pki, root):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repo", required=True)
-    ap.add_argument("--helmrender", required=True)
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--cli", required=True)
-    args = ap.parse_args()
+    args = css.parse_args()
     chart = os.path.join(args.repo, "deploy", "helm", "plsh")
     envs, _ = css.server_options(args.server)
 

@@ -214,13 +214,17 @@ def check_chart(docs, label, envs, defaults, service_name, image_uid, values_exp
     return env, c.get("args", []), used
 
 
-def main():
+def parse_args():
+    """The command line of this check and of check_chart_trust.py: the
+    repository, helmrender and the plsh-server and plsh binaries."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repo", required=True)
-    ap.add_argument("--helmrender", required=True)
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--cli", required=True)
-    args = ap.parse_args()
+    for flag in ("--repo", "--helmrender", "--server", "--cli"):
+        ap.add_argument(flag, required=True)
+    return ap.parse_args()
+
+
+def main():
+    args = parse_args()
     deploy = os.path.join(args.repo, "deploy")
     chart = os.path.join(deploy, "helm", "plsh")
 

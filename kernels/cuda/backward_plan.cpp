@@ -80,9 +80,9 @@ int64_t carve_backward_staging(const AttentionParams& p, int64_t grad_bytes, cha
   b.dq_bytes = p.batch * p.q_len * p.heads * p.head_dim * grad_bytes;
   b.dkv_bytes = b.kv_elems * grad_bytes;
   Carver c(base);
-  b.q = c.take<char>(b.q_bytes);
-  b.k = c.take<char>(b.kv_bytes);
-  b.v = c.take<char>(b.kv_bytes);
+  b.qkv.q = c.take<char>(b.q_bytes);
+  b.qkv.k = c.take<char>(b.kv_bytes);
+  b.qkv.v = c.take<char>(b.kv_bytes);
   b.dout = c.take<char>(b.q_bytes);
   b.row_d = c.take<float>(b.rows);
   b.row_lse = c.take<float>(b.rows);
@@ -137,12 +137,7 @@ StatusOr<CudaBackwardLayout> plan_backward_layout(const AttentionParams& p, cons
                               " bytes) and lane tables (" + std::to_string(b.table_bytes) +
                               " bytes) alone exceed the request's device memory of " +
                               std::to_string(device_cap_bytes) + " bytes");
-  WorkspaceShape ws;
-  ws.lanes = p.batch * p.heads;
-  ws.q_len = p.q_len;
-  ws.kv_len = p.kv_len;
-  ws.head_dim = p.head_dim;
-  ws.elem_bytes = static_cast<int64_t>(dtype_bytes(p.dtype));
+  const WorkspaceShape ws = workspace_shape(p);
   const int64_t T = std::min(kTileRows, p.q_len), Kc = std::min(kMaxKeyCols, p.kv_len);
   ASSIGN_OR_RETURN(b.work, plan_workspace_for(ws, left, [&](int64_t slots) {
                      return carve_backward_work(slots, T, Kc, p.head_dim, ws.elem_bytes, nullptr, nullptr, nullptr);

@@ -37,15 +37,6 @@ namespace plsh::cuda {
 // take one input type), i.e. out_dtype == dtype. UNIMPLEMENTED otherwise.
 Status check_backward_support(const AttentionParams& p);
 
-// One cuBLAS GEMM as cublasGemmBatchedEx takes it: column-major, op(A) is
-// m x k, op(B) k x n, C m x n.
-struct GemmArgs {
-  bool trans_a = false;  // CUBLAS_OP_T
-  bool trans_b = false;
-  int64_t m = 0, n = 0, k = 0;
-  int64_t lda = 0, ldb = 0, ldc = 0;
-};
-
 // The five GEMMs of a backward round; row-major views of the results.
 // dout is staged in q's layout (o.q_*), P and dS are [T][Kp] like the
 // forward's probabilities.
@@ -116,9 +107,7 @@ PLSH_HD inline BackwardSlotOperands backward_slot_operands(const OperandLayout& 
 // D] float32; dq, dk, dv dense in the gradients' dtype (grad_bytes per
 // element: the plan sizes 4, the widest).
 struct BackwardStaging {
-  char* q = nullptr;
-  char* k = nullptr;
-  char* v = nullptr;
+  StagedQkv qkv;
   char* dout = nullptr;
   float* row_d = nullptr;
   float* row_lse = nullptr;

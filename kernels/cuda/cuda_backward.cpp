@@ -8,38 +8,10 @@
 #include "cuda/backward_plan.h"
 #include "cuda/cuda_backward_kernels.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_round.h"
 #include "cuda/step_events.h"
-#include "cuda/step_pacer.h"
 
 namespace plsh::cuda {
-
-namespace {
-
-cudaDataType_t cuda_type(DType t) {
-  switch (t) {
-    case DType::kF16: return CUDA_R_16F;
-    case DType::kBF16: return CUDA_R_16BF;
-    case DType::kF32: break;
-  }
-  return CUDA_R_32F;
-}
-
-// One GEMM of a round (backward_gemms) over its slots, at most kMaxGemmBatch
-// matrices per cuBLAS call; A and B of the input type, C float32.
-Status batched_gemm(cublasHandle_t handle, const GemmArgs& a, float alpha, const void* const* A, const void* const* B,
-                    float* const* C, cudaDataType_t in_type, int64_t slots) {
-  const float zero = 0.0f;
-  for (const GemmBatch& g : gemm_batches(slots)) {
-    CUBLAS_RETURN_IF_ERROR(cublasGemmBatchedEx(
-        handle, a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(a.m),
-        static_cast<int>(a.n), static_cast<int>(a.k), &alpha, A + g.first, in_type, static_cast<int>(a.lda),
-        B + g.first, in_type, static_cast<int>(a.ldb), &zero, reinterpret_cast<void* const*>(C + g.first), CUDA_R_32F,
-        static_cast<int>(a.ldc), static_cast<int>(g.count), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  }
-  return Status::Ok();
-}
-
-}  // namespace
 
 Status run_cuda_backward(const Plan& plan, const CudaLayout& layout, const BackwardParams& g, const ExecContext& ctx,
                          DevicePool& pool, cublasHandle_t handle, cudaStream_t stream, BackwardStats* stats) {
@@ -72,18 +44,9 @@ Status run_cuda_backward(const Plan& plan, const CudaLayout& layout, const Backw
   BackwardStaging st;
   carve_backward_staging(p, grad_bytes, staging_buffer.get(), &st);
   const OperandLayout ops = operand_layout(p);
-  const size_t row = static_cast<size_t>(D * esz);
-  const size_t q_rows = static_cast<size_t>(p.batch * p.q_len * p.heads);
-  const size_t kv_rows = static_cast<size_t>(p.batch * p.kv_len * p.kv_heads);
-  CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(st.q, static_cast<size_t>(ops.q_hs * esz), p.q, row, row, q_rows,
-                                         cudaMemcpyHostToDevice, stream));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(st.k, static_cast<size_t>(ops.k_hs * esz), p.k, row, row, kv_rows,
-                                         cudaMemcpyHostToDevice, stream));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(st.v, static_cast<size_t>(ops.v_hs * esz), p.v, row, row, kv_rows,
-                                         cudaMemcpyHostToDevice, stream));
+  RETURN_IF_ERROR(stage_qkv(p, ops, st.qkv, stream));
   // dout is dense [B, Nq, H, D] in the dtype of q (check_backward_support).
-  CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(st.dout, static_cast<size_t>(ops.q_hs * esz), g.dout, row, row, q_rows,
-                                         cudaMemcpyHostToDevice, stream));
+  RETURN_IF_ERROR(stage_rows(st.dout, ops.q_hs, g.dout, p.batch * p.q_len * p.heads, D, esz, stream));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.row_d, row_terms.data(), static_cast<size_t>(rows) * 4,
                                        cudaMemcpyHostToDevice, stream));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.row_lse, row_terms.data() + rows, static_cast<size_t>(rows) * 4,
@@ -91,109 +54,58 @@ Status run_cuda_backward(const Plan& plan, const CudaLayout& layout, const Backw
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dk_acc, 0, static_cast<size_t>(st.kv_elems) * 4, stream));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dv_acc, 0, static_cast<size_t>(st.kv_elems) * 4, stream));
 
-  BackwardProblem pr;
-  pr.q = st.q;
-  pr.k = st.k;
-  pr.v = st.v;
-  pr.dout = st.dout;
-  pr.operands = ops;
-  pr.row_d = st.row_d;
-  pr.row_lse = st.row_lse;
-  pr.dk_acc = st.dk_acc;
-  pr.dv_acc = st.dv_acc;
-  pr.heads = p.heads;
-  pr.kv_heads = p.kv_heads;
-  pr.head_dim = D;
-  pr.q_pos0 = p.q_pos0;
-  pr.k_pos0 = p.k_pos0;
-  pr.shape = span_shape(p);
+  const BackwardProblem pr{.q = st.qkv.q, .k = st.qkv.k, .v = st.qkv.v, .dout = st.dout, .operands = ops,
+                           .row_d = st.row_d, .row_lse = st.row_lse, .dk_acc = st.dk_acc, .dv_acc = st.dv_acc,
+                           .heads = p.heads, .kv_heads = p.kv_heads, .head_dim = D, .q_pos0 = p.q_pos0,
+                           .k_pos0 = p.k_pos0, .shape = span_shape(p)};
 
   const WorkspacePlan& work = bl.work;
   const int64_t T = work.tile_rows;
   DeviceBuffer work_buffer;
-  RETURN_IF_ERROR(work_buffer.allocate(pool, bl.work_bytes, stream));
   BackwardRoundBuffers rb;
   Accumulators acc;
-  carve_backward_work(work.slots, T, work.key_cols, D, esz, work_buffer.get(), &rb, &acc);
+  RETURN_IF_ERROR(
+      carve_work_buffer(pool, work, bl.work_bytes, D, esz, stream, carve_backward_work, &work_buffer, &rb, &acc));
 
   DeviceBuffer table_buffer;
-  RETURN_IF_ERROR(table_buffer.allocate(pool, bl.table_bytes, stream));
   TableBuffers tables;
-  carve_tables(p.heads, layout.table_entries, layout.cublas_workspace_bytes, table_buffer.get(), &tables);
-  CUBLAS_RETURN_IF_ERROR(
-      cublasSetWorkspace(handle, tables.cublas_workspace, static_cast<size_t>(tables.cublas_workspace_bytes)));
+  RETURN_IF_ERROR(carve_table_buffer(pool, layout, bl.table_bytes, p.heads, handle, stream, &table_buffer, &tables));
 
-  StepEvents events;
-  RETURN_IF_ERROR(events.create(kStepsInFlight));
-  StepPacer pacer(kStepsInFlight, kStepFlops, event_hooks(events, stream, ctx));
-
-  const cudaDataType_t in_type = cuda_type(p.dtype);
+  const BatchedGemm gemm{handle, p.dtype};
   const float scale = static_cast<float>(p.scale);
-  const int64_t lanes_total = p.batch * p.heads;
-  const int64_t tiles_total = tile_count(pr.shape);
-  const double chunks_total =
-      static_cast<double>(ceil_div(lanes_total, work.lanes_per_chunk) * ceil_div(tiles_total, work.tiles_per_chunk));
-  double chunks_done = 0;
-  double flops = 0;
-  std::vector<LanePass> table;
-
-  for (int64_t lane0 = 0; lane0 < lanes_total; lane0 += work.lanes_per_chunk) {
-    const int64_t lane1 = std::min(lanes_total, lane0 + work.lanes_per_chunk);
-    const std::vector<LaneSetup> setups = chunk_lanes(layout.heads, p.heads, lane0, lane1);
-    for (int64_t t0 = 0; t0 < tiles_total; t0 += work.tiles_per_chunk) {
-      const int64_t t1 = std::min(tiles_total, t0 + work.tiles_per_chunk);
-      RETURN_IF_ERROR(ctx.check_stop());
-      table.clear();
-      const std::vector<Round> rounds = plan_rounds(pr.shape, setups, t0, t1, &table);
-      if (static_cast<int64_t>(table.size()) > tables.entries)
-        return internal_error("cuda backend: lane table of " + std::to_string(table.size()) +
-                              " entries exceeds the plan's " + std::to_string(tables.entries));
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tables.lanes, table.data(), table.size() * sizeof(LanePass),
-                                           cudaMemcpyHostToDevice, stream));
-      acc.row0 = t0 * T;
-      acc.rows_per_lane = (t1 - t0) * T;
-      CUDA_RETURN_IF_ERROR(
-          cudaMemsetAsync(acc.acc, 0, static_cast<size_t>((lane1 - lane0) * acc.rows_per_lane * D * 4), stream));
-
-      for (size_t ri = 0; ri < rounds.size(); ++ri) {
-        const Round& r = rounds[ri];
-        RETURN_IF_ERROR(ctx.check_stop());
-        const BackwardGemms gemms = backward_gemms(ops, T, r.key_cols);
-        RETURN_IF_ERROR(launch_backward_build_round(pr, r, tables.lanes, rb, stream));
-        RETURN_IF_ERROR(batched_gemm(handle, gemms.scores, scale, rb.k_ptr, rb.q_ptr, rb.score_ptr, in_type, r.slots));
-        RETURN_IF_ERROR(launch_backward_probs(p.dtype, pr, r, tables.lanes, rb, stream));
-        RETURN_IF_ERROR(batched_gemm(handle, gemms.dprob, 1.0f, rb.v_ptr, rb.dout_ptr, rb.score_ptr, in_type, r.slots));
-        RETURN_IF_ERROR(launch_backward_ds(p.dtype, pr, r, tables.lanes, rb, stream));
-        RETURN_IF_ERROR(batched_gemm(handle, gemms.dq, scale, rb.k_ptr, const_cast<const void* const*>(rb.ds_ptr),
-                                     rb.dq_ptr, in_type, r.slots));
-        RETURN_IF_ERROR(launch_dq_merge(pr, r, tables.lanes, rb, acc, stream));
-        RETURN_IF_ERROR(batched_gemm(handle, gemms.dv, 1.0f, rb.dout_ptr, const_cast<const void* const*>(rb.prob_ptr),
-                                     rb.dv_ptr, in_type, r.slots));
-        RETURN_IF_ERROR(batched_gemm(handle, gemms.dk, scale, rb.q_ptr, const_cast<const void* const*>(rb.ds_ptr),
-                                     rb.dk_ptr, in_type, r.slots));
-        RETURN_IF_ERROR(launch_kv_scatter(pr, r, tables.lanes, rb, stream));
-        const double round_flops = 10.0 * static_cast<double>(r.slots) * static_cast<double>(T) *
-                                   static_cast<double>(r.key_cols) * static_cast<double>(D);
-        flops += round_flops;
-        RETURN_IF_ERROR(pacer.add(
-            round_flops,
-            (chunks_done + static_cast<double>(ri + 1) / static_cast<double>(rounds.size())) / chunks_total));
-      }
-      RETURN_IF_ERROR(launch_dq_finalize(g.grad_dtype, st.dq, p.q_len, p.heads, D, lane0, lane1 - lane0, acc, stream));
-      chunks_done += 1;
-    }
-  }
+  // One round: pointer arrays, S = K^T Q, P, dP = dO V^T, dS, dQ += dS K
+  // (merged into the chunk's accumulators), dV = P^T dO, dK = dS^T Q
+  // (scattered into dk_acc, dv_acc).
+  auto round = [&](const Chunk&, const Round& r, bool) -> StatusOr<double> {
+    const BackwardGemms gemms = backward_gemms(ops, T, r.key_cols);
+    RETURN_IF_ERROR(launch_backward_build_round(pr, r, tables.lanes, rb, stream));
+    RETURN_IF_ERROR(gemm(gemms.scores, scale, rb.k_ptr, rb.q_ptr, rb.score_ptr, r.slots));
+    RETURN_IF_ERROR(launch_backward_probs(p.dtype, pr, r, tables.lanes, rb, stream));
+    RETURN_IF_ERROR(gemm(gemms.dprob, 1.0f, rb.v_ptr, rb.dout_ptr, rb.score_ptr, r.slots));
+    RETURN_IF_ERROR(launch_backward_ds(p.dtype, pr, r, tables.lanes, rb, stream));
+    RETURN_IF_ERROR(gemm(gemms.dq, scale, rb.k_ptr, rb.ds_ptr, rb.dq_ptr, r.slots));
+    RETURN_IF_ERROR(launch_dq_merge(pr, r, tables.lanes, rb, acc, stream));
+    RETURN_IF_ERROR(gemm(gemms.dv, 1.0f, rb.dout_ptr, rb.prob_ptr, rb.dv_ptr, r.slots));
+    RETURN_IF_ERROR(gemm(gemms.dk, scale, rb.q_ptr, rb.ds_ptr, rb.dk_ptr, r.slots));
+    RETURN_IF_ERROR(launch_kv_scatter(pr, r, tables.lanes, rb, stream));
+    return 10.0 * static_cast<double>(r.slots) * static_cast<double>(T) * static_cast<double>(r.key_cols) *
+           static_cast<double>(D);
+  };
+  // After a chunk's rounds: its dq rows from the accumulators.
+  auto finalize_dq = [&](const Chunk& c, size_t) {
+    return launch_dq_finalize(g.grad_dtype, st.dq, p.q_len, p.heads, D, c.lane0, c.lane1 - c.lane0, acc, stream);
+  };
+  DeviceRounds rounds(ctx, stream);
+  RETURN_IF_ERROR(rounds.run(work, layout.heads, p, pr.shape, tables, &acc, round, finalize_dq));
   RETURN_IF_ERROR(launch_to_dtype(g.grad_dtype, st.dk_acc, st.dk, st.kv_elems, stream));
   RETURN_IF_ERROR(launch_to_dtype(g.grad_dtype, st.dv_acc, st.dv, st.kv_elems, stream));
   // dq, dk, dv are dense (make_backward_params): one copy each.
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.dq, st.dq, static_cast<size_t>(st.dq_bytes), cudaMemcpyDeviceToHost, stream));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.dk, st.dk, static_cast<size_t>(st.dkv_bytes), cudaMemcpyDeviceToHost, stream));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.dv, st.dv, static_cast<size_t>(st.dkv_bytes), cudaMemcpyDeviceToHost, stream));
-  RETURN_IF_ERROR(pacer.add(0, 1.0));
-  RETURN_IF_ERROR(pacer.finish());
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  RETURN_IF_ERROR(rounds.finish());
   if (stats != nullptr) {
-    stats->flops = flops;
+    stats->flops = rounds.flops();
     stats->workspace = plan.backward_workspace;
   }
   return Status::Ok();

@@ -1,10 +1,13 @@
-// The CUDA events that pace a call's steps (step_pacer.h), and the pacer's
-// hooks on them: shared by the forward and the backward.
+// The CUDA events that pace a call's steps (step_pacer.h), the pacer's
+// hooks on them, and the rounds of a call paced with them: shared by the
+// forward and the backward.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <cstdint>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -66,5 +69,46 @@ inline StepPacer::Hooks event_hooks(const StepEvents& events, cudaStream_t strea
   };
   return hooks;
 }
+
+// A call's rounds paced on the GPU: steps of about kStepFlops, at most
+// kStepsInFlight queued, so that cancel, deadline and progress follow the
+// device, not the host; and the FLOPs its rounds did.
+class PacedRounds {
+ public:
+  // `chunks`: how many chunks the call runs (chunk_count); progress counts them.
+  explicit PacedRounds(int64_t chunks) : chunks_(static_cast<double>(chunks)) {}
+
+  Status start(cudaStream_t stream, const ExecContext& ctx) {
+    RETURN_IF_ERROR(events_.create(kStepsInFlight));
+    pacer_.emplace(kStepsInFlight, kStepFlops, event_hooks(events_, stream, ctx));
+    return Status::Ok();
+  }
+
+  // Round `round` of the `rounds` of chunk `chunk` is queued, `flops` of
+  // work; done once it has run: that chunk's share of its rounds.
+  Status add_round(int64_t chunk, size_t round, size_t rounds, double flops) {
+    flops_ += flops;
+    return pacer_->add(flops, (static_cast<double>(chunk) + static_cast<double>(round + 1) / static_cast<double>(rounds)) /
+                                  chunks_);
+  }
+
+  // The last step (what was queued after the rounds: the copies back) is
+  // waited for the same way, so that a stop still acts while the GPU
+  // finishes; then the stream.
+  Status finish(cudaStream_t stream) {
+    RETURN_IF_ERROR(pacer_->add(0, 1.0));
+    RETURN_IF_ERROR(pacer_->finish());
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return Status::Ok();
+  }
+
+  double flops() const { return flops_; }
+
+ private:
+  StepEvents events_;
+  std::optional<StepPacer> pacer_;  // after events_: its hooks use them
+  double chunks_;
+  double flops_ = 0;
+};
 
 }  // namespace plsh::cuda

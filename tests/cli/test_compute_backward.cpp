@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -18,6 +17,7 @@
 #include "plsh/backend.h"
 #include "plsh/backward.h"
 #include "plsh/numeric.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh::cli {
@@ -35,64 +35,30 @@ struct BackwardCliCase {
 };
 
 std::vector<BackwardCliCase> cases() {
-  std::vector<BackwardCliCase> c;
-  {
-    BackwardCliCase e{"exact_gqa_causal_f32", {}, true, {"--mode", "exact", "--causal"}, std::nullopt};
-    e.options.batch = 2;
-    e.options.q_len = 33;
-    e.options.kv_len = 40;
-    e.options.heads = 4;
-    e.options.kv_heads = 2;
-    e.options.head_dim = 16;
-    e.options.mode = Mode::kExact;
-    e.options.causal = true;
-    c.push_back(e);
-  }
-  {
-    BackwardCliCase l{"lsh_rank3_f16_f32_grads",
-                      {},
-                      false,
-                      {"--mode", "lsh", "--samples", "6", "--seed", "9", "--lsh-algorithm", "per_sample", "--causal"},
-                      DType::kF32};
-    l.options.q_len = l.options.kv_len = 48;
-    l.options.heads = 2;
-    l.options.head_dim = 8;
-    l.options.dtype = DType::kF16;
-    l.options.mode = Mode::kLsh;
-    l.options.samples = 6;
-    l.options.seed = 9;
-    l.options.lsh_algorithm = LshAlgorithm::kPerSample;
-    l.options.causal = true;
-    c.push_back(l);
-  }
-  {
-    BackwardCliCase w{"window_bf16_bits", {}, true, {"--mode", "window", "--window-width", "5", "--bf16-bits"},
-                      std::nullopt};
-    w.options.q_len = w.options.kv_len = 24;
-    w.options.heads = 2;
-    w.options.head_dim = 16;
-    w.options.dtype = DType::kBF16;
-    w.options.mode = Mode::kWindow;
-    w.options.window_width = 5;
-    c.push_back(w);
-  }
-  return c;
+  return {
+      {"exact_gqa_causal_f32",
+       {.batch = 2, .q_len = 33, .kv_len = 40, .heads = 4, .kv_heads = 2, .head_dim = 16, .causal = true,
+        .mode = Mode::kExact},
+       true,
+       {"--mode", "exact", "--causal"},
+       std::nullopt},
+      {"lsh_rank3_f16_f32_grads",
+       {.q_len = 48, .kv_len = 48, .heads = 2, .head_dim = 8, .dtype = DType::kF16, .causal = true, .mode = Mode::kLsh,
+        .samples = 6, .seed = 9, .lsh_algorithm = LshAlgorithm::kPerSample},
+       false,
+       {"--mode", "lsh", "--samples", "6", "--seed", "9", "--lsh-algorithm", "per_sample", "--causal"},
+       DType::kF32},
+      {"window_bf16_bits",
+       {.q_len = 24, .kv_len = 24, .heads = 2, .head_dim = 16, .dtype = DType::kBF16, .mode = Mode::kWindow,
+        .window_width = 5},
+       true,
+       {"--mode", "window", "--window-width", "5", "--bf16-bits"},
+       std::nullopt},
+  };
 }
 
 void PrintTo(const BackwardCliCase& c, std::ostream* os) { *os << c.name; }
 
-std::vector<int64_t> shape(const AttentionOptions& o, bool batched, int64_t rows, int64_t heads) {
-  std::vector<int64_t> s;
-  if (batched) s.push_back(o.batch);
-  s.insert(s.end(), {rows, heads, o.head_dim});
-  return s;
-}
-
-NpyArray read_ok(const std::string& path) {
-  auto a = read_npy(path, NpyReadOptions{true});
-  EXPECT_TRUE(a.ok()) << a.status().to_string();
-  return a.ok() ? std::move(a).value() : NpyArray{};
-}
 
 class ComputeBackward : public ::testing::TestWithParam<BackwardCliCase> {};
 
@@ -100,16 +66,15 @@ TEST_P(ComputeBackward, MatchesInProcessForwardBackward) {
   const BackwardCliCase& c = GetParam();
   const AttentionOptions& o = c.options;
   const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
+  const DType grad_dtype = c.grad_dtype.value_or(o.dtype);
   ScratchDir dir;
-  const plsh::testing::RandomTensors t = plsh::testing::random_qkv(o, 99);
-  std::vector<uint8_t> dout(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(o.dtype));
-  std::mt19937_64 rng(7);
-  std::normal_distribution<float> normal;
-  for (int64_t i = 0; i < o.batch * o.q_len * o.heads * o.head_dim; ++i) store_element(dout.data(), o.dtype, i, normal(rng));
-  ASSERT_TRUE(write_npy(dir.path("q.npy"), o.dtype, shape(o, c.batched, o.q_len, o.heads), t.q.data()).ok());
-  ASSERT_TRUE(write_npy(dir.path("k.npy"), o.dtype, shape(o, c.batched, o.kv_len, kv_heads), t.k.data()).ok());
-  ASSERT_TRUE(write_npy(dir.path("v.npy"), o.dtype, shape(o, c.batched, o.kv_len, kv_heads), t.v.data()).ok());
-  ASSERT_TRUE(write_npy(dir.path("dout.npy"), o.dtype, shape(o, c.batched, o.q_len, o.heads), dout.data()).ok());
+  // The inputs, and the forward+backward (with) and the forward alone
+  // (alone) of the same request in this process.
+  plsh::testing::Problem with = plsh::testing::make_problem(o, 99, false), alone = plsh::testing::make_problem(o, 99, false);
+  ASSERT_TRUE(with.status.ok() && alone.status.ok()) << with.status.to_string();
+  plsh::testing::GradTensors grads = plsh::testing::grad_tensors(o, grad_dtype, 7);
+  ASSERT_TRUE(testing::write_qkv(dir, o, c.batched, with.qkv).ok());
+  ASSERT_TRUE(write_npy(dir.path("dout.npy"), o.dtype, testing::npy_shape(o, c.batched, o.q_len, o.heads), grads.dout.data()).ok());
 
   std::vector<std::string> args = {"compute", "--q", dir.path("q.npy"), "--k", dir.path("k.npy"), "--v",
                                    dir.path("v.npy"), "--out", dir.path("o.npy"), "--meta", dir.path("meta.json"),
@@ -122,37 +87,23 @@ TEST_P(ComputeBackward, MatchesInProcessForwardBackward) {
   EXPECT_EQ(run.err, "");
 
   // The same in this process.
-  const DType grad_dtype = c.grad_dtype.value_or(o.dtype);
-  std::vector<uint8_t> out = plsh::testing::output_buffer(o), out_alone = plsh::testing::output_buffer(o);
-  const size_t q_elems = static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim);
-  const size_t kv_elems = static_cast<size_t>(o.batch * o.kv_len * kv_heads * o.head_dim);
-  std::vector<uint8_t> dq(q_elems * dtype_bytes(grad_dtype)), dk(kv_elems * dtype_bytes(grad_dtype)), dv(dk.size());
-  auto params = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(params.ok()) << params.status().to_string();
-  auto backend = BackendRegistry::global().select("cpu", *params, true);
+  auto backend = BackendRegistry::global().select("cpu", with.params, true);
   ASSERT_TRUE(backend.ok()) << backend.status().to_string();
   PlanLimits limits;
   limits.threads = 1;
-  GradientRefs grads;
-  grads.dout = dout.data();
-  grads.dq = dq.data();
-  grads.dk = dk.data();
-  grads.dv = dv.data();
-  grads.grad_dtype = grad_dtype;
-  auto expected = run_forward_backward(**backend, *params, limits, grads, ExecContext{});
+  auto expected = run_forward_backward(**backend, with.params, limits, grads.refs(), ExecContext{});
   ASSERT_TRUE(expected.ok()) << expected.status().to_string();
-  auto alone = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_alone.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(alone.ok());
-  ASSERT_TRUE(run_attention(**backend, *alone, limits, ExecContext{}).ok());
-  EXPECT_EQ(out, out_alone) << "the forward of a forward+backward differs from a forward alone";
+  ASSERT_TRUE(run_attention(**backend, alone.params, limits, ExecContext{}).ok());
+  EXPECT_EQ(with.out, alone.out) << "the forward of a forward+backward differs from a forward alone";
 
-  EXPECT_EQ(read_ok(dir.path("o.npy")).data, out);
-  const std::pair<const char*, const std::vector<uint8_t>*> grads_expected[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  EXPECT_EQ(testing::read_npy_ok(dir.path("o.npy")).data, with.out);
+  const std::pair<const char*, const std::vector<uint8_t>*> grads_expected[] = {
+      {"dq", &grads.dq}, {"dk", &grads.dk}, {"dv", &grads.dv}};
   for (const auto& [name, want] : grads_expected) {
-    const NpyArray got = read_ok(dir.path(std::string(name) + ".npy"));
+    const NpyArray got = testing::read_npy_ok(dir.path(std::string(name) + ".npy"));
     EXPECT_EQ(got.dtype, grad_dtype) << name;
-    EXPECT_EQ(got.shape, std::string(name) == "dq" ? shape(o, c.batched, o.q_len, o.heads)
-                                                   : shape(o, c.batched, o.kv_len, kv_heads))
+    EXPECT_EQ(got.shape, std::string(name) == "dq" ? testing::npy_shape(o, c.batched, o.q_len, o.heads)
+                                                   : testing::npy_shape(o, c.batched, o.kv_len, kv_heads))
         << name;
     EXPECT_TRUE(got.data == *want) << name << " differs from the in-process run";
   }

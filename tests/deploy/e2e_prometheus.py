@@ -29,6 +29,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_static import dashboard_queries, substitute_grafana  # noqa: E402
+from deploy_checks import finish  # noqa: E402
 from plsh_proc import Server  # noqa: E402
 
 LOAD_SECONDS = 20.0
@@ -272,11 +273,7 @@ def main():
             if code != 0:
                 problems.append(f"plsh-server exited {code} after SIGTERM:\n{server.log()}")
 
-    if problems:
-        print("\n".join("FAIL: " + p for p in problems), file=sys.stderr)
-        return 1
-    print("e2e: Prometheus scraped plsh-server; up is 1 and every dashboard query has data")
-    return 0
+    return finish(problems, "e2e: Prometheus scraped plsh-server; up is 1 and every dashboard query has data")
 
 
 if __name__ == "__main__":

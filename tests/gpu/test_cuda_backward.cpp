@@ -21,82 +21,22 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/tile_plan.h"
 #include "cuda_test_backend.h"
+#include "gpu_cases.h"
 #include "plsh/attention.h"
 #include "plsh/backward.h"
 #include "plsh/numeric.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh {
 namespace {
 
-struct GradTensors {
-  std::vector<uint8_t> dout, dq, dk, dv;
-  DType grad_dtype = DType::kF32;
-  GradientRefs refs() {
-    GradientRefs g;
-    g.dout = dout.data();
-    g.dq = dq.data();
-    g.dk = dk.data();
-    g.dv = dv.data();
-    g.grad_dtype = grad_dtype;
-    return g;
-  }
-  std::vector<double> as_double(const std::vector<uint8_t>& t) const {
-    std::vector<double> d(t.size() / dtype_bytes(grad_dtype));
-    for (size_t i = 0; i < d.size(); ++i) d[i] = load_element(t.data(), grad_dtype, static_cast<int64_t>(i));
-    return d;
-  }
-};
-
-GradTensors grad_tensors(const AttentionOptions& o, DType grad_dtype, uint64_t seed) {
-  GradTensors t;
-  t.grad_dtype = grad_dtype;
-  const int64_t q_elems = o.batch * o.q_len * o.heads * o.head_dim;
-  const int64_t kv_elems = o.batch * o.kv_len * resolved_kv_heads(o.heads, o.kv_heads) * o.head_dim;
-  t.dout.resize(static_cast<size_t>(q_elems) * dtype_bytes(o.dtype));
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  for (int64_t i = 0; i < q_elems; ++i) store_element(t.dout.data(), o.dtype, i, normal(rng));
-  t.dq.assign(static_cast<size_t>(q_elems) * dtype_bytes(grad_dtype), 0xFF);  // poison: all must be written
-  t.dk.assign(static_cast<size_t>(kv_elems) * dtype_bytes(grad_dtype), 0xFF);
-  t.dv.assign(t.dk.size(), 0xFF);
-  return t;
-}
-
-struct GpuBackwardCase {
-  std::string name;
-  int64_t batch, q_len, kv_len, heads, kv_heads, head_dim;
-  DType dtype;
-  Mode mode;
-  bool causal;
-  std::optional<int64_t> q_pos0 = std::nullopt;
-  int64_t k_pos0 = 0;
-  int64_t samples = 16;
-  std::vector<double> slopes = {};
-  std::optional<DType> grad_dtype = std::nullopt;
-};
-
-void PrintTo(const GpuBackwardCase& c, std::ostream* os) { *os << c.name; }
-
-AttentionOptions options_of(const GpuBackwardCase& c) {
-  AttentionOptions o;
-  o.batch = c.batch;
-  o.q_len = c.q_len;
-  o.kv_len = c.kv_len;
-  o.heads = c.heads;
-  o.kv_heads = c.kv_heads;
-  o.head_dim = c.head_dim;
-  o.dtype = c.dtype;
-  o.mode = c.mode;
-  o.causal = c.causal;
-  o.q_pos0 = c.q_pos0;
-  o.k_pos0 = c.k_pos0;
-  o.samples = c.samples;
-  o.seed = 4321;
-  o.slopes = c.slopes;
-  o.estimates = false;
-  return o;
-}
+using testing::AttentionCase;
+using testing::grad_tensors;
+using testing::GradTensors;
+using testing::make_problem;
+using testing::options_of;
+using testing::Problem;
 
 // float32: 1e-4, the GPU forward tests' (fp32 GEMMs, no TF32, long sums in
 // another order). 16-bit: P and dS rounded for the GEMMs, O through D_i,
@@ -107,41 +47,34 @@ double backward_tolerance(DType dtype, DType grad_dtype) {
   return std::max(1e-4, (grad_dtype == DType::kF32 ? 3 : 4) * unit);
 }
 
-class CudaBackwardVsCpu : public ::testing::TestWithParam<GpuBackwardCase> {};
+class CudaBackwardVsCpu : public ::testing::TestWithParam<AttentionCase> {};
 
 TEST_P(CudaBackwardVsCpu, MatchesCpuBackendAndReference) {
   REQUIRE_CUDA(cuda);
-  const GpuBackwardCase& c = GetParam();
-  const AttentionOptions o = options_of(c);
+  const AttentionCase& c = GetParam();
+  const AttentionOptions o = options_of(c, 4321);
   const DType grad_dtype = c.grad_dtype.value_or(c.dtype);
-  const testing::RandomTensors t = testing::random_qkv(o, 78);
+  // The same inputs twice: one run on each backend.
+  Problem on_gpu = make_problem(o, 78), on_cpu = make_problem(o, 78);
+  ASSERT_TRUE(on_gpu.status.ok() && on_cpu.status.ok());
   GradTensors gpu = grad_tensors(o, grad_dtype, 79), cpu_grads = grad_tensors(o, grad_dtype, 79);
-  std::vector<uint8_t> out_gpu = testing::output_buffer(o), out_cpu = testing::output_buffer(o);
-  std::vector<float> lse_gpu(static_cast<size_t>(o.batch * o.q_len * o.heads)), lse_cpu(lse_gpu.size());
-
-  StatusOr<AttentionParams> pg =
-      make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_gpu.data(), lse_gpu.data(), MemorySpace::kHost});
-  ASSERT_TRUE(pg.ok()) << pg.status().to_string();
-  StatusOr<ForwardBackwardResult> r = run_forward_backward(*cuda, *pg, PlanLimits{}, gpu.refs(), ExecContext{});
+  StatusOr<ForwardBackwardResult> r =
+      run_forward_backward(*cuda, on_gpu.params, PlanLimits{}, gpu.refs(), ExecContext{});
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->backward.backend, "cuda");
   EXPECT_GT(r->backward.flops, 0);
   EXPECT_GT(r->backward.device_workspace_bytes, 0);
 
-  StatusOr<AttentionParams> pc =
-      make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_cpu.data(), lse_cpu.data(), MemorySpace::kHost});
-  ASSERT_TRUE(pc.ok());
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  ASSERT_TRUE(run_forward_backward(*cpu, *pc, PlanLimits{}, cpu_grads.refs(), ExecContext{}).ok());
+  ASSERT_TRUE(run_forward_backward(*cpu, on_cpu.params, PlanLimits{}, cpu_grads.refs(), ExecContext{}).ok());
 
-  std::vector<double> dout(gpu.dout.size() / dtype_bytes(o.dtype));
-  for (size_t i = 0; i < dout.size(); ++i) dout[i] = load_element(gpu.dout.data(), o.dtype, static_cast<int64_t>(i));
+  const AttentionParams& p = on_gpu.params;
   const testing::ReferenceGradients ref =
-      testing::reference_backward(*pg, testing::dense_inputs(*pg), testing::reference_weights(*pg), dout);
+      testing::reference_backward(p, testing::dense_inputs(p), testing::reference_weights(p), gpu.dout_values());
   double tol = backward_tolerance(c.dtype, grad_dtype);
   // A query far from every key: lse's float32 rounding (test_backward.cpp).
   double max_lse = 0;
-  for (float l : lse_cpu) max_lse = std::max(max_lse, std::fabs(static_cast<double>(l)));
+  for (float l : on_cpu.lse) max_lse = std::max(max_lse, std::fabs(static_cast<double>(l)));
   tol += 2 * max_lse * 0x1.0p-24;
   const std::pair<const char*, std::pair<const std::vector<uint8_t>*, const std::vector<double>*>> tensors[] = {
       {"dq", {&gpu.dq, &ref.dq}}, {"dk", {&gpu.dk, &ref.dk}}, {"dv", {&gpu.dv, &ref.dv}}};
@@ -149,7 +82,7 @@ TEST_P(CudaBackwardVsCpu, MatchesCpuBackendAndReference) {
   for (int x = 0; x < 3; ++x) {
     const auto& [name, pair] = tensors[x];
     const testing::ErrorStats vs_ref = testing::compare(pair.first->data(), grad_dtype, *pair.second);
-    const testing::ErrorStats vs_cpu = testing::compare(pair.first->data(), grad_dtype, cpu_grads.as_double(*cpu_of[x]));
+    const testing::ErrorStats vs_cpu = testing::compare(pair.first->data(), grad_dtype, cpu_grads.values(*cpu_of[x]));
     std::printf("%s %s: vs float64 max_rel %.2e, vs cpu %.2e (tolerance %.1e)\n", c.name.c_str(), name, vs_ref.max_rel,
                 vs_cpu.max_rel, tol);
     EXPECT_LE(vs_ref.max_rel, tol) << name << " vs float64";
@@ -157,62 +90,48 @@ TEST_P(CudaBackwardVsCpu, MatchesCpuBackendAndReference) {
   }
 }
 
-std::vector<GpuBackwardCase> cases() {
-  std::vector<GpuBackwardCase> v;
-  const std::vector<double> mixed = {0.9, 0.31, 0.05, 0.0};
-  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
-    const std::string d = dtype_name(t);
-    v.push_back({"exact_causal_gqa_" + d, 2, 97, 97, 4, 2, 40, t, Mode::kExact, true});
-    v.push_back({"lsh_causal_gqa_" + d, 1, 300, 300, 4, 2, 64, t, Mode::kLsh, true, std::nullopt, 0, 16, mixed});
-    v.push_back({"window_" + d, 1, 129, 129, 3, 3, 59, t, Mode::kWindow, true});
-  }
+std::vector<AttentionCase> cases() {
+  constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
+  std::vector<AttentionCase> v = testing::every_dtype_cases("exact_causal_gqa_");
   const DType f = DType::kF32;
   v.push_back({"exact_noncausal_offsets_1025_f32", 1, 97, 1025, 2, 1, 128, f, Mode::kExact, false, int64_t{5000}, 4100});
   v.push_back({"exact_decode_f32", 2, 1, 1025, 4, 4, 59, f, Mode::kExact, true});
   v.push_back({"lsh_noncausal_f32", 2, 97, 97, 8, 2, 40, f, Mode::kLsh, false, std::nullopt, 0, 7});
   v.push_back({"lsh_tail_positions_f32", 1, 70, 700, 4, 1, 64, f, Mode::kLsh, true, int64_t{123456 + 630}, 123456, 16,
-               {1.0 / 300, 0.8, 0.2, 0.04}});
-  v.push_back({"exact_bf16_f32_grads", 1, 257, 257, 2, 1, 64, DType::kBF16, Mode::kExact, true, std::nullopt, 0, 16, {},
-               f});
-  v.push_back({"exact_far_queries_f32", 1, 40, 300, 2, 1, 40, f, Mode::kExact, false, int64_t{5000}, 0, 16,
+               kAuto, {1.0 / 300, 0.8, 0.2, 0.04}});
+  v.push_back({"exact_bf16_f32_grads", 1, 257, 257, 2, 1, 64, DType::kBF16, Mode::kExact, true, std::nullopt, 0, 16, kAuto,
+               {}, 0, std::nullopt, f});
+  v.push_back({"exact_far_queries_f32", 1, 40, 300, 2, 1, 40, f, Mode::kExact, false, int64_t{5000}, 0, 16, kAuto,
                {0.5, 1.0 / 64}});
   return v;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardVsCpu, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<GpuBackwardCase>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardVsCpu, ::testing::ValuesIn(cases()), testing::CaseName());
 
 // Under a tight budget the backward is cut into chunks too; the gradients
 // do not change beyond rounding.
 TEST(CudaBackwardControl, TightBudgetChunksAndStillMatches) {
-  std::string why;
-  cuda::CudaBackendOptions opts;
-  opts.memory_budget_bytes = 3 << 20;
-  std::unique_ptr<Backend> small = cuda::make_cuda_backend(&why, opts);
-  if (small == nullptr) GTEST_SKIP() << why;
-  const GpuBackwardCase c{"tight", 1, 300, 300, 4, 2, 64, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 8,
-                          {0.9, 0.2, 0.03, 0.0}};
-  const AttentionOptions o = options_of(c);
-  const testing::RandomTensors t = testing::random_qkv(o, 8);
+  REQUIRE_CUDA_BUDGET(small, 3 << 20);
+  const AttentionCase c{"tight", 1, 300, 300, 4, 2, 64, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 8,
+                        LshAlgorithm::kAuto, {0.9, 0.2, 0.03, 0.0}};
+  const AttentionOptions o = options_of(c, 4321);
+  Problem on_gpu = make_problem(o, 8, false), on_cpu = make_problem(o, 8, false);
+  ASSERT_TRUE(on_gpu.status.ok() && on_cpu.status.ok());
   GradTensors a = grad_tensors(o, DType::kF32, 9), b = grad_tensors(o, DType::kF32, 9);
-  std::vector<uint8_t> out_a = testing::output_buffer(o), out_b = testing::output_buffer(o);
-  StatusOr<AttentionParams> pa = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_a.data(), nullptr, MemorySpace::kHost});
-  StatusOr<AttentionParams> pb = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_b.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(pa.ok() && pb.ok());
   PlanLimits limits;
   limits.backward = true;
-  StatusOr<Plan> plan = small->plan(*pa, limits);
+  StatusOr<Plan> plan = small->plan(on_gpu.params, limits);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   const auto* layout = dynamic_cast<const cuda::CudaLayout*>(plan->layout.get());
   ASSERT_NE(layout, nullptr);
   ASSERT_TRUE(layout->has_backward);
-  EXPECT_LT(layout->backward.work.slots, o.heads * cuda::tile_count(cuda::span_shape(*pa))) << "not chunked";
-  ASSERT_TRUE(run_forward_backward(*small, *pa, PlanLimits{}, a.refs(), ExecContext{}).ok());
+  EXPECT_LT(layout->backward.work.slots, o.heads * cuda::tile_count(cuda::span_shape(on_gpu.params))) << "not chunked";
+  ASSERT_TRUE(run_forward_backward(*small, on_gpu.params, PlanLimits{}, a.refs(), ExecContext{}).ok());
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  ASSERT_TRUE(run_forward_backward(*cpu, *pb, PlanLimits{}, b.refs(), ExecContext{}).ok());
-  EXPECT_LE(testing::compare(a.dq.data(), DType::kF32, b.as_double(b.dq)).max_rel, 2e-4);
-  EXPECT_LE(testing::compare(a.dk.data(), DType::kF32, b.as_double(b.dk)).max_rel, 2e-4);
-  EXPECT_LE(testing::compare(a.dv.data(), DType::kF32, b.as_double(b.dv)).max_rel, 2e-4);
+  ASSERT_TRUE(run_forward_backward(*cpu, on_cpu.params, PlanLimits{}, b.refs(), ExecContext{}).ok());
+  EXPECT_LE(testing::compare(a.dq.data(), DType::kF32, b.values(b.dq)).max_rel, 2e-4);
+  EXPECT_LE(testing::compare(a.dk.data(), DType::kF32, b.values(b.dk)).max_rel, 2e-4);
+  EXPECT_LE(testing::compare(a.dv.data(), DType::kF32, b.values(b.dv)).max_rel, 2e-4);
 }
 
 // What the cuda backward refuses, each with a reason: device tensors,
@@ -220,12 +139,7 @@ TEST(CudaBackwardControl, TightBudgetChunksAndStillMatches) {
 // without PlanLimits::backward, another backend's plan.
 TEST(CudaBackwardControl, RefusalsNameTheReason) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o;
-  o.q_len = o.kv_len = 64;
-  o.heads = 2;
-  o.head_dim = 16;
-  o.mode = Mode::kExact;
-  o.estimates = false;
+  const AttentionOptions o{.q_len = 64, .kv_len = 64, .heads = 2, .head_dim = 16, .mode = Mode::kExact, .estimates = false};
   StatusOr<AttentionParams> p = resolve_params(o);
   ASSERT_TRUE(p.ok());
   EXPECT_TRUE(cuda->supports_backward(*p).ok()) << cuda->supports_backward(*p).to_string();
@@ -244,18 +158,15 @@ TEST(CudaBackwardControl, RefusalsNameTheReason) {
   limits.backward = true;
   EXPECT_EQ(cuda->plan(*pm, limits).status().code(), StatusCode::kUnimplemented);
 
-  const testing::RandomTensors t = testing::random_qkv(o, 1);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  std::vector<float> lse(static_cast<size_t>(o.q_len * o.heads));
-  StatusOr<AttentionParams> bound = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), lse.data(), MemorySpace::kHost});
-  ASSERT_TRUE(bound.ok());
+  Problem bound = make_problem(o, 1);
+  ASSERT_TRUE(bound.status.ok());
   GradTensors g = grad_tensors(o, DType::kF32, 2);
-  StatusOr<Plan> forward_only = cuda->plan(*bound, PlanLimits{});
+  StatusOr<Plan> forward_only = cuda->plan(bound.params, PlanLimits{});
   ASSERT_TRUE(forward_only.ok());
   ASSERT_TRUE(cuda->forward(*forward_only, ExecContext{}, nullptr).ok());
   EXPECT_EQ(run_backward(*cuda, *forward_only, g.refs(), ExecContext{}).status().code(), StatusCode::kFailedPrecondition);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  StatusOr<Plan> cpu_plan = cpu->plan(*bound, limits);
+  StatusOr<Plan> cpu_plan = cpu->plan(bound.params, limits);
   ASSERT_TRUE(cpu_plan.ok());
   EXPECT_EQ(run_backward(*cuda, *cpu_plan, g.refs(), ExecContext{}).status().code(), StatusCode::kInvalidArgument);
 }
@@ -263,22 +174,13 @@ TEST(CudaBackwardControl, RefusalsNameTheReason) {
 // Cancel and deadline act while the GPU works through the rounds.
 TEST(CudaBackwardControl, CancelAndDeadlineStopTheBackward) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o;
-  o.q_len = o.kv_len = 8192;
-  o.heads = 8;
-  o.head_dim = 64;
-  o.dtype = DType::kBF16;
-  o.mode = Mode::kExact;
-  o.causal = true;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 3);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  std::vector<float> lse(static_cast<size_t>(o.q_len * o.heads));
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), lse.data(), MemorySpace::kHost});
-  ASSERT_TRUE(p.ok());
+  const AttentionOptions o{.q_len = 8192, .kv_len = 8192, .heads = 8, .head_dim = 64, .dtype = DType::kBF16, .causal = true,
+                           .mode = Mode::kExact, .estimates = false};
+  Problem pr = make_problem(o, 3);
+  ASSERT_TRUE(pr.status.ok());
   PlanLimits limits;
   limits.backward = true;
-  StatusOr<Plan> plan = cuda->plan(*p, limits);
+  StatusOr<Plan> plan = cuda->plan(pr.params, limits);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   ASSERT_TRUE(cuda->forward(*plan, ExecContext{}, nullptr).ok());
   GradTensors g = grad_tensors(o, DType::kBF16, 4);
@@ -309,20 +211,17 @@ TEST(CudaBackwardControl, CancelAndDeadlineStopTheBackward) {
 // plan, the gradients still agree (and differ from the seed's).
 TEST(CudaBackwardControl, ReadsThePlanDraws) {
   REQUIRE_CUDA(cuda);
-  const GpuBackwardCase c{"tamper", 1, 97, 97, 4, 4, 32, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 6};
-  const AttentionOptions o = options_of(c);
-  const testing::RandomTensors t = testing::random_qkv(o, 11);
+  const AttentionCase c{"tamper", 1, 97, 97, 4, 4, 32, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 6};
+  const AttentionOptions o = options_of(c, 4321);
+  // The same inputs three times: tampered on the GPU and the CPU, and as seeded.
+  Problem pa = make_problem(o, 11), pb = make_problem(o, 11), ps = make_problem(o, 11);
+  ASSERT_TRUE(pa.status.ok() && pb.status.ok() && ps.status.ok());
   GradTensors a = grad_tensors(o, DType::kF32, 12), b = grad_tensors(o, DType::kF32, 12), seeded = grad_tensors(o, DType::kF32, 12);
-  std::vector<uint8_t> out_a = testing::output_buffer(o), out_b = testing::output_buffer(o), out_s = testing::output_buffer(o);
-  std::vector<float> lse_a(static_cast<size_t>(o.q_len * o.heads)), lse_b(lse_a.size()), lse_s(lse_a.size());
-  StatusOr<AttentionParams> pa = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_a.data(), lse_a.data(), MemorySpace::kHost});
-  StatusOr<AttentionParams> pb = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_b.data(), lse_b.data(), MemorySpace::kHost});
-  StatusOr<AttentionParams> ps = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_s.data(), lse_s.data(), MemorySpace::kHost});
-  ASSERT_TRUE(pa.ok() && pb.ok() && ps.ok());
   PlanLimits limits;
   limits.backward = true;
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  StatusOr<Plan> gpu_plan = cuda->plan(*pa, limits), cpu_plan = cpu->plan(*pb, limits), seed_plan = cuda->plan(*ps, limits);
+  StatusOr<Plan> gpu_plan = cuda->plan(pa.params, limits), cpu_plan = cpu->plan(pb.params, limits),
+                 seed_plan = cuda->plan(ps.params, limits);
   ASSERT_TRUE(gpu_plan.ok() && cpu_plan.ok() && seed_plan.ok());
   for (Plan* plan : {&*gpu_plan, &*cpu_plan})
     for (Draw& d : plan->draws[2]) d = Draw{d.pitch * 3, d.shift};
@@ -345,9 +244,9 @@ TEST(CudaBackwardControl, ReadsThePlanDraws) {
     ASSERT_TRUE(backend->forward(*plan, ExecContext{}, nullptr).ok());
     ASSERT_TRUE(run_backward(*backend, *plan, g->refs(), ExecContext{}).ok());
   }
-  EXPECT_LE(testing::compare(a.dq.data(), DType::kF32, b.as_double(b.dq)).max_rel, 1e-4);
-  EXPECT_LE(testing::compare(a.dk.data(), DType::kF32, b.as_double(b.dk)).max_rel, 1e-4);
-  EXPECT_GT(testing::compare(a.dq.data(), DType::kF32, seeded.as_double(seeded.dq)).max_rel, 1e-3);
+  EXPECT_LE(testing::compare(a.dq.data(), DType::kF32, b.values(b.dq)).max_rel, 1e-4);
+  EXPECT_LE(testing::compare(a.dk.data(), DType::kF32, b.values(b.dk)).max_rel, 1e-4);
+  EXPECT_GT(testing::compare(a.dq.data(), DType::kF32, seeded.values(seeded.dq)).max_rel, 1e-3);
 }
 
 }  // namespace

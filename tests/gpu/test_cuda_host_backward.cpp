@@ -30,6 +30,7 @@
 #include "plsh/backward.h"
 #include "plsh/numeric.h"
 #include "plsh/plan.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh::cuda {
@@ -83,13 +84,16 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
   const OperandLayout ops = operand_layout(p);
   // The 2D copies: every [D] row to its padded place.
   for (int64_t r = 0; r < p.batch * p.q_len * p.heads; ++r) {
-    std::memcpy(st.q + r * ops.q_hs * esz, static_cast<const char*>(p.q) + r * D * esz, static_cast<size_t>(D * esz));
+    std::memcpy(st.qkv.q + r * ops.q_hs * esz, static_cast<const char*>(p.q) + r * D * esz,
+                static_cast<size_t>(D * esz));
     std::memcpy(st.dout + r * ops.q_hs * esz, static_cast<const char*>(g.dout) + r * D * esz,
                 static_cast<size_t>(D * esz));
   }
   for (int64_t r = 0; r < p.batch * p.kv_len * p.kv_heads; ++r) {
-    std::memcpy(st.k + r * ops.k_hs * esz, static_cast<const char*>(p.k) + r * D * esz, static_cast<size_t>(D * esz));
-    std::memcpy(st.v + r * ops.v_hs * esz, static_cast<const char*>(p.v) + r * D * esz, static_cast<size_t>(D * esz));
+    std::memcpy(st.qkv.k + r * ops.k_hs * esz, static_cast<const char*>(p.k) + r * D * esz,
+                static_cast<size_t>(D * esz));
+    std::memcpy(st.qkv.v + r * ops.v_hs * esz, static_cast<const char*>(p.v) + r * D * esz,
+                static_cast<size_t>(D * esz));
   }
   backward_row_stats(p, g, layout.heads, st.row_d, st.row_lse);
 
@@ -104,104 +108,102 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
   const int64_t Dp = partial_pitch(D);
   const float scale = static_cast<float>(p.scale);
   const int64_t lanes_total = p.batch * p.heads, tiles_total = tile_count(shape);
-  for (int64_t lane0 = 0; lane0 < lanes_total; lane0 += work.lanes_per_chunk) {
-    const int64_t lane1 = std::min(lanes_total, lane0 + work.lanes_per_chunk);
-    const std::vector<LaneSetup> setups = chunk_lanes(layout.heads, p.heads, lane0, lane1);
-    for (int64_t t0 = 0; t0 < tiles_total; t0 += work.tiles_per_chunk) {
-      const int64_t t1 = std::min(tiles_total, t0 + work.tiles_per_chunk);
-      ++e.chunks;
-      std::vector<LanePass> table;
-      const std::vector<Round> rounds = plan_rounds(shape, setups, t0, t1, &table);
-      EXPECT_LE(static_cast<int64_t>(table.size()), layout.table_entries);
-      e.rounds += static_cast<int64_t>(rounds.size());
-      acc.row0 = t0 * T;
-      acc.rows_per_lane = (t1 - t0) * T;
-      std::fill_n(acc.acc, (lane1 - lane0) * acc.rows_per_lane * D, 0.0f);
-      for (const Round& r : rounds) {
-        EXPECT_LE(r.slots, work.slots);
-        const int64_t Kc = r.key_cols, Kp = key_pitch(Kc);
-        const BackwardGemms gemms = backward_gemms(ops, T, Kc);
-        for (int64_t slot = 0; slot < r.slots; ++slot) {
-          const TileDesc d = describe_slot(shape, r, table.data(), slot);
-          const LanePass& l = table[static_cast<size_t>(d.lane)];
-          const BackwardSlotOperands o = backward_slot_operands(ops, l, d, slot, T, Kc);
-          for (int64_t off : {o.q, o.k, o.v, o.dout, o.scores, o.probs, o.ds, o.dq, o.dk, o.dv})
-            EXPECT_TRUE(aligned(off)) << "slot operand at byte " << off << " is not 16-byte aligned";
-          for (const GemmArgs* ga : {&gemms.scores, &gemms.dprob, &gemms.dq, &gemms.dv, &gemms.dk})
-            EXPECT_TRUE(aligned(ga->lda * esz) && aligned(ga->ldb * esz) && aligned(ga->ldc * 4))
-                << "a leading dimension is not a multiple of 16 bytes";
-          float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.scores) + o.scores);
-          char* probs = rb.probs + o.probs;
-          char* ds = rb.ds + o.ds;
-          float* dq_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dq_part) + o.dq);
-          float* dk_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dk_part) + o.dk);
-          float* dv_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dv_part) + o.dv);
-          const int64_t g_lane = static_cast<int64_t>(l.batch) * p.heads + l.head;
+  const Status ran = for_each_chunk(work, layout.heads, p.heads, lanes_total, tiles_total, [&](const Chunk& chunk) {
+    const int64_t lane0 = chunk.lane0, lane1 = chunk.lane1, t0 = chunk.tile0, t1 = chunk.tile1;
+    ++e.chunks;
+    std::vector<LanePass> table;
+    const std::vector<Round> rounds = plan_rounds(shape, chunk.setups, t0, t1, &table);
+    EXPECT_LE(static_cast<int64_t>(table.size()), layout.table_entries);
+    e.rounds += static_cast<int64_t>(rounds.size());
+    acc.row0 = t0 * T;
+    acc.rows_per_lane = (t1 - t0) * T;
+    std::fill_n(acc.acc, (lane1 - lane0) * acc.rows_per_lane * D, 0.0f);
+    for (const Round& r : rounds) {
+      EXPECT_LE(r.slots, work.slots);
+      const int64_t Kc = r.key_cols, Kp = key_pitch(Kc);
+      const BackwardGemms gemms = backward_gemms(ops, T, Kc);
+      const ForwardGemms forward = forward_gemms(ops, T, Kc);  // on the same staged operands
+      for (int64_t slot = 0; slot < r.slots; ++slot) {
+        const TileDesc d = describe_slot(shape, r, table.data(), slot);
+        const LanePass& l = table[static_cast<size_t>(d.lane)];
+        const BackwardSlotOperands o = backward_slot_operands(ops, l, d, slot, T, Kc);
+        for (int64_t off : {o.q, o.k, o.v, o.dout, o.scores, o.probs, o.ds, o.dq, o.dk, o.dv})
+          EXPECT_TRUE(aligned(off)) << "slot operand at byte " << off << " is not 16-byte aligned";
+        for (const GemmArgs* ga :
+             {&gemms.scores, &gemms.dprob, &gemms.dq, &gemms.dv, &gemms.dk, &forward.scores, &forward.partial})
+          EXPECT_TRUE(aligned(ga->lda * esz) && aligned(ga->ldb * esz) && aligned(ga->ldc * 4))
+              << "a leading dimension is not a multiple of 16 bytes";
+        float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.scores) + o.scores);
+        char* probs = rb.probs + o.probs;
+        char* ds = rb.ds + o.ds;
+        float* dq_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dq_part) + o.dq);
+        float* dk_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dk_part) + o.dk);
+        float* dv_part = reinterpret_cast<float*>(reinterpret_cast<char*>(rb.dv_part) + o.dv);
+        const int64_t g_lane = static_cast<int64_t>(l.batch) * p.heads + l.head;
 
-          host_gemm(gemms.scores, scale, st.k + o.k, st.q + o.q, p.dtype, scores);
-          // backward_probs_kernel
-          const bool same_bin = l.rule == SpanRule::kSameBin;
-          for (int64_t rr = 0; rr < T; ++rr) {
-            const int64_t i = d.row0 + rr;
-            const bool owned = i >= d.own_begin && i < d.own_end;
-            const int64_t pos_i = p.q_pos0 + i;
-            const int64_t nearest = nearest_key_distance(shape, i);
-            const int64_t q_bin = same_bin ? span_bin(pos_i, l.pitch, l.shift) : 0;
-            const float lse = st.row_lse[g_lane * p.q_len + i];
-            for (int64_t x = 0; x < Kc; ++x) {
-              const int64_t j = d.col0 + x;
-              float logit = 0;
-              const int64_t k_bin = same_bin ? span_bin(p.k_pos0 + j, l.pitch, l.shift) : 0;
-              const bool ok = owned && slot_logit(l, d, p.causal, pos_i, j, p.k_pos0 + j, nearest, q_bin, k_bin,
-                                                  scores[rr * Kp + x], &logit);
-              store_element(probs, p.dtype, rr * Kp + x, ok ? backward_prob(logit, lse) : 0.0f);
-            }
-          }
-          host_gemm(gemms.dprob, 1.0f, st.v + o.v, st.dout + o.dout, p.dtype, scores);
-          // backward_ds_kernel
-          for (int64_t rr = 0; rr < T; ++rr) {
-            const int64_t i = d.row0 + rr;
-            const bool owned = i >= d.own_begin && i < d.own_end;
-            const float di = owned ? st.row_d[g_lane * p.q_len + i] : 0.0f;
-            for (int64_t x = 0; x < Kc; ++x) {
-              const float pv = owned ? static_cast<float>(load_element(probs, p.dtype, rr * Kp + x)) : 0.0f;
-              store_element(ds, p.dtype, rr * Kp + x, pv * (scores[rr * Kp + x] - di));
-            }
-          }
-          host_gemm(gemms.dq, scale, st.k + o.k, ds, p.dtype, dq_part);
-          // dq_merge_kernel
-          for (int64_t rr = 0; rr < T; ++rr) {
-            const int64_t i = d.row0 + rr;
-            if (i < d.own_begin || i >= d.own_end) continue;
-            float* a = acc.acc + (l.acc_lane * acc.rows_per_lane + (i - acc.row0)) * D;
-            for (int64_t x = 0; x < D; ++x) a[x] += dq_part[rr * Dp + x];
-          }
-          host_gemm(gemms.dv, 1.0f, st.dout + o.dout, probs, p.dtype, dv_part);
-          host_gemm(gemms.dk, scale, st.q + o.q, ds, p.dtype, dk_part);
-          // kv_scatter_kernel
-          const int64_t hk = l.head / p.head_group;
-          for (int64_t x = d.valid_begin - d.col0; x < d.valid_end - d.col0; ++x) {
+        host_gemm(gemms.scores, scale, st.qkv.k + o.k, st.qkv.q + o.q, p.dtype, scores);
+        // backward_probs_kernel
+        const bool same_bin = l.rule == SpanRule::kSameBin;
+        for (int64_t rr = 0; rr < T; ++rr) {
+          const int64_t i = d.row0 + rr;
+          const bool owned = i >= d.own_begin && i < d.own_end;
+          const SlotRow row = slot_row(l, shape, p.q_pos0, i);
+          const float lse = st.row_lse[g_lane * p.q_len + i];
+          for (int64_t x = 0; x < Kc; ++x) {
             const int64_t j = d.col0 + x;
-            for (int64_t c = 0; c < D; ++c) {
-              const int64_t at = ((static_cast<int64_t>(l.batch) * p.kv_len + j) * p.kv_heads + hk) * D + c;
-              st.dk_acc[at] += dk_part[x * Dp + c];
-              st.dv_acc[at] += dv_part[x * Dp + c];
-            }
+            float logit = 0;
+            const int64_t k_bin = same_bin ? span_bin(p.k_pos0 + j, l.pitch, l.shift) : 0;
+            const bool ok = owned && slot_logit(l, d, p.causal, row.pos, j, p.k_pos0 + j, row.nearest, row.bin, k_bin,
+                                                scores[rr * Kp + x], &logit);
+            store_element(probs, p.dtype, rr * Kp + x, ok ? backward_prob(logit, lse) : 0.0f);
           }
         }
-      }
-      // dq_finalize_kernel
-      for (int64_t gl = lane0; gl < lane1; ++gl) {
-        const int64_t b = gl / p.heads, h = gl % p.heads;
-        for (int64_t local = 0; local < acc.rows_per_lane; ++local) {
-          const int64_t i = acc.row0 + local;
-          if (i >= p.q_len) continue;
-          const float* a = acc.acc + ((gl - lane0) * acc.rows_per_lane + local) * D;
-          for (int64_t x = 0; x < D; ++x) store_element(st.dq, g.grad_dtype, ((b * p.q_len + i) * p.heads + h) * D + x, a[x]);
+        host_gemm(gemms.dprob, 1.0f, st.qkv.v + o.v, st.dout + o.dout, p.dtype, scores);
+        // backward_ds_kernel
+        for (int64_t rr = 0; rr < T; ++rr) {
+          const int64_t i = d.row0 + rr;
+          const bool owned = i >= d.own_begin && i < d.own_end;
+          const float di = owned ? st.row_d[g_lane * p.q_len + i] : 0.0f;
+          for (int64_t x = 0; x < Kc; ++x) {
+            const float pv = owned ? static_cast<float>(load_element(probs, p.dtype, rr * Kp + x)) : 0.0f;
+            store_element(ds, p.dtype, rr * Kp + x, pv * (scores[rr * Kp + x] - di));
+          }
+        }
+        host_gemm(gemms.dq, scale, st.qkv.k + o.k, ds, p.dtype, dq_part);
+        // dq_merge_kernel
+        for (int64_t rr = 0; rr < T; ++rr) {
+          const int64_t i = d.row0 + rr;
+          if (i < d.own_begin || i >= d.own_end) continue;
+          float* a = acc.acc + (l.acc_lane * acc.rows_per_lane + (i - acc.row0)) * D;
+          for (int64_t x = 0; x < D; ++x) a[x] += dq_part[rr * Dp + x];
+        }
+        host_gemm(gemms.dv, 1.0f, st.dout + o.dout, probs, p.dtype, dv_part);
+        host_gemm(gemms.dk, scale, st.qkv.q + o.q, ds, p.dtype, dk_part);
+        // kv_scatter_kernel
+        const int64_t hk = l.head / p.head_group;
+        for (int64_t x = d.valid_begin - d.col0; x < d.valid_end - d.col0; ++x) {
+          const int64_t j = d.col0 + x;
+          for (int64_t c = 0; c < D; ++c) {
+            const int64_t at = ((static_cast<int64_t>(l.batch) * p.kv_len + j) * p.kv_heads + hk) * D + c;
+            st.dk_acc[at] += dk_part[x * Dp + c];
+            st.dv_acc[at] += dv_part[x * Dp + c];
+          }
         }
       }
     }
-  }
+    // dq_finalize_kernel
+    for (int64_t gl = lane0; gl < lane1; ++gl) {
+      const int64_t b = gl / p.heads, h = gl % p.heads;
+      for (int64_t local = 0; local < acc.rows_per_lane; ++local) {
+        const int64_t i = acc.row0 + local;
+        if (i >= p.q_len) continue;
+        const float* a = acc.acc + ((gl - lane0) * acc.rows_per_lane + local) * D;
+        for (int64_t x = 0; x < D; ++x) store_element(st.dq, g.grad_dtype, ((b * p.q_len + i) * p.heads + h) * D + x, a[x]);
+      }
+    }
+    return Status::Ok();
+  });
+  EXPECT_TRUE(ran.ok()) << ran.to_string();
   for (int64_t i = 0; i < st.kv_elems; ++i) {  // to_dtype_kernel
     store_element(st.dk, g.grad_dtype, i, st.dk_acc[i]);
     store_element(st.dv, g.grad_dtype, i, st.dv_acc[i]);
@@ -212,110 +214,59 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
   return e;
 }
 
-struct BackwardPipelineCase {
-  std::string name;
-  int64_t batch, q_len, kv_len, heads, kv_heads, head_dim;
-  DType dtype;
-  Mode mode;
-  bool causal;
-  std::optional<int64_t> q_pos0;
-  int64_t k_pos0;
-  int64_t samples;
-  std::vector<double> slopes;
-  int64_t max_slots;      // > 0: a budget of this many work slots (chunks over lanes and tiles)
-  int64_t min_chunks;     // the budget must force at least this many chunks
-  int64_t window_width = 0;
-  std::optional<DType> grad_dtype = std::nullopt;
+// A case and the work slots its budget holds.
+struct BackwardPipelineCase : testing::AttentionCase {
+  int64_t max_slots;   // > 0: a budget of this many work slots (chunks over lanes and tiles)
+  int64_t min_chunks;  // the budget must force at least this many chunks
 };
-
-void PrintTo(const BackwardPipelineCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const BackwardPipelineCase& c, std::ostream* os) { testing::PrintTo(c, os); }
 
 class CudaBackwardOnHost : public ::testing::TestWithParam<BackwardPipelineCase> {};
 
 TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   const BackwardPipelineCase& c = GetParam();
-  AttentionOptions o;
-  o.batch = c.batch;
-  o.q_len = c.q_len;
-  o.kv_len = c.kv_len;
-  o.heads = c.heads;
-  o.kv_heads = c.kv_heads;
-  o.head_dim = c.head_dim;
-  o.dtype = c.dtype;
-  o.mode = c.mode;
-  o.causal = c.causal;
-  o.q_pos0 = c.q_pos0;
-  o.k_pos0 = c.k_pos0;
-  o.samples = c.samples > 0 ? c.samples : kDefaultSamples;
-  o.seed = 99;
-  o.slopes = c.slopes;
-  o.window_width = c.window_width;
+  AttentionOptions o = testing::options_of(c, 99);
   o.lsh_algorithm = c.mode == Mode::kLsh ? LshAlgorithm::kPerSample : LshAlgorithm::kAuto;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 5);
-  const int64_t q_elems = o.batch * o.q_len * o.heads * o.head_dim;
-  const int64_t kv_elems = o.batch * o.kv_len * resolved_kv_heads(o.heads, o.kv_heads) * o.head_dim;
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  std::vector<float> lse(static_cast<size_t>(o.batch * o.q_len * o.heads));
-  std::vector<uint8_t> dout(static_cast<size_t>(q_elems) * dtype_bytes(o.dtype));
-  std::mt19937_64 rng(6);
-  std::normal_distribution<float> normal;
-  for (int64_t i = 0; i < q_elems; ++i) store_element(dout.data(), o.dtype, i, normal(rng));
-  StatusOr<AttentionParams> p =
-      make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), lse.data(), MemorySpace::kHost});
-  ASSERT_TRUE(p.ok()) << p.status().to_string();
-  ASSERT_TRUE(check_backward_support(*p).ok());
+  testing::Problem pr = testing::make_problem(o, 5);
+  ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
+  const AttentionParams& p = pr.params;
+  ASSERT_TRUE(check_backward_support(p).ok());
 
   // The forward's out and lse, and the CPU backend's gradients, on one plan.
   const DType grad_dtype = c.grad_dtype.value_or(o.dtype);
-  std::vector<uint8_t> dq_cpu(static_cast<size_t>(q_elems) * dtype_bytes(grad_dtype)),
-      dk_cpu(static_cast<size_t>(kv_elems) * dtype_bytes(grad_dtype)), dv_cpu(dk_cpu.size());
+  testing::GradTensors cpu_grads = testing::grad_tensors(o, grad_dtype, 6);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  GradientRefs refs;
-  refs.dout = dout.data();
-  refs.dq = dq_cpu.data();
-  refs.dk = dk_cpu.data();
-  refs.dv = dv_cpu.data();
-  refs.grad_dtype = grad_dtype;
+  const GradientRefs refs = cpu_grads.refs();
   PlanLimits limits;
   limits.threads = 1;
-  StatusOr<ForwardBackwardResult> cpu_run = run_forward_backward(*cpu, *p, limits, refs, ExecContext{});
+  StatusOr<ForwardBackwardResult> cpu_run = run_forward_backward(*cpu, p, limits, refs, ExecContext{});
   ASSERT_TRUE(cpu_run.ok()) << cpu_run.status().to_string();
-  StatusOr<BackwardParams> g = make_backward_params(*p, refs);
+  StatusOr<BackwardParams> g = make_backward_params(p, refs);
   ASSERT_TRUE(g.ok()) << g.status().to_string();
 
   int64_t budget = int64_t{1} << 30;
   if (c.max_slots > 0) {
     // Staging, the tables with cuBLAS's smallest workspace (what a budget
     // this small gets, cublas_workspace_for) and max_slots slots of work.
-    StatusOr<CudaLayout> roomy = plan_layout(*p, plan_draws(*p), budget);
+    StatusOr<CudaLayout> roomy = plan_layout(p, plan_draws(p), budget);
     ASSERT_TRUE(roomy.ok());
     const int64_t tables = carve_tables(o.heads, roomy->table_entries, kCublasMinWorkspaceBytes, nullptr, nullptr);
-    budget = carve_backward_staging(*p, 4, nullptr, nullptr) + tables +
+    budget = carve_backward_staging(p, 4, nullptr, nullptr) + tables +
              carve_backward_work(c.max_slots, std::min(kTileRows, o.q_len), std::min(kMaxKeyCols, o.kv_len),
                                  o.head_dim, static_cast<int64_t>(dtype_bytes(o.dtype)), nullptr, nullptr, nullptr);
   }
-  const Emulated e = emulate_backward(*p, *g, budget);
+  const Emulated e = emulate_backward(p, *g, budget);
   ASSERT_FALSE(e.dq.empty());
   EXPECT_GE(e.chunks, c.min_chunks);
 
   const testing::ReferenceGradients ref = testing::reference_backward(
-      *p, testing::dense_inputs(*p), testing::reference_weights(*p), [&] {
-        std::vector<double> d(static_cast<size_t>(q_elems));
-        for (int64_t i = 0; i < q_elems; ++i) d[static_cast<size_t>(i)] = load_element(dout.data(), o.dtype, i);
-        return d;
-      }());
-  auto to_double = [&](const std::vector<uint8_t>& bytes) {
-    std::vector<double> d(bytes.size() / dtype_bytes(grad_dtype));
-    for (size_t i = 0; i < d.size(); ++i) d[i] = load_element(bytes.data(), grad_dtype, static_cast<int64_t>(i));
-    return d;
-  };
+      p, testing::dense_inputs(p), testing::reference_weights(p), cpu_grads.dout_values());
   const testing::ErrorStats eq = testing::compare(e.dq.data(), grad_dtype, ref.dq);
   const testing::ErrorStats ek = testing::compare(e.dk.data(), grad_dtype, ref.dk);
   const testing::ErrorStats ev = testing::compare(e.dv.data(), grad_dtype, ref.dv);
-  const testing::ErrorStats cq = testing::compare(e.dq.data(), grad_dtype, to_double(dq_cpu));
-  const testing::ErrorStats ck = testing::compare(e.dk.data(), grad_dtype, to_double(dk_cpu));
-  const testing::ErrorStats cv = testing::compare(e.dv.data(), grad_dtype, to_double(dv_cpu));
+  const testing::ErrorStats cq = testing::compare(e.dq.data(), grad_dtype, cpu_grads.values(cpu_grads.dq));
+  const testing::ErrorStats ck = testing::compare(e.dk.data(), grad_dtype, cpu_grads.values(cpu_grads.dk));
+  const testing::ErrorStats cv = testing::compare(e.dv.data(), grad_dtype, cpu_grads.values(cpu_grads.dv));
   // float32: 1e-5 (SPEC, STYLE). 16-bit inputs: P and dS are rounded for
   // the GEMMs (one unit each, as the forward rounds P), O through D_i and
   // the gradients themselves: four units (2^-11 f16, 2^-8 bf16), except
@@ -334,31 +285,37 @@ TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   EXPECT_LE(cv.max_rel, 2 * tol) << "dv vs cpu";
 }
 
+constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
+
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaBackwardOnHost,
     ::testing::Values(
         // sigma from 1.1 to 300 and a slope of 0; GQA; chunked over lanes and tiles.
-        BackwardPipelineCase{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true,
-                             std::nullopt, 0, 16, {0.9, 0.05, 1.0 / 300, 0.0}, 3, 4},
-        BackwardPipelineCase{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
-                             8, {0.7, 0.02}, 0, 1},
-        BackwardPipelineCase{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true,
-                             int64_t{7000 + 590}, 7000, 5, {0.5, 1.0 / 200}, 0, 1},
-        BackwardPipelineCase{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true,
-                             std::nullopt, 0, 0, {}, 2, 2},
-        BackwardPipelineCase{"exact_noncausal_offsets_f16", 1, 33, 300, 3, 3, 59, DType::kF16, Mode::kExact, false,
-                             int64_t{1000}, 900, 0, {}, 0, 1},
+        BackwardPipelineCase{{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true,
+                              std::nullopt, 0, 16, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
+                             3, 4},
+        BackwardPipelineCase{{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
+                              8, kAuto, {0.7, 0.02}},
+                             0, 1},
+        BackwardPipelineCase{{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true,
+                              int64_t{7000 + 590}, 7000, 5, kAuto, {0.5, 1.0 / 200}},
+                             0, 1},
+        BackwardPipelineCase{{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true},
+                             2, 2},
+        BackwardPipelineCase{{"exact_noncausal_offsets_f16", 1, 33, 300, 3, 3, 59, DType::kF16, Mode::kExact, false,
+                              int64_t{1000}, 900},
+                             0, 1},
         // One query row (T = 1) against 37 keys.
-        BackwardPipelineCase{"exact_one_query_f32", 1, 1, 37, 2, 1, 40, DType::kF32, Mode::kExact, false, std::nullopt,
-                             0, 0, {}, 0, 1},
-        BackwardPipelineCase{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true, std::nullopt, 0, 0,
-                             {}, 0, 1},
-        BackwardPipelineCase{"window_width_bf16_f32_grads", 1, 130, 130, 2, 2, 59, DType::kBF16, Mode::kWindow, false,
-                             std::nullopt, 0, 0, {}, 0, 1, 9, DType::kF32},
+        BackwardPipelineCase{{"exact_one_query_f32", 1, 1, 37, 2, 1, 40, DType::kF32, Mode::kExact, false}, 0, 1},
+        BackwardPipelineCase{{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true}, 0, 1},
+        BackwardPipelineCase{{"window_width_bf16_f32_grads", 1, 130, 130, 2, 2, 59, DType::kBF16, Mode::kWindow, false,
+                              std::nullopt, 0, 0, kAuto, {}, 9, std::nullopt, DType::kF32},
+                             0, 1},
         // Queries past the keys: the nearest-key shift goes through row_lse_for.
-        BackwardPipelineCase{"exact_queries_past_keys_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
-                             int64_t{380}, 0, 0, {0.5, 1.0 / 64}, 0, 1}),
-    [](const ::testing::TestParamInfo<BackwardPipelineCase>& info) { return info.param.name; });
+        BackwardPipelineCase{{"exact_queries_past_keys_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
+                              int64_t{380}, 0, 0, kAuto, {0.5, 1.0 / 64}},
+                             0, 1}),
+    testing::CaseName());
 
 // What the backward takes and refuses, and that its workspace is planned.
 TEST(CudaBackwardPlan, SupportAndSizing) {

@@ -262,21 +262,33 @@ Status plan_and_forward(Backend& b, const AttentionParams& p, const ExecContext&
   return b.forward(plan, ctx, stats);
 }
 
+namespace {
+
+// n draws of `normal` rounded to dtype t. One generator and distribution
+// serve all of random_qkv's tensors (the distribution keeps a spare draw).
+std::vector<uint8_t> normal_bytes(std::mt19937_64& rng, std::normal_distribution<double>& normal, int64_t n, DType t) {
+  std::vector<uint8_t> buf(static_cast<size_t>(n) * dtype_bytes(t));
+  for (int64_t i = 0; i < n; ++i) store_element(buf.data(), t, i, static_cast<float>(normal(rng)));
+  return buf;
+}
+
+}  // namespace
+
 RandomTensors random_qkv(const AttentionOptions& o, uint64_t seed, double stddev) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, stddev);
   const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  const size_t bytes = dtype_bytes(o.dtype);
-  auto fill = [&](int64_t n) {
-    std::vector<uint8_t> buf(static_cast<size_t>(n) * bytes);
-    for (int64_t i = 0; i < n; ++i) store_element(buf.data(), o.dtype, i, static_cast<float>(normal(rng)));
-    return buf;
-  };
   RandomTensors t;
-  t.q = fill(o.batch * o.q_len * o.heads * o.head_dim);
-  t.k = fill(o.batch * o.kv_len * kv_heads * o.head_dim);
-  t.v = fill(o.batch * o.kv_len * kv_heads * o.head_dim);
+  t.q = normal_bytes(rng, normal, o.batch * o.q_len * o.heads * o.head_dim, o.dtype);
+  t.k = normal_bytes(rng, normal, o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
+  t.v = normal_bytes(rng, normal, o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
   return t;
+}
+
+std::vector<uint8_t> random_tensor(int64_t n, DType t, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal;
+  return normal_bytes(rng, normal, n, t);
 }
 
 std::vector<uint8_t> output_buffer(const AttentionOptions& o) {
@@ -303,6 +315,12 @@ ErrorStats compare(const void* actual, DType t, const std::vector<double>& expec
   s.max_rel = max_ref > 0 ? max_abs_err / max_ref : max_abs_err;
   s.rel_l2 = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
   return s;
+}
+
+std::vector<double> to_doubles(const std::vector<uint8_t>& bytes, DType t) {
+  std::vector<double> d(bytes.size() / dtype_bytes(t));
+  for (size_t i = 0; i < d.size(); ++i) d[i] = load_element(bytes.data(), t, static_cast<int64_t>(i));
+  return d;
 }
 
 }  // namespace plsh::testing

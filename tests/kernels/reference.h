@@ -70,6 +70,10 @@ struct RandomTensors {
 };
 RandomTensors random_qkv(const AttentionOptions& o, uint64_t seed, double stddev = 1.0);
 
+// n values N(0, 1) rounded to dtype t, as raw bytes, from a generator
+// seeded with `seed`: random_qkv's rule for one more tensor (dout).
+std::vector<uint8_t> random_tensor(int64_t n, DType t, uint64_t seed);
+
 // Output buffer of the right size for o.out_dtype (or dtype).
 std::vector<uint8_t> output_buffer(const AttentionOptions& o);
 
@@ -80,5 +84,9 @@ struct ErrorStats {
   double rel_l2 = 0;
 };
 ErrorStats compare(const void* actual, DType t, const std::vector<double>& expected);
+
+// The elements of raw bytes of dtype t as float64 (a backend's output, to
+// compare with another's).
+std::vector<double> to_doubles(const std::vector<uint8_t>& bytes, DType t);
 
 }  // namespace plsh::testing

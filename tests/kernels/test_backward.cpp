@@ -24,6 +24,7 @@
 #include "plsh/backward.h"
 #include "plsh/numeric.h"
 #include "plsh/plan.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh {
@@ -53,44 +54,31 @@ class ReferenceBackward : public ::testing::TestWithParam<FdCase> {};
 // order 1e-10 and a rounding error of order 1e-16 / 1e-5 = 1e-11 here.
 TEST_P(ReferenceBackward, MatchesCentralFiniteDifferences) {
   const FdCase& c = GetParam();
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 5;
-  o.kv_len = 7;
-  o.heads = 4;
-  o.kv_heads = 2;  // GQA: dk, dv sum two query heads
-  o.head_dim = 3;
-  o.mode = c.mode;
-  o.causal = c.causal;
-  o.q_pos0 = c.q_pos0;
-  o.k_pos0 = c.k_pos0;
-  o.window_width = c.window_width;
-  o.samples = 4;
-  o.seed = 3;
-  o.slopes = {0.7, 0.3, 0.1, 0.0};  // sigma from 1.4 to infinity
-  o.scale = 0.8;
-  const testing::RandomTensors t = testing::random_qkv(o, 17);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok()) << p.status().to_string();
-  const HeadWeights w = testing::reference_weights(*p);
-  DenseInputs x = testing::dense_inputs(*p);
+  // GQA (dk, dv sum two query heads); slopes of sigma from 1.4 to infinity.
+  const AttentionOptions o{.batch = 2, .q_len = 5, .kv_len = 7, .heads = 4, .kv_heads = 2, .head_dim = 3, .scale = 0.8,
+                           .causal = c.causal, .slopes = {0.7, 0.3, 0.1, 0.0}, .q_pos0 = c.q_pos0, .k_pos0 = c.k_pos0,
+                           .mode = c.mode, .samples = 4, .seed = 3, .window_width = c.window_width};
+  const testing::Problem pr = testing::make_problem(o, 17, false);
+  ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
+  const AttentionParams& p = pr.params;
+  const HeadWeights w = testing::reference_weights(p);
+  DenseInputs x = testing::dense_inputs(p);
   std::mt19937_64 rng(5);
   std::normal_distribution<double> normal;
   std::vector<double> dout(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim));
   for (double& v : dout) v = normal(rng);
 
-  const ReferenceGradients g = testing::reference_backward(*p, x, w, dout);
+  const ReferenceGradients g = testing::reference_backward(p, x, w, dout);
   auto loss = [&] {
-    const testing::ReferenceOutput r = testing::reference_forward(*p, x, w);
+    const testing::ReferenceOutput r = testing::reference_forward(p, x, w);
     double l = 0;
     for (size_t i = 0; i < dout.size(); ++i) l += dout[i] * r.out[i];
     return l;
   };
   // The float64 forward is reference_attention's.
   {
-    const testing::ReferenceOutput a = testing::reference_forward(*p, x, w);
-    const testing::ReferenceOutput b = testing::reference_attention(*p);
+    const testing::ReferenceOutput a = testing::reference_forward(p, x, w);
+    const testing::ReferenceOutput b = testing::reference_attention(p);
     for (size_t i = 0; i < a.out.size(); ++i) ASSERT_NEAR(a.out[i], b.out[i], 1e-12);
   }
   constexpr double kStep = 1e-5;
@@ -125,59 +113,21 @@ INSTANTIATE_TEST_SUITE_P(
                       FdCase{"window_noncausal_offsets", Mode::kWindow, false, int64_t{101}, 100, 3},
                       FdCase{"lsh_causal", Mode::kLsh, true, std::nullopt, 0, 0},
                       FdCase{"lsh_noncausal_offsets", Mode::kLsh, false, int64_t{1001}, 1000, 0}),
-    [](const ::testing::TestParamInfo<FdCase>& info) { return std::string(info.param.name); });
+    testing::CaseName());
 
 // ---- The CPU backend against the reference ---------------------------------
 
-struct Problem {
-  AttentionOptions options;
-  testing::RandomTensors qkv;
-  std::vector<uint8_t> out;
-  std::vector<float> lse;
-  std::vector<uint8_t> dout;
-  std::vector<uint8_t> dq, dk, dv;
-  DType grad_dtype = DType::kF32;
-  AttentionParams params;
-
-  GradientRefs grads() {
-    GradientRefs g;
-    g.dout = dout.data();
-    g.dq = dq.data();
-    g.dk = dk.data();
-    g.dv = dv.data();
-    g.grad_dtype = grad_dtype;
-    return g;
-  }
-  std::vector<double> dout_values() const {
-    std::vector<double> d(static_cast<size_t>(options.batch * options.q_len * options.heads * options.head_dim));
-    for (size_t i = 0; i < d.size(); ++i) d[i] = load_element(dout.data(), params.out_dtype, static_cast<int64_t>(i));
-    return d;
-  }
+// The forward's tensors and params (problem.h) with a backward's: dout
+// N(0, 1) in the output dtype, gradients poisoned with 0xEE.
+struct Problem : testing::Problem {
+  testing::GradTensors grad;
+  GradientRefs grads() { return grad.refs(); }
 };
 
-// Random q, k, v, dout (N(0, 1) rounded to their dtypes) and the buffers,
-// params bound.
 Problem make_problem(const AttentionOptions& o, std::optional<DType> grad_dtype, uint64_t seed) {
   Problem pr;
-  pr.options = o;
-  pr.qkv = testing::random_qkv(o, seed);
-  pr.out = testing::output_buffer(o);
-  const int64_t rows = o.batch * o.q_len * o.heads;
-  pr.lse.resize(static_cast<size_t>(rows));
-  const DType out_dtype = o.out_dtype.value_or(o.dtype);
-  pr.grad_dtype = grad_dtype.value_or(o.dtype);
-  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  pr.dout.resize(static_cast<size_t>(rows * o.head_dim) * dtype_bytes(out_dtype));
-  std::mt19937_64 rng(seed + 1000);
-  std::normal_distribution<double> normal;
-  for (int64_t i = 0; i < rows * o.head_dim; ++i) store_element(pr.dout.data(), out_dtype, i, static_cast<float>(normal(rng)));
-  pr.dq.assign(static_cast<size_t>(rows * o.head_dim) * dtype_bytes(pr.grad_dtype), 0xEE);
-  pr.dk.assign(static_cast<size_t>(o.batch * o.kv_len * kv_heads * o.head_dim) * dtype_bytes(pr.grad_dtype), 0xEE);
-  pr.dv.assign(pr.dk.size(), 0xEE);
-  StatusOr<AttentionParams> p = make_params(
-      o, {pr.qkv.q.data(), pr.qkv.k.data(), pr.qkv.v.data(), pr.out.data(), pr.lse.data(), MemorySpace::kHost});
-  EXPECT_TRUE(p.ok()) << p.status().to_string();
-  if (p.ok()) pr.params = *p;
+  static_cast<testing::Problem&>(pr) = testing::make_problem(o, seed);
+  pr.grad = testing::grad_tensors(o, grad_dtype.value_or(o.dtype), seed + 1000, 0xEE);
   return pr;
 }
 
@@ -213,52 +163,18 @@ struct GradErrors {
 };
 
 GradErrors compare_gradients(const Problem& pr, const ReferenceGradients& ref) {
-  return {testing::compare(pr.dq.data(), pr.grad_dtype, ref.dq), testing::compare(pr.dk.data(), pr.grad_dtype, ref.dk),
-          testing::compare(pr.dv.data(), pr.grad_dtype, ref.dv)};
+  const testing::GradTensors& g = pr.grad;
+  return {testing::compare(g.dq.data(), g.grad_dtype, ref.dq), testing::compare(g.dk.data(), g.grad_dtype, ref.dk),
+          testing::compare(g.dv.data(), g.grad_dtype, ref.dv)};
 }
 
-struct BackwardCase {
-  std::string name;
-  int64_t batch, q_len, kv_len, heads, kv_heads, head_dim;
-  DType dtype;
-  Mode mode;
-  bool causal;
-  std::optional<int64_t> q_pos0 = std::nullopt;
-  int64_t k_pos0 = 0;
-  int64_t samples = 0;
-  LshAlgorithm algorithm = LshAlgorithm::kAuto;
-  std::vector<double> slopes = {};
-  int64_t window_width = 0;
-  std::optional<DType> out_dtype = std::nullopt;
-  std::optional<DType> grad_dtype = std::nullopt;
-};
-
-void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
+using BackwardCase = testing::AttentionCase;
 
 class CpuBackward : public ::testing::TestWithParam<BackwardCase> {};
 
 TEST_P(CpuBackward, MatchesFloat64Reference) {
   const BackwardCase& c = GetParam();
-  AttentionOptions o;
-  o.batch = c.batch;
-  o.q_len = c.q_len;
-  o.kv_len = c.kv_len;
-  o.heads = c.heads;
-  o.kv_heads = c.kv_heads;
-  o.head_dim = c.head_dim;
-  o.dtype = c.dtype;
-  o.out_dtype = c.out_dtype;
-  o.mode = c.mode;
-  o.causal = c.causal;
-  o.q_pos0 = c.q_pos0;
-  o.k_pos0 = c.k_pos0;
-  o.samples = c.samples > 0 ? c.samples : kDefaultSamples;
-  o.seed = 11;
-  o.lsh_algorithm = c.algorithm;
-  o.slopes = c.slopes;
-  o.window_width = c.window_width;
-  o.estimates = false;
-  Problem pr = make_problem(o, c.grad_dtype, 23);
+  Problem pr = make_problem(testing::options_of(c, 11), c.grad_dtype, 23);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   Plan plan;
   BackwardResult result;
@@ -272,9 +188,9 @@ TEST_P(CpuBackward, MatchesFloat64Reference) {
 
   const ReferenceGradients ref =
       testing::reference_backward(pr.params, testing::dense_inputs(pr.params), testing::reference_weights(pr.params),
-                                  pr.dout_values());
+                                  pr.grad.dout_values());
   const GradErrors e = compare_gradients(pr, ref);
-  const double tol = tolerance(pr.params.out_dtype, pr.grad_dtype);
+  const double tol = tolerance(pr.params.out_dtype, pr.grad.grad_dtype);
   std::printf("%s: max_rel dq %.2e dk %.2e dv %.2e (rel_l2 %.2e %.2e %.2e), tolerance %.1e\n", c.name.c_str(),
               e.dq.max_rel, e.dk.max_rel, e.dv.max_rel, e.dq.rel_l2, e.dk.rel_l2, e.dv.rel_l2, tol);
   EXPECT_LE(e.dq.max_rel, tol) << "dq";
@@ -320,7 +236,7 @@ INSTANTIATE_TEST_SUITE_P(
                      LshAlgorithm::kAuto, {}, 0, std::nullopt, kF32},
         BackwardCase{"lsh_f16_in_f32_out_f32_grads", 1, 97, 97, 2, 1, 40, kF16, Mode::kLsh, true, std::nullopt, 0, 8,
                      LshAlgorithm::kBanded, {}, 0, kF32, kF32}),
-    [](const ::testing::TestParamInfo<BackwardCase>& info) { return info.param.name; });
+    testing::CaseName());
 
 // A query far from every key keeps its forward exact by taking its logits
 // relative to the nearest key (SPEC section 2's lse includes the bias); the
@@ -328,15 +244,8 @@ INSTANTIATE_TEST_SUITE_P(
 // bounds what P = exp(s - lse) can be: |lse| * 2^-24 relative, on top of
 // float32's 1e-5. This pins that limit down rather than hiding it.
 TEST(CpuBackwardPrecision, FarQueriesAreLimitedByLseRounding) {
-  AttentionOptions o;
-  o.q_len = 40;
-  o.kv_len = 300;
-  o.heads = 2;
-  o.head_dim = 40;
-  o.mode = Mode::kExact;
-  o.q_pos0 = 5000;
-  o.slopes = {0.5, 1.0 / 64};
-  o.estimates = false;
+  const AttentionOptions o{.q_len = 40, .kv_len = 300, .heads = 2, .head_dim = 40, .slopes = {0.5, 1.0 / 64},
+                           .q_pos0 = 5000, .mode = Mode::kExact, .estimates = false};
   Problem pr = make_problem(o, std::nullopt, 29);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(forward_backward(*cpu, pr, 2).ok());
@@ -344,7 +253,7 @@ TEST(CpuBackwardPrecision, FarQueriesAreLimitedByLseRounding) {
   for (float l : pr.lse) max_lse = std::max(max_lse, std::fabs(static_cast<double>(l)));
   EXPECT_GT(max_lse, 2000);  // the case the test is about
   const ReferenceGradients ref = testing::reference_backward(
-      pr.params, testing::dense_inputs(pr.params), testing::reference_weights(pr.params), pr.dout_values());
+      pr.params, testing::dense_inputs(pr.params), testing::reference_weights(pr.params), pr.grad.dout_values());
   const GradErrors e = compare_gradients(pr, ref);
   const double tol = 1e-5 + 2 * max_lse * 0x1.0p-24;
   std::printf("far queries (max |lse| %.0f): max_rel dq %.2e dk %.2e dv %.2e, tolerance %.1e\n", max_lse, e.dq.max_rel,
@@ -355,19 +264,8 @@ TEST(CpuBackwardPrecision, FarQueriesAreLimitedByLseRounding) {
 }
 
 AttentionOptions lsh_options() {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 97;
-  o.kv_len = 131;
-  o.heads = 4;
-  o.kv_heads = 4;
-  o.head_dim = 24;
-  o.mode = Mode::kLsh;
-  o.samples = 6;
-  o.seed = 5;
-  o.causal = true;
-  o.estimates = false;
-  return o;
+  return {.batch = 2, .q_len = 97, .kv_len = 131, .heads = 4, .kv_heads = 4, .head_dim = 24, .causal = true,
+          .mode = Mode::kLsh, .samples = 6, .seed = 5, .estimates = false};
 }
 
 // Per-sample and banded plans differentiate one function: their gradients
@@ -381,11 +279,9 @@ TEST(CpuBackward, LshAlgorithmsGiveTheSameGradients) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(forward_backward(*cpu, a, 2).ok());
   ASSERT_TRUE(forward_backward(*cpu, b, 2).ok());
-  for (auto [x, y] : {std::pair{&a.dq, &b.dq}, std::pair{&a.dk, &b.dk}, std::pair{&a.dv, &b.dv}}) {
-    std::vector<double> yd(x->size() / 4);
-    for (size_t i = 0; i < yd.size(); ++i) yd[i] = load_element(y->data(), DType::kF32, static_cast<int64_t>(i));
-    EXPECT_LE(testing::compare(x->data(), DType::kF32, yd).max_rel, 1e-5);
-  }
+  for (auto [x, y] : {std::pair{&a.grad.dq, &b.grad.dq}, std::pair{&a.grad.dk, &b.grad.dk},
+                      std::pair{&a.grad.dv, &b.grad.dv}})
+    EXPECT_LE(testing::compare(x->data(), DType::kF32, testing::to_doubles(*y, DType::kF32)).max_rel, 1e-5);
 }
 
 // The backward reads the plan's draws: with head 3's replaced by one block
@@ -401,7 +297,7 @@ TEST(CpuBackward, LshReadsThePlanDraws) {
   StatusOr<BackwardResult> r = run_backward(*cpu, *plan, pr.grads(), ExecContext{});
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   const DenseInputs x = testing::dense_inputs(pr.params);
-  const std::vector<double> dout = pr.dout_values();
+  const std::vector<double> dout = pr.grad.dout_values();
   const ReferenceGradients tampered =
       testing::reference_backward(pr.params, x, testing::reference_weights(pr.params, &plan->draws), dout);
   const ReferenceGradients seeded = testing::reference_backward(pr.params, x, testing::reference_weights(pr.params), dout);
@@ -410,7 +306,7 @@ TEST(CpuBackward, LshReadsThePlanDraws) {
   EXPECT_LE(e.dk.max_rel, 1e-5);
   EXPECT_LE(e.dv.max_rel, 1e-5);
   // Head 3 (and its kv head, 3: no grouping here) moved; the others did not.
-  const int64_t D = pr.options.head_dim;
+  const int64_t D = pr.params.head_dim;
   double moved = 0, kept = 0;
   auto tally = [&](const std::vector<double>& t, const std::vector<double>& u) {
     for (size_t i = 0; i < t.size(); ++i) {
@@ -437,11 +333,9 @@ TEST(CpuBackward, DkDvAreReproducibleAndDqCloseAcrossRuns) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(forward_backward(*cpu, a, 2).ok());
   ASSERT_TRUE(forward_backward(*cpu, b, 2).ok());
-  EXPECT_EQ(a.dk, b.dk);
-  EXPECT_EQ(a.dv, b.dv);
-  std::vector<double> bq(b.dq.size() / 4);
-  for (size_t i = 0; i < bq.size(); ++i) bq[i] = load_element(b.dq.data(), DType::kF32, static_cast<int64_t>(i));
-  EXPECT_LE(testing::compare(a.dq.data(), DType::kF32, bq).max_rel, 1e-6);
+  EXPECT_EQ(a.grad.dk, b.grad.dk);
+  EXPECT_EQ(a.grad.dv, b.grad.dv);
+  EXPECT_LE(testing::compare(a.grad.dq.data(), DType::kF32, b.grad.values(b.grad.dq)).max_rel, 1e-6);
 }
 
 // ---- The plan, the front door, refusals, stops --------------------------------
@@ -505,7 +399,7 @@ TEST(BackwardPlan, RefusesForeignUnplannedAndIncompleteRequests) {
   EXPECT_EQ(run_backward(*cpu, *plan, g, ExecContext{}).status().code(), StatusCode::kInvalidArgument);
 
   // Non-finite dout: named with its position.
-  std::vector<float> bad_dout(pr.dout.size() / 4, 0.5f);
+  std::vector<float> bad_dout(pr.grad.dout.size() / 4, 0.5f);
   bad_dout[static_cast<size_t>(((1 * 97 + 3) * 4 + 2) * 24 + 5)] = std::numeric_limits<float>::quiet_NaN();
   g = pr.grads();
   g.dout = bad_dout.data();
@@ -547,14 +441,9 @@ TEST(BackwardPlan, BackendsWithoutABackwardSayUnimplemented) {
 }
 
 Problem stop_problem() {
-  AttentionOptions o;
-  o.q_len = o.kv_len = 2048;
-  o.heads = 2;
-  o.head_dim = 64;
-  o.mode = Mode::kExact;
-  o.causal = true;
-  o.estimates = false;
-  return make_problem(o, std::nullopt, 47);
+  return make_problem({.q_len = 2048, .kv_len = 2048, .heads = 2, .head_dim = 64, .causal = true, .mode = Mode::kExact,
+                       .estimates = false},
+                      std::nullopt, 47);
 }
 
 TEST(BackwardStop, CancelAndDeadlineStopTheBackward) {
@@ -612,9 +501,9 @@ TEST(BackwardFrontDoor, ForwardBackwardMatchesTheStepsOneByOne) {
   EXPECT_EQ(joint->backward.backend, "cpu");
   ASSERT_TRUE(forward_backward(*cpu, b, 1).ok());
   EXPECT_EQ(a.out, b.out);
-  EXPECT_EQ(a.dq, b.dq);
-  EXPECT_EQ(a.dk, b.dk);
-  EXPECT_EQ(a.dv, b.dv);
+  EXPECT_EQ(a.grad.dq, b.grad.dq);
+  EXPECT_EQ(a.grad.dk, b.grad.dk);
+  EXPECT_EQ(a.grad.dv, b.grad.dv);
 
   GradientRefs g = a.grads();
   g.lse = b.lse.data();

@@ -11,6 +11,8 @@
 // an accepted request computes in microseconds (at most 64 tokens, 64
 // samples, 256 KiB of tensors, 64 KiB messages).
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -134,6 +136,8 @@ void fill_chunk(std::string_view payload, const server::RequestPlan* plan, v1::T
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace plsh;
   using namespace plsh::fuzz;
+  // PLSH_FUZZ_VERBOSE=1: one line per input saying how its stream ended (to see what a corpus reaches).
+  static const bool verbose = std::getenv("PLSH_FUZZ_VERBOSE") != nullptr;
   std::string_view input(reinterpret_cast<const char*>(data), size);
   Stream stream;
   Record rec;
@@ -154,8 +158,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!status.ok()) {
       PLSH_FUZZ_CHECK(allowed_client_error(status.code()), status.to_string().c_str());
       PLSH_FUZZ_CHECK(!status.message().empty(), "an error without a message");
-      break;  // the call ends with this status
+      if (verbose) std::fprintf(stderr, "stream: %s\n", status.to_string().c_str());
+      return 0;  // the call ends with this status
     }
   }
+  if (verbose) std::fprintf(stderr, "stream: %s\n", stream.ended() ? "computed" : "input ended without an end message");
   return 0;
 }

@@ -2,8 +2,9 @@
 # plsh's entry points for a fresh Debian 12 machine:
 #   scripts/dev.sh run    install packages, build, start plsh-server
 #   scripts/dev.sh test   install packages, build, run every test; then every
-#                         test again under ASan + UBSan (build-asan/), then
-#                         each fuzz target for 30 s (build-fuzz/)
+#                         test again under ASan + UBSan (build-asan/) and a
+#                         30 s soak of that build's server, then each fuzz
+#                         target for 30 s (build-fuzz/)
 #   scripts/dev.sh asan   install packages, the ASan + UBSan step alone
 #   scripts/dev.sh fuzz [SECONDS [TARGET...]]   the fuzz step alone (tests/fuzz/run.sh)
 # Extra arguments after `run` go to the server. For `test`: PLSH_SANITIZE=0
@@ -46,12 +47,23 @@ sanitizer_tests() {
     ctest --test-dir "$asan_dir" --output-on-failure -j"$jobs" --timeout 900 2>&1 | tee "$asan_dir/ctest.log"
 }
 
+# 30 s of bench/soak.py's mixed load (valid requests of every mode checked
+# against NumPy, malformed streams, cancels, stalled and non-reading clients)
+# on the sanitizer build's plsh-server, which must exit 0 (LeakSanitizer
+# included) at the end. RSS is not checked: ASan's quarantine holds freed memory.
+sanitizer_soak() {
+  ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1} /usr/bin/python3 bench/soak.py --duration 30 --concurrency 8 \
+    --server "$asan_dir/bin/plsh-server" --no-rss-check 2>&1 | tee "$asan_dir/soak.log"
+}
+
 bash scripts/setup.sh
 case "$what" in
   fuzz) exec tests/fuzz/run.sh "$@" ;;
   asan)
     sanitizer_tests
+    sanitizer_soak
     echo "sanitizers: $(ctest_tally "$asan_dir/ctest.log")"
+    tail -1 "$asan_dir/soak.log"
     exit 0
     ;;
 esac
@@ -85,6 +97,9 @@ EOF
       step=$SECONDS
       sanitizer_tests
       tallies+=("sanitizers: $(ctest_tally "$asan_dir/ctest.log") ($asan_dir, ASan + UBSan, $((SECONDS - step)) s with the build)")
+      step=$SECONDS
+      sanitizer_soak
+      tallies+=("$(tail -1 "$asan_dir/soak.log") (bench/soak.py 30 s on the sanitizer build, $((SECONDS - step)) s)")
     fi
     if [ "$fuzz_seconds" != 0 ]; then
       step=$SECONDS

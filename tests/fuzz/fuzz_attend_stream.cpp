@@ -1,6 +1,6 @@
 // libFuzzer target: a whole Attend stream (stream_framing.h turns the input
 // into AttendRequest messages) through what the server does with each
-// message, in order: the size check, the header (plan_request, buffers,
+// message, in order: the size check, the header (plan_like_server, buffers,
 // Assembler), chunks (Assembler::add), the end (Assembler::complete, then
 // the computation on the CPU backend and the summary). The first error ends
 // the stream, as it ends the call; its code must be one SPEC section 7
@@ -55,7 +55,7 @@ class Stream {
     switch (request.kind_case()) {
       case v1::AttendRequest::kHeader: {
         if (plan_) return invalid_argument("header received twice");
-        ASSIGN_OR_RETURN(server::RequestPlan plan, server::plan_request(request.header(), limits_));
+        ASSIGN_OR_RETURN(server::RequestPlan plan, plan_like_server(request.header(), limits_, limits_.max_request_bytes));
         plan_.emplace(std::move(plan));
         buffers_ = server::RequestBuffers::allocate(*plan_);
         assembler_ = std::make_unique<server::Assembler>(*plan_, &buffers_);

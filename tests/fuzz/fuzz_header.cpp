@@ -1,8 +1,11 @@
-// libFuzzer target: bytes -> v1::AttendHeader (protobuf parse) -> the
-// server's plan_request with its default limits, as a header arriving first
-// on an Attend stream would be. Nothing may crash or trip a sanitizer, an
-// error must carry one of the codes SPEC section 7 allows at the header, and
-// an accepted plan must respect the limits it was checked against.
+// libFuzzer target: bytes -> v1::AttendHeader (protobuf parse) -> what the
+// server does with a header arriving first on an Attend stream (check_request,
+// the planning bound against the budget, plan_kernels), with the server's
+// default limits and a 256 MiB budget (so that no input spends seconds making
+// draws). Nothing may crash or trip a sanitizer, an error must carry one of
+// the codes SPEC section 7 allows at the header, planning must stay inside
+// its bound, and an accepted plan must respect the limits it was checked
+// against.
 #include <algorithm>
 #include <cstdint>
 
@@ -16,7 +19,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   plsh::v1::AttendHeader header;
   if (!header.ParseFromArray(data, static_cast<int>(size))) return 0;
   const plsh::server::RequestLimits limits = plsh::fuzz::server_default_limits();
-  plsh::StatusOr<plsh::server::RequestPlan> plan = plsh::server::plan_request(header, limits);
+  plsh::StatusOr<plsh::server::RequestPlan> plan = plsh::fuzz::plan_like_server(header, limits, int64_t{256} << 20);
   if (!plan.ok()) {
     const StatusCode code = plan.status().code();
     PLSH_FUZZ_CHECK(code == StatusCode::kInvalidArgument || code == StatusCode::kResourceExhausted ||

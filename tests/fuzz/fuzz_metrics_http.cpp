@@ -18,7 +18,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -35,23 +37,41 @@ std::unique_ptr<plsh::server::MetricsHttpServer> g_server;
 uint16_t g_port = 0;
 uint64_t g_inputs = 0;
 
-// A connected socket to the port, or -1.
+// Closes with a reset (SO_LINGER 0), as a scanner that gives up does, and
+// so that no input leaves a TIME_WAIT socket behind: at ~1000 inputs per
+// second, half-closing first (the active close) would hold tens of
+// thousands of local ports.
+void reset(int fd) {
+  linger l{};
+  l.l_onoff = 1;
+  l.l_linger = 0;
+  setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
+  close(fd);
+}
+
+// A connected socket to the port, or -1 (errno says why) after 12 s: past
+// the port's 10 s connection deadline, so a port whose slots are all held
+// must have freed one by then. A connect interrupted by a signal (libFuzzer's
+// timeout alarm) is tried again.
 int connect_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  timeval timeout{};
-  timeout.tv_sec = 12;  // past the port's 10 s connection deadline: a read this long means it kept the socket
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(g_port);
-  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
-    close(fd);
-    return -1;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(12);
+  for (;;) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    timeval timeout{};
+    timeout.tv_sec = 12;
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(g_port);
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0) return fd;
+    const int error = errno;
+    reset(fd);
+    errno = error;
+    if (error != EINTR || std::chrono::steady_clock::now() > give_up) return -1;
   }
-  return fd;
 }
 
 enum class ReadEnd { kClosed, kTimedOut };
@@ -61,15 +81,6 @@ void set_read_timeout(int fd, long microseconds) {
   timeout.tv_sec = microseconds / 1000000;
   timeout.tv_usec = microseconds % 1000000;
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-}
-
-// Closes with a reset (SO_LINGER 0), as a scanner that gives up does.
-void reset(int fd) {
-  linger l{};
-  l.l_onoff = 1;
-  l.l_linger = 0;
-  setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
-  close(fd);
 }
 
 // Sends `bytes` (as much as the server takes), half-closes, reads to the end
@@ -97,12 +108,14 @@ ReadEnd exchange(int fd, std::string_view bytes, std::string* response) {
   }
 }
 
+std::string refused() { return std::string("the metrics port refuses connections: ") + std::strerror(errno); }
+
 void check_scrape() {
   const int fd = connect_port();
-  PLSH_FUZZ_CHECK(fd >= 0, "the metrics port refuses connections");
+  PLSH_FUZZ_CHECK(fd >= 0, refused().c_str());
   std::string response;
   const ReadEnd end = exchange(fd, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", &response);
-  close(fd);
+  reset(fd);
   PLSH_FUZZ_CHECK(end == ReadEnd::kClosed, "a scrape was not answered and closed");
   PLSH_FUZZ_CHECK(response.rfind("HTTP/1.1 200 ", 0) == 0, response.substr(0, 200).c_str());
   PLSH_FUZZ_CHECK(response.find("plsh_fuzz_inputs_total") != std::string::npos, "the scrape lacks the registry's samples");
@@ -124,12 +137,11 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int fd = connect_port();
-  PLSH_FUZZ_CHECK(fd >= 0, "the metrics port refuses connections");
+  PLSH_FUZZ_CHECK(fd >= 0, refused().c_str());
   set_read_timeout(fd, 100 * 1000);
   std::string response;
-  const ReadEnd end = exchange(fd, std::string_view(reinterpret_cast<const char*>(data), size), &response);
-  if (end == ReadEnd::kClosed) close(fd);
-  else reset(fd);
+  exchange(fd, std::string_view(reinterpret_cast<const char*>(data), size), &response);
+  reset(fd);
   if (++g_inputs % 16 == 0 || response.empty()) check_scrape();
   return 0;
 }

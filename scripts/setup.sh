@@ -29,6 +29,9 @@ test_packages=(
   python3-yaml docker-compose golang-go golang-github-masterminds-sprig-dev golang-github-ghodss-yaml-dev
   # tests/deploy/image_test.py: the image built with podman on debootstrap bases.
   podman debootstrap
+  # The fuzz targets (tests/fuzz/run.sh): clang with libFuzzer and its sanitizer runtimes, clang's OpenMP
+  # for the kernels, and llvm-symbolizer for readable ASan/UBSan stack traces (GCC's sanitizers use it too).
+  clang-16 libfuzzer-16-dev libclang-rt-16-dev libomp-16-dev llvm
 )
 
 case "${1:-all}" in

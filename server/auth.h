@@ -8,7 +8,8 @@
 //     "clients": [
 //       {"name": "trainer",                       // [A-Za-z0-9_.-]{1,64}: logs and metrics say it
 //        "sha256": ["9f86d081...", "60303ae2..."], // hex SHA-256 of each of its tokens (several: rotation)
-//        "methods": ["Attend", "AttendUnary", "GetInfo"],  // optional; default all ("*")
+//        "methods": ["Attend", "AttendUnary", "GetInfo"],  // optional; default all ("*"); also
+//                                                  // AttendBackward, ReleaseContext
 //        "max_streams": 4,                        // optional; Attend/AttendUnary calls open at once
 //        "max_reserved_bytes": 8589934592,        // optional; host bytes its requests in flight hold
 //        "max_reserved_device_bytes": 0},         // optional; device bytes likewise; 0 or absent: no own limit
@@ -58,8 +59,8 @@
 namespace plsh::server {
 
 // The calls a token may be allowed, as bits.
-enum class Method : uint8_t { kAttend = 1, kAttendUnary = 2, kGetInfo = 4 };
-constexpr uint8_t kAllMethods = 7;
+enum class Method : uint8_t { kAttend = 1, kAttendUnary = 2, kGetInfo = 4, kAttendBackward = 64, kReleaseContext = 128 };
+constexpr uint8_t kAllMethods = 1 | 2 | 4 | 64 | 128;
 const char* method_name(Method method);
 // "Attend" -> kAttend; false for any other name.
 bool parse_method(const std::string& name, Method* method);
@@ -87,6 +88,9 @@ class ClientState {
   Status reserve(const MemoryCharge& charge);
   void release(const MemoryCharge& charge);
   void set_limits(const ClientLimits& limits);
+  // What it holds now, and its limits (kept contexts: contexts.h).
+  MemoryCharge reserved() const;
+  ClientLimits limits() const;
 
  private:
   void publish() const;  // the gauges, with mutex_ held

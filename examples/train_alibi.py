@@ -36,6 +36,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -253,6 +254,8 @@ def start_server(binary, threads):
     for line in proc.stderr:
         m = re.search(r" serving .*grpc=(\S+)", line)
         if m:
+            # Keep reading its log (one line per request): a full pipe would stall it.
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
             return proc, m.group(1)
     raise RuntimeError("plsh-server did not start")
 

@@ -717,6 +717,42 @@ TEST(BackwardContexts, AServerWithoutContextsRefusesKeepContextButServesStateles
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
+// AttendUnary keeps a context too; a backward stream that goes silent is
+// ended by the watchdog like a forward's, and its context stays.
+TEST(BackwardContexts, UnaryForwardsKeepThemAndSilentBackwardsTimeOut) {
+  ServerProcess server({"--threads", "1", "--stream-idle-timeout", "0.5"});
+  ASSERT_TRUE(server.started()) << server.log();
+  Client c(server.grpc_address());
+  const Problem p = make_problem(options_for(Mode::kWindow, true), 67);
+  AttendReply forward;
+  ASSERT_TRUE(c.attend_unary(forward_call(p, true), &forward).ok());
+  ASSERT_FALSE(forward.context_id.empty());
+  {
+    auto stub = v1::Attention::NewStub(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    auto stream = stub->AttendBackward(&ctx);
+    v1::BackwardRequest r;
+    r.mutable_header()->set_context_id(forward.context_id);
+    ASSERT_TRUE(stream->Write(r));
+    v1::BackwardResponse response;
+    while (stream->Read(&response)) {
+    }
+    const grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_NE(s.error_message().find("--stream-idle-timeout"), std::string::npos) << s.error_message();
+  }
+  EXPECT_TRUE(eventually([&] { return gauge(server, "plsh_inflight_requests") == 0; }));
+  EXPECT_EQ(gauge(server, "plsh_stream_timeouts_total", {"reason=\"receive_idle\""}), 1);
+  EXPECT_EQ(gauge(server, "plsh_contexts"), 1);
+  BackwardReply grads;
+  const grpc::Status s = c.backward(by_context(p, forward.context_id), &grads);
+  ASSERT_TRUE(s.ok()) << client::status_string(s);
+  EXPECT_EQ(grads.dq, local_gradients(p, DType::kF32).dq);
+  EXPECT_EQ(gauge(server, "plsh_memory_reserved_bytes", {"space=\"host\""}), 0);
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
 // With a token file a context belongs to the client that made it.
 TEST(BackwardContexts, AreBoundToTheirClient) {
   testing::TempDir dir;

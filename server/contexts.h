@@ -17,6 +17,8 @@
 //     from the forward's reservation to the store when the forward ends, so
 //     they are never counted twice nor dropped in between, and go back when
 //     the last holder lets go (a backward may hold it past its removal).
+//     The charge is the tensors' bytes; the plan's draws (16 bytes per head
+//     and sample) ride along uncharged, as they do for every request.
 //     Contexts hold no device memory.
 //   - A request that does not fit the host budget evicts the least
 //     recently used idle contexts (anyone's) until it fits, when evicting

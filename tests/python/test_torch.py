@@ -11,11 +11,13 @@ What "gradcheck passes" means here, honestly: the wire carries float32 (and
 2. torch.autograd.gradcheck runs on float64 leaves through the op (sent
    as float32), with eps and tolerances derived from float32 rounding: a
    central difference of a function computed to relative error u = 2^-24
-   has rounding error about u * |f| / eps, and truncation error about
-   eps^2 |f'''| / 6; eps = 1e-3 balances them near 1e-4 for unit-scale
-   inputs, so atol = rtol = 2e-3 (a 20x margin). gradcheck's default
-   eps = 1e-6 would measure float32 rounding, not the gradient. A negative
-   control shows these tolerances still catch a gradient 1% off.
+   has rounding error about u * |f| / eps and truncation error about
+   eps^2 * |third derivative| / 6. Measured on this test's inputs (max
+   |numeric - analytic| over the Jacobian, |J| <= 1): eps = 1e-6: 0.18
+   (gradcheck's default measures float32 rounding, not the gradient),
+   1e-4: 1.7e-3, 1e-3: 2.3e-4, 1e-2: 2.0e-5 (exact; window and lsh alike).
+   So eps = 1e-2 with atol = rtol = 2e-4: a 10x margin. A negative control
+   shows the same check fails for a gradient 1% off.
 """
 
 import gc
@@ -126,7 +128,7 @@ def test_gradcheck_through_the_service(server, mode):
             return pt.attention(a, b, cc, client=c, mode=mode, causal=True, slopes=[0.5, 0.25], samples=4, seed=1,
                                 window_width=3)
 
-        assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-3, atol=2e-3, rtol=2e-3)
+        assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-2, atol=2e-4, rtol=2e-4)
 
         # Negative control: the same check catches a gradient 1% off.
         class OnePercentOff(torch.autograd.Function):
@@ -138,8 +140,8 @@ def test_gradcheck_through_the_service(server, mode):
             def backward(ctx, g):
                 return g * 1.01
 
-        assert not torch.autograd.gradcheck(lambda a, b, cc: OnePercentOff.apply(f(a, b, cc)), (q, k, v), eps=1e-3,
-                                            atol=2e-3, rtol=2e-3, raise_exception=False)
+        assert not torch.autograd.gradcheck(lambda a, b, cc: OnePercentOff.apply(f(a, b, cc)), (q, k, v), eps=1e-2,
+                                            atol=2e-4, rtol=2e-4, raise_exception=False)
 
 
 def test_a_training_step_sends_q_k_v_once_and_dout_only(server):

@@ -238,6 +238,7 @@ def plot(rows, path, title):
         ev = [(r["step"], r["eval_loss"], r["eval_recall_loss"]) for r in mine if r["eval_loss"] != ""]
         axes[0].plot([e[0] for e in ev], [e[1] for e in ev], "o--", color=c, ms=3, label=f"{mode} held-out")
         axes[1].plot([e[0] for e in ev], [e[2] for e in ev], "o-", color=c, ms=3, label=f"{mode} held-out recall")
+    axes[1].axhline(math.log(10), color="gray", ls=":", lw=1, label="uniform over 10 digits (ln 10)")
     axes[0].set(xlabel="step", ylabel="cross-entropy (nats/char)", title="loss")
     axes[1].set(xlabel="step", ylabel="cross-entropy (nats/char)", title="recall digits (definition in context)")
     for a in axes:
@@ -282,7 +283,13 @@ def main():
     ap.add_argument("--stateless", action="store_true",
                     help="keep no context: every backward sends q, k, v and dout (for the bytes comparison)")
     ap.add_argument("--out-dir", default="train_alibi_out")
+    ap.add_argument("--replot", metavar="TITLE", help="only redraw OUT_DIR/loss.png from OUT_DIR/loss.csv")
     args = ap.parse_args()
+    if args.replot:
+        with open(os.path.join(args.out_dir, "loss.csv")) as f:
+            rows = [{k: (v if k == "mode" or v == "" else float(v)) for k, v in r.items()} for r in csv.DictReader(f)]
+        plot(rows, os.path.join(args.out_dir, "loss.png"), args.replot)
+        return 0
 
     os.makedirs(args.out_dir, exist_ok=True)
     data = Data(args.corpus_chars, args.seed, args.seq, args.batch)

@@ -10,7 +10,7 @@
 //        "sha256": ["9f86d081...", "60303ae2..."], // hex SHA-256 of each of its tokens (several: rotation)
 //        "methods": ["Attend", "AttendUnary", "GetInfo"],  // optional; default all ("*"); also
 //                                                  // AttendBackward, ReleaseContext
-//        "max_streams": 4,                        // optional; Attend/AttendUnary calls open at once
+//        "max_streams": 4,                        // optional; Attend/AttendUnary/AttendBackward calls open at once
 //        "max_reserved_bytes": 8589934592,        // optional; host bytes its requests in flight hold
 //        "max_reserved_device_bytes": 0},         // optional; device bytes likewise; 0 or absent: no own limit
 //       {"name": "dashboard", "sha256": "2c26b46b...", "methods": ["GetInfo"]}
@@ -67,7 +67,7 @@ bool parse_method(const std::string& name, Method* method);
 
 // A client's own limits; 0: none beyond the server's.
 struct ClientLimits {
-  int64_t max_streams = 0;                // Attend/AttendUnary calls open at once
+  int64_t max_streams = 0;                // Attend/AttendUnary/AttendBackward calls open at once
   int64_t max_reserved_bytes = 0;         // host bytes (tensors + host workspace) of its requests in flight
   int64_t max_reserved_device_bytes = 0;  // device bytes of its requests in flight
 };

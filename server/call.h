@@ -1,4 +1,4 @@
-// What every Attend and AttendUnary call shares, whatever its transport
+// What every Attend, AttendUnary and AttendBackward call shares, whatever its transport
 // (Triton's InferHandler base): one path
 //   open -> admit (plan_request: limits, backend, plan) -> reserve (host and
 //   device budgets) -> allocate -> ... -> compute on a worker -> close

@@ -116,8 +116,8 @@ ParsedConfig parse_config(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "optional", "require"}));
   app.add_option("--token-file", c.token_file,
                  "JSON file of the clients and the SHA-256 digests of their bearer tokens (README: Server settings); "
-                 "every Attend, AttendUnary and GetInfo call then needs 'authorization: Bearer <token>'. Unset: no "
-                 "tokens")
+                 "every Attend, AttendUnary, AttendBackward, ReleaseContext and GetInfo call then needs "
+                 "'authorization: Bearer <token>'. Unset: no tokens")
       ->envname("PLSH_TOKEN_FILE");
   app.add_option("--token-reload-interval", c.token_reload_interval,
                  "seconds between checks of --token-file for changes (also reloaded on SIGHUP); 0: on SIGHUP only")

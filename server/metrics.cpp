@@ -130,7 +130,7 @@ Metrics::Metrics()
                        .Register(*registry_)),
       client_open_streams_(BuildGauge()
                                .Name("plsh_client_open_streams")
-                               .Help("Attend and AttendUnary calls open, by client (its max_streams counts these)")
+                               .Help("Attend, AttendUnary and AttendBackward calls open, by client (its max_streams counts these)")
                                .Register(*registry_)),
       client_reserved_(BuildGauge()
                            .Name("plsh_client_reserved_bytes")

@@ -239,4 +239,27 @@ StatusOr<AttentionResult> result_from_summary(const v1::Summary& s) {
   return r;
 }
 
+void backward_result_to_summary(const BackwardResult& r, v1::BackwardSummary* s) {
+  s->set_backend(r.backend);
+  s->set_device(r.device);
+  s->set_flops(r.flops);
+  s->set_dense_flops(r.dense_flops);
+  s->set_host_workspace_bytes(r.host_workspace_bytes);
+  s->set_device_workspace_bytes(r.device_workspace_bytes);
+  auto* backend_timings = s->mutable_timings()->mutable_backend();
+  for (const auto& [name, seconds] : r.timings) (*backend_timings)[name] = seconds;
+}
+
+BackwardResult backward_result_from_summary(const v1::BackwardSummary& s) {
+  BackwardResult r;
+  r.backend = s.backend();
+  r.device = s.device();
+  r.flops = s.flops();
+  r.dense_flops = s.dense_flops();
+  r.host_workspace_bytes = s.host_workspace_bytes();
+  r.device_workspace_bytes = s.device_workspace_bytes();
+  for (const auto& [name, seconds] : s.timings().backend()) r.timings[name] = seconds;
+  return r;
+}
+
 }  // namespace plsh::wire

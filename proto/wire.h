@@ -45,4 +45,9 @@ void result_to_summary(const AttentionResult& result, v1::Summary* summary);
 // The inverse; INVALID_ARGUMENT for enum values outside plsh.v1.
 StatusOr<AttentionResult> result_from_summary(const v1::Summary& summary);
 
+// A backward's result: backend, device, FLOPs, workspace and the backend
+// timings (not the ids, dtypes or wire timings, which belong to the call).
+void backward_result_to_summary(const BackwardResult& result, v1::BackwardSummary* summary);
+BackwardResult backward_result_from_summary(const v1::BackwardSummary& summary);
+
 }  // namespace plsh::wire

@@ -25,6 +25,9 @@ build_packages=(
 test_packages=(
   libgtest-dev libgmock-dev googletest
   python3-grpcio python3-numpy python3-pytest python3-protobuf
+  # The torch client's tests and the training example (plsh_client.torch,
+  # examples/train_alibi.py): Debian's PyTorch 1.13 (CPU) and matplotlib.
+  python3-torch python3-matplotlib
   prometheus curl
   python3-yaml docker-compose golang-go golang-github-masterminds-sprig-dev golang-github-ghodss-yaml-dev
   # tests/deploy/image_test.py: the image built with podman on debootstrap bases.

@@ -1,10 +1,12 @@
 // Puts a streamed request back together: every TensorChunk must name q, k or
-// v, lie inside the tensor's rows, not overlap a chunk already received, and
-// carry exactly its rows' bytes; at the end of input every row must have
-// arrived. Errors name the chunk's fields and the rows involved.
+// v (or, for AttendBackward, the tensors its form expects), lie inside the
+// tensor's rows, not overlap a chunk already received, and carry exactly its
+// rows' bytes; at the end of input every row must have arrived. Errors name
+// the chunk's fields and the rows involved.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 
 #include "plsh/status.h"
@@ -13,18 +15,33 @@
 
 namespace plsh::server {
 
+// One tensor an Assembler expects, and where its rows go.
+struct AssemblyTarget {
+  v1::Tensor tensor = v1::TENSOR_UNSPECIFIED;
+  const char* name = "";       // "q", "dout": what messages call it
+  uint8_t* data = nullptr;     // rows * row_bytes
+  int64_t rows = 0;
+  int64_t row_bytes = 0;
+  const char* rows_expr = "";  // "batch * q_len"
+};
+
 class Assembler {
  public:
+  // q, k and v of an Attend request.
   Assembler(const RequestPlan& plan, RequestBuffers* buffers);
+  // Any set of tensors, at most kMaxTensors (AttendBackward's).
+  explicit Assembler(std::initializer_list<AssemblyTarget> targets);
+  static constexpr int kMaxTensors = 6;
 
   // Copies the chunk's bytes into place.
   Status add(const v1::TensorChunk& chunk);
-  // OK when every row of q, k and v has arrived.
+  // OK when every row of every expected tensor has arrived.
   Status complete() const;
   int64_t received_bytes() const { return received_bytes_; }
 
  private:
   struct TensorState {
+    v1::Tensor tensor = v1::TENSOR_UNSPECIFIED;
     const char* name = "";
     uint8_t* data = nullptr;
     int64_t rows = 0;
@@ -33,7 +50,8 @@ class Assembler {
     std::map<int64_t, int64_t> ranges;   // start -> end (exclusive), disjoint, merged when adjacent
     int64_t rows_received = 0;
   };
-  TensorState tensors_[3];
+  TensorState tensors_[kMaxTensors];
+  int count_ = 0;
   int64_t received_bytes_ = 0;
 };
 

@@ -69,7 +69,7 @@ bool parse_hex_digest(const std::string& hex, std::array<uint8_t, 32>* out) {
 
 std::string methods_text(uint8_t methods) {
   std::string text;
-  for (Method m : {Method::kAttend, Method::kAttendUnary, Method::kGetInfo})
+  for (Method m : {Method::kAttend, Method::kAttendUnary, Method::kGetInfo, Method::kAttendBackward, Method::kReleaseContext})
     if (methods & static_cast<uint8_t>(m)) text += (text.empty() ? "" : ", ") + std::string(method_name(m));
   return text.empty() ? "nothing" : text;
 }
@@ -82,12 +82,14 @@ const char* method_name(Method method) {
     case Method::kAttend: return "Attend";
     case Method::kAttendUnary: return "AttendUnary";
     case Method::kGetInfo: return "GetInfo";
+    case Method::kAttendBackward: return "AttendBackward";
+    case Method::kReleaseContext: return "ReleaseContext";
   }
   return "unknown";
 }
 
 bool parse_method(const std::string& name, Method* method) {
-  for (Method m : {Method::kAttend, Method::kAttendUnary, Method::kGetInfo})
+  for (Method m : {Method::kAttend, Method::kAttendUnary, Method::kGetInfo, Method::kAttendBackward, Method::kReleaseContext})
     if (name == method_name(m)) {
       *method = m;
       return true;
@@ -157,6 +159,16 @@ void ClientState::release(const MemoryCharge& charge) {
 void ClientState::set_limits(const ClientLimits& limits) {
   std::lock_guard<std::mutex> lock(mutex_);
   limits_ = limits;
+}
+
+MemoryCharge ClientState::reserved() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_;
+}
+
+ClientLimits ClientState::limits() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return limits_;
 }
 
 // ------------------------------------------------------------- the file
@@ -230,7 +242,7 @@ StatusOr<TokenTable> parse_token_file(const std::string& text, const std::string
     // Methods.
     if (c.contains("methods")) {
       if (!c["methods"].is_array() || c["methods"].empty())
-        return invalid_argument(at + ": methods is not a non-empty array, expected some of Attend, AttendUnary, GetInfo, or \"*\"");
+        return invalid_argument(at + ": methods is not a non-empty array, expected some of Attend, AttendUnary, GetInfo, AttendBackward, ReleaseContext, or \"*\"");
       client.methods = 0;
       for (const nlohmann::json& m : c["methods"]) {
         Method method{};
@@ -240,7 +252,7 @@ StatusOr<TokenTable> parse_token_file(const std::string& text, const std::string
           client.methods |= static_cast<uint8_t>(method);
         } else {
           return invalid_argument(at + ": methods has " + echo_value(m.dump()) +
-                                  ", expected Attend, AttendUnary, GetInfo or \"*\"");
+                                  ", expected Attend, AttendUnary, GetInfo, AttendBackward, ReleaseContext or \"*\"");
         }
       }
     }

@@ -1,4 +1,4 @@
-// What every Attend and AttendUnary call shares, whatever its transport
+// What every Attend, AttendUnary and AttendBackward call shares, whatever its transport
 // (Triton's InferHandler base): one path
 //   open -> admit (plan_request: limits, backend, plan) -> reserve (host and
 //   device budgets) -> allocate -> ... -> compute on a worker -> close
@@ -19,6 +19,7 @@
 #include "plsh/v1/plsh.pb.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "server/contexts.h"
 #include "server/metrics.h"
 #include "server/request.h"
 #include "server/scheduler.h"
@@ -34,6 +35,7 @@ struct ServiceContext {
   Scheduler* scheduler = nullptr;
   StreamWatchdog* watchdog = nullptr;  // null: streams are not watched
   const Authenticator* auth = nullptr;  // null: no token file, every call is let in
+  ContextStore* contexts = nullptr;     // kept contexts (contexts.h); null: none are kept
   std::atomic<int64_t> open_streams{0};
   std::atomic<bool> draining{false};  // new requests get UNAVAILABLE
 };
@@ -59,7 +61,7 @@ struct RequestRecord {
 
 class CallBase : public WatchedCall {
  protected:
-  // method: Attend or AttendUnary (the token file's names for them).
+  // method: Attend, AttendUnary or AttendBackward (the token file's names for them).
   CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method);
 
   // Counts the call as open: UNAVAILABLE while draining; with a token file
@@ -72,8 +74,12 @@ class CallBase : public WatchedCall {
   // Then the plan's memory charge against the client's limits and both
   // budgets, and the host buffers. Sets buffers_.
   Status reserve_and_allocate();
+  // A charge against the client's limits and both budgets, held until
+  // close(); kept contexts are evicted for room (contexts.h).
+  Status reserve(const MemoryCharge& charge);
   // On a worker: the computation unless the client left while the request
-  // was queued; fills the queued and computing times.
+  // was queued; fills the queued and computing times. With keep_context,
+  // also the context's id (the context itself enters the store at close()).
   StatusOr<AttentionResult> compute(Clock::time_point queued_at);
   // The summary of a computed request, timings and byte counts included.
   void fill_summary_message(const AttentionResult& result, v1::Summary* summary);
@@ -96,6 +102,8 @@ class CallBase : public WatchedCall {
   RequestRecord record_;
   std::optional<RequestPlan> plan_;
   RequestBuffers buffers_;
+  std::string context_id_;      // keep_context: the id its context gets once the call ends OK
+  grpc::Status client_status_;  // set by close(): the status the client got
 
  private:
   std::optional<Method> method_;  // none: a name the token file cannot allow

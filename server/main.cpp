@@ -22,6 +22,7 @@
 #include "plsh/backend.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "server/contexts.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -209,7 +210,9 @@ int main(int argc, char** argv) {
   // Streams waiting on their clients end after --stream-idle-timeout or below
   // --min-stream-rate (watchdog.h).
   plsh::server::StreamWatchdog watchdog(config.stream_idle_timeout, config.min_stream_rate, &metrics);
-  plsh::server::AttentionService service(config, &metrics, &scheduler, &watchdog, auth.get());
+  // Kept contexts for AttendBackward, charged to the same host budget.
+  plsh::server::ContextStore contexts({config.context_ttl, config.max_contexts}, &scheduler, &metrics);
+  plsh::server::AttentionService service(config, &metrics, &scheduler, &watchdog, auth.get(), &contexts);
 
   // 6. Health checking (grpc.health.v1) and reflection. Neither needs a
   // token (they carry no data); with client certificates required, probes
@@ -291,6 +294,9 @@ int main(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   scheduler.stop();
-  log_event(spdlog::level::info, "stopped");
+  // Nothing held past the drain: tests read these.
+  log_event(spdlog::level::info, "stopped", {{"contexts", contexts.held()},
+                                            {"context_bytes", contexts.bytes()},
+                                            {"reserved_host_bytes", scheduler.reserved().host_bytes}});
   return 0;
 }

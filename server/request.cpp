@@ -11,8 +11,6 @@
 
 namespace plsh::server {
 
-namespace {
-
 Status check_request_id(const std::string& id) {
   if (id.size() > 128) return invalid_argument("request_id has " + std::to_string(id.size()) + " characters, expected <= 128");
   for (unsigned char c : id)
@@ -28,8 +26,6 @@ std::string next_request_id() {
   id += std::to_string(counter.fetch_add(1) + 1);
   return id;
 }
-
-}  // namespace
 
 StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimits& limits) {
   ASSIGN_OR_RETURN(RequestPlan plan, check_request(h, limits));
@@ -84,6 +80,8 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   o.return_draws = h.return_draws();
   if (h.has_check_finite()) o.check_finite = h.check_finite();
   plan.return_lse = h.return_lse();
+  plan.keep_context = h.keep_context();
+  plan.backward = plan.keep_context;
 
   if (!h.backend().empty()) RETURN_IF_ERROR(check_backend_name(h.backend()));
   // "" and "auto" leave the choice to the server's --backend.
@@ -112,10 +110,11 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   plan.kv_row_bytes = kv_heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype));
   plan.out_row_bytes = o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(out_dtype));
   plan.lse_row_bytes = o.heads * static_cast<int64_t>(sizeof(float));
-  plan.total_bytes = plan.q_bytes() + 2 * plan.kv_bytes() + plan.out_bytes() + plan.lse_bytes();
+  plan.total_bytes =
+      plan.q_bytes() + 2 * plan.kv_bytes() + plan.out_bytes() + (plan.holds_lse() ? plan.q_rows * plan.lse_row_bytes : 0);
   if (plan.total_bytes > limits.max_request_bytes)
     return resource_exhausted("request needs " + std::to_string(plan.total_bytes) +
-                              " bytes (q + k + v + out" + (plan.return_lse ? " + lse" : "") + "), expected <= " +
+                              " bytes (q + k + v + out" + (plan.holds_lse() ? " + lse" : "") + "), expected <= " +
                               std::to_string(limits.max_request_bytes) + " (the server's --max-request-bytes)");
 
   // Every message carries at least one row, so one row must fit in one.
@@ -145,10 +144,11 @@ Status plan_kernels(RequestPlan* request, const RequestLimits& limits) {
   // The backend and its plan, before any tensor byte: a request whose
   // workspace cannot fit is refused here, with the header.
   ASSIGN_OR_RETURN(const AttentionParams params, resolve_params(o));
-  ASSIGN_OR_RETURN(plan.backend, BackendRegistry::global().select(plan.backend_name, params));
+  ASSIGN_OR_RETURN(plan.backend, BackendRegistry::global().select(plan.backend_name, params, plan.backward));
   PlanLimits plan_limits;
   plan_limits.threads = limits.threads;
   plan_limits.device_bytes = limits.device_bytes_per_request;
+  plan_limits.backward = plan.backward;
   ASSIGN_OR_RETURN(plan.kernel, plan_attention(*plan.backend, params, plan_limits));
   const Workspace workspace = plan.kernel.workspace();
   plan.charge.host_bytes = plan.total_bytes + workspace.host_bytes;
@@ -172,7 +172,7 @@ RequestBuffers RequestBuffers::allocate(const RequestPlan& plan) {
   b.k.reset(new uint8_t[static_cast<size_t>(plan.kv_bytes())]);
   b.v.reset(new uint8_t[static_cast<size_t>(plan.kv_bytes())]);
   b.out.reset(new uint8_t[static_cast<size_t>(plan.out_bytes())]);
-  if (plan.return_lse) b.lse.reset(new float[static_cast<size_t>(plan.q_rows * plan.options.heads)]);
+  if (plan.holds_lse()) b.lse.reset(new float[static_cast<size_t>(plan.q_rows * plan.options.heads)]);
   return b;
 }
 

@@ -8,6 +8,7 @@
 #include "plsh/backend.h"
 #include "proto/wire.h"
 #include "server/assembler.h"
+#include "server/backward_call.h"
 #include "server/call.h"
 #include "server/logging.h"
 #include "server/status_map.h"
@@ -374,8 +375,9 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
 }  // namespace
 
 AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler,
-                                   StreamWatchdog* watchdog, const Authenticator* auth) {
+                                   StreamWatchdog* watchdog, const Authenticator* auth, ContextStore* contexts) {
   shared_.config = &config;
+  shared_.contexts = contexts;
   shared_.watchdog = watchdog;
   shared_.auth = auth;
   shared_.limits.max_tokens = config.max_tokens;
@@ -397,6 +399,7 @@ void AttentionService::begin_drain() {
   if (shared_.watchdog != nullptr)
     shared_.watchdog->expire_receiving(
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"), "drain");
+  if (shared_.contexts != nullptr) shared_.contexts->close();
 }
 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::Attend(
@@ -408,6 +411,17 @@ grpc::ServerUnaryReactor* AttentionService::AttendUnary(grpc::CallbackServerCont
                                                         const v1::AttendUnaryRequest* request,
                                                         v1::AttendUnaryResponse* response) {
   return new UnaryReactor(shared_, ctx, request, response);
+}
+
+grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* AttentionService::AttendBackward(
+    grpc::CallbackServerContext* ctx) {
+  return start_attend_backward(shared_, ctx);
+}
+
+grpc::ServerUnaryReactor* AttentionService::ReleaseContext(grpc::CallbackServerContext* ctx,
+                                                           const v1::ReleaseContextRequest* request,
+                                                           v1::ReleaseContextResponse* response) {
+  return release_context(shared_, ctx, request, response);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext* ctx, const v1::GetInfoRequest*,
@@ -446,6 +460,8 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   l->set_queue_depth(c.queue_depth);
   l->set_workers(c.workers);
   l->set_max_chunk_payload_bytes(wire::max_chunk_payload_bytes(c.max_message_bytes));
+  l->set_context_ttl_seconds(shared_.contexts != nullptr ? shared_.contexts->options().ttl_seconds : 0);
+  l->set_max_contexts(shared_.contexts != nullptr ? shared_.contexts->options().max_contexts : 0);
   const AttentionOptions defaults;
   v1::Defaults* d = response->mutable_defaults();
   d->set_mode(v1::MODE_LSH);

@@ -25,19 +25,25 @@ namespace plsh::server {
 class AttentionService final : public v1::Attention::CallbackService {
  public:
   // auth: the token file's clients (auth.h); null lets every call in.
+  // contexts: kept contexts for AttendBackward (contexts.h); null keeps none.
   AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler, StreamWatchdog* watchdog,
-                   const Authenticator* auth = nullptr);
+                   const Authenticator* auth = nullptr, ContextStore* contexts = nullptr);
 
   grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* Attend(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* AttendUnary(grpc::CallbackServerContext* ctx, const v1::AttendUnaryRequest* request,
                                         v1::AttendUnaryResponse* response) override;
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* ctx, const v1::GetInfoRequest* request,
                                     v1::GetInfoResponse* response) override;
+  // backward_call.h.
+  grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* AttendBackward(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* ReleaseContext(grpc::CallbackServerContext* ctx, const v1::ReleaseContextRequest* request,
+                                           v1::ReleaseContextResponse* response) override;
 
-  // Refuses new requests with UNAVAILABLE from now on, and ends the streams
-  // that are still receiving.
+  // Refuses new requests with UNAVAILABLE from now on, ends the streams
+  // that are still receiving, and drops the kept contexts.
   void begin_drain();
-  // Attend and AttendUnary calls not yet finished.
+  // Attend, AttendUnary and AttendBackward calls not yet finished.
   int64_t open_requests() const { return shared_.open_streams.load(); }
 
  private:

@@ -75,6 +75,12 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
   load->k_ = random_tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype, config.input_seed, 1);
   load->v_ = random_tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype, config.input_seed, 2);
   load->out_dtype_ = o.out_dtype.value_or(o.dtype);
+  if (config.backward) {
+    if (config.unary) return invalid_argument("backward and unary: a training step streams (Attend, AttendBackward)");
+    if (config.shard)
+      return invalid_argument("backward and sharding: a kept context lives on one replica, expected one target with --backward");
+    load->dout_ = random_tensor(o.batch * o.q_len * o.heads * o.head_dim, load->out_dtype_, config.input_seed, 3);
+  }
   load->reference_size_ = static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(load->out_dtype_);
   load->tolerance_ = config.verify_tolerance.value_or(verify_tolerance(load->out_dtype_));
 
@@ -153,7 +159,9 @@ Outcome AttendLoad::call(int worker, int64_t index) {
   call.chunk_bytes = config_.chunk_bytes;
   call.deadline_seconds = config_.deadline;
   call.request_id = "bench-" + std::to_string(index);
+  call.keep_context = config_.backward;
   client::AttendReply reply;
+  const auto t0 = std::chrono::steady_clock::now();
   grpc::Status status;
   if (sharded_) {
     client::ShardedReply sharded;
@@ -172,12 +180,45 @@ Outcome AttendLoad::call(int worker, int64_t index) {
     o.message = status.error_message();
     return o;
   }
+  client::BackwardReply grads;
+  if (config_.backward) {  // never sharded (create refuses both)
+    client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
+    const auto t1 = std::chrono::steady_clock::now();
+    o.forward_seconds = std::chrono::duration<double>(t1 - t0).count();
+    client::BackwardCall b;
+    b.options = config_.options;
+    b.context_id = reply.context_id;
+    b.dout = dout_.data();
+    b.chunk_bytes = config_.chunk_bytes;
+    b.deadline_seconds = config_.deadline;
+    b.request_id = call.request_id + "-backward";
+    o.rpcs = 2;
+    const grpc::Status bs = c.backward(b, &grads);
+    o.backward_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    o.bytes_up += grads.sent_bytes;
+    o.bytes_down += grads.received_bytes;
+    if (!bs.ok()) {
+      // A failed backward leaves its context: give it back now.
+      c.release_context(reply.context_id);
+      o.ok_rpcs = 1;
+      o.code = client::status_code_name(bs.error_code());
+      o.message = "backward: " + bs.error_message();
+      return o;
+    }
+  }
   o.tokens = tokens();
   o.has_server_timings = true;
   o.queued = reply.timings.queued;
   o.receiving = reply.timings.receiving;
   o.computing = reply.timings.computing;
   o.sending = reply.timings.sending;
+  if (config_.backward) {
+    // A step's server phases: its two calls' summed.
+    o.queued += grads.timings.queued;
+    o.receiving += grads.timings.receiving;
+    o.computing += grads.timings.computing;
+    o.sending += grads.timings.sending;
+  }
   if (!reference_.empty() && selected_for_verify(config_.input_seed, index, config_.verify_fraction)) {
     o.verified = true;
     o.verify_error = compare_with_reference(reply.out);

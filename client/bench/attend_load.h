@@ -27,6 +27,9 @@ struct AttendLoadConfig {
   int64_t chunk_bytes = 0;         // payload per message; 0: the largest the server allows
   double deadline = 0;             // seconds per call; 0: none
   bool unary = false;              // AttendUnary instead of the Attend stream
+  // Each request a training step: a forward that keeps its context, then
+  // its backward by context id with dout ~ N(0, 1) (AttendBackward).
+  bool backward = false;
   int connections = 1;             // gRPC channels (TCP connections), shared round-robin by the workers
   uint64_t input_seed = 0;         // seed of q, k, v ~ N(0, 1)
   double verify_fraction = 0;      // share of responses checked, in [0, 1]
@@ -75,7 +78,7 @@ class AttendLoad {
   AttendLoadConfig config_;
   std::vector<std::unique_ptr<client::Client>> clients_;
   std::unique_ptr<client::ShardedClient> sharded_;  // with config.shard
-  std::vector<uint8_t> q_, k_, v_;
+  std::vector<uint8_t> q_, k_, v_, dout_;
   std::vector<float> reference_;   // [B, Nq, H, D] as float, the CPU backend's output
   size_t reference_size_ = 0;      // output bytes in out dtype
   DType out_dtype_ = DType::kF32;

@@ -2,6 +2,10 @@
 // the same .npy / META.json contract, plus where to send it (--target), the
 // dtype on the wire, the chunk size and a deadline; META.json also gets the
 // server's timings. Errors print the gRPC status name and message.
+// With --dout --dq --dk --dv it also runs the backward on the server (SPEC
+// section 8): the forward keeps its context there (keep_context), and the
+// backward sends only dout (AttendBackward by context id), so q, k and v
+// go up once; dq, dk, dv are those plsh compute --dout writes.
 #include <grpcpp/grpcpp.h>
 
 #include <cerrno>
@@ -28,6 +32,7 @@ namespace {
 struct AttendArgs {
   AttentionCliArgs attention;
   OutputCliArgs outputs;
+  BackwardCliArgs backward;
   std::string target = "127.0.0.1:50051";
   client::ChannelOptions channel;  // TLS and the bearer token
   std::string wire_dtype;    // f32 | f16 | bf16; empty: the inputs' dtype
@@ -73,14 +78,36 @@ int attend(const AttendArgs& args) {
     return report_error("attend", invalid_argument("--threads = " + std::to_string(args.attention.threads) +
                                                    ", expected 0: the server's own --threads decides"));
   if (Status s = check_output_paths(args.outputs); !s.ok()) return report_error("attend", s);
+  StatusOr<std::optional<DType>> grad_dtype_flag = check_backward_args(args.backward, args.attention.bf16_bits);
+  if (!grad_dtype_flag.ok()) return report_error("attend", grad_dtype_flag.status());
   StatusOr<AttentionInputs> loaded = load_attention_inputs(args.attention);
   if (!loaded.ok()) return report_error("attend", loaded.status());
   AttentionInputs& in = *loaded;
-  const double load_seconds = seconds_since(t_start);
 
   // The output keeps the files' dtype unless asked otherwise, as compute's does.
   const DType file_dtype = in.options.dtype;
   if (!in.options.out_dtype) in.options.out_dtype = file_dtype;
+  // dout, checked before anything is sent: out's shape and dtype.
+  const bool backward = args.backward.requested();
+  NpyArray dout;
+  if (backward) {
+    StatusOr<NpyArray> read = read_npy(args.backward.dout_path, NpyReadOptions{args.attention.bf16_bits});
+    if (!read.ok()) return report_error("attend", read.status());
+    dout = std::move(read).value();
+    const std::vector<int64_t> want = output_shape(in.options, in.batched);
+    if (dout.shape != want)
+      return report_error("attend", invalid_argument(args.backward.dout_path + ": dout shape " + shape_string(dout.shape) +
+                                                     ", expected the shape of out " + shape_string(want)));
+    if (dout.dtype != *in.options.out_dtype)
+      return report_error("attend", invalid_argument(args.backward.dout_path + ": dout dtype " + dtype_name(dout.dtype) +
+                                                     ", expected the dtype of out (" +
+                                                     dtype_name(*in.options.out_dtype) + ")"));
+  }
+  if (backward && wants_sharding(args.target, args.sharding))
+    return report_error("attend", invalid_argument("--dout with a list of targets or --shards: a kept context lives on one "
+                                                   "replica, expected one --target for a backward"));
+  const DType grad_dtype = grad_dtype_flag->value_or(file_dtype);
+  const double load_seconds = seconds_since(t_start);
   DType wire = file_dtype;
   if (!args.wire_dtype.empty()) {
     StatusOr<DType> parsed = parse_dtype(args.wire_dtype);
@@ -109,31 +136,61 @@ int attend(const AttendArgs& args) {
   call.backend = args.attention.backend;
   call.chunk_bytes = args.chunk_bytes;
   call.deadline_seconds = args.deadline;
+  call.keep_context = backward;
 
   client::AttendReply reply;
   std::optional<client::ShardingSummary> sharding;  // with a list of targets (plsh/sharding.h)
   const auto t_call = std::chrono::steady_clock::now();
   grpc::Status status;
+  std::unique_ptr<client::Client> c;  // unsharded: the backward goes where its context is
   if (wants_sharding(args.target, args.sharding)) {
-    std::unique_ptr<client::ShardedClient> c;
-    if (const grpc::Status s = client::ShardedClient::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
+    std::unique_ptr<client::ShardedClient> sharded_client;
+    if (const grpc::Status s = client::ShardedClient::connect(args.target, args.channel, &sharded_client); !s.ok())
+      return report_rpc_error(s);
     client::ShardedReply sharded;
-    status = c->attend(call, sharding_options(args.sharding), &sharded);
+    status = sharded_client->attend(call, sharding_options(args.sharding), &sharded);
     reply = std::move(sharded.reply);
     sharding = std::move(sharded.sharding);
   } else {
-    std::unique_ptr<client::Client> c;
     if (const grpc::Status s = client::Client::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
     status = c->attend(call, &reply);
   }
   const double call_seconds = seconds_since(t_call);
   if (!status.ok()) return report_rpc_error(status);
 
+  // The backward on the kept context: only dout goes up.
+  client::BackwardReply grads;
+  double backward_seconds = 0;
+  if (backward) {
+    client::BackwardCall bw;
+    bw.options = call.options;
+    bw.context_id = reply.context_id;
+    bw.dout = dout.ptr();
+    bw.grad_dtype = grad_dtype;
+    bw.chunk_bytes = args.chunk_bytes;
+    bw.deadline_seconds = args.deadline;
+    const auto t_backward = std::chrono::steady_clock::now();
+    const grpc::Status s = c->backward(bw, &grads);
+    backward_seconds = seconds_since(t_backward);
+    if (!s.ok()) {
+      c->release_context(reply.context_id);  // a failed backward leaves it; nothing else will use it
+      return report_rpc_error(s);
+    }
+  }
+
   const auto t_save = std::chrono::steady_clock::now();
   const AttentionOptions& o = in.options;
   Status saved = write_npy(args.outputs.out_path, reply.out_dtype, output_shape(o, in.batched), reply.out.data());
   if (saved.ok() && call.return_lse)
     saved = write_npy(args.outputs.lse_path, DType::kF32, lse_shape(o, in.batched), reply.lse.data());
+  if (saved.ok() && backward) {
+    const auto t_grads = std::chrono::steady_clock::now();
+    saved = write_npy(args.backward.dq_path, grad_dtype, output_shape(o, in.batched), grads.dq.data());
+    if (saved.ok()) saved = write_npy(args.backward.dk_path, grad_dtype, kv_shape(o, in.batched), grads.dk.data());
+    if (saved.ok()) saved = write_npy(args.backward.dv_path, grad_dtype, kv_shape(o, in.batched), grads.dv.data());
+    grads.result.timings["call"] = backward_seconds;
+    grads.result.timings["save"] = seconds_since(t_grads);
+  }
   if (!saved.ok()) return report_error("attend", saved);
 
   if (!args.outputs.meta_path.empty()) {
@@ -158,6 +215,19 @@ int attend(const AttendArgs& args) {
                       {"sent_bytes", reply.sent_bytes},
                       {"received_bytes", reply.received_bytes}};
     if (sharding) meta["sharding"] = sharding_json(*sharding);
+    if (backward) {
+      meta["backward"] = backward_to_json(grads.result, grad_dtype);
+      meta["backward"]["server"] = {{"request_id", grads.request_id},
+                                    {"context_id", grads.context_id},
+                                    {"timings", {{"queued", grads.timings.queued},
+                                                 {"receiving", grads.timings.receiving},
+                                                 {"computing", grads.timings.computing},
+                                                 {"sending", grads.timings.sending},
+                                                 {"total", grads.timings.total}}},
+                                    {"messages", grads.messages},
+                                    {"sent_bytes", grads.sent_bytes},
+                                    {"received_bytes", grads.received_bytes}};
+    }
     if (Status s = write_text(args.outputs.meta_path, meta.dump(2) + "\n"); !s.ok()) return report_error("attend", s);
   }
   return kExitOk;
@@ -167,6 +237,7 @@ RunFn setup_attend(CLI::App& app) {
   auto args = std::make_shared<AttendArgs>();
   add_attention_flags(app, args->attention);
   add_output_flags(app, args->outputs);
+  add_backward_flags(app, args->backward);
   app.add_option("--target", args->target,
                  "plsh-server address host:port; a list a:1,b:2 or dns:///name:port shards the request across them")
       ->capture_default_str();

@@ -59,6 +59,7 @@ struct BenchArgs {
   int64_t chunk_bytes = 0;
   double deadline = 0;
   bool unary = false;
+  bool backward = false;
   int64_t connections = 1;
   double verify = 0;
   std::optional<double> verify_tolerance;
@@ -220,6 +221,7 @@ Status bench(const BenchArgs& a, int* exit_code) {
   config.chunk_bytes = a.chunk_bytes;
   config.deadline = a.deadline;
   config.unary = a.unary;
+  config.backward = a.backward;
   config.connections = static_cast<int>(a.connections);
   config.input_seed = a.seed;
   config.verify_fraction = a.verify;
@@ -301,7 +303,7 @@ Status bench(const BenchArgs& a, int* exit_code) {
                 {"window_width", o.window_width},
                 {"estimates", o.estimates},
                 {"backend", a.backend},
-                {"rpc", a.unary ? "AttendUnary" : "Attend"},
+                {"rpc", a.unary ? "AttendUnary" : a.backward ? "Attend+AttendBackward" : "Attend"},
                 {"chunk_bytes", a.chunk_bytes},
                 {"deadline_s", a.deadline},
                 {"connections", a.connections},
@@ -408,6 +410,9 @@ RunFn setup_bench(CLI::App& app) {
       ->transform(decimal_integer(true));
   app.add_option("--deadline", a->deadline, "seconds per request (0: none)")->capture_default_str();
   app.add_flag("--unary", a->unary, "send AttendUnary (one message each way) instead of the Attend stream");
+  app.add_flag("--backward", a->backward,
+               "each request a training step: a forward that keeps its context, then its backward by context id "
+               "(dout ~ N(0, 1)); latency percentiles per call and per step");
   app.add_option("--connections", a->connections, "gRPC channels (TCP connections) the workers share")
       ->capture_default_str()
       ->transform(decimal_integer(true));

@@ -67,6 +67,9 @@ grpc::Status fill_timings(const v1::Summary& s, AttendReply* reply) {
   if (!out_dtype.ok()) return protocol_error("summary: " + out_dtype.status().message());
   reply->out_dtype = *out_dtype;
   reply->request_id = s.request_id();
+  reply->context_id = s.context_id();
+  reply->context_ttl_seconds = s.context_ttl_seconds();
+  reply->context_bytes = s.context_bytes();
   return grpc::Status::OK;
 }
 
@@ -131,6 +134,7 @@ v1::AttendHeader make_header(const AttendCall& call) {
   h.set_return_lse(call.return_lse);
   h.set_out_chunk_bytes(std::max<int64_t>(0, call.chunk_bytes));
   h.set_backend(call.backend);
+  h.set_keep_context(call.keep_context);
   return h;
 }
 

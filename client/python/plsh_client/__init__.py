@@ -11,6 +11,16 @@ Defaults and limits are the server's: options left as None are not sent, and
 the server applies the defaults that c.info().defaults lists. Errors raise
 PlshError, which carries the gRPC status code.
 
+Training (SPEC section 8): keep_context=True keeps the forward's context on
+the server, and the backward sends only dout:
+
+    out, meta = c.attend(q, k, v, mode="lsh", keep_context=True)
+    dq, dk, dv, bmeta = c.backward(dout, context_id=meta["context_id"])
+
+(or statelessly: c.backward(dout, q=q, k=k, v=v, out=out, lse=lse, ...));
+c.release_context(id) drops a context no backward will use. PyTorch:
+plsh_client.torch.attention, an autograd op over these calls.
+
 A server with TLS and bearer tokens:
 
     Client("plsh.example:50051", tls_ca="ca.crt", token_file="plsh.token")

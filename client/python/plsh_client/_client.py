@@ -143,6 +143,10 @@ def _meta(summary):
                     "total": t.total_seconds, "backend": dict(t.backend)},
         "received_bytes": summary.received_bytes,
         "sent_bytes": summary.sent_bytes,
+        # keep_context: the kept context (empty otherwise).
+        "context_id": summary.context_id,
+        "context_ttl_seconds": summary.context_ttl_seconds,
+        "context_bytes": summary.context_bytes,
     }
     target = _target(summary)
     if target is not None:
@@ -254,7 +258,7 @@ class Client:
                q_pos0=None, k_pos0=0, lsh_algorithm="auto", window_eps=None, window_width=0, estimates=None,
                probe_rows=None, mask_row_budget=None, return_draws=False, check_finite=None, return_lse=False,
                out_dtype=None, wire_dtype=None, backend=None, chunk_bytes=0, deadline=None, request_id="",
-               sampling=None, target_rel_err=None):
+               sampling=None, target_rel_err=None, keep_context=False):
         """Runs one attention request; returns (out, meta).
 
         Defaults and limits are the server's, not this client's: an argument
@@ -284,6 +288,8 @@ class Client:
         meta["summary"]["probe"]["rel_err_upper"] is under the target, or
         computes exact; meta["target"] lists the attempts, each with its
         FLOPs, estimate, bound and seconds, and "chosen", the one kept.
+        keep_context keeps the forward's context on the server for
+        backward(): meta["context_id"].
         """
         q, k, v = (np.asarray(a) for a in (q, k, v))
         if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
@@ -311,7 +317,7 @@ class Client:
             dtype=_DTYPES[wire], out_dtype=_DTYPES[out_wire], causal=causal, slopes=list(slopes or []),
             k_pos0=k_pos0, seed=seed, lsh_algorithm=_ALGORITHMS[lsh_algorithm], window_width=window_width,
             return_draws=return_draws, return_lse=return_lse, out_chunk_bytes=max(0, chunk_bytes),
-            backend=backend or "")
+            backend=backend or "", keep_context=keep_context)
         if mode is not None:
             header.mode = _MODES[mode]
         if sampling is not None:
@@ -375,3 +381,18 @@ class Client:
             lse = np.frombuffer(b"".join(d for _, d in sorted(lse_parts, key=lambda p: p[0])), dtype="<f4")
             meta["lse"] = lse.reshape(B, Nq, H).copy() if batched else lse.reshape(Nq, H).copy()
         return (out if batched else out[0]), meta
+
+    def backward(self, dout, **kwargs):
+        """AttendBackward: (dq, dk, dv, meta) of a kept context (context_id=)
+        or statelessly (q=, k=, v= and out=, lse= or recompute_forward=True).
+        See plsh_client._backward.backward."""
+        from ._backward import backward
+        return backward(self, dout, **kwargs)
+
+    def release_context(self, context_id, timeout=10):
+        """ReleaseContext: drops a kept context now; returns the bytes the server gave back."""
+        try:
+            return self._stub.ReleaseContext(pb.ReleaseContextRequest(context_id=context_id), timeout=timeout,
+                                             metadata=self._metadata).released_bytes
+        except grpc.RpcError as e:
+            raise PlshError(e.code(), e.details()) from None

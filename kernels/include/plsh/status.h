@@ -16,6 +16,7 @@ enum class StatusCode : int {
   kCancelled = 1,
   kInvalidArgument = 3,
   kDeadlineExceeded = 4,
+  kNotFound = 5,
   kPermissionDenied = 7,
   kResourceExhausted = 8,
   kFailedPrecondition = 9,
@@ -54,6 +55,7 @@ inline Status failed_precondition(std::string m) { return {StatusCode::kFailedPr
 inline Status unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
 inline Status permission_denied(std::string m) { return {StatusCode::kPermissionDenied, std::move(m)}; }
 inline Status unauthenticated(std::string m) { return {StatusCode::kUnauthenticated, std::move(m)}; }
+inline Status not_found(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 
 // A caller's string as an error message or log field may show it: at most
 // max_bytes of it, each byte outside printable ASCII (and the quote and

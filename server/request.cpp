@@ -82,6 +82,13 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   plan.return_lse = h.return_lse();
   plan.keep_context = h.keep_context();
   plan.backward = plan.keep_context;
+  // A targeted request picks its configuration while it computes, after
+  // the plan a context would keep: its backward would differentiate
+  // another configuration than the one that ran.
+  if (plan.keep_context && o.target_rel_err > 0)
+    return invalid_argument("keep_context = true with target_rel_err: the configuration is chosen while computing, so "
+                            "there is no plan to keep; expected one of them (run the chosen configuration, "
+                            "summary.target, with keep_context)");
 
   if (!h.backend().empty()) RETURN_IF_ERROR(check_backend_name(h.backend()));
   // "" and "auto" leave the choice to the server's --backend.

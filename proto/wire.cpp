@@ -31,6 +31,15 @@ v1::LshAlgorithm to_wire(LshAlgorithm a) {
   return v1::LSH_ALGORITHM_AUTO;
 }
 
+v1::Sampling to_wire(Sampling s) {
+  switch (s) {
+    case Sampling::kIid: return v1::SAMPLING_IID;
+    case Sampling::kStratified: return v1::SAMPLING_STRATIFIED;
+    case Sampling::kAsh: return v1::SAMPLING_ASH;
+  }
+  return v1::SAMPLING_IID;
+}
+
 namespace {
 
 std::string dtype_enum_name(int value) {
@@ -45,6 +54,7 @@ ProbeEstimate probe_from_wire(const v1::ProbeEstimate& p) {
   e.rel_err_stderr = p.rel_err_stderr();
   e.max_abs_err = p.max_abs_err();
   e.bound_max = p.bound_max();
+  e.rel_err_upper = p.rel_err_upper();
   return e;
 }
 
@@ -54,6 +64,7 @@ void probe_to_wire(const ProbeEstimate& p, v1::ProbeEstimate* w) {
   w->set_rel_err_stderr(p.rel_err_stderr);
   w->set_max_abs_err(p.max_abs_err);
   w->set_bound_max(p.bound_max);
+  w->set_rel_err_upper(p.rel_err_upper);
 }
 
 }  // namespace
@@ -92,6 +103,17 @@ StatusOr<LshAlgorithm> lsh_algorithm_from_wire(int value) {
   }
   return invalid_argument("lsh_algorithm = " + std::to_string(value) +
                           ", expected LSH_ALGORITHM_AUTO, LSH_ALGORITHM_PER_SAMPLE or LSH_ALGORITHM_BANDED");
+}
+
+StatusOr<Sampling> sampling_from_wire(int value) {
+  switch (value) {
+    case v1::SAMPLING_IID: return Sampling::kIid;
+    case v1::SAMPLING_STRATIFIED: return Sampling::kStratified;
+    case v1::SAMPLING_ASH: return Sampling::kAsh;
+    default: break;
+  }
+  return invalid_argument("sampling = " + std::to_string(value) +
+                          ", expected SAMPLING_IID, SAMPLING_STRATIFIED or SAMPLING_ASH");
 }
 
 const char* mode_label(v1::Mode m) {
@@ -140,6 +162,25 @@ void result_to_summary(const AttentionResult& r, v1::Summary* s) {
   }
   auto* backend_timings = s->mutable_timings()->mutable_backend();
   for (const auto& [name, seconds] : r.timings) (*backend_timings)[name] = seconds;
+  s->set_sampling(to_wire(r.sampling));
+  if (r.target.target_rel_err > 0) {
+    v1::TargetReport* t = s->mutable_target();
+    t->set_target_rel_err(r.target.target_rel_err);
+    t->set_met(r.target.met);
+    t->set_chosen(static_cast<int32_t>(r.target.chosen));
+    for (const TargetAttempt& a : r.target.attempts) {
+      v1::TargetAttempt* w = t->add_attempts();
+      w->set_mode(to_wire(a.mode));
+      w->set_samples(a.samples);
+      w->set_window_scale(a.window_scale);
+      w->set_window_max(a.window_max);
+      w->set_flops(a.flops);
+      w->set_rel_err(a.rel_err);
+      w->set_rel_err_upper(a.rel_err_upper);
+      w->set_met(a.met);
+      w->set_seconds(a.seconds);
+    }
+  }
 }
 
 StatusOr<AttentionResult> result_from_summary(const v1::Summary& s) {
@@ -174,6 +215,49 @@ StatusOr<AttentionResult> result_from_summary(const v1::Summary& s) {
     for (const v1::Draw& d : w.draws()) h.draws.push_back(Draw{d.pitch(), d.shift()});
     r.heads.push_back(std::move(h));
   }
+  for (const auto& [name, seconds] : s.timings().backend()) r.timings[name] = seconds;
+  ASSIGN_OR_RETURN(r.sampling, sampling_from_wire(s.sampling()));
+  if (s.has_target()) {
+    const v1::TargetReport& t = s.target();
+    r.target.target_rel_err = t.target_rel_err();
+    r.target.met = t.met();
+    r.target.chosen = t.chosen();
+    for (const v1::TargetAttempt& w : t.attempts()) {
+      TargetAttempt a;
+      ASSIGN_OR_RETURN(a.mode, mode_from_wire(w.mode()));
+      a.samples = w.samples();
+      a.window_scale = w.window_scale();
+      a.window_max = w.window_max();
+      a.flops = w.flops();
+      a.rel_err = w.rel_err();
+      a.rel_err_upper = w.rel_err_upper();
+      a.met = w.met();
+      a.seconds = w.seconds();
+      r.target.attempts.push_back(a);
+    }
+  }
+  return r;
+}
+
+void backward_result_to_summary(const BackwardResult& r, v1::BackwardSummary* s) {
+  s->set_backend(r.backend);
+  s->set_device(r.device);
+  s->set_flops(r.flops);
+  s->set_dense_flops(r.dense_flops);
+  s->set_host_workspace_bytes(r.host_workspace_bytes);
+  s->set_device_workspace_bytes(r.device_workspace_bytes);
+  auto* backend_timings = s->mutable_timings()->mutable_backend();
+  for (const auto& [name, seconds] : r.timings) (*backend_timings)[name] = seconds;
+}
+
+BackwardResult backward_result_from_summary(const v1::BackwardSummary& s) {
+  BackwardResult r;
+  r.backend = s.backend();
+  r.device = s.device();
+  r.flops = s.flops();
+  r.dense_flops = s.dense_flops();
+  r.host_workspace_bytes = s.host_workspace_bytes();
+  r.device_workspace_bytes = s.device_workspace_bytes();
   for (const auto& [name, seconds] : s.timings().backend()) r.timings[name] = seconds;
   return r;
 }

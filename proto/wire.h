@@ -27,6 +27,7 @@ inline constexpr int64_t max_chunk_payload_bytes(int64_t max_message_bytes) {
 v1::DType to_wire(DType t);
 v1::Mode to_wire(Mode m);
 v1::LshAlgorithm to_wire(LshAlgorithm a);
+v1::Sampling to_wire(Sampling s);
 
 // INVALID_ARGUMENT naming `field` for values outside the enum;
 // DTYPE_UNSPECIFIED gives `if_unspecified`, or an error without one.
@@ -34,6 +35,7 @@ StatusOr<DType> dtype_from_wire(const char* field, int value, std::optional<DTyp
 // MODE_UNSPECIFIED is lsh (SPEC section 4's default).
 StatusOr<Mode> mode_from_wire(int value);
 StatusOr<LshAlgorithm> lsh_algorithm_from_wire(int value);
+StatusOr<Sampling> sampling_from_wire(int value);
 // "exact", "lsh", "window", "unknown": a metrics label for any wire value.
 const char* mode_label(v1::Mode m);
 
@@ -42,5 +44,10 @@ const char* mode_label(v1::Mode m);
 void result_to_summary(const AttentionResult& result, v1::Summary* summary);
 // The inverse; INVALID_ARGUMENT for enum values outside plsh.v1.
 StatusOr<AttentionResult> result_from_summary(const v1::Summary& summary);
+
+// A backward's result: backend, device, FLOPs, workspace and the backend
+// timings (not the ids, dtypes or wire timings, which belong to the call).
+void backward_result_to_summary(const BackwardResult& result, v1::BackwardSummary* summary);
+BackwardResult backward_result_from_summary(const v1::BackwardSummary& summary);
 
 }  // namespace plsh::wire

@@ -25,10 +25,16 @@ build_packages=(
 test_packages=(
   libgtest-dev libgmock-dev googletest
   python3-grpcio python3-numpy python3-pytest python3-protobuf
+  # The torch client's tests and the training example (plsh_client.torch,
+  # examples/train_alibi.py): Debian's PyTorch 1.13 (CPU) and matplotlib.
+  python3-torch python3-matplotlib
   prometheus curl
   python3-yaml docker-compose golang-go golang-github-masterminds-sprig-dev golang-github-ghodss-yaml-dev
   # tests/deploy/image_test.py: the image built with podman on debootstrap bases.
   podman debootstrap
+  # The fuzz targets (tests/fuzz/run.sh): clang with libFuzzer and its sanitizer runtimes, clang's OpenMP
+  # for the kernels, and llvm-symbolizer for readable ASan/UBSan stack traces (GCC's sanitizers use it too).
+  clang-16 libfuzzer-16-dev libclang-rt-16-dev libomp-16-dev llvm
 )
 
 case "${1:-all}" in

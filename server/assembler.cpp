@@ -12,22 +12,29 @@ std::string rows_str(int64_t start, int64_t end) {
 }
 }  // namespace
 
-Assembler::Assembler(const RequestPlan& plan, RequestBuffers* buffers) {
-  tensors_[0] = {"q", buffers->q.get(), plan.q_rows, plan.q_row_bytes, "batch * q_len", plan.in_shm.q, {}, 0};
-  tensors_[1] = {"k", buffers->k.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", plan.in_shm.k, {}, 0};
-  tensors_[2] = {"v", buffers->v.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", plan.in_shm.v, {}, 0};
-  for (TensorState& t : tensors_)
-    if (t.in_shm) t.rows_received = t.rows;
+Assembler::Assembler(const RequestPlan& plan, RequestBuffers* buffers)
+    : Assembler({{v1::TENSOR_Q, "q", buffers->q.get(), plan.q_rows, plan.q_row_bytes, "batch * q_len", plan.in_shm.q},
+                 {v1::TENSOR_K, "k", buffers->k.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", plan.in_shm.k},
+                 {v1::TENSOR_V, "v", buffers->v.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", plan.in_shm.v}}) {}
+
+Assembler::Assembler(std::initializer_list<AssemblyTarget> targets) {
+  for (const AssemblyTarget& t : targets) {
+    if (count_ == kMaxTensors) break;
+    // A tensor in shared memory is there whole: no chunks of it.
+    tensors_[count_++] = {t.tensor, t.name, t.data, t.rows, t.row_bytes, t.rows_expr, t.in_shm, {}, t.in_shm ? t.rows : 0};
+  }
 }
 
 StatusOr<uint8_t*> Assembler::accept(int tensor, int64_t start, int64_t count, size_t data_bytes) {
   int index = -1;
-  switch (tensor) {
-    case v1::TENSOR_Q: index = 0; break;
-    case v1::TENSOR_K: index = 1; break;
-    case v1::TENSOR_V: index = 2; break;
-    default:
-      return invalid_argument("chunk.tensor = " + std::to_string(tensor) + ", expected TENSOR_Q, TENSOR_K or TENSOR_V");
+  for (int i = 0; i < count_; ++i)
+    if (tensors_[i].tensor == tensor) index = i;
+  if (index < 0) {
+    // "expected TENSOR_Q, TENSOR_K or TENSOR_V"
+    std::string expected;
+    for (int i = 0; i < count_; ++i)
+      expected += (i == 0 ? "" : i + 1 == count_ ? " or " : ", ") + v1::Tensor_Name(tensors_[i].tensor);
+    return invalid_argument("chunk.tensor = " + std::to_string(tensor) + ", expected " + expected);
   }
   TensorState& t = tensors_[index];
   const std::string who = std::string("chunk of ") + t.name + ": ";
@@ -87,7 +94,8 @@ Status Assembler::add(const v1::TensorChunk& chunk) {
 }
 
 Status Assembler::complete() const {
-  for (const TensorState& t : tensors_) {
+  for (int i = 0; i < count_; ++i) {
+    const TensorState& t = tensors_[i];
     if (t.rows_received == t.rows) continue;
     // The first gap, to say which rows are missing.
     int64_t gap_start = 0, gap_end = t.rows;

@@ -82,6 +82,8 @@ const char* method_name(Method method) {
     case Method::kAttend: return "Attend";
     case Method::kAttendUnary: return "AttendUnary";
     case Method::kGetInfo: return "GetInfo";
+    case Method::kAttendBackward: return "AttendBackward";
+    case Method::kReleaseContext: return "ReleaseContext";
     case Method::kRegisterSharedMemory: return "RegisterSharedMemory";
     case Method::kUnregisterSharedMemory: return "UnregisterSharedMemory";
     case Method::kListSharedMemory: return "ListSharedMemory";
@@ -162,6 +164,16 @@ void ClientState::set_limits(const ClientLimits& limits) {
   limits_ = limits;
 }
 
+MemoryCharge ClientState::reserved() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_;
+}
+
+ClientLimits ClientState::limits() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return limits_;
+}
+
 // ------------------------------------------------------------- the file
 
 StatusOr<TokenTable> parse_token_file(const std::string& text, const std::string& path) {
@@ -233,7 +245,7 @@ StatusOr<TokenTable> parse_token_file(const std::string& text, const std::string
     // Methods.
     if (c.contains("methods")) {
       if (!c["methods"].is_array() || c["methods"].empty())
-        return invalid_argument(at + ": methods is not a non-empty array, expected some of Attend, AttendUnary, GetInfo, the shared-memory methods (RegisterSharedMemory, UnregisterSharedMemory, ListSharedMemory), or \"*\"");
+        return invalid_argument(at + ": methods is not a non-empty array, expected some of Attend, AttendUnary, GetInfo, AttendBackward, ReleaseContext, the shared-memory methods (RegisterSharedMemory, UnregisterSharedMemory, ListSharedMemory), or \"*\"");
       client.methods = 0;
       for (const nlohmann::json& m : c["methods"]) {
         Method method{};
@@ -243,8 +255,9 @@ StatusOr<TokenTable> parse_token_file(const std::string& text, const std::string
           client.methods |= static_cast<uint8_t>(method);
         } else {
           return invalid_argument(at + ": methods has " + echo_value(m.dump()) +
-                                  ", expected Attend, AttendUnary, GetInfo or a shared-memory method (RegisterSharedMemory, "
-                                  "UnregisterSharedMemory, ListSharedMemory), or \"*\"");
+                                  ", expected Attend, AttendUnary, GetInfo, AttendBackward, ReleaseContext or a "
+                                  "shared-memory method (RegisterSharedMemory, UnregisterSharedMemory, "
+                                  "ListSharedMemory), or \"*\"");
         }
       }
     }

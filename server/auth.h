@@ -9,8 +9,9 @@
 //       {"name": "trainer",                       // [A-Za-z0-9_.-]{1,64}: logs and metrics say it
 //        "sha256": ["9f86d081...", "60303ae2..."], // hex SHA-256 of each of its tokens (several: rotation)
 //        "methods": ["Attend", "AttendUnary", "GetInfo"],  // optional; default all ("*"); also
-//                                                  // RegisterSharedMemory, UnregisterSharedMemory, ListSharedMemory
-//        "max_streams": 4,                        // optional; Attend/AttendUnary calls open at once
+//                                                  // AttendBackward, ReleaseContext, RegisterSharedMemory,
+//                                                  // UnregisterSharedMemory, ListSharedMemory
+//        "max_streams": 4,                        // optional; Attend/AttendUnary/AttendBackward calls open at once
 //        "max_reserved_bytes": 8589934592,        // optional; host bytes its requests in flight hold
 //        "max_reserved_device_bytes": 0},         // optional; device bytes likewise; 0 or absent: no own limit
 //       {"name": "dashboard", "sha256": "2c26b46b...", "methods": ["GetInfo"]}
@@ -66,18 +67,21 @@ enum class Method : uint8_t {
   kRegisterSharedMemory = 8,
   kUnregisterSharedMemory = 16,
   kListSharedMemory = 32,
+  kAttendBackward = 64,
+  kReleaseContext = 128,
 };
-constexpr uint8_t kAllMethods = 63;
-inline constexpr Method kMethods[] = {Method::kAttend, Method::kAttendUnary, Method::kGetInfo,
-                                      Method::kRegisterSharedMemory, Method::kUnregisterSharedMemory,
-                                      Method::kListSharedMemory};
+constexpr uint8_t kAllMethods = 255;
+inline constexpr Method kMethods[] = {Method::kAttend,         Method::kAttendUnary,
+                                      Method::kGetInfo,        Method::kAttendBackward,
+                                      Method::kReleaseContext, Method::kRegisterSharedMemory,
+                                      Method::kUnregisterSharedMemory, Method::kListSharedMemory};
 const char* method_name(Method method);
 // "Attend" -> kAttend; false for any other name.
 bool parse_method(const std::string& name, Method* method);
 
 // A client's own limits; 0: none beyond the server's.
 struct ClientLimits {
-  int64_t max_streams = 0;                // Attend/AttendUnary calls open at once
+  int64_t max_streams = 0;                // Attend/AttendUnary/AttendBackward calls open at once
   int64_t max_reserved_bytes = 0;         // host bytes (tensors + host workspace) of its requests in flight
   int64_t max_reserved_device_bytes = 0;  // device bytes of its requests in flight
 };
@@ -98,6 +102,9 @@ class ClientState {
   Status reserve(const MemoryCharge& charge);
   void release(const MemoryCharge& charge);
   void set_limits(const ClientLimits& limits);
+  // What it holds now, and its limits (kept contexts: contexts.h).
+  MemoryCharge reserved() const;
+  ClientLimits limits() const;
 
  private:
   void publish() const;  // the gauges, with mutex_ held

@@ -32,7 +32,7 @@ void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Statu
   const double total = seconds_between(r.start, Clock::now());
   const std::string code = grpc_code_name(status.error_code());
   Metrics& m = *s.metrics;
-  m.request_done(r.mode, r.backend, code, total);
+  m.request_done(r.method, r.mode, r.backend, code, total);
   if (r.queued >= 0) m.phase("queued", r.queued);
   if (r.receiving >= 0) m.phase("receiving", r.receiving);
   if (r.computing >= 0) m.phase("computing", r.computing);
@@ -112,11 +112,14 @@ Status CallBase::plan(const v1::AttendHeader& header) {
   ASSIGN_OR_RETURN(RequestPlan plan, check_request(header, s_.limits));
   // The regions first: they are held from here until close().
   RETURN_IF_ERROR(use_shared_memory(header, &plan, s_.shm, owner()));
+  if (plan.keep_context && (s_.contexts == nullptr || !s_.contexts->enabled()))
+    return failed_precondition("keep_context = true, but this server keeps no contexts (--context-ttl 0); expected "
+                               "keep_context = false, or a stateless AttendBackward");
   // Planning allocates the draws (heads x samples of them) before the real
   // charge is known: hold their bound against the budget meanwhile, so
   // that concurrent headers cannot allocate past it.
   const MemoryCharge planning{planning_bytes(plan), 0};
-  RETURN_IF_ERROR(s_.scheduler->reserve(planning));
+  RETURN_IF_ERROR(s_.contexts != nullptr ? s_.contexts->reserve(planning) : s_.scheduler->reserve(planning));
   const Status planned = plan_kernels(&plan, s_.limits);
   s_.scheduler->release(planning);
   RETURN_IF_ERROR(planned);
@@ -132,19 +135,26 @@ Status CallBase::plan(const v1::AttendHeader& header) {
 }
 
 Status CallBase::reserve_and_allocate() {
-  // The client's share first: one client at its limit is told so, rather
-  // than taking the server's budget from the others.
-  if (client_) {
-    RETURN_IF_ERROR(client_->reserve(plan_->charge));
-    client_reserved_ = plan_->charge;
-  }
-  RETURN_IF_ERROR(s_.scheduler->reserve(plan_->charge));
-  reserved_ = plan_->charge;
+  RETURN_IF_ERROR(reserve(plan_->charge));
   try {
     buffers_ = RequestBuffers::allocate(*plan_, s_.pool);
   } catch (const std::bad_alloc&) {
     return resource_exhausted("out of host memory for the request's " + std::to_string(plan_->total_bytes) + " bytes");
   }
+  return Status::Ok();
+}
+
+Status CallBase::reserve(const MemoryCharge& charge) {
+  // The client's share first: one client at its limit is told so, rather
+  // than taking the server's budget from the others.
+  if (client_) {
+    RETURN_IF_ERROR(s_.contexts != nullptr ? s_.contexts->reserve_for_client(*client_, charge) : client_->reserve(charge));
+    client_reserved_.host_bytes += charge.host_bytes;
+    client_reserved_.device_bytes += charge.device_bytes;
+  }
+  RETURN_IF_ERROR(s_.contexts != nullptr ? s_.contexts->reserve(charge) : s_.scheduler->reserve(charge));
+  reserved_.host_bytes += charge.host_bytes;
+  reserved_.device_bytes += charge.device_bytes;
   return Status::Ok();
 }
 
@@ -169,6 +179,13 @@ StatusOr<AttentionResult> CallBase::compute(Clock::time_point queued_at) {
     result = internal_error(std::string("request ") + plan_->id + ": " + e.what());
   }
   record_.computing = seconds_between(started, Clock::now());
+  if (result.ok() && plan_->keep_context) {
+    StatusOr<std::string> id = s_.contexts->reserve_id(record_.client);
+    if (id.ok())
+      context_id_ = *id;
+    else
+      result = id.status();
+  }
   if (result.ok()) {
     record_.backend = result->backend;
     if (result->mode != Mode::kExact && plan_->options.estimates) {
@@ -190,6 +207,11 @@ void CallBase::fill_summary_message(const AttentionResult& result, v1::Summary* 
   t->set_total_seconds(seconds_between(record_.start, now));
   s->set_received_bytes(record_.received_bytes);
   s->set_sent_bytes(record_.sent_bytes);
+  if (!context_id_.empty()) {
+    s->set_context_id(context_id_);
+    s->set_context_ttl_seconds(s_.contexts->options().ttl_seconds);
+    s->set_context_bytes(plan_->total_bytes);
+  }
 }
 
 grpc::Status CallBase::close(grpc::Status status) {
@@ -215,6 +237,20 @@ grpc::Status CallBase::close(grpc::Status status) {
                           "before the server's status");
   }
   record_request(s_, record_, seen, reason);
+  client_status_ = seen;
+  if (!context_id_.empty()) {
+    if (seen.ok()) {
+      // The context's bytes (its tensors) move from this call's reservation
+      // to the store's: charged once throughout.
+      const MemoryCharge kept{plan_->total_bytes, 0};
+      reserved_.host_bytes -= kept.host_bytes;
+      if (client_) client_reserved_.host_bytes -= kept.host_bytes;
+      s_.contexts->put(context_id_, std::make_shared<KeptContext>(std::move(*plan_), std::move(buffers_), kept,
+                                                                  s_.scheduler, client_));
+    } else {
+      s_.contexts->abandon(context_id_);
+    }
+  }
   s_.scheduler->release(reserved_);
   reserved_ = MemoryCharge{};
   if (client_) {

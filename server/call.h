@@ -1,4 +1,4 @@
-// What every Attend and AttendUnary call shares, whatever its transport
+// What every Attend, AttendUnary and AttendBackward call shares, whatever its transport
 // (Triton's InferHandler base): one path
 //   open -> admit (plan_request: limits, backend, plan) -> reserve (host and
 //   device budgets) -> allocate -> ... -> compute on a worker -> close
@@ -20,6 +20,7 @@
 #include "server/auth.h"
 #include "server/buffer_pool.h"
 #include "server/config.h"
+#include "server/contexts.h"
 #include "server/metrics.h"
 #include "server/request.h"
 #include "server/scheduler.h"
@@ -38,6 +39,7 @@ struct ServiceContext {
   const Authenticator* auth = nullptr;  // null: no token file, every call is let in
   BufferPool* pool = nullptr;           // requests' host tensors; null: plain heap memory
   SharedMemoryRegistry* shm = nullptr;  // null (or disabled): no shared memory
+  ContextStore* contexts = nullptr;     // kept contexts (contexts.h); null: none are kept
   std::atomic<int64_t> open_streams{0};
   std::atomic<bool> draining{false};  // new requests get UNAVAILABLE
 };
@@ -63,7 +65,7 @@ struct RequestRecord {
 
 class CallBase : public WatchedCall {
  protected:
-  // method: Attend or AttendUnary (the token file's names for them).
+  // method: Attend, AttendUnary or AttendBackward (the token file's names for them).
   CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method);
 
   // Counts the call as open: UNAVAILABLE while draining; with a token file
@@ -77,9 +79,14 @@ class CallBase : public WatchedCall {
   // Then the plan's memory charge against the client's limits and both
   // budgets, and the host buffers (from the pool). Sets buffers_.
   Status reserve_and_allocate();
+  // A charge against the client's limits and both budgets, held until
+  // close(); kept contexts are evicted for room (contexts.h).
+  Status reserve(const MemoryCharge& charge);
   // On a worker: the computation unless the client left while the request
   // was queued; fills the queued and computing times. A shared-memory
   // region whose file shrank meanwhile fails it (FAILED_PRECONDITION).
+  // With keep_context, also the context's id (the context itself enters
+  // the store at close()).
   StatusOr<AttentionResult> compute(Clock::time_point queued_at);
   // Who owns the shared-memory regions this call may use: the token
   // file's client name, "" without a token file.
@@ -105,6 +112,8 @@ class CallBase : public WatchedCall {
   RequestRecord record_;
   std::optional<RequestPlan> plan_;
   RequestBuffers buffers_;
+  std::string context_id_;      // keep_context: the id its context gets once the call ends OK
+  grpc::Status client_status_;  // set by close(): the status the client got
 
  private:
   std::optional<Method> method_;  // none: a name the token file cannot allow

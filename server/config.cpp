@@ -86,6 +86,17 @@ ParsedConfig parse_config(int argc, char** argv) {
                  "--stream-idle-timeout + N / rate seconds, sending likewise; 0: no minimum")
       ->envname("PLSH_MIN_STREAM_RATE")
       ->check(non_negative);
+  // Kept contexts (AttendHeader.keep_context, server/contexts.h): a few
+  // minutes covers a training step's forward-to-backward gap with room.
+  app.add_option("--context-ttl", c.context_ttl,
+                 "seconds a kept context (keep_context, for AttendBackward) lives after its last use; its bytes "
+                 "count against --memory-budget, least recently used evicted first when requests need room; 0: "
+                 "keep none")
+      ->envname("PLSH_CONTEXT_TTL")
+      ->check(CLI::Range(0.0, 86400.0));
+  app.add_option("--max-contexts", c.max_contexts, "kept contexts held at once (least recently used evicted first)")
+      ->envname("PLSH_MAX_CONTEXTS")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--drain-timeout", c.drain_timeout, "seconds to finish in-flight requests on SIGTERM/SIGINT")
       ->envname("PLSH_DRAIN_TIMEOUT")
       ->check(CLI::Range(0.0, 86400.0));
@@ -105,8 +116,8 @@ ParsedConfig parse_config(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "optional", "require"}));
   app.add_option("--token-file", c.token_file,
                  "JSON file of the clients and the SHA-256 digests of their bearer tokens (README: Server settings); "
-                 "every Attend, AttendUnary and GetInfo call then needs 'authorization: Bearer <token>'. Unset: no "
-                 "tokens")
+                 "every Attend, AttendUnary, AttendBackward, ReleaseContext and GetInfo call then needs "
+                 "'authorization: Bearer <token>'. Unset: no tokens")
       ->envname("PLSH_TOKEN_FILE");
   app.add_option("--token-reload-interval", c.token_reload_interval,
                  "seconds between checks of --token-file for changes (also reloaded on SIGHUP); 0: on SIGHUP only")

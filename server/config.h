@@ -28,6 +28,8 @@ struct ServerConfig {
   double drain_timeout = 30;                       // seconds to finish in-flight work on SIGTERM
   double stream_idle_timeout = 30;                 // seconds a stream may wait on its client (read or write); 0: none
   int64_t min_stream_rate = int64_t{1} << 20;      // bytes/s a stream's input and output must average; 0: none
+  double context_ttl = 300;                        // seconds a kept context lives after its last use; 0: none kept
+  int64_t max_contexts = 1024;                     // kept contexts held at once
   // Trust (SPEC section 9; all off by default: plaintext, no tokens).
   std::string tls_cert;                            // PEM certificate chain of --listen; "": plaintext
   std::string tls_key;                             // PEM private key of tls_cert (unencrypted)

@@ -25,6 +25,7 @@
 #include "server/auth.h"
 #include "server/buffer_pool.h"
 #include "server/config.h"
+#include "server/contexts.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -234,7 +235,10 @@ int main(int argc, char** argv) {
     log_event(spdlog::level::err, "startup_failed", {{"error", shm.status().to_string()}});
     return 2;
   }
-  plsh::server::AttentionService service(config, &metrics, &scheduler, &watchdog, auth.get(), &pool, shm->get());
+  // Kept contexts for AttendBackward, charged to the same host budget.
+  plsh::server::ContextStore contexts({config.context_ttl, config.max_contexts}, &scheduler, &metrics);
+  plsh::server::AttentionService service(config, &metrics, &scheduler, &watchdog, auth.get(), &pool, shm->get(),
+                                         &contexts);
 
   // 6. Health checking (grpc.health.v1) and reflection. Neither needs a
   // token (they carry no data); with client certificates required, probes
@@ -330,6 +334,9 @@ int main(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   scheduler.stop();
-  log_event(spdlog::level::info, "stopped");
+  // Nothing held past the drain: tests read these.
+  log_event(spdlog::level::info, "stopped", {{"contexts", contexts.held()},
+                                            {"context_bytes", contexts.bytes()},
+                                            {"reserved_host_bytes", scheduler.reserved().host_bytes}});
   return 0;
 }

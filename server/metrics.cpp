@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "server/contexts.h"
+
 namespace plsh::server {
 
 namespace {
@@ -35,7 +37,8 @@ Metrics::Metrics()
     : registry_(std::make_shared<prometheus::Registry>()),
       requests_(BuildCounter()
                     .Name("plsh_requests_total")
-                    .Help("Attention requests finished, by mode, backend and gRPC status code")
+                    .Help("Attention requests finished, by method (Attend, AttendUnary, AttendBackward), mode, backend "
+                          "and gRPC status code")
                     .Register(*registry_)),
       request_duration_(BuildHistogram()
                             .Name("plsh_request_duration_seconds")
@@ -87,6 +90,30 @@ Metrics::Metrics()
                            .Name("plsh_stream_timeouts_total")
                            .Help("Attend streams ended for waiting on their client, by reason")
                            .Register(*registry_)),
+      backward_duration_(BuildHistogram()
+                             .Name("plsh_backward_duration_seconds")
+                             .Help("Whole AttendBackward request as the server saw it, header to status")
+                             .Register(*registry_)),
+      contexts_held_(BuildGauge()
+                         .Name("plsh_contexts")
+                         .Help("Kept contexts held for AttendBackward (idle or in use by a backward)")
+                         .Register(*registry_)
+                         .Add({})),
+      context_bytes_(BuildGauge()
+                         .Name("plsh_context_bytes")
+                         .Help("Host bytes of the kept contexts, charged to the host memory budget")
+                         .Register(*registry_)
+                         .Add({})),
+      contexts_kept_(BuildCounter()
+                         .Name("plsh_contexts_kept_total")
+                         .Help("Contexts kept by forwards with keep_context")
+                         .Register(*registry_)
+                         .Add({})),
+      context_evictions_(BuildCounter()
+                             .Name("plsh_context_evictions_total")
+                             .Help("Kept contexts removed, by reason: expired (--context-ttl), evicted (for memory or "
+                                   "--max-contexts), released, consumed (by a backward), drained (shutdown)")
+                             .Register(*registry_)),
       // Families without a series print nothing: without --token-file
       // /metrics is as before.
       client_requests_(BuildCounter()
@@ -103,7 +130,7 @@ Metrics::Metrics()
                        .Register(*registry_)),
       client_open_streams_(BuildGauge()
                                .Name("plsh_client_open_streams")
-                               .Help("Attend and AttendUnary calls open, by client (its max_streams counts these)")
+                               .Help("Attend, AttendUnary and AttendBackward calls open, by client (its max_streams counts these)")
                                .Register(*registry_)),
       client_reserved_(BuildGauge()
                            .Name("plsh_client_reserved_bytes")
@@ -121,6 +148,8 @@ Metrics::Metrics()
   for (const char* reason : {"receive_idle", "receive_slow", "send_idle", "send_slow"})
     stream_timeouts_.Add({{"reason", reason}});
   for (const char* p : {"queued", "receiving", "computing", "sending"}) phase_duration_.Add({{"phase", p}}, duration_buckets());
+  // Every reason from the start, so that rates are 0 rather than absent.
+  for (ContextEnd end : kContextEnds) context_evictions_.Add({{"reason", context_end_name(end)}});
 }
 
 Status Metrics::serve(const std::string& addr) {
@@ -158,10 +187,24 @@ void Metrics::stream_timeout(const std::string& reason) {
   stream_timeouts_.Add({{"reason", reason}}).Increment();
 }
 
-void Metrics::request_done(const std::string& mode, const std::string& backend, const std::string& code, double seconds) {
+void Metrics::request_done(const std::string& method, const std::string& mode, const std::string& backend,
+                           const std::string& code, double seconds) {
   std::lock_guard<std::mutex> lock(mutex_);
-  requests_.Add({{"mode", mode}, {"backend", backend}, {"code", code}}).Increment();
-  request_duration_.Add({{"mode", mode}}, duration_buckets()).Observe(seconds);
+  requests_.Add({{"method", method}, {"mode", mode}, {"backend", backend}, {"code", code}}).Increment();
+  auto& durations = method == "AttendBackward" ? backward_duration_ : request_duration_;
+  durations.Add({{"mode", mode}}, duration_buckets()).Observe(seconds);
+}
+
+void Metrics::contexts(double held, double bytes) {
+  contexts_held_.Set(held);
+  context_bytes_.Set(bytes);
+}
+
+void Metrics::context_added() { contexts_kept_.Increment(); }
+
+void Metrics::context_removed(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  context_evictions_.Add({{"reason", reason}}).Increment();
 }
 
 void Metrics::phase(const std::string& phase, double seconds) {

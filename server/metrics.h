@@ -29,8 +29,12 @@ class Metrics {
 
   void set_build_info(const std::string& version, const std::string& backend, const std::string& device);
 
-  // One finished Attend/AttendUnary request.
-  void request_done(const std::string& mode, const std::string& backend, const std::string& code, double seconds);
+  // One finished Attend/AttendUnary/AttendBackward request. method labels
+  // plsh_requests_total; the duration goes to plsh_request_duration_seconds
+  // for the forward methods and to plsh_backward_duration_seconds for
+  // AttendBackward, so that the latency rules keep meaning the forward.
+  void request_done(const std::string& method, const std::string& mode, const std::string& backend,
+                    const std::string& code, double seconds);
   // phase: queued|receiving|computing|sending
   void phase(const std::string& phase, double seconds);
   void tokens(const std::string& mode, double count);
@@ -47,6 +51,13 @@ class Metrics {
   // A stream ended for waiting on its client (watchdog.h): receive_idle,
   // receive_slow, send_idle, send_slow.
   void stream_timeout(const std::string& reason);
+
+  // Kept contexts (contexts.h): held now and their host bytes; one kept;
+  // one removed, by reason (expired, evicted, released, consumed,
+  // cancelled, drained).
+  void contexts(double held, double bytes);
+  void context_added();
+  void context_removed(const std::string& reason);
 
   // Per client, with a token file only (auth.h). client is a name from the
   // token file, or "unauthenticated" for calls without a valid token: never
@@ -82,6 +93,11 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& memory_budget_;
   prometheus::Family<prometheus::Gauge>& memory_reserved_;
   prometheus::Family<prometheus::Counter>& stream_timeouts_;
+  prometheus::Family<prometheus::Histogram>& backward_duration_;
+  prometheus::Gauge& contexts_held_;
+  prometheus::Gauge& context_bytes_;
+  prometheus::Counter& contexts_kept_;
+  prometheus::Family<prometheus::Counter>& context_evictions_;
   prometheus::Family<prometheus::Counter>& client_requests_;
   prometheus::Family<prometheus::Counter>& client_received_;
   prometheus::Family<prometheus::Counter>& client_sent_;

@@ -6,11 +6,10 @@
 #include <cstring>
 
 #include "plsh/backend.h"
+#include "plsh/targeted.h"
 #include "proto/wire.h"
 
 namespace plsh::server {
-
-namespace {
 
 Status check_request_id(const std::string& id) {
   if (id.size() > 128) return invalid_argument("request_id has " + std::to_string(id.size()) + " characters, expected <= 128");
@@ -27,8 +26,6 @@ std::string next_request_id() {
   id += std::to_string(counter.fetch_add(1) + 1);
   return id;
 }
-
-}  // namespace
 
 StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimits& limits) {
   ASSIGN_OR_RETURN(RequestPlan plan, check_request(h, limits));
@@ -67,6 +64,14 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   if (h.has_samples()) o.samples = h.samples();
   o.seed = h.seed();
   ASSIGN_OR_RETURN(o.lsh_algorithm, wire::lsh_algorithm_from_wire(h.lsh_algorithm()));
+  ASSIGN_OR_RETURN(o.sampling, wire::sampling_from_wire(h.sampling()));
+  if (h.has_target_rel_err()) {
+    o.target_rel_err = h.target_rel_err();
+    // 0 is "no target" in the library; on the wire an unset field says that.
+    if (!(o.target_rel_err > 0))
+      return invalid_argument("target_rel_err = " + std::to_string(o.target_rel_err) + ", expected in (0, 1]");
+    if (h.mode() == v1::MODE_UNSPECIFIED) o.mode = kDefaultTargetMode;
+  }
   if (h.has_window_eps()) o.window_eps = h.window_eps();
   o.window_width = h.window_width();
   if (h.has_estimates()) o.estimates = h.estimates();
@@ -76,6 +81,20 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   if (h.has_check_finite()) o.check_finite = h.check_finite();
   plan.in_shm = {h.has_q_shm(), h.has_k_shm(), h.has_v_shm(), h.has_out_shm(), h.has_lse_shm()};
   plan.return_lse = h.return_lse() || h.has_lse_shm();  // lse_shm implies return_lse
+  plan.keep_context = h.keep_context();
+  plan.backward = plan.keep_context;
+  // A targeted request picks its configuration while it computes, after
+  // the plan a context would keep: its backward would differentiate
+  // another configuration than the one that ran.
+  if (plan.keep_context && o.target_rel_err > 0)
+    return invalid_argument("keep_context = true with target_rel_err: the configuration is chosen while computing, so "
+                            "there is no plan to keep; expected one of them (run the chosen configuration, "
+                            "summary.target, with keep_context)");
+  // A context holds its tensors for minutes; the client's shared memory is
+  // the client's to change at any time.
+  if (plan.keep_context && (h.has_q_shm() || h.has_k_shm() || h.has_v_shm() || h.has_out_shm() || h.has_lse_shm()))
+    return invalid_argument("keep_context = true with tensors in shared memory (q_shm ... lse_shm): a kept context "
+                            "holds its own copies, expected the tensors in chunks for a forward that keeps its context");
 
   if (!h.backend().empty()) RETURN_IF_ERROR(check_backend_name(h.backend()));
   // "" and "auto" leave the choice to the server's --backend.
@@ -90,6 +109,9 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   if (o.mode == Mode::kLsh && o.samples > limits.max_samples)
     return resource_exhausted("samples = " + std::to_string(o.samples) + ", expected <= " +
                               std::to_string(limits.max_samples) + " (the server's --max-samples)");
+  if (o.mode == Mode::kLsh && target_max_samples(o) > limits.max_samples)
+    return resource_exhausted("target_rel_err with lsh tries up to samples = " + std::to_string(target_max_samples(o)) +
+                              ", expected <= " + std::to_string(limits.max_samples) + " (the server's --max-samples)");
   // validate_options bounded every element count by 2^50, so these products fit.
   const int64_t tokens = o.batch * std::max(o.q_len, o.kv_len);
   if (tokens > limits.max_tokens)
@@ -101,10 +123,11 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   plan.kv_row_bytes = kv_heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype));
   plan.out_row_bytes = o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(out_dtype));
   plan.lse_row_bytes = o.heads * static_cast<int64_t>(sizeof(float));
-  plan.total_bytes = plan.q_bytes() + 2 * plan.kv_bytes() + plan.out_bytes() + plan.lse_bytes();
+  plan.total_bytes =
+      plan.q_bytes() + 2 * plan.kv_bytes() + plan.out_bytes() + plan.held_lse_bytes();
   if (plan.total_bytes > limits.max_request_bytes)
     return resource_exhausted("request needs " + std::to_string(plan.total_bytes) +
-                              " bytes (q + k + v + out" + (plan.return_lse ? " + lse" : "") + "), expected <= " +
+                              " bytes (q + k + v + out" + (plan.holds_lse() ? " + lse" : "") + "), expected <= " +
                               std::to_string(limits.max_request_bytes) + " (the server's --max-request-bytes)");
 
   // Every message carries at least one row, so one row of each streamed
@@ -137,10 +160,11 @@ Status plan_kernels(RequestPlan* request, const RequestLimits& limits) {
   // The backend and its plan, before any tensor byte: a request whose
   // workspace cannot fit is refused here, with the header.
   ASSIGN_OR_RETURN(const AttentionParams params, resolve_params(o));
-  ASSIGN_OR_RETURN(plan.backend, BackendRegistry::global().select(plan.backend_name, params));
+  ASSIGN_OR_RETURN(plan.backend, BackendRegistry::global().select(plan.backend_name, params, plan.backward));
   PlanLimits plan_limits;
   plan_limits.threads = limits.threads;
   plan_limits.device_bytes = limits.device_bytes_per_request;
+  plan_limits.backward = plan.backward;
   ASSIGN_OR_RETURN(plan.kernel, plan_attention(*plan.backend, params, plan_limits));
   const Workspace workspace = plan.kernel.workspace();
   plan.charge.host_bytes = plan.host_tensor_bytes() + workspace.host_bytes;
@@ -152,7 +176,9 @@ int64_t summary_bytes(const AttentionOptions& o) {
   // The fixed fields fit in kMessageHeadroom; exact has no per-head entries.
   if (o.mode == Mode::kExact) return 0;
   const bool draws = o.return_draws && o.mode == Mode::kLsh;
-  return o.heads * (200 + (draws ? 20 * o.samples : 0));
+  // A targeted request's summary lists its attempts (~100 bytes each).
+  const int64_t attempts = o.target_rel_err > 0 ? 100 * kTargetMaxAttempts : 0;
+  return o.heads * (200 + (draws ? 20 * target_max_samples(o) : 0)) + attempts;
 }
 
 Status use_shared_memory(const v1::AttendHeader& h, RequestPlan* plan, SharedMemoryRegistry* registry,
@@ -213,7 +239,7 @@ RequestBuffers RequestBuffers::allocate(const RequestPlan& plan, BufferPool* poo
   const int64_t v_at = k_at + (shm.k ? 0 : aligned(plan.kv_bytes()));
   const int64_t out_at = v_at + (shm.v ? 0 : aligned(plan.kv_bytes()));
   const int64_t lse_at = out_at + (shm.out ? 0 : aligned(plan.out_bytes()));
-  const int64_t bytes = lse_at + (shm.lse ? 0 : aligned(plan.lse_bytes()));
+  const int64_t bytes = lse_at + (shm.lse ? 0 : aligned(plan.held_lse_bytes()));
   RequestBuffers b;
   if (bytes > 0) {
     if (pool != nullptr) {
@@ -227,7 +253,7 @@ RequestBuffers RequestBuffers::allocate(const RequestPlan& plan, BufferPool* poo
   b.k.ptr = shm.k ? plan.shared.k.data() : base + k_at;
   b.v.ptr = shm.v ? plan.shared.v.data() : base + v_at;
   b.out.ptr = shm.out ? plan.shared.out.data() : base + out_at;
-  if (plan.return_lse) b.lse.ptr = reinterpret_cast<float*>(shm.lse ? plan.shared.lse.data() : base + lse_at);
+  if (plan.holds_lse()) b.lse.ptr = reinterpret_cast<float*>(shm.lse ? plan.shared.lse.data() : base + lse_at);
   return b;
 }
 

@@ -42,13 +42,15 @@ struct RequestPlan {
   std::string backend_name = "auto";  // as asked: the header's, or the server's --backend
   AttentionOptions options;           // validated
   bool return_lse = false;
+  bool keep_context = false;          // the header's keep_context: its context stays for AttendBackward (contexts.h)
+  bool backward = false;              // planned for the backward too (keep_context, or a stateless AttendBackward)
   int64_t q_rows = 0, kv_rows = 0;   // B * Nq, B * Nk: flat rows of q and of k, v
   int64_t q_row_bytes = 0;           // H * D * dtype bytes
   int64_t kv_row_bytes = 0;          // Hkv * D * dtype bytes
   int64_t out_row_bytes = 0;         // H * D * out_dtype bytes
   int64_t lse_row_bytes = 0;         // H * 4
   int64_t out_chunk_bytes = 0;       // payload per output chunk, >= one row of out and of lse
-  int64_t total_bytes = 0;           // q + k + v + out + lse
+  int64_t total_bytes = 0;           // q + k + v + out + lse (the lse buffer: holds_lse())
 
   // Tensors the header placed in shared memory (AttendHeader.*_shm): no
   // chunks for them, no host memory charged for them.
@@ -68,7 +70,9 @@ struct RequestPlan {
   int64_t q_bytes() const { return q_rows * q_row_bytes; }
   int64_t kv_bytes() const { return kv_rows * kv_row_bytes; }
   int64_t out_bytes() const { return q_rows * out_row_bytes; }
-  int64_t lse_bytes() const { return return_lse ? q_rows * lse_row_bytes : 0; }
+  int64_t lse_bytes() const { return return_lse ? q_rows * lse_row_bytes : 0; }  // sent
+  // An lse buffer: to send, or for the backward (which reads the forward's).
+  bool holds_lse() const { return return_lse || backward; }
   int64_t tokens() const { return q_rows; }
   // What goes over the wire, each way: the tensors not in shared memory.
   int64_t streamed_input_bytes() const {
@@ -77,8 +81,9 @@ struct RequestPlan {
   int64_t streamed_output_bytes() const { return (in_shm.out ? 0 : out_bytes()) + (in_shm.lse ? 0 : lse_bytes()); }
   // Host bytes of the tensors the server holds itself (the rest are in shared memory).
   int64_t host_tensor_bytes() const {
-    return streamed_input_bytes() + (in_shm.out ? 0 : out_bytes()) + (in_shm.lse ? 0 : lse_bytes());
+    return streamed_input_bytes() + (in_shm.out ? 0 : out_bytes()) + (in_shm.lse ? 0 : held_lse_bytes());
   }
+  int64_t held_lse_bytes() const { return holds_lse() ? q_rows * lse_row_bytes : 0; }
 };
 
 // Bytes of a successful request's per-head summary entries: ~200 per head,
@@ -86,6 +91,11 @@ struct RequestPlan {
 // fit in kMessageHeadroom. The one estimate both the streamed summary and
 // the unary response are checked against.
 int64_t summary_bytes(const AttentionOptions& options);
+
+// A client's request_id: at most 128 printable characters (INVALID_ARGUMENT
+// otherwise); the server's own ("r1", "r2", ...) when a header has none.
+Status check_request_id(const std::string& id);
+std::string next_request_id();
 
 // Header -> plan: INVALID_ARGUMENT naming the wire field for malformed
 // headers, RESOURCE_EXHAUSTED for sizes over the server's limits,
@@ -123,7 +133,7 @@ struct TensorMemory {
 // once), and the shared-memory regions' bytes for the others.
 struct RequestBuffers {
   TensorMemory<uint8_t> q, k, v, out;  // [B, Nq, H, D], [B, Nk, Hkv, D] x2, [B, Nq, H, D]
-  TensorMemory<float> lse;             // [B, Nq, H] with return_lse
+  TensorMemory<float> lse;             // [B, Nq, H] with holds_lse()
   // The block; output chunks being sent hold a copy of it, so that it goes
   // back to the pool only once gRPC is done with them.
   std::shared_ptr<uint8_t> block;

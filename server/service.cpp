@@ -9,6 +9,7 @@
 #include "proto/chunk_codec.h"
 #include "proto/wire.h"
 #include "server/assembler.h"
+#include "server/backward_call.h"
 #include "server/call.h"
 #include "server/logging.h"
 #include "server/status_map.h"
@@ -431,8 +432,9 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
 
 AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler,
                                    StreamWatchdog* watchdog, const Authenticator* auth, BufferPool* pool,
-                                   SharedMemoryRegistry* shm) {
+                                   SharedMemoryRegistry* shm, ContextStore* contexts) {
   shared_.config = &config;
+  shared_.contexts = contexts;
   shared_.watchdog = watchdog;
   shared_.auth = auth;
   shared_.pool = pool;
@@ -456,6 +458,7 @@ void AttentionService::begin_drain() {
   if (shared_.watchdog != nullptr)
     shared_.watchdog->expire_receiving(
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"), "drain");
+  if (shared_.contexts != nullptr) shared_.contexts->close();
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::Attend(
@@ -506,6 +509,17 @@ void AttentionService::log_shm_call(grpc::CallbackServerContext* ctx, Method met
   log_event(spdlog::level::info, "shared_memory", fields);
 }
 
+grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* AttentionService::AttendBackward(
+    grpc::CallbackServerContext* ctx) {
+  return start_attend_backward(shared_, ctx);
+}
+
+grpc::ServerUnaryReactor* AttentionService::ReleaseContext(grpc::CallbackServerContext* ctx,
+                                                           const v1::ReleaseContextRequest* request,
+                                                           v1::ReleaseContextResponse* response) {
+  return release_context(shared_, ctx, request, response);
+}
+
 grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext* ctx, const v1::GetInfoRequest*,
                                                     v1::GetInfoResponse* response) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
@@ -532,6 +546,8 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   const bool shm = shared_.shm != nullptr && shared_.shm->enabled();
   l->set_shared_memory(shm);
   l->set_max_shared_memory_regions(shm ? SharedMemoryRegistry::kMaxRegions : 0);
+  l->set_context_ttl_seconds(shared_.contexts != nullptr ? shared_.contexts->options().ttl_seconds : 0);
+  l->set_max_contexts(shared_.contexts != nullptr ? shared_.contexts->options().max_contexts : 0);
   const AttentionOptions defaults;
   v1::Defaults* d = response->mutable_defaults();
   d->set_mode(v1::MODE_LSH);

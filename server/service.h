@@ -29,17 +29,20 @@ namespace plsh::server {
 // from and written to gRPC's slices directly (proto/chunk_codec.h), so a
 // tensor byte is copied once between the socket buffers and the tensor.
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithCallbackMethod_AttendUnary<
-    v1::Attention::WithCallbackMethod_GetInfo<v1::Attention::WithCallbackMethod_RegisterSharedMemory<
-        v1::Attention::WithCallbackMethod_UnregisterSharedMemory<
-            v1::Attention::WithCallbackMethod_ListSharedMemory<v1::Attention::Service>>>>>>;
+    v1::Attention::WithCallbackMethod_GetInfo<v1::Attention::WithCallbackMethod_AttendBackward<
+        v1::Attention::WithCallbackMethod_ReleaseContext<v1::Attention::WithCallbackMethod_RegisterSharedMemory<
+            v1::Attention::WithCallbackMethod_UnregisterSharedMemory<
+                v1::Attention::WithCallbackMethod_ListSharedMemory<v1::Attention::Service>>>>>>>>;
 
 class AttentionService final : public AttentionServiceBase {
  public:
   // auth: the token file's clients (auth.h); null lets every call in.
   // pool: the requests' host tensors (null: heap memory per request). shm:
   // the shared-memory regions (null or disabled: the RPCs are UNIMPLEMENTED).
+  // contexts: kept contexts for AttendBackward (contexts.h); null keeps none.
   AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler, StreamWatchdog* watchdog,
-                   const Authenticator* auth = nullptr, BufferPool* pool = nullptr, SharedMemoryRegistry* shm = nullptr);
+                   const Authenticator* auth = nullptr, BufferPool* pool = nullptr, SharedMemoryRegistry* shm = nullptr,
+                   ContextStore* contexts = nullptr);
 
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Attend(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* AttendUnary(grpc::CallbackServerContext* ctx, const v1::AttendUnaryRequest* request,
@@ -54,11 +57,16 @@ class AttentionService final : public AttentionServiceBase {
                                                    v1::UnregisterSharedMemoryResponse* response) override;
   grpc::ServerUnaryReactor* ListSharedMemory(grpc::CallbackServerContext* ctx, const v1::ListSharedMemoryRequest* request,
                                              v1::ListSharedMemoryResponse* response) override;
+  // backward_call.h.
+  grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* AttendBackward(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* ReleaseContext(grpc::CallbackServerContext* ctx, const v1::ReleaseContextRequest* request,
+                                           v1::ReleaseContextResponse* response) override;
 
-  // Refuses new requests with UNAVAILABLE from now on, and ends the streams
-  // that are still receiving.
+  // Refuses new requests with UNAVAILABLE from now on, ends the streams
+  // that are still receiving, and drops the kept contexts.
   void begin_drain();
-  // Attend and AttendUnary calls not yet finished.
+  // Attend, AttendUnary and AttendBackward calls not yet finished.
   int64_t open_requests() const { return shared_.open_streams.load(); }
 
  private:

@@ -580,6 +580,16 @@ def run_sizes(args, report, sizes, slopes, gpu):
             report.note(f"{what} failed: {msg}")
             return {"error": f"failed: {msg}"}
 
+    def flex_case(variant, n, row):
+        """FlexAttention's `variant` at N=n into row["flex_<variant>"], when
+        its estimate fits the time left; whether it ran."""
+        what = f"N={n} flex {variant}"
+        if not fits(what, model.case("flex_" + variant, n)):
+            return False
+        report.current = what
+        row["flex_" + variant] = guarded(what, lambda: gpu.flex(variant, n, model))
+        return True
+
     for index, n in enumerate(sizes):
         core, total, parts = model.size(n)
         breakdown = ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if v > 0)
@@ -603,9 +613,7 @@ def run_sizes(args, report, sizes, slopes, gpu):
         report.write()
 
         # FlexAttention exact first: the reference for every error.
-        if fits(f"N={n} flex exact", model.case("flex_exact", n)):
-            report.current = f"N={n} flex exact"
-            row["flex_exact"] = guarded(f"N={n} flex exact", lambda: gpu.flex("exact", n, model))
+        if flex_case("exact", n, row):
             report.write()
 
         # Ours in a child process, with a timeout from the estimate.
@@ -665,16 +673,12 @@ def run_sizes(args, report, sizes, slopes, gpu):
             model.observe_fixed("errors", n, time.monotonic() - t)
             report.write()
 
-        if fits(f"N={n} flex window", model.case("flex_window", n)):
-            report.current = f"N={n} flex window"
-            row["flex_window"] = guarded(f"N={n} flex window", lambda: gpu.flex("window", n, model))
+        if flex_case("window", n, row):
             report.write()
         if n > args.flex_lsh_max_n:
             row["flex_lsh"] = {"skipped": f"not above N={args.flex_lsh_max_n} (dense block tables of "
                                           f"{n // 128}^2 entries per (sample, head))"}
-        elif fits(f"N={n} flex lsh", model.case("flex_lsh", n)):
-            report.current = f"N={n} flex lsh"
-            row["flex_lsh"] = guarded(f"N={n} flex lsh", lambda: gpu.flex("lsh", n, model))
+        elif flex_case("lsh", n, row):
             guarded(f"N={n} ours lsh vs flex lsh", lambda: gpu.cross_check_lsh(n, row))
             report.write()
         guarded(f"N={n} cleanup", lambda: gpu.drop_inputs(n))

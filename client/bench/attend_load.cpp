@@ -77,21 +77,39 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
   load->k_ = random_tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype, config.input_seed, 1);
   load->v_ = random_tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype, config.input_seed, 2);
   load->out_dtype_ = o.out_dtype.value_or(o.dtype);
+  if (config.backward) {
+    if (config.unary) return invalid_argument("backward and unary: a training step streams (Attend, AttendBackward)");
+    if (config.shard)
+      return invalid_argument("backward and sharding: a kept context lives on one replica, expected one target with --backward");
+    load->dout_ = random_tensor(o.batch * o.q_len * o.heads * o.head_dim, load->out_dtype_, config.input_seed, 3);
+  }
   load->reference_size_ = static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(load->out_dtype_);
   load->tolerance_ = config.verify_tolerance.value_or(verify_tolerance(load->out_dtype_));
 
-  for (int c = 0; c < config.connections; ++c) {
+  if (config.shard) {
+    const grpc::Status made = client::ShardedClient::connect(config.target, config.channel, &load->sharded_);
+    if (!made.ok()) return Status(static_cast<StatusCode>(made.error_code()), made.error_message());
+    const grpc::Status info = load->sharded_->replica(0).info(&load->info_, 10);
+    if (!info.ok())
+      return unavailable("target " + load->sharded_->replicas()[0] + ": GetInfo failed: " + client::status_string(info));
+  }
+  for (int c = 0; !config.shard && c < config.connections; ++c) {
     std::shared_ptr<grpc::Channel> channel;
     std::string token;
     const grpc::Status made = client::make_channel(config.target, config.channel, channel_arguments(c), &channel, &token);
     if (!made.ok()) return invalid_argument(made.error_message());
     load->clients_.push_back(std::make_unique<client::Client>(std::move(channel), std::move(token)));
   }
-  const grpc::Status info = load->clients_.front()->info(&load->info_, 10);
-  if (!info.ok()) return unavailable("target " + config.target + ": GetInfo failed: " + client::status_string(info));
+  if (!config.shard) {
+    const grpc::Status info = load->clients_.front()->info(&load->info_, 10);
+    if (!info.ok()) return unavailable("target " + config.target + ": GetInfo failed: " + client::status_string(info));
+  }
   if (config.workers < 1) return invalid_argument("workers = " + std::to_string(config.workers) + ", expected >= 1");
   if (!config.shm_dir.empty()) {
     if (config.unary) return invalid_argument("shm: AttendUnary is not used with shared memory, expected no --unary");
+    if (config.shard) return invalid_argument("shm with sharding: shared memory is one host's, expected one target");
+    if (config.backward)
+      return invalid_argument("shm with backward: a kept context holds its own copies, expected no --shm with --backward");
     RETURN_IF_ERROR(load->setup_shared_memory());
   } else {
     // Written (faulted in) now, not in the first measured request.
@@ -99,9 +117,11 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
   }
 
   if (config.verify_fraction > 0) {
-    // The reference needs only the output: no estimates.
+    // The reference needs only the output: no estimates, except where the
+    // output depends on them (an error-targeted request keeps the first
+    // configuration whose estimate meets the target).
     AttentionOptions ref_options = o;
-    ref_options.estimates = false;
+    ref_options.estimates = o.target_rel_err > 0;
     std::vector<uint8_t> out(load->reference_size_);
     TensorRefs t;
     t.q = load->q_.data();
@@ -197,9 +217,18 @@ Outcome AttendLoad::call(int worker, int64_t index) {
     call.v_shm = {shm_region_, v_at_};
     call.out_shm = {shm_region_, out - shm_->data()};
   }
+  call.keep_context = config_.backward;
   client::AttendReply reply;
-  client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
-  const grpc::Status status = config_.unary ? c.attend_unary(call, &reply) : c.attend(call, &reply);
+  const auto t0 = std::chrono::steady_clock::now();
+  grpc::Status status;
+  if (sharded_) {
+    client::ShardedReply sharded;
+    status = sharded_->attend(call, config_.sharding, &sharded);
+    reply = std::move(sharded.reply);
+  } else {
+    client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
+    status = config_.unary ? c.attend_unary(call, &reply) : c.attend(call, &reply);
+  }
 
   Outcome o;
   o.code = client::status_code_name(status.error_code());
@@ -209,12 +238,45 @@ Outcome AttendLoad::call(int worker, int64_t index) {
     o.message = status.error_message();
     return o;
   }
+  client::BackwardReply grads;
+  if (config_.backward) {  // never sharded (create refuses both)
+    client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
+    const auto t1 = std::chrono::steady_clock::now();
+    o.forward_seconds = std::chrono::duration<double>(t1 - t0).count();
+    client::BackwardCall b;
+    b.options = config_.options;
+    b.context_id = reply.context_id;
+    b.dout = dout_.data();
+    b.chunk_bytes = config_.chunk_bytes;
+    b.deadline_seconds = config_.deadline;
+    b.request_id = call.request_id + "-backward";
+    o.rpcs = 2;
+    const grpc::Status bs = c.backward(b, &grads);
+    o.backward_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    o.bytes_up += grads.sent_bytes;
+    o.bytes_down += grads.received_bytes;
+    if (!bs.ok()) {
+      // A failed backward leaves its context: give it back now.
+      c.release_context(reply.context_id);
+      o.ok_rpcs = 1;
+      o.code = client::status_code_name(bs.error_code());
+      o.message = "backward: " + bs.error_message();
+      return o;
+    }
+  }
   o.tokens = tokens();
   o.has_server_timings = true;
   o.queued = reply.timings.queued;
   o.receiving = reply.timings.receiving;
   o.computing = reply.timings.computing;
   o.sending = reply.timings.sending;
+  if (config_.backward) {
+    // A step's server phases: its two calls' summed.
+    o.queued += grads.timings.queued;
+    o.receiving += grads.timings.receiving;
+    o.computing += grads.timings.computing;
+    o.sending += grads.timings.sending;
+  }
   if (!reference_.empty() && selected_for_verify(config_.input_seed, index, config_.verify_fraction)) {
     o.verified = true;
     // AttendUnary answers in reply.out; Attend wrote to `out`.

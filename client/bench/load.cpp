@@ -23,7 +23,9 @@ struct WorkerTally {
   std::map<std::string, int64_t> codes;
   std::map<std::string, std::string> first_error;
   Samples latency, queued, receiving, computing, sending, lag;
+  Samples forward, backward;  // --backward: the step's two calls
   int64_t late_starts = 0;
+  int64_t rpcs = 0, ok_rpcs = 0;
   int64_t tokens = 0, bytes_up = 0, bytes_down = 0;
   int64_t verified = 0, mismatches = 0;
   double max_verify_error = 0;
@@ -37,6 +39,8 @@ struct WorkerTally {
   // latency clock started (the call, or the open loop's schedule).
   void record(const Outcome& o, bool measured, double latency_from, double start, double end) {
     const bool ok_request = o.code == "OK";
+    rpcs += o.rpcs;
+    ok_rpcs += o.ok_rpcs >= 0 ? o.ok_rpcs : ok_request ? o.rpcs : 0;
     if (!measured) {
       ++(ok_request ? warmup_ok : warmup_failed);
       return;
@@ -58,6 +62,8 @@ struct WorkerTally {
     if (!ok_request) return;
     tokens += o.tokens;
     latency.add(end - latency_from);
+    if (o.forward_seconds >= 0) forward.add(o.forward_seconds);
+    if (o.backward_seconds >= 0) backward.add(o.backward_seconds);
     if (o.has_server_timings) {
       queued.add(o.queued);
       receiving.add(o.receiving);
@@ -78,6 +84,10 @@ struct WorkerTally {
     receiving.merge(w.receiving);
     computing.merge(w.computing);
     sending.merge(w.sending);
+    forward.merge(w.forward);
+    backward.merge(w.backward);
+    rpcs += w.rpcs;
+    ok_rpcs += w.ok_rpcs;
     lag.merge(w.lag);
     late_starts += w.late_starts;
     tokens += w.tokens;
@@ -230,6 +240,10 @@ LevelResult run_level(const LevelSpec& spec, const RequestFn& request, const Pro
   r.receiving = all.receiving.summary();
   r.computing = all.computing.summary();
   r.sending = all.sending.summary();
+  r.rpcs = all.rpcs;
+  r.ok_rpcs = all.ok_rpcs;
+  r.forward = all.forward.summary();
+  r.backward = all.backward.summary();
   r.lag = all.lag.summary();
   r.late_starts = all.late_starts;
   r.verified = all.verified;

@@ -37,6 +37,11 @@ struct Outcome {
   bool verified = false;          // the output was checked against an in-process result
   bool mismatch = false;          // ... and differed by more than the tolerance
   double verify_error = 0;        // max |out - ref| / max |ref|
+  // --backward: a training step's two calls, client-side seconds (< 0: not a step).
+  double forward_seconds = -1, backward_seconds = -1;
+  // RPCs the server saw for this request, and how many of them were OK
+  // (-1: all of them when code is OK, else none): a step makes two.
+  int rpcs = 1, ok_rpcs = -1;
 };
 
 // worker: in [0, concurrency); index: unique per level, in start order (0, 1, ...).
@@ -76,6 +81,8 @@ struct LevelResult {
   double mb_down_per_second = 0;
   Summary latency;                 // seconds, ok requests
   Summary queued, receiving, computing, sending;  // seconds, the server's, ok requests
+  Summary forward, backward;       // --backward: client latency of each call of a step, ok steps
+  int64_t rpcs = 0, ok_rpcs = 0;   // RPCs made (warmup included), for the server's counters
   Summary lag;                     // open loop: actual start - scheduled start, seconds
   int64_t late_starts = 0;         // open loop: started more than kLateSeconds after schedule
   int64_t verified = 0, mismatches = 0;

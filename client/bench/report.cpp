@@ -73,6 +73,8 @@ bool server_counts_agree(const LevelResult& l) {
     total += n;
     if (code == "OK") ok = n;
   }
+  // Levels from run_level count their RPCs (a --backward step makes two).
+  if (l.rpcs > 0) return ok == static_cast<double>(l.ok_rpcs) && total == static_cast<double>(l.rpcs);
   return ok == static_cast<double>(l.ok + l.warmup_ok) &&
          total == static_cast<double>(l.ok + l.failed + l.warmup_ok + l.warmup_failed);
 }
@@ -155,6 +157,17 @@ std::string text_report(const RunReport& run) {
     out << pad(level_label(l.spec), label_width, true) << pad(cell(l.queued), 24) << pad(cell(l.receiving), 24)
         << pad(cell(l.computing), 24) << pad(cell(l.sending), 24) << "\n";
   }
+  bool steps = false;
+  for (const LevelResult& l : run.levels) steps = steps || l.forward.count > 0;
+  if (steps) {
+    out << "training steps (--backward): client latency per call, ms avg / p50 / p99\n";
+    out << pad("load", label_width, true) << pad("forward (keeps context)", 26) << pad("backward (by context)", 26)
+        << "\n";
+    for (const LevelResult& l : run.levels) {
+      auto cell = [](const Summary& s) { return s.count == 0 ? std::string("-") : ms(s.avg) + " / " + ms(s.p50) + " / " + ms(s.p99); };
+      out << pad(level_label(l.spec), label_width, true) << pad(cell(l.forward), 26) << pad(cell(l.backward), 26) << "\n";
+    }
+  }
   for (const LevelResult& l : run.levels) {
     const std::string at = level_label(l.spec) + ": ";
     for (const auto& [code, n] : l.codes) {
@@ -185,7 +198,8 @@ std::string text_report(const RunReport& run) {
         codes += (codes.empty() ? "" : ", ") + code + " " + fixed(n, 0);
       }
       out << at << "server's plsh_requests_total rose by " << fixed(total, 0) << (codes.empty() ? "" : " (" + codes + ")")
-          << "; this client sent " << (l.ok + l.failed + l.warmup_ok + l.warmup_failed) << " (warmup included): "
+          << "; this client sent " << (l.rpcs > 0 ? l.rpcs : l.ok + l.failed + l.warmup_ok + l.warmup_failed)
+          << " (warmup included): "
           << (server_counts_agree(l) ? "agrees" : "DIFFERS (other clients on this server, or requests it never saw)") << "\n";
     }
   }
@@ -213,6 +227,8 @@ json level_json(const LevelResult& l, const std::optional<double>& p99_threshold
                     {"receiving", summary_json(l.receiving, false)},
                     {"computing", summary_json(l.computing, false)},
                     {"sending", summary_json(l.sending, false)}};
+  if (l.forward.count > 0 || l.backward.count > 0)
+    j["step_ms"] = {{"forward", summary_json(l.forward, true)}, {"backward", summary_json(l.backward, true)}};
   if (l.spec.rate) j["schedule"] = {{"late_starts", l.late_starts}, {"lag_ms", summary_json(l.lag, true)}};
   j["verify"] = {{"checked", l.verified}, {"mismatches", l.mismatches}, {"max_error", l.max_verify_error}};
   j["client_cpu"] = {{"wall_s", l.cpu.wall_seconds},
@@ -276,7 +292,8 @@ std::string report_csv(const RunReport& run) {
          "queued_avg_ms,queued_p50_ms,queued_p99_ms,receiving_avg_ms,receiving_p50_ms,receiving_p99_ms,"
          "computing_avg_ms,computing_p50_ms,computing_p99_ms,sending_avg_ms,sending_p50_ms,sending_p99_ms,"
          "late_starts,lag_p99_ms,verified,mismatches,max_verify_error,client_cpu_cores,client_max_thread_core,"
-         "machine_busy,client_bound\n";
+         "machine_busy,client_bound,forward_avg_ms,forward_p50_ms,forward_p99_ms,backward_avg_ms,backward_p50_ms,"
+         "backward_p99_ms\n";
   for (const LevelResult& l : run.levels) {
     out << l.spec.concurrency << ',' << (l.spec.rate ? num(*l.spec.rate) : "") << ','
         << (l.spec.rate ? arrivals_name(l.spec.arrivals) : "") << ',' << num(l.window_seconds) << ',' << l.ok << ',' << l.failed
@@ -290,7 +307,10 @@ std::string report_csv(const RunReport& run) {
     out << ',' << (l.spec.rate ? std::to_string(l.late_starts) : "") << ',' << (l.spec.rate ? opt_ms(l.lag, &Summary::p99) : "")
         << ',' << l.verified << ',' << l.mismatches << ',' << num(l.max_verify_error) << ',' << num(l.cpu.process_cores) << ','
         << num(l.cpu.max_thread_core) << ',' << (l.cpu.machine_busy >= 0 ? num(l.cpu.machine_busy) : "") << ','
-        << (l.cpu.client_bound ? "true" : "false") << "\n";
+        << (l.cpu.client_bound ? "true" : "false");
+    for (const Summary* s : {&l.forward, &l.backward})
+      for (double Summary::*f : {&Summary::avg, &Summary::p50, &Summary::p99}) out << ',' << opt_ms(*s, f);
+    out << "\n";
   }
   return out.str();
 }

@@ -7,6 +7,10 @@
 // of --shm-dir instead of over the socket, registered as a region for the
 // call, and the server writes out and lse there; the file and the region
 // are removed afterwards.
+// With --dout --dq --dk --dv it also runs the backward on the server (SPEC
+// section 8): the forward keeps its context there (keep_context), and the
+// backward sends only dout (AttendBackward by context id), so q, k and v
+// go up once; dq, dk, dv are those plsh compute --dout writes.
 #include <grpcpp/grpcpp.h>
 
 #include <cerrno>
@@ -15,6 +19,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "cli/commands.h"
@@ -22,6 +27,7 @@
 #include "cli/flags.h"
 #include "cli/meta_json.h"
 #include "cli/npy.h"
+#include "cli/shard_flags.h"
 #include "plsh/client.h"
 #include "plsh/numeric.h"
 #include "plsh/shared_memory.h"
@@ -32,11 +38,13 @@ namespace {
 struct AttendArgs {
   AttentionCliArgs attention;
   OutputCliArgs outputs;
+  BackwardCliArgs backward;
   std::string target = "127.0.0.1:50051";
   client::ChannelOptions channel;  // TLS and the bearer token
   std::string wire_dtype;    // f32 | f16 | bf16; empty: the inputs' dtype
   int64_t chunk_bytes = 0;   // 0: the largest the server allows
   double deadline = 0;       // seconds; 0: none
+  ShardCliArgs sharding;     // --shards, --shard-by: with a list of targets
   bool shm = false;          // tensors through a shared-memory file instead of the socket
   std::string shm_dir = "/dev/shm";  // the server's --shm-dir, as this process sees it
 };
@@ -130,14 +138,42 @@ int attend(const AttendArgs& args) {
     return report_error("attend", invalid_argument("--threads = " + std::to_string(args.attention.threads) +
                                                    ", expected 0: the server's own --threads decides"));
   if (Status s = check_output_paths(args.outputs); !s.ok()) return report_error("attend", s);
+  StatusOr<std::optional<DType>> grad_dtype_flag = check_backward_args(args.backward, args.attention.bf16_bits);
+  if (!grad_dtype_flag.ok()) return report_error("attend", grad_dtype_flag.status());
   StatusOr<AttentionInputs> loaded = load_attention_inputs(args.attention);
   if (!loaded.ok()) return report_error("attend", loaded.status());
   AttentionInputs& in = *loaded;
-  const double load_seconds = seconds_since(t_start);
 
   // The output keeps the files' dtype unless asked otherwise, as compute's does.
   const DType file_dtype = in.options.dtype;
   if (!in.options.out_dtype) in.options.out_dtype = file_dtype;
+  // dout, checked before anything is sent: out's shape and dtype.
+  const bool backward = args.backward.requested();
+  NpyArray dout;
+  if (backward) {
+    StatusOr<NpyArray> read = read_npy(args.backward.dout_path, NpyReadOptions{args.attention.bf16_bits});
+    if (!read.ok()) return report_error("attend", read.status());
+    dout = std::move(read).value();
+    const std::vector<int64_t> want = output_shape(in.options, in.batched);
+    if (dout.shape != want)
+      return report_error("attend", invalid_argument(args.backward.dout_path + ": dout shape " + shape_string(dout.shape) +
+                                                     ", expected the shape of out " + shape_string(want)));
+    if (dout.dtype != *in.options.out_dtype)
+      return report_error("attend", invalid_argument(args.backward.dout_path + ": dout dtype " + dtype_name(dout.dtype) +
+                                                     ", expected the dtype of out (" +
+                                                     dtype_name(*in.options.out_dtype) + ")"));
+  }
+  if (args.shm && wants_sharding(args.target, args.sharding))
+    return report_error("attend", invalid_argument("--shm with a list of targets or --shards: shared memory is one "
+                                                   "host's, expected one --target with --shm"));
+  if (args.shm && backward)
+    return report_error("attend", invalid_argument("--shm with --dout: a kept context holds its own copies of the "
+                                                   "tensors, expected no --shm for a backward"));
+  if (backward && wants_sharding(args.target, args.sharding))
+    return report_error("attend", invalid_argument("--dout with a list of targets or --shards: a kept context lives on one "
+                                                   "replica, expected one --target for a backward"));
+  const DType grad_dtype = grad_dtype_flag->value_or(file_dtype);
+  const double load_seconds = seconds_since(t_start);
   DType wire = file_dtype;
   if (!args.wire_dtype.empty()) {
     StatusOr<DType> parsed = parse_dtype(args.wire_dtype);
@@ -166,18 +202,51 @@ int attend(const AttendArgs& args) {
   call.backend = args.attention.backend;
   call.chunk_bytes = args.chunk_bytes;
   call.deadline_seconds = args.deadline;
+  call.keep_context = backward;
 
-  std::unique_ptr<client::Client> c;
-  if (const grpc::Status s = client::Client::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
   client::AttendReply reply;
+  std::optional<client::ShardingSummary> sharding;  // with a list of targets (plsh/sharding.h)
   const auto t_call = std::chrono::steady_clock::now();
+  grpc::Status status;
+  std::unique_ptr<client::Client> c;  // unsharded: the backward goes where its context is
   std::unique_ptr<SharedCall> shared;
-  if (args.shm) {
-    if (const grpc::Status s = SharedCall::setup(*c, args.shm_dir, &call, &shared); !s.ok()) return report_rpc_error(s);
+  if (wants_sharding(args.target, args.sharding)) {
+    std::unique_ptr<client::ShardedClient> sharded_client;
+    if (const grpc::Status s = client::ShardedClient::connect(args.target, args.channel, &sharded_client); !s.ok())
+      return report_rpc_error(s);
+    client::ShardedReply sharded;
+    status = sharded_client->attend(call, sharding_options(args.sharding), &sharded);
+    reply = std::move(sharded.reply);
+    sharding = std::move(sharded.sharding);
+  } else {
+    if (const grpc::Status s = client::Client::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
+    if (args.shm) {
+      if (const grpc::Status s = SharedCall::setup(*c, args.shm_dir, &call, &shared); !s.ok()) return report_rpc_error(s);
+    }
+    status = c->attend(call, &reply);
   }
-  const grpc::Status status = c->attend(call, &reply);
   const double call_seconds = seconds_since(t_call);
   if (!status.ok()) return report_rpc_error(status);
+
+  // The backward on the kept context: only dout goes up.
+  client::BackwardReply grads;
+  double backward_seconds = 0;
+  if (backward) {
+    client::BackwardCall bw;
+    bw.options = call.options;
+    bw.context_id = reply.context_id;
+    bw.dout = dout.ptr();
+    bw.grad_dtype = grad_dtype;
+    bw.chunk_bytes = args.chunk_bytes;
+    bw.deadline_seconds = args.deadline;
+    const auto t_backward = std::chrono::steady_clock::now();
+    const grpc::Status s = c->backward(bw, &grads);
+    backward_seconds = seconds_since(t_backward);
+    if (!s.ok()) {
+      c->release_context(reply.context_id);  // a failed backward leaves it; nothing else will use it
+      return report_rpc_error(s);
+    }
+  }
 
   const auto t_save = std::chrono::steady_clock::now();
   const AttentionOptions& o = in.options;
@@ -185,6 +254,14 @@ int attend(const AttendArgs& args) {
   const float* lse = shared ? shared->lse() : reply.lse.data();
   Status saved = write_npy(args.outputs.out_path, reply.out_dtype, output_shape(o, in.batched), out);
   if (saved.ok() && call.return_lse) saved = write_npy(args.outputs.lse_path, DType::kF32, lse_shape(o, in.batched), lse);
+  if (saved.ok() && backward) {
+    const auto t_grads = std::chrono::steady_clock::now();
+    saved = write_npy(args.backward.dq_path, grad_dtype, output_shape(o, in.batched), grads.dq.data());
+    if (saved.ok()) saved = write_npy(args.backward.dk_path, grad_dtype, kv_shape(o, in.batched), grads.dk.data());
+    if (saved.ok()) saved = write_npy(args.backward.dv_path, grad_dtype, kv_shape(o, in.batched), grads.dv.data());
+    grads.result.timings["call"] = backward_seconds;
+    grads.result.timings["save"] = seconds_since(t_grads);
+  }
   if (!saved.ok()) return report_error("attend", saved);
 
   if (!args.outputs.meta_path.empty()) {
@@ -209,6 +286,20 @@ int attend(const AttendArgs& args) {
                       {"largest_message_bytes", reply.largest_message_bytes},
                       {"sent_bytes", reply.sent_bytes},
                       {"received_bytes", reply.received_bytes}};
+    if (sharding) meta["sharding"] = sharding_json(*sharding);
+    if (backward) {
+      meta["backward"] = backward_to_json(grads.result, grad_dtype);
+      meta["backward"]["server"] = {{"request_id", grads.request_id},
+                                    {"context_id", grads.context_id},
+                                    {"timings", {{"queued", grads.timings.queued},
+                                                 {"receiving", grads.timings.receiving},
+                                                 {"computing", grads.timings.computing},
+                                                 {"sending", grads.timings.sending},
+                                                 {"total", grads.timings.total}}},
+                                    {"messages", grads.messages},
+                                    {"sent_bytes", grads.sent_bytes},
+                                    {"received_bytes", grads.received_bytes}};
+    }
     if (Status s = write_text(args.outputs.meta_path, meta.dump(2) + "\n"); !s.ok()) return report_error("attend", s);
   }
   return kExitOk;
@@ -218,7 +309,11 @@ RunFn setup_attend(CLI::App& app) {
   auto args = std::make_shared<AttendArgs>();
   add_attention_flags(app, args->attention);
   add_output_flags(app, args->outputs);
-  app.add_option("--target", args->target, "plsh-server address host:port")->capture_default_str();
+  add_backward_flags(app, args->backward);
+  app.add_option("--target", args->target,
+                 "plsh-server address host:port; a list a:1,b:2 or dns:///name:port shards the request across them")
+      ->capture_default_str();
+  add_shard_flags(app, args->sharding);
   add_connection_flags(app, args->channel);
   app.add_option("--wire-dtype", args->wire_dtype, "dtype of q, k, v on the wire: f32, f16 or bf16 (default: the files')")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));

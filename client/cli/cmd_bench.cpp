@@ -30,6 +30,7 @@
 #include "cli/commands.h"
 #include "cli/connection_flags.h"
 #include "cli/flags.h"
+#include "cli/shard_flags.h"
 #include "plsh/backend.h"
 
 namespace plsh::cli {
@@ -47,6 +48,9 @@ struct BenchArgs {
   std::string shape = "1,1024,8,8,64";
   std::string mode = mode_name(AttentionOptions{}.mode);
   int64_t samples = kDefaultSamples;
+  std::string sampling = sampling_name(kDefaultSampling);
+  double target_error = 0;          // > 0: error-targeted requests
+  bool mode_given = false;
   bool causal = false;
   std::string wire_dtype = "f32";
   int64_t window_width = 0;
@@ -55,6 +59,7 @@ struct BenchArgs {
   int64_t chunk_bytes = 0;
   double deadline = 0;
   bool unary = false;
+  bool backward = false;
   int64_t connections = 1;
   double verify = 0;
   std::optional<double> verify_tolerance;
@@ -65,6 +70,7 @@ struct BenchArgs {
   bool quiet = false;
   bool shm = false;                 // inputs and outputs in a shared-memory file (same host)
   std::string shm_dir = "/dev/shm"; // the server's --shm-dir as this process sees it
+  ShardCliArgs sharding;            // --shards, --shard-by: with a list of targets
 };
 
 // Default cap on requests in flight for --rate without --concurrency: the
@@ -203,6 +209,11 @@ Status bench(const BenchArgs& a, int* exit_code) {
   RETURN_IF_ERROR(apply_shape(a.shape, &o));
   ASSIGN_OR_RETURN(o.dtype, parse_dtype(a.wire_dtype));
   ASSIGN_OR_RETURN(o.mode, parse_mode(a.mode));
+  ASSIGN_OR_RETURN(o.sampling, parse_sampling(a.sampling));
+  if (!(a.target_error >= 0 && a.target_error <= 1))
+    return invalid_argument("target_rel_err = " + std::to_string(a.target_error) + ", expected in (0, 1] (0: no target)");
+  o.target_rel_err = a.target_error;
+  if (o.target_rel_err > 0 && !a.mode_given) o.mode = kDefaultTargetMode;
   o.samples = a.samples;
   o.seed = a.seed;
   o.causal = a.causal;
@@ -212,10 +223,14 @@ Status bench(const BenchArgs& a, int* exit_code) {
   config.chunk_bytes = a.chunk_bytes;
   config.deadline = a.deadline;
   config.unary = a.unary;
+  config.backward = a.backward;
   config.connections = static_cast<int>(a.connections);
   config.input_seed = a.seed;
   config.verify_fraction = a.verify;
   config.verify_tolerance = a.verify_tolerance;
+  config.shard = wants_sharding(a.target, a.sharding);
+  config.sharding = sharding_options(a.sharding);
+  if (config.shard && a.unary) return invalid_argument("unary: AttendUnary sends one request whole, expected no --unary with --shards or a list of targets");
 
   std::vector<bench::LevelSpec> levels;
   bench::LevelSpec base;
@@ -286,12 +301,14 @@ Status bench(const BenchArgs& a, int* exit_code) {
   run.config = {{"shape", {{"batch", o.batch}, {"n", o.q_len}, {"heads", o.heads}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim}}},
                 {"mode", mode_name(o.mode)},
                 {"samples", o.samples},
+                {"sampling", sampling_name(o.sampling)},
+                {"target_rel_err", o.target_rel_err},
                 {"causal", o.causal},
                 {"wire_dtype", dtype_name(o.dtype)},
                 {"window_width", o.window_width},
                 {"estimates", o.estimates},
                 {"backend", a.backend},
-                {"rpc", a.unary ? "AttendUnary" : "Attend"},
+                {"rpc", a.unary ? "AttendUnary" : a.backward ? "Attend+AttendBackward" : "Attend"},
                 {"chunk_bytes", a.chunk_bytes},
                 {"deadline_s", a.deadline},
                 {"connections", a.connections},
@@ -301,6 +318,8 @@ Status bench(const BenchArgs& a, int* exit_code) {
                 {"duration_s", base.duration > 0 ? nlohmann::ordered_json(base.duration) : nlohmann::ordered_json(nullptr)},
                 {"requests", base.requests > 0 ? nlohmann::ordered_json(base.requests) : nlohmann::ordered_json(nullptr)},
                 {"warmup_s", a.warmup}};
+  if (config.shard)
+    run.config["sharding"] = {{"shards", a.sharding.shards}, {"by", a.sharding.by}};
   run.server = server_json(load->server_info());
   run.client = {{"host", host_name()},
                 {"cores", bench::usable_cores()},
@@ -360,7 +379,10 @@ Status bench(const BenchArgs& a, int* exit_code) {
 
 RunFn setup_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
-  app.add_option("--target", a->target, "plsh-server address host:port")->capture_default_str();
+  app.add_option("--target", a->target,
+                 "plsh-server address host:port; a list a:1,b:2 or dns:///name:port shards each request across them")
+      ->capture_default_str();
+  add_shard_flags(app, a->sharding);
   add_connection_flags(app, a->channel);
   app.add_option("--concurrency", a->concurrency,
                  "requests in flight (closed loop), one value or a sweep '1,2,4,8'; with --rate: the most in flight "
@@ -374,8 +396,14 @@ RunFn setup_bench(CLI::App& app) {
   app.add_option("--warmup", a->warmup, "seconds of the same load before each level is measured")->capture_default_str();
   app.add_option("--shape", a->shape, "B,N,H,Hkv,D: batch, sequence length (q and kv), heads, kv heads, head dim")
       ->capture_default_str();
-  app.add_option("--mode", a->mode, "exact, lsh or window")->capture_default_str();
+  app.add_option("--mode", a->mode, "exact, lsh or window (with --target-error and no --mode: window)")
+      ->capture_default_str()
+      ->each([a](const std::string&) { a->mode_given = true; });
   app.add_option("--samples", a->samples, "lsh: hashes per head")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--sampling", a->sampling, "lsh: iid, stratified or ash")->capture_default_str();
+  app.add_option("--target-error", a->target_error,
+                 "error-targeted requests: the relative error each must stay under (0: off)")
+      ->capture_default_str();
   app.add_flag("--causal", a->causal, "causal attention");
   app.add_option("--wire-dtype", a->wire_dtype, "dtype of q, k, v and out on the wire: f32, f16 or bf16")->capture_default_str();
   app.add_option("--window-width", a->window_width, "window: one width for every head (0: from the server's eps)")
@@ -388,6 +416,9 @@ RunFn setup_bench(CLI::App& app) {
       ->transform(decimal_integer(true));
   app.add_option("--deadline", a->deadline, "seconds per request (0: none)")->capture_default_str();
   app.add_flag("--unary", a->unary, "send AttendUnary (one message each way) instead of the Attend stream");
+  app.add_flag("--backward", a->backward,
+               "each request a training step: a forward that keeps its context, then its backward by context id "
+               "(dout ~ N(0, 1)); latency percentiles per call and per step");
   app.add_option("--connections", a->connections, "gRPC channels (TCP connections) the workers share")
       ->capture_default_str()
       ->transform(decimal_integer(true));

@@ -1,11 +1,14 @@
 // plsh compute: one attention request on .npy files, in this process, on
 // the best local backend. The offline twin of `plsh attend` (same flags),
 // and the way to produce reference outputs and metadata for a server's.
+// With --dout --dq --dk --dv it also runs the backward pass (SPEC section
+// 8) on the same plan: the gradients of the forward it just computed.
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "cli/commands.h"
@@ -14,6 +17,7 @@
 #include "cli/npy.h"
 #include "plsh/attention.h"
 #include "plsh/backend.h"
+#include "plsh/backward.h"
 
 namespace plsh::cli {
 namespace {
@@ -31,10 +35,29 @@ Status write_text(const std::string& path, const std::string& text) {
   return Status::Ok();
 }
 
-Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs) {
+// dout's file against what the forward writes: out's shape and dtype.
+Status check_dout(const NpyArray& dout, const std::string& path, const AttentionOptions& o, bool batched) {
+  const std::vector<int64_t> want = output_shape(o, batched);
+  if (dout.shape != want)
+    return invalid_argument(path + ": dout shape " + shape_string(dout.shape) + ", expected the shape of out " +
+                            shape_string(want));
+  const DType out_dtype = o.out_dtype.value_or(o.dtype);
+  if (dout.dtype != out_dtype)
+    return invalid_argument(path + ": dout dtype " + dtype_name(dout.dtype) + ", expected the dtype of out (" +
+                            dtype_name(out_dtype) + ")");
+  return Status::Ok();
+}
+
+Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs, const BackwardCliArgs& backward) {
   const auto t_start = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(check_output_paths(outputs));
+  ASSIGN_OR_RETURN(const std::optional<DType> grad_dtype_flag, check_backward_args(backward, args.bf16_bits));
   ASSIGN_OR_RETURN(AttentionInputs in, load_attention_inputs(args));
+  NpyArray dout;
+  if (backward.requested()) {
+    ASSIGN_OR_RETURN(dout, read_npy(backward.dout_path, NpyReadOptions{args.bf16_bits}));
+    RETURN_IF_ERROR(check_dout(dout, backward.dout_path, in.options, in.batched));
+  }
   const double load_seconds = seconds_since(t_start);
 
   const AttentionOptions& o = in.options;
@@ -50,20 +73,50 @@ Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs) {
   t.out = out.data();
   t.lse = lse.empty() ? nullptr : lse.data();
   ASSIGN_OR_RETURN(const AttentionParams params, make_params(o, t));
-  ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().select(args.backend, params));
+  ASSIGN_OR_RETURN(Backend * backend, BackendRegistry::global().select(args.backend, params, backward.requested()));
   PlanLimits limits;
   limits.threads = static_cast<int>(args.threads);
-  ASSIGN_OR_RETURN(AttentionResult result, run_attention(*backend, params, limits, ExecContext{}));
+
+  // The backward's buffers: dq like q, dk and dv like k, in the gradients' dtype.
+  const DType grad_dtype = grad_dtype_flag.value_or(o.dtype);
+  std::vector<uint8_t> dq, dk, dv;
+  AttentionResult result;
+  std::optional<BackwardResult> backward_result;
+  if (backward.requested()) {
+    const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
+    dq.resize(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(grad_dtype));
+    dk.resize(static_cast<size_t>(o.batch * o.kv_len * kv_heads * o.head_dim) * dtype_bytes(grad_dtype));
+    dv.resize(dk.size());
+    GradientRefs grads;
+    grads.dout = dout.ptr();
+    grads.dq = dq.data();
+    grads.dk = dk.data();
+    grads.dv = dv.data();
+    grads.grad_dtype = grad_dtype;
+    ASSIGN_OR_RETURN(ForwardBackwardResult both, run_forward_backward(*backend, params, limits, grads, ExecContext{}));
+    result = std::move(both.forward);
+    backward_result = std::move(both.backward);
+  } else {
+    ASSIGN_OR_RETURN(result, run_attention(*backend, params, limits, ExecContext{}));
+  }
 
   const auto t_save = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(write_npy(outputs.out_path, out_dtype, output_shape(o, in.batched), out.data()));
   if (!lse.empty()) RETURN_IF_ERROR(write_npy(outputs.lse_path, DType::kF32, lse_shape(o, in.batched), lse.data()));
   result.timings["load"] = load_seconds;
   result.timings["save"] = seconds_since(t_save);  // out and lse; the metadata file itself comes after
+  if (backward_result) {
+    const auto t_grads = std::chrono::steady_clock::now();
+    RETURN_IF_ERROR(write_npy(backward.dq_path, grad_dtype, output_shape(o, in.batched), dq.data()));
+    RETURN_IF_ERROR(write_npy(backward.dk_path, grad_dtype, kv_shape(o, in.batched), dk.data()));
+    RETURN_IF_ERROR(write_npy(backward.dv_path, grad_dtype, kv_shape(o, in.batched), dv.data()));
+    backward_result->timings["save"] = seconds_since(t_grads);
+  }
 
   if (!outputs.meta_path.empty()) {
     nlohmann::ordered_json meta = result_to_json(result);
     add_params_json(o, result, in.batched, &meta);
+    if (backward_result) meta["backward"] = backward_to_json(*backward_result, grad_dtype);
     RETURN_IF_ERROR(write_text(outputs.meta_path, meta.dump(2) + "\n"));
   }
   return Status::Ok();
@@ -72,14 +125,16 @@ Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs) {
 struct ComputeArgs {
   AttentionCliArgs attention;
   OutputCliArgs outputs;
+  BackwardCliArgs backward;
 };
 
 RunFn setup_compute(CLI::App& app) {
   auto args = std::make_shared<ComputeArgs>();
   add_attention_flags(app, args->attention);
   add_output_flags(app, args->outputs);
+  add_backward_flags(app, args->backward);
   return [args] {
-    const Status s = compute(args->attention, args->outputs);
+    const Status s = compute(args->attention, args->outputs, args->backward);
     return s.ok() ? kExitOk : report_error("compute", s);
   };
 }
@@ -87,5 +142,5 @@ RunFn setup_compute(CLI::App& app) {
 }  // namespace
 }  // namespace plsh::cli
 
-PLSH_REGISTER_COMMAND(compute, "Run attention on .npy files in this process (exact, lsh or window)",
+PLSH_REGISTER_COMMAND(compute, "Run attention (and with --dout its backward) on .npy files in this process",
                       plsh::cli::setup_compute);

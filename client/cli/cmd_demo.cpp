@@ -1,9 +1,10 @@
 // plsh demo: what a first-time user runs (scripts/dev.sh run, the README's
-// first command). Random q, k, v; exact, window and lsh attention in this
-// process; one table row per mode with the time, the true error against
-// exact, the error estimates the library reports without knowing the truth,
-// and the FLOPs against dense attention. Seeing the estimates next to the
-// true errors is the point: on real inputs only the estimates exist.
+// first command). Random q, k, v; exact, window, lsh (iid and ash draws) and
+// an error-targeted request in this process; one table row per run with the
+// time, the true error against exact, the error estimates the library
+// reports without knowing the truth (with the probe's upper bound), and the
+// FLOPs against dense attention. Seeing the estimates next to the true
+// errors is the point: on real inputs only the estimates exist.
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -31,6 +32,7 @@ struct DemoArgs {
   std::string backend = "auto";
   int64_t threads = 0;
   bool per_head = false;
+  double target_error = 1e-2;  // the error-targeted row's target (0: no such row)
 };
 
 // N(0, 1) floats from a counter-based generator (SPEC's mix64 and a
@@ -66,7 +68,7 @@ struct ModeRun {
   std::vector<float> out;  // [1, n, H, D]
 };
 
-AttentionOptions demo_options(const DemoArgs& a, Mode mode) {
+AttentionOptions demo_options(const DemoArgs& a, Mode mode, Sampling sampling = Sampling::kIid, double target = 0) {
   AttentionOptions o;
   o.q_len = o.kv_len = a.n;
   o.heads = o.kv_heads = a.heads;
@@ -76,12 +78,14 @@ AttentionOptions demo_options(const DemoArgs& a, Mode mode) {
   o.samples = a.samples;
   o.seed = a.seed;
   o.window_eps = a.window_eps;
+  o.sampling = sampling;
+  o.target_rel_err = target;
   return o;
 }
 
 StatusOr<ModeRun> run_mode(const DemoArgs& a, Mode mode, const std::vector<float>& q, const std::vector<float>& k,
-                           const std::vector<float>& v) {
-  const AttentionOptions o = demo_options(a, mode);
+                           const std::vector<float>& v, Sampling sampling = Sampling::kIid, double target = 0) {
+  const AttentionOptions o = demo_options(a, mode, sampling, target);
   ModeRun run;
   run.out.resize(q.size());
   TensorRefs t;
@@ -126,6 +130,7 @@ void print_per_head(const AttentionResult& r) {
 Status demo(const DemoArgs& a) {
   // Sizes and options first, before allocating anything of their size.
   for (Mode mode : {Mode::kWindow, Mode::kLsh}) RETURN_IF_ERROR(validate_options(demo_options(a, mode)));
+  if (a.target_error != 0) RETURN_IF_ERROR(validate_options(demo_options(a, kDefaultTargetMode, Sampling::kIid, a.target_error)));
   RETURN_IF_ERROR(check_backend_name(a.backend));
   if (a.threads < 0) return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
   const int64_t count = a.n * a.heads * a.head_dim;
@@ -136,30 +141,55 @@ Status demo(const DemoArgs& a) {
   ASSIGN_OR_RETURN(ModeRun exact, run_mode(a, Mode::kExact, q, k, v));
   ASSIGN_OR_RETURN(ModeRun window, run_mode(a, Mode::kWindow, q, k, v));
   ASSIGN_OR_RETURN(ModeRun lsh, run_mode(a, Mode::kLsh, q, k, v));
+  ASSIGN_OR_RETURN(ModeRun ash, run_mode(a, Mode::kLsh, q, k, v, Sampling::kAsh));
+  ModeRun targeted;
+  if (a.target_error != 0) {
+    ASSIGN_OR_RETURN(targeted, run_mode(a, kDefaultTargetMode, q, k, v, Sampling::kIid, a.target_error));
+  }
 
   std::printf("plsh demo: q, k, v ~ N(0, 1), n = %" PRId64 ", heads = %" PRId64 ", head_dim = %" PRId64
               ", %s, standard ALiBi slopes, seed %" PRIu64 "\n",
               a.n, a.heads, a.head_dim, a.causal ? "causal" : "not causal", a.seed);
   std::printf("backend: %s (%s)\n\n", exact.result.backend.c_str(), exact.result.device.c_str());
-  std::printf("%-7s %-8s %-10s %-12s %-15s %-12s %-12s %-22s %s\n", "mode", "samples", "compute s", "estimates s",
-              "rel L2 vs exact", "mask max", "spectral", "probe rel err", "FLOPs/dense");
-  const ModeRun* runs[] = {&exact, &window, &lsh};
-  for (const ModeRun* run : runs) {
+  std::printf("%-16s %-8s %-10s %-12s %-15s %-12s %-12s %-22s %-12s %s\n", "run", "samples", "compute s",
+              "estimates s", "rel L2 vs exact", "mask max", "spectral", "probe rel err", "probe upper", "FLOPs/dense");
+  const std::string target_name = "target " + sci(a.target_error);
+  const std::pair<const ModeRun*, std::string> runs[] = {
+      {&exact, "exact"}, {&window, "window"}, {&lsh, "lsh iid"}, {&ash, "lsh ash"}, {&targeted, target_name}};
+  for (const auto& [run, name] : runs) {
+    if (run == &targeted && a.target_error == 0) continue;
     const AttentionResult& r = run->result;
     const bool approx = r.mode != Mode::kExact;
     const std::string samples = r.mode == Mode::kLsh ? std::to_string(r.samples) : "-";
     const std::string probe = approx ? sci(r.probe.rel_err) + " +- " + sci(r.probe.rel_err_stderr) : "-";
     char estimates_s[32] = "-";
     if (approx) std::snprintf(estimates_s, sizeof estimates_s, "%.3f", timing(r, "estimates"));
-    std::printf("%-7s %-8s %-10.3f %-12s %-15s %-12s %-12s %-22s %.3f\n", mode_name(r.mode), samples.c_str(),
+    std::printf("%-16s %-8s %-10.3f %-12s %-15s %-12s %-12s %-22s %-12s %.3f\n", name.c_str(), samples.c_str(),
                 timing(r, "compute"), estimates_s, sci(rel_l2(run->out, exact.out)).c_str(),
                 approx ? sci(r.mask_max_err).c_str() : "-", approx ? sci(r.mask_spectral_err).c_str() : "-",
-                probe.c_str(), r.dense_flops > 0 ? r.flops / r.dense_flops : 0.0);
+                probe.c_str(), approx ? sci(r.probe.rel_err_upper).c_str() : "-",
+                r.dense_flops > 0 ? r.flops / r.dense_flops : 0.0);
+  }
+  if (a.target_error != 0) {
+    const TargetReport& t = targeted.result.target;
+    std::printf("\n%s: the library tried, cheapest first, and kept the first whose probe upper bound met it:\n",
+                target_name.c_str());
+    for (size_t i = 0; i < t.attempts.size(); ++i) {
+      const TargetAttempt& at = t.attempts[i];
+      std::string what = mode_name(at.mode);
+      if (at.mode == Mode::kWindow) what += " eps " + sci(std::exp(-at.window_scale)) + " (W <= " + std::to_string(at.window_max) + ")";
+      if (at.mode == Mode::kLsh) what += " s " + std::to_string(at.samples);
+      std::printf("  %s%-34s probe %s, upper %s, %.2f GFLOP, %.3f s%s\n", static_cast<int64_t>(i) == t.chosen ? "* " : "  ",
+                  what.c_str(), sci(at.rel_err).c_str(), sci(at.rel_err_upper).c_str(), at.flops / 1e9, at.seconds,
+                  at.met ? "  <= target" : "");
+    }
   }
   std::printf(
       "\nrel L2 vs exact: the true error, known here only because exact ran too. mask max, spectral and\n"
       "probe are what every lsh/window result carries (plsh compute --meta): max |L* - M~|, ~||L* - M~||_2,\n"
-      "and the error on a seeded sample of rows computed exactly.\n");
+      "the error on a seeded sample of rows computed exactly, and its upper bound for the whole output\n"
+      "(coverage measured in bench/RESULTS.md). lsh ash: the same s with stratified pitches and systematic\n"
+      "shifts (--sampling ash). target: plsh compute --target-error picks the cheapest window that promises it.\n");
   if (a.per_head) {
     std::printf("\nwindow, per head:\n");
     print_per_head(window.result);
@@ -182,6 +212,8 @@ RunFn setup_demo(CLI::App& app) {
   app.add_option("--backend", a->backend, backend_names_text())->capture_default_str();
   app.add_option("--threads", a->threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));
   app.add_flag("--per-head", a->per_head, "also print the estimates of every head");
+  app.add_option("--target-error", a->target_error, "the error-targeted row's target (0: leave the row out)")
+      ->capture_default_str();
   return [a] {
     const Status s = demo(*a);
     return s.ok() ? kExitOk : report_error("demo", s);

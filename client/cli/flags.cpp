@@ -75,7 +75,9 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_flag("--bf16-bits", a.bf16_bits,
                "read '<u2' (uint16) arrays as bfloat16 bit patterns, and write bf16 outputs the same way");
 
-  app.add_option("--mode", a.mode, "exact, lsh or window")->capture_default_str();
+  app.add_option("--mode", a.mode, "exact, lsh or window (with --target-error and no --mode: window)")
+      ->capture_default_str()
+      ->each([&a](const std::string&) { a.mode_given = true; });
   app.add_option("--samples", a.samples, "lsh: hashes per head (s)")->capture_default_str()->transform(decimal_integer(true));
   app.add_option("--seed", a.seed, "lsh: seed of the hash draws (uint64)")->capture_default_str()->transform(decimal_integer(false));
   app.add_flag("--causal", a.causal, "mask keys after the query's position");
@@ -83,6 +85,13 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_option_function<double>(
       "--scale", [&a](const double& v) { a.scale = v; }, "softmax scale (default 1/sqrt(D))");
   app.add_option("--lsh-algorithm", a.lsh_algorithm, "auto, per_sample or banded")->capture_default_str();
+  app.add_option("--sampling", a.sampling,
+                 "lsh: how a head's hashes depend on each other: iid, stratified or ash (SPEC 5; README)")
+      ->capture_default_str();
+  app.add_option("--target-error", a.target_error,
+                 "relative L2 error to promise (0: off): the cheapest configuration of --mode (window widths, "
+                 "lsh samples) whose probe upper bound is under it, else exact")
+      ->capture_default_str();
   app.add_option("--window-eps", a.window_eps, "window: W_h = ceil(sigma_h ln(1/eps))")->capture_default_str();
   app.add_option("--window-width", a.window_width, "window: one width W for every head (0: from --window-eps)")
       ->capture_default_str()
@@ -109,6 +118,42 @@ void add_output_flags(CLI::App& app, OutputCliArgs& a) {
   app.add_option("--meta", a.meta_path, "metadata and error estimates, JSON");
 }
 
+void add_backward_flags(CLI::App& app, BackwardCliArgs& a) {
+  app.add_option("--dout", a.dout_path,
+                 "backward: dLoss/dout, .npy shaped like --out and of its dtype; with --dq --dk --dv");
+  app.add_option("--dq", a.dq_path, "backward: dLoss/dq, .npy [B, Nq, H, D] (or [Nq, H, D])");
+  app.add_option("--dk", a.dk_path, "backward: dLoss/dk, .npy [B, Nk, Hkv, D], summed over each kv head's query heads");
+  app.add_option("--dv", a.dv_path, "backward: dLoss/dv, .npy [B, Nk, Hkv, D], summed likewise");
+  app.add_option("--grad-dtype", a.grad_dtype, "backward: f32, f16 or bf16 for dq, dk, dv (default: the inputs' dtype)");
+}
+
+StatusOr<std::optional<DType>> check_backward_args(const BackwardCliArgs& a, bool bf16_bits) {
+  const std::pair<const char*, const std::string*> flags[] = {
+      {"--dout", &a.dout_path}, {"--dq", &a.dq_path}, {"--dk", &a.dk_path}, {"--dv", &a.dv_path}};
+  if (!a.requested()) {
+    if (!a.grad_dtype.empty())
+      return invalid_argument("--grad-dtype = '" + a.grad_dtype + "' without the backward, expected it with --dout, "
+                              "--dq, --dk and --dv");
+    return std::optional<DType>{};
+  }
+  std::string missing, given;
+  for (const auto& [flag, path] : flags) {
+    std::string& into = path->empty() ? missing : given;
+    into += (into.empty() ? "" : ", ") + std::string(flag);
+  }
+  if (!missing.empty())
+    return invalid_argument("the backward needs --dout, --dq, --dk and --dv together: " + given + " given, " + missing +
+                            " missing");
+  for (const auto& [flag, path] : flags)
+    if (path != &a.dout_path) RETURN_IF_ERROR(check_output_path(flag + 2, *path));
+  if (a.grad_dtype.empty()) return std::optional<DType>{};
+  StatusOr<DType> t = parse_dtype(a.grad_dtype);
+  if (!t.ok()) return invalid_argument("grad_" + t.status().message());
+  if (*t == DType::kBF16 && !bf16_bits)
+    return invalid_argument("grad_dtype = bf16 needs --bf16-bits (.npy has no bfloat16; it is written as '<u2' bit patterns)");
+  return std::optional<DType>{*t};
+}
+
 StatusOr<std::vector<double>> parse_slopes(const std::string& text) {
   std::vector<double> slopes;
   size_t start = 0;
@@ -131,6 +176,11 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
   AttentionOptions o;
   ASSIGN_OR_RETURN(o.mode, parse_mode(a.mode));
   ASSIGN_OR_RETURN(o.lsh_algorithm, parse_lsh_algorithm(a.lsh_algorithm));
+  ASSIGN_OR_RETURN(o.sampling, parse_sampling(a.sampling));
+  if (!std::isfinite(a.target_error))
+    return invalid_argument("target_rel_err = " + str(a.target_error) + ", expected in (0, 1] (0: no target)");
+  o.target_rel_err = a.target_error;
+  if (o.target_rel_err > 0 && !a.mode_given) o.mode = kDefaultTargetMode;
   o.samples = a.samples;
   o.seed = a.seed;
   o.causal = a.causal;
@@ -158,23 +208,25 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
   return o;
 }
 
-Status check_output_paths(const OutputCliArgs& a) {
-  const std::pair<const char*, const std::string*> outputs[] = {
-      {"out", &a.out_path}, {"lse", &a.lse_path}, {"meta", &a.meta_path}};
-  for (const auto& [flag, path] : outputs) {
-    if (path->empty()) continue;
-    std::filesystem::path dir = std::filesystem::path(*path).parent_path();
-    if (dir.empty()) dir = ".";
-    std::error_code ec;
-    if (!std::filesystem::is_directory(dir, ec))
-      return invalid_argument(std::string(flag) + " = '" + *path + "': directory '" + dir.string() + "' does not exist");
-    if (access(dir.c_str(), W_OK) != 0)
-      return invalid_argument(std::string(flag) + " = '" + *path + "': directory '" + dir.string() +
-                              "' is not writable: " + std::strerror(errno));
-    if (std::filesystem::is_directory(*path, ec))
-      return invalid_argument(std::string(flag) + " = '" + *path + "' is a directory, expected a file name");
-  }
+Status check_output_path(const char* flag, const std::string& path) {
+  if (path.empty()) return Status::Ok();
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    return invalid_argument(std::string(flag) + " = '" + path + "': directory '" + dir.string() + "' does not exist");
+  if (access(dir.c_str(), W_OK) != 0)
+    return invalid_argument(std::string(flag) + " = '" + path + "': directory '" + dir.string() +
+                            "' is not writable: " + std::strerror(errno));
+  if (std::filesystem::is_directory(path, ec))
+    return invalid_argument(std::string(flag) + " = '" + path + "' is a directory, expected a file name");
   return Status::Ok();
+}
+
+Status check_output_paths(const OutputCliArgs& a) {
+  RETURN_IF_ERROR(check_output_path("out", a.out_path));
+  RETURN_IF_ERROR(check_output_path("lse", a.lse_path));
+  return check_output_path("meta", a.meta_path);
 }
 
 Status apply_shapes(const NpyArray& q, const NpyArray& k, const NpyArray& v, const std::string& q_name,
@@ -230,6 +282,12 @@ StatusOr<AttentionInputs> load_attention_inputs(const AttentionCliArgs& a) {
 std::vector<int64_t> output_shape(const AttentionOptions& o, bool batched) {
   if (batched) return {o.batch, o.q_len, o.heads, o.head_dim};
   return {o.q_len, o.heads, o.head_dim};
+}
+
+std::vector<int64_t> kv_shape(const AttentionOptions& o, bool batched) {
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
+  if (batched) return {o.batch, o.kv_len, kv_heads, o.head_dim};
+  return {o.kv_len, kv_heads, o.head_dim};
 }
 
 std::vector<int64_t> lse_shape(const AttentionOptions& o, bool batched) {

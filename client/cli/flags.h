@@ -30,6 +30,9 @@ struct AttentionCliArgs {
   std::string slopes;                   // "a,b,..." one per query head; empty: standard ALiBi slopes
   std::optional<double> scale;          // default 1/sqrt(D)
   std::string lsh_algorithm = lsh_algorithm_name(AttentionOptions{}.lsh_algorithm);  // auto | per_sample | banded
+  std::string sampling = sampling_name(kDefaultSampling);  // lsh: iid | stratified | ash
+  double target_error = 0;              // > 0: error-targeted request (target_rel_err)
+  bool mode_given = false;              // --mode was on the command line (a target without it searches windows)
   double window_eps = kDefaultWindowEps;  // window: W_h = ceil(sigma_h ln(1/eps))
   int64_t window_width = 0;             // window: one W for all heads; 0: from window_eps
   std::optional<int64_t> q_pos0;        // default Nk - Nq
@@ -49,6 +52,20 @@ struct OutputCliArgs {
   std::string meta_path;  // optional JSON metadata and estimates
 };
 
+// The backward pass (plsh compute only): dout in, dq, dk, dv out; the
+// four together or none.
+struct BackwardCliArgs {
+  std::string dout_path;   // .npy, [B, Nq, H, D] (or [Nq, H, D]), the dtype of out
+  std::string dq_path;     // .npy, [B, Nq, H, D] (or [Nq, H, D])
+  std::string dk_path;     // .npy, [B, Nk, Hkv, D] (or [Nk, Hkv, D])
+  std::string dv_path;     // .npy, [B, Nk, Hkv, D] (or [Nk, Hkv, D])
+  std::string grad_dtype;  // f32 | f16 | bf16; empty: the inputs' dtype
+
+  bool requested() const {
+    return !dout_path.empty() || !dq_path.empty() || !dk_path.empty() || !dv_path.empty();
+  }
+};
+
 // An integer flag's transform: base 10 only (CLI11 alone would read "010"
 // as octal), with 0x hex allowed for unsigned values (seeds).
 CLI::Validator decimal_integer(bool allow_negative);
@@ -58,6 +75,14 @@ CLI::Validator decimal_integer(bool allow_negative);
 void add_attention_flags(CLI::App& app, AttentionCliArgs& args);
 // --out (required) --lse --meta.
 void add_output_flags(CLI::App& app, OutputCliArgs& args);
+// --dout --dq --dk --dv --grad-dtype.
+void add_backward_flags(CLI::App& app, BackwardCliArgs& args);
+
+// The backward flags come as a set (all four paths or none; --grad-dtype
+// only with them, bf16 only with --bf16-bits), their directories exist and
+// are writable; INVALID_ARGUMENT naming the flags otherwise. The grad dtype
+// when given.
+StatusOr<std::optional<DType>> check_backward_args(const BackwardCliArgs& args, bool bf16_bits);
 
 // "auto, cpu or cuda": plsh::kBackendNames, for help texts.
 std::string backend_names_text();
@@ -72,6 +97,8 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& args);
 // The output and lse directories exist and are writable, so that a long
 // computation is not lost to a typo in --out.
 Status check_output_paths(const OutputCliArgs& args);
+// The same for one path of flag `flag` (empty: nothing to check).
+Status check_output_path(const char* flag, const std::string& path);
 
 struct AttentionInputs {
   NpyArray q, k, v;
@@ -88,8 +115,10 @@ Status apply_shapes(const NpyArray& q, const NpyArray& k, const NpyArray& v, con
 // options_from_args + read the three files + apply_shapes.
 StatusOr<AttentionInputs> load_attention_inputs(const AttentionCliArgs& args);
 
-// [B, Nq, H, D] / [B, Nq, H], without B when the inputs had none.
+// [B, Nq, H, D] / [B, Nq, H] / [B, Nk, Hkv, D], without B when the inputs
+// had none.
 std::vector<int64_t> output_shape(const AttentionOptions& o, bool batched);
+std::vector<int64_t> kv_shape(const AttentionOptions& o, bool batched);
 std::vector<int64_t> lse_shape(const AttentionOptions& o, bool batched);
 
 }  // namespace plsh::cli

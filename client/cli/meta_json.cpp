@@ -13,7 +13,8 @@ nlohmann::ordered_json probe_to_json(const ProbeEstimate& p) {
           {"rel_err", number(p.rel_err)},
           {"rel_err_stderr", number(p.rel_err_stderr)},
           {"max_abs_err", number(p.max_abs_err)},
-          {"bound_max", number(p.bound_max)}};
+          {"bound_max", number(p.bound_max)},
+          {"rel_err_upper", number(p.rel_err_upper)}};  // null: the rows cannot bound it (+inf)
 }
 
 nlohmann::ordered_json head_to_json(const HeadEstimate& h) {
@@ -36,18 +37,39 @@ nlohmann::ordered_json head_to_json(const HeadEstimate& h) {
   return j;
 }
 
+nlohmann::ordered_json target_to_json(const TargetReport& t) {
+  nlohmann::ordered_json attempts = nlohmann::ordered_json::array();
+  for (const TargetAttempt& a : t.attempts) {
+    nlohmann::ordered_json j = {{"mode", mode_name(a.mode)}};
+    if (a.mode == Mode::kLsh) j["samples"] = a.samples;
+    if (a.mode == Mode::kWindow) {
+      j["window_scale"] = number(a.window_scale);
+      j["window_eps"] = number(std::exp(-a.window_scale));
+      j["window_max"] = a.window_max;
+    }
+    j["flops"] = number(a.flops);
+    j["rel_err"] = number(a.rel_err);
+    j["rel_err_upper"] = number(a.rel_err_upper);
+    j["met"] = a.met;
+    j["seconds"] = number(a.seconds);
+    attempts.push_back(std::move(j));
+  }
+  return {{"target_rel_err", number(t.target_rel_err)}, {"met", t.met}, {"chosen", t.chosen}, {"attempts", std::move(attempts)}};
+}
+
 nlohmann::ordered_json result_to_json(const AttentionResult& r) {
   nlohmann::ordered_json heads = nlohmann::ordered_json::array();
   for (const HeadEstimate& h : r.heads) heads.push_back(head_to_json(h));
   nlohmann::ordered_json timings = nlohmann::ordered_json::object();
   for (const auto& [name, seconds] : r.timings) timings[name] = number(seconds);
-  return {{"format", "plsh-meta/1"},
+  nlohmann::ordered_json meta = {{"format", "plsh-meta/1"},
           {"mode", mode_name(r.mode)},
           {"samples", r.samples},
           {"seed", r.seed},
           {"backend", r.backend},
           {"device", r.device},
           {"lsh_algorithm", lsh_algorithm_name(r.lsh_algorithm)},
+          {"sampling", sampling_name(r.sampling)},
           {"flops", number(r.flops)},
           {"dense_flops", number(r.dense_flops)},
           {"timings", std::move(timings)},
@@ -56,6 +78,21 @@ nlohmann::ordered_json result_to_json(const AttentionResult& r) {
             {"mask_spectral_err", number(r.mask_spectral_err)},
             {"probe", probe_to_json(r.probe)}}},
           {"heads", std::move(heads)}};
+  if (r.target.target_rel_err > 0) meta["target"] = target_to_json(r.target);
+  return meta;
+}
+
+nlohmann::ordered_json backward_to_json(const BackwardResult& r, DType grad_dtype) {
+  nlohmann::ordered_json timings = nlohmann::ordered_json::object();
+  for (const auto& [name, seconds] : r.timings) timings[name] = number(seconds);
+  return {{"backend", r.backend},
+          {"device", r.device},
+          {"grad_dtype", dtype_name(grad_dtype)},
+          {"flops", number(r.flops)},
+          {"dense_flops", number(r.dense_flops)},
+          {"host_workspace_bytes", r.host_workspace_bytes},
+          {"device_workspace_bytes", r.device_workspace_bytes},
+          {"timings", std::move(timings)}};
 }
 
 void add_params_json(const AttentionOptions& o, const AttentionResult& r, bool batched, nlohmann::ordered_json* meta) {

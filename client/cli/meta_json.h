@@ -3,17 +3,25 @@
 // (seconds, FLOPs):
 //
 //   {"format": "plsh-meta/1", "mode", "samples", "seed", "backend", "device",
-//    "lsh_algorithm", "flops", "dense_flops", "timings": {name: seconds},
+//    "lsh_algorithm", "sampling", "flops", "dense_flops", "timings": {name: seconds},
 //    "summary": {"mask_max_err", "mask_spectral_err", "probe": {...}},
 //    "heads": [{"head", "slope", "sigma", "window", "max_block",
 //               "mask_max_err", "mask_rows_checked", "mask_rows_sampled",
 //               "mask_spectral_err", "spectral_iterations",
-//               "probe": {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max"},
+//               "probe": {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max",
+//                         "rel_err_upper"},
 //               "draws": [[pitch, shift], ...]}],          (draws: only when asked for)
-//    "shape": {...}, "params": {...}}                       (from add_params_json)
+//    "target": {"target_rel_err", "met", "chosen",           (error-targeted requests only)
+//               "attempts": [{"mode", "samples" | "window_scale", "window_eps", "window_max",
+//                             "flops", "rel_err", "rel_err_upper", "met", "seconds"}]},
+//    "shape": {...}, "params": {...},                       (from add_params_json)
+//    "backward": {"backend", "device", "grad_dtype", "flops", "dense_flops",
+//                 "host_workspace_bytes", "device_workspace_bytes",
+//                 "timings": {name: seconds}}}                (plsh compute --dout: backward_to_json)
 //
 // JSON has no infinity: sigma of a head with slope 0 (+inf), its pitch, and
-// a window of kNoWindow ("every key") are written as null; any other
+// a window of kNoWindow ("every key") and an infinite rel_err_upper ("the
+// probe's rows cannot bound the error") are written as null; any other
 // non-finite number (none is expected) is null too. Seeds are uint64 and
 // written as exact integers; doubles are written with 17 significant
 // digits, so they read back bit for bit.
@@ -28,7 +36,12 @@ namespace plsh::cli {
 
 nlohmann::ordered_json probe_to_json(const ProbeEstimate& p);
 nlohmann::ordered_json head_to_json(const HeadEstimate& h);
-nlohmann::ordered_json result_to_json(const AttentionResult& r);
+nlohmann::ordered_json result_to_json(const AttentionResult& r);  // with "target" for error-targeted results
+nlohmann::ordered_json target_to_json(const TargetReport& t);
+// The backward's part of the metadata: FLOPs done (the five GEMMs of SPEC
+// section 8) and those of the dense equivalent, the workspace, the timings
+// ("backward": the pass itself; "save": writing dq, dk, dv).
+nlohmann::ordered_json backward_to_json(const BackwardResult& r, DType grad_dtype);
 
 // "shape": {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim",
 // "dtype", "out_dtype", "batched"} and "params": {"scale", "causal",

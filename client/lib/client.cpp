@@ -74,6 +74,9 @@ grpc::Status fill_timings(const v1::Summary& s, AttendReply* reply) {
   if (!out_dtype.ok()) return protocol_error("summary: " + out_dtype.status().message());
   reply->out_dtype = *out_dtype;
   reply->request_id = s.request_id();
+  reply->context_id = s.context_id();
+  reply->context_ttl_seconds = s.context_ttl_seconds();
+  reply->context_bytes = s.context_bytes();
   return grpc::Status::OK;
 }
 
@@ -126,6 +129,8 @@ v1::AttendHeader make_header(const AttendCall& call) {
   h.set_samples(o.samples);
   h.set_seed(o.seed);
   h.set_lsh_algorithm(wire::to_wire(o.lsh_algorithm));
+  h.set_sampling(wire::to_wire(o.sampling));
+  if (o.target_rel_err > 0) h.set_target_rel_err(o.target_rel_err);
   h.set_window_eps(o.window_eps);
   h.set_window_width(o.window_width);
   h.set_estimates(o.estimates);
@@ -154,6 +159,7 @@ v1::AttendHeader make_header(const AttendCall& call) {
     ref->set_offset(t.tensor.offset);
     ref->set_byte_size(t.bytes);
   }
+  h.set_keep_context(call.keep_context);
   return h;
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/cpu_backward.h"
 #include "cpu/tiles.h"
 #include "plsh/draws.h"
 
@@ -95,7 +96,36 @@ class CpuBackend final : public Backend {
       plan.lsh_algorithm =
           p.lsh_algorithm != LshAlgorithm::kAuto ? p.lsh_algorithm : cpu::choose_lsh_algorithm(p, plan.draws);
     plan.forward_workspace.host_bytes = workspace_for(p, plan.threads, plan.lsh_algorithm);
+    if (limits.backward) {
+      RETURN_IF_ERROR(supports_backward(p));
+      plan.backward = true;
+      plan.backward_workspace.host_bytes = cpu::backward_workspace_bytes(p, plan.threads);
+    }
     return plan;
+  }
+
+  // Every mode, dtype and shape the forward runs (exact, window, lsh with
+  // either algorithm: one function, SPEC section 8).
+  Status supports_backward(const AttentionParams& p) const override { return supports(p); }
+
+  Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) override {
+    if (plan.backend != name())
+      return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cpu backend");
+    if (!plan.backward)
+      return failed_precondition("cpu backend: the plan was made without PlanLimits::backward, expected a plan "
+                                 "whose backward workspace is sized (and charged)");
+    const AttentionParams& p = plan.params;
+    if (p.q == nullptr || p.k == nullptr || p.v == nullptr)
+      return failed_precondition("cpu backend: the plan's tensors are not bound, expected bind_tensors first");
+    RETURN_IF_ERROR(supports_backward(p));
+    if (g.memory != MemorySpace::kHost || g.out == nullptr || g.lse == nullptr || g.dout == nullptr ||
+        g.dq == nullptr || g.dk == nullptr || g.dv == nullptr)
+      return invalid_argument("cpu backend: backward tensors missing or not in host memory, expected "
+                              "make_backward_params' for this plan");
+    if (p.mode == Mode::kLsh && static_cast<int64_t>(plan.draws.size()) != p.heads)
+      return invalid_argument("cpu backend: the plan has draws for " + std::to_string(plan.draws.size()) +
+                              " heads, expected " + std::to_string(p.heads));
+    return cpu::backward(plan, g, ctx, stats);
   }
 
   Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override {
@@ -154,7 +184,7 @@ class CpuBackend final : public Backend {
           stopped.store(true);
           continue;
         }
-        report_progress(ctx, ++done, total, &reported_percent);
+        cpu::report_progress(ctx, ++done, total, &reported_percent);
       }
     }
     if (stopped.load()) return stop_status;
@@ -177,18 +207,6 @@ class CpuBackend final : public Backend {
            jobs * static_cast<int64_t>(sizeof(cpu::TileJob));
   }
 
-  // At most once per percent, so a slow callback cannot serialise the tiles.
-  static void report_progress(const ExecContext& ctx, int64_t done, int64_t total, std::atomic<int>* reported) {
-    if (!ctx.progress) return;
-    const int percent = static_cast<int>(100 * done / total);
-    int last = reported->load(std::memory_order_relaxed);
-    while (percent > last) {
-      if (reported->compare_exchange_weak(last, percent)) {
-        ctx.progress(static_cast<double>(done) / static_cast<double>(total));
-        return;
-      }
-    }
-  }
 };
 
 }  // namespace

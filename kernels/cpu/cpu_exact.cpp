@@ -19,6 +19,37 @@ int64_t saturating_add(int64_t a, int64_t b) {
 
 }  // namespace
 
+void AlibiBias::operator()(float* s, int64_t jt, int64_t len) const {
+  const float neg_slope = static_cast<float>(-slope);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * len;
+    // Column c holds the key at distance d = pi - c from the query.
+    const int64_t pi = pos_first + r - (p.k_pos0 + jt);
+    int64_t cmin = 0, cmax = len;
+    if (width != kNoWindow) {
+      cmin = std::max(cmin, saturating_add(pi, -(width - 1)));
+      cmax = std::min(cmax, saturating_add(pi, width));
+    }
+    if (p.causal) cmax = std::min(cmax, pi + 1);
+    if (cmin >= cmax) {
+      std::fill_n(sr, len, kNegInf);
+      continue;
+    }
+    std::fill(sr, sr + cmin, kNegInf);
+    std::fill(sr + cmax, sr + len, kNegInf);
+    if (slope == 0) continue;
+    // |d| - nearest, split at the query: (pi - nearest) - c on the left,
+    // c - (pi + nearest) on the right; both small by the choice of nearest.
+    const int split = static_cast<int>(std::clamp(pi + 1, cmin, cmax));
+    const float base_left = static_cast<float>(pi - nearest[r]);
+    const float base_right = static_cast<float>(pi + nearest[r]);
+#pragma omp simd
+    for (int c = static_cast<int>(cmin); c < split; ++c) sr[c] += neg_slope * (base_left - static_cast<float>(c));
+#pragma omp simd
+    for (int c = split; c < static_cast<int>(cmax); ++c) sr[c] += neg_slope * (static_cast<float>(c) - base_right);
+  }
+}
+
 double exact_tile(const AttentionParams& p, const TileJob& job, Scratch& scratch) {
   const int64_t dim = p.head_dim;
   const SliceView qv = q_slice(p, job.b, job.h), kv = k_slice(p, job.b, job.h), vv = v_slice(p, job.b, job.h);
@@ -53,36 +84,7 @@ double exact_tile(const AttentionParams& p, const TileJob& job, Scratch& scratch
       nearest[r] = pos < key_first ? key_first - pos : pos > key_last ? pos - key_last : 0;
       scratch.lse_shift[static_cast<size_t>(r)] = -slope * static_cast<double>(nearest[r]);
     }
-    const float neg_slope = static_cast<float>(-slope);
-    auto add_bias = [&](float* s, int64_t jt, int64_t len) {
-      for (int64_t r = 0; r < job.rows; ++r) {
-        float* sr = s + r * len;
-        // Column c holds the key at distance d = pi - c from the query.
-        const int64_t pi = pos_first + r - (p.k_pos0 + jt);
-        int64_t cmin = 0, cmax = len;
-        if (width != kNoWindow) {
-          cmin = std::max(cmin, saturating_add(pi, -(width - 1)));
-          cmax = std::min(cmax, saturating_add(pi, width));
-        }
-        if (p.causal) cmax = std::min(cmax, pi + 1);
-        if (cmin >= cmax) {
-          std::fill_n(sr, len, kNegInf);
-          continue;
-        }
-        std::fill(sr, sr + cmin, kNegInf);
-        std::fill(sr + cmax, sr + len, kNegInf);
-        if (slope == 0) continue;
-        // |d| - nearest, split at the query: (pi - nearest) - c on the left,
-        // c - (pi + nearest) on the right; both small by the choice above.
-        const int split = static_cast<int>(std::clamp(pi + 1, cmin, cmax));
-        const float base_left = static_cast<float>(pi - nearest[r]);
-        const float base_right = static_cast<float>(pi + nearest[r]);
-#pragma omp simd
-        for (int c = static_cast<int>(cmin); c < split; ++c) sr[c] += neg_slope * (base_left - static_cast<float>(c));
-#pragma omp simd
-        for (int c = split; c < static_cast<int>(cmax); ++c) sr[c] += neg_slope * (static_cast<float>(c) - base_right);
-      }
-    };
+    const AlibiBias add_bias{p, width, slope, pos_first, job.rows, nearest};
     flops = attend(q, ldq, job.rows, kv, vv, j0, j1, static_cast<float>(p.scale), add_bias, scratch, state);
   }
   write_rows(p, job.b, job.h, job.i0, job.rows, state, scratch.lse_shift.data(), scratch.out_row.data());

@@ -22,6 +22,18 @@ void gemm_ab_acc(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, c
               1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb), 1.0f, c, static_cast<int>(ldc));
 }
 
+void gemm_ab(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+             float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+              alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), 0.0f, c, static_cast<int>(ldc));
+}
+
+void gemm_atb_acc(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
+                  int64_t ldb, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+              alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), 1.0f, c, static_cast<int>(ldc));
+}
+
 namespace {
 
 // exp(x) for x <= 0 (and -inf), written so that it vectorises:
@@ -75,6 +87,20 @@ void fold_row(float* sr, int64_t len, float* acc_row, int64_t dim, float* row_ma
     *row_max = new_max;
   }
   *row_sum += tile_sum;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+void probs_from_lse(float* sr, int64_t len, float lse) {
+  // A logit may exceed lse by rounding (P a hair above 1), never by more
+  // unless lse is not this forward's; the clamp keeps exp's exponent field
+  // in range either way.
+#pragma omp simd
+  for (int64_t c = 0; c < len; ++c) {
+    const float x = sr[c] - lse;
+    sr[c] = exp_nonpositive(x < 80.0f ? x : 80.0f);
+  }
 }
 
 namespace {
@@ -141,6 +167,18 @@ void write_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int6
     const int64_t i = i0 + r;
     store_row(p.out, p.out_dtype, b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride, dim, out_row);
     if (p.lse != nullptr) p.lse[b * p.lse_batch_stride + i * p.lse_row_stride + h] = static_cast<float>(lse);
+  }
+}
+
+void report_progress(const ExecContext& ctx, int64_t done, int64_t total, std::atomic<int>* reported) {
+  if (!ctx.progress) return;
+  const int percent = static_cast<int>(100 * done / total);
+  int last = reported->load(std::memory_order_relaxed);
+  while (percent > last) {
+    if (reported->compare_exchange_weak(last, percent)) {
+      ctx.progress(static_cast<double>(done) / static_cast<double>(total));
+      return;
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -72,6 +73,17 @@ void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int6
 // C[m, n] += A[m, k] B[k, n].
 void gemm_ab_acc(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
                  int64_t ldc);
+// C[m, n] = alpha A[m, k] B[k, n].
+void gemm_ab(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+             float* c, int64_t ldc);
+// C[m, n] += alpha A[k, m]^T B[k, n].
+void gemm_atb_acc(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
+                  int64_t ldb, float* c, int64_t ldc);
+
+// sr[c] = exp(sr[c] - lse) for a row of logits (-inf: 0): the backward's
+// probabilities, recomputed from the forward's lse as FlashAttention's
+// backward does. The same vectorised exp as fold_row.
+void probs_from_lse(float* sr, int64_t len, float lse);
 
 // One block of one hash met by a row tile: tile rows [row_begin, row_end)
 // share the block of key positions [key_begin, key_end), clamped to the keys
@@ -147,6 +159,23 @@ inline void key_rows_of(const AttentionParams& p, int64_t pos_lo, int64_t pos_hi
   *j1 = std::clamp(pos_hi, first, last) - first;
 }
 
+// The exact and window log weight (SPEC sections 2 and 4) as an additive
+// bias on S ([rows, len] logits for keys [jt, jt + len)): -slope * (|d| -
+// nearest[r]) where the key is allowed, -inf outside the window and, under
+// causality, after the query. Taking each row's logits relative to a
+// distance nearest[r] that no allowed key undercuts keeps them small when a
+// query sits far from every key; the caller puts -slope * nearest[r] back
+// into lse in double. The forward (exact_tile) and the backward share it.
+struct AlibiBias {
+  const AttentionParams& p;
+  int64_t width;           // the head's window W_h, or kNoWindow
+  double slope;            // m_h
+  int64_t pos_first;       // position of query row 0
+  int64_t rows;
+  const int64_t* nearest;  // [rows]
+  void operator()(float* s, int64_t jt, int64_t len) const;
+};
+
 // Work items of one forward call: a row tile of one (batch, head).
 struct TileJob {
   int64_t b = 0, h = 0, i0 = 0, rows = 0;
@@ -162,6 +191,11 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
 // rows unwritten; the caller then returns ctx's status.
 double lsh_per_sample_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws,
                            const ExecContext& ctx, Scratch& scratch);
+
+// Calls ctx.progress with done / total at most once per percent, so that a
+// slow callback cannot serialise the tiles; `reported` holds the last
+// percent reported.
+void report_progress(const ExecContext& ctx, int64_t done, int64_t total, std::atomic<int>* reported);
 
 // Which lsh algorithm kAuto picks, by SPEC section 3's cost models (see the
 // definition for the constants).

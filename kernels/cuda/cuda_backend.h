@@ -1,12 +1,16 @@
 // The CUDA backend (kernels/cuda): exact, window and lsh through cuBLAS
 // batched GEMMs over the tiles of tile_plan.h, a masked row softmax and a
-// log-sum-exp merge, fp32 accumulation for f32, f16 and bf16 inputs. Built
-// into libplsh_cuda.so, which the registry dlopens, and into a static
-// library that tests and benchmarks call directly.
+// log-sum-exp merge, fp32 accumulation for f32, f16 and bf16 inputs; and
+// their backward on the same tiles (backward_plan.h). Built into
+// libplsh_cuda.so, which the registry dlopens, and into a static library
+// that tests and benchmarks call directly.
 //   tile_plan.h/.cpp      host planning: tiles, lanes, rounds, the workspace layout
 //   cuda_kernels.h/.cu    device kernels and their launchers
 //   device_memory.h       the memory pool, its reservations, stream-ordered buffers
 //   cuda_backend.cpp      the Backend: plan, then forward over the rounds
+//   backward_plan.h/.cpp  host planning of the backward: its GEMMs, buffers, staging, per-row terms
+//   cuda_backward_kernels.h/.cu, cuda_backward.h/.cpp   the backward's kernels and rounds
+//   device_types.cuh, step_events.h                    shared by both directions
 #pragma once
 
 #include <cstdint>

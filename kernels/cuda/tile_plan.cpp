@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -145,9 +146,9 @@ int64_t carve_staging(const AttentionParams& p, char* base, StagingBuffers* out)
   // sized whenever the params could carry it, i.e. always.
   b.lse_bytes = ((p.batch - 1) * p.lse_batch_stride + (p.q_len - 1) * p.lse_row_stride + p.heads) * 4;
   Carver c(base);
-  b.q = c.take<char>(b.q_bytes);
-  b.k = c.take<char>(b.k_bytes);
-  b.v = c.take<char>(b.v_bytes);
+  b.qkv.q = c.take<char>(b.q_bytes);
+  b.qkv.k = c.take<char>(b.k_bytes);
+  b.qkv.v = c.take<char>(b.v_bytes);
   b.out = c.take<char>(b.out_bytes);
   b.lse = c.take<float>(b.lse_bytes / 4);
   if (out != nullptr) *out = b;
@@ -180,18 +181,34 @@ std::vector<GemmBatch> gemm_batches(int64_t slots) {
   return batches;
 }
 
+ForwardGemms forward_gemms(const OperandLayout& o, int64_t tile_rows, int64_t key_cols) {
+  const int64_t T = tile_rows, Kc = key_cols, D = o.head_dim;
+  const int64_t Kp = key_pitch(Kc), Dp = partial_pitch(D);
+  ForwardGemms g;
+  // Column-major S^T (Kc x T, ld Kp) = op_T(K: D x Kc, ld k_rs) . Q (D x T, ld q_rs): row-major S [T][Kp].
+  g.scores = {true, false, Kc, T, D, o.k_rs, o.q_rs, Kp};
+  // O^T (D x T, ld Dp) = V^T (D x Kc, ld v_rs) . P^T (Kc x T, ld Kp): row-major O [T][Dp].
+  g.partial = {false, false, D, T, Kc, o.v_rs, Kp, Dp};
+  return g;
+}
+
 StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& s, int64_t budget_bytes) {
+  const int64_t T = std::min(kTileRows, s.q_len), Kc = std::min(kMaxKeyCols, s.kv_len);
+  return plan_workspace_for(s, budget_bytes, [&](int64_t slots) {
+    return carve_work(slots, T, Kc, s.head_dim, s.elem_bytes, nullptr, nullptr, nullptr);
+  });
+}
+
+StatusOr<WorkspacePlan> plan_workspace_for(const WorkspaceShape& s, int64_t budget_bytes,
+                                           const std::function<int64_t(int64_t slots)>& work_bytes) {
   if (s.lanes < 1 || s.q_len < 1 || s.kv_len < 1 || s.head_dim < 1 || s.elem_bytes < 1)
     return invalid_argument("workspace shape: lanes, q_len, kv_len, head_dim and elem_bytes must be >= 1");
   WorkspacePlan p;
   p.tile_rows = std::min(kTileRows, s.q_len);
   p.key_cols = std::min(kMaxKeyCols, s.kv_len);
   const int64_t T = p.tile_rows;
-  auto work_bytes = [&](int64_t slots) {
-    return carve_work(slots, T, p.key_cols, s.head_dim, s.elem_bytes, nullptr, nullptr, nullptr);
-  };
   // kSliceAlign slots make every slice a multiple of the alignment: no
-  // padding, so this is the exact per-slot sum of carve_work's slices.
+  // padding, so this is the exact per-slot sum of the carved slices.
   p.bytes_per_slot = work_bytes(kSliceAlign) / kSliceAlign;
   int64_t max_slots = std::min(kMaxSlots, std::max<int64_t>(budget_bytes, 0) / p.bytes_per_slot);
   while (max_slots > 0 && work_bytes(max_slots) > budget_bytes) --max_slots;  // the slices' padding
@@ -216,6 +233,16 @@ SpanShape span_shape(const AttentionParams& p) {
   s.causal = p.causal;
   s.tile_rows = std::min(kTileRows, p.q_len);
   return s;
+}
+
+WorkspaceShape workspace_shape(const AttentionParams& p) {
+  WorkspaceShape ws;
+  ws.lanes = p.batch * p.heads;
+  ws.q_len = p.q_len;
+  ws.kv_len = p.kv_len;
+  ws.head_dim = p.head_dim;
+  ws.elem_bytes = static_cast<int64_t>(dtype_bytes(p.dtype));
+  return ws;
 }
 
 std::vector<LaneSetup> head_passes(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws) {
@@ -362,12 +389,7 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
   layout.table_entries = lane_table_entries(shape, layout.heads, std::min(lanes, kMaxLanesPerChunk));
   layout.cublas_workspace_bytes = cublas_workspace_for(device_cap_bytes);
   layout.table_bytes = carve_tables(p.heads, layout.table_entries, layout.cublas_workspace_bytes, nullptr, nullptr);
-  WorkspaceShape ws;
-  ws.lanes = lanes;
-  ws.q_len = p.q_len;
-  ws.kv_len = p.kv_len;
-  ws.head_dim = p.head_dim;
-  ws.elem_bytes = static_cast<int64_t>(dtype_bytes(p.dtype));
+  const WorkspaceShape ws = workspace_shape(p);
   const int64_t left = device_cap_bytes - layout.staging_bytes - layout.table_bytes;
   if (left <= 0)
     return resource_exhausted("cuda workspace: staging (" + std::to_string(layout.staging_bytes) + " bytes) and lane tables (" +

@@ -17,8 +17,11 @@
 // rows and columns count.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include "plsh/draws.h"
@@ -255,6 +258,19 @@ PLSH_HD inline bool slot_logit(const LanePass& l, const TileDesc& d, bool causal
   return true;
 }
 
+// Query row i's terms of slot_logit, evaluated once per row: its position,
+// its nearest key's distance, and its bin under a same-bin pass (else 0).
+struct SlotRow {
+  int64_t pos = 0, nearest = 0, bin = 0;
+};
+PLSH_HD inline SlotRow slot_row(const LanePass& l, const SpanShape& s, int64_t q_pos0, int64_t i) {
+  SlotRow r;
+  r.pos = q_pos0 + i;
+  r.nearest = nearest_key_distance(s, i);
+  r.bin = l.rule == SpanRule::kSameBin ? span_bin(r.pos, l.pitch, l.shift) : 0;
+  return r;
+}
+
 // What a head's lse adds to m + log(l) at finalize, in double.
 struct HeadLse {
   double offset = 0;  // -log(samples) where the passes are hashes (M~ averages them), else 0
@@ -380,12 +396,18 @@ OperandLayout operand_layout(const AttentionParams& p);
 // leading dimension beyond cuBLAS's int. UNIMPLEMENTED, naming the tensor.
 Status check_operands(const AttentionParams& p);
 
-// Device copies of host tensors: q, k and v in operand_layout (padded),
-// out and lse spanning their strided extents.
-struct StagingBuffers {
+// Device copies of host q, k and v in operand_layout (each head's row
+// padded to 16 bytes): the forward's and the backward's staging.
+struct StagedQkv {
   char* q = nullptr;
   char* k = nullptr;
   char* v = nullptr;
+};
+
+// Device copies of host tensors: q, k and v (StagedQkv), out and lse
+// spanning their strided extents.
+struct StagingBuffers {
+  StagedQkv qkv;
   char* out = nullptr;
   float* lse = nullptr;
   // Bytes of each tensor's extent (what is copied in or out).
@@ -429,9 +451,30 @@ struct GemmBatch {
 };
 std::vector<GemmBatch> gemm_batches(int64_t slots);
 
+// One cuBLAS GEMM as cublasGemmBatchedEx takes it: column-major, op(A) is
+// m x k, op(B) k x n, C m x n.
+struct GemmArgs {
+  bool trans_a = false;  // CUBLAS_OP_T
+  bool trans_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t lda = 0, ldb = 0, ldc = 0;
+};
+
+// The two GEMMs of a forward round; row-major views of the results (the
+// backward's five: backward_plan.h).
+struct ForwardGemms {
+  GemmArgs scores;   // S [T][Kp] = K^T Q (alpha scale)   A = K, B = Q
+  GemmArgs partial;  // O [T][Dp] = P V   (alpha 1)       A = V, B = P
+};
+ForwardGemms forward_gemms(const OperandLayout& o, int64_t tile_rows, int64_t key_cols);
+
 // The largest chunk of (lanes x tiles) whose work buffer (carve_work) fits
 // `budget_bytes`; RESOURCE_EXHAUSTED when not even one tile fits.
 StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& shape, int64_t budget_bytes);
+// The same for any work buffer whose bytes for a number of slots
+// work_bytes gives (the backward's, backward_plan.h).
+StatusOr<WorkspacePlan> plan_workspace_for(const WorkspaceShape& shape, int64_t budget_bytes,
+                                           const std::function<int64_t(int64_t slots)>& work_bytes);
 
 // One lane's passes, as the planner needs them: per pass the rule and its
 // parameters (acc_lane, batch and head filled, tiles and slots not).
@@ -440,6 +483,9 @@ struct LaneSetup {
 };
 
 SpanShape span_shape(const AttentionParams& p);
+// The workspace shape of a request: B * H lanes, its lengths, head_dim and
+// the bytes of its dtype.
+WorkspaceShape workspace_shape(const AttentionParams& p);
 
 // Per query head (batch 0, acc_lane 0): exact one pass, weight
 // exp(-slope |d|); window one pass, also |d| < W_h (exact where W_h is
@@ -452,6 +498,17 @@ std::vector<LaneSetup> head_passes(const AttentionParams& p, const std::vector<s
 // per lane, pass and key chunk.
 int64_t lane_table_entries(const SpanShape& shape, const std::vector<LaneSetup>& heads, int64_t lanes_per_chunk);
 
+// The backward's device layout (backward_plan.h), when the plan was made
+// with PlanLimits::backward: what plan.backward_workspace.device_bytes
+// counts is exactly what backward allocates.
+struct CudaBackwardLayout {
+  WorkspacePlan work;          // slots of carve_backward_work
+  int64_t staging_bytes = 0;   // carve_backward_staging
+  int64_t table_bytes = 0;     // carve_tables, as the forward's
+  int64_t work_bytes = 0;      // carve_backward_work for work.slots
+  int64_t device_bytes() const { return staging_bytes + table_bytes + work_bytes; }
+};
+
 // The whole device layout of one request, made once by the CUDA backend's
 // plan() and read by its forward(): what plan.forward_workspace.device_bytes
 // counts is exactly what forward allocates.
@@ -463,6 +520,8 @@ struct CudaLayout : BackendLayout {
   int64_t cublas_workspace_bytes = 0;  // cublas_workspace_for the cap
   int64_t table_bytes = 0;       // carve_tables
   int64_t work_bytes = 0;        // carve_work for work.slots
+  bool has_backward = false;     // planned with PlanLimits::backward
+  CudaBackwardLayout backward;   // then: the backward's layout
   int64_t device_bytes() const { return staging_bytes + table_bytes + work_bytes; }
 };
 
@@ -482,6 +541,36 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
 // g % H), each a copy of its head's passes pointed at its accumulator slot
 // and batch item.
 std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lane0, int64_t lane1);
+
+// One chunk of a request's work: lanes [lane0, lane1) (their passes in
+// `setups`, chunk_lanes) by tiles [tile0, tile1); `index` counts the chunks
+// from 0 in the order they run.
+struct Chunk {
+  int64_t lane0, lane1, tile0, tile1;
+  int64_t index;
+  const std::vector<LaneSetup>& setups;
+};
+
+// How many chunks `lanes` lanes of `tiles` tiles make under `work`.
+inline int64_t chunk_count(const WorkspacePlan& work, int64_t lanes, int64_t tiles) {
+  return ceil_div(lanes, work.lanes_per_chunk) * ceil_div(tiles, work.tiles_per_chunk);
+}
+
+// Calls f(chunk) for every chunk, lane ranges of lanes_per_chunk outside and
+// tile ranges of tiles_per_chunk inside, as the forward and the backward
+// (and their host emulations) run them; stops at the first error f returns.
+template <typename F>
+Status for_each_chunk(const WorkspacePlan& work, const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lanes,
+                      int64_t tiles, F&& f) {
+  int64_t index = 0;
+  for (int64_t lane0 = 0; lane0 < lanes; lane0 += work.lanes_per_chunk) {
+    const int64_t lane1 = std::min(lanes, lane0 + work.lanes_per_chunk);
+    const std::vector<LaneSetup> setups = chunk_lanes(heads, num_heads, lane0, lane1);
+    for (int64_t t0 = 0; t0 < tiles; t0 += work.tiles_per_chunk)
+      RETURN_IF_ERROR(f(Chunk{lane0, lane1, t0, std::min(tiles, t0 + work.tiles_per_chunk), index++, setups}));
+  }
+  return Status::Ok();
+}
 
 // Head h's terms of row_lse: -log(samples) where the passes are hashes,
 // and the head's slope (p.slopes, double) where they carry the bias.
@@ -510,15 +599,7 @@ PLSH_HD inline TileDesc describe_slot(const SpanShape& s, const Round& round, co
   const int64_t t = l.tile_begin + (slot - l.slot_begin);
   const TileRows r = tile_rows_of(s, t);
   const KeyChunk c = key_chunk(tile_key_span(s, l.reach, t), round.key_cols, s.kv_len, round.chunk);
-  TileDesc d;
-  d.lane = static_cast<int32_t>(li);
-  d.row0 = r.row0;
-  d.own_begin = r.own_begin;
-  d.own_end = r.own_end;
-  d.col0 = c.col0;
-  d.valid_begin = c.valid_begin;
-  d.valid_end = c.valid_end;
-  return d;
+  return TileDesc{static_cast<int32_t>(li), 0, r.row0, r.own_begin, r.own_end, c.col0, c.valid_begin, c.valid_end};
 }
 
 // Byte offsets of one slot's GEMM operands: q, k, v from their tensors'

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <new>
+#include <vector>
 
 #include "plsh/estimates.h"
+#include "plsh/targeted.h"
 
 namespace plsh {
 
@@ -36,12 +39,14 @@ double dense_flops(const AttentionParams& p) {
 }
 
 StatusOr<Plan> plan_attention(const Backend& backend, const AttentionParams& p, const PlanLimits& limits) {
+  if (p.target_rel_err > 0) return plan_targeted(backend, p, limits);
   ASSIGN_OR_RETURN(Plan plan, backend.plan(p, limits));
   plan.estimates_workspace.host_bytes = estimates_host_bytes(p, plan.threads);
   return plan;
 }
 
 StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, const ExecContext& ctx) {
+  if (!plan.attempts.empty()) return run_targeted(backend, plan, ctx);
   const AttentionParams& p = plan.params;
   AttentionResult result;
   result.backend = backend.name();
@@ -49,6 +54,7 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, cons
   result.mode = p.mode;
   result.samples = p.samples;
   result.seed = p.seed;
+  result.sampling = p.sampling;
   result.scale = p.scale;
   result.q_pos0 = p.q_pos0;
   result.k_pos0 = p.k_pos0;
@@ -73,6 +79,60 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const AttentionParams&
                                         const ExecContext& ctx) {
   ASSIGN_OR_RETURN(const Plan plan, plan_attention(backend, p, limits));
   return run_attention(backend, plan, ctx);
+}
+
+namespace {
+
+StatusOr<BackwardResult> run_backward_params(Backend& backend, const Plan& plan, const BackwardParams& g,
+                                             const ExecContext& ctx) {
+  BackwardResult result;
+  result.backend = backend.name();
+  result.device = backend.device();
+  BackwardStats stats;
+  const auto t0 = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(backend.backward(plan, g, ctx, &stats));
+  result.timings["backward"] = seconds_since(t0);
+  result.flops = stats.flops;
+  // The backward runs five GEMMs per pair where the forward runs two.
+  result.dense_flops = 2.5 * dense_flops(plan.params);
+  result.host_workspace_bytes = stats.workspace.host_bytes;
+  result.device_workspace_bytes = stats.workspace.device_bytes;
+  return result;
+}
+
+}  // namespace
+
+StatusOr<BackwardResult> run_backward(Backend& backend, const Plan& plan, const GradientRefs& grads,
+                                      const ExecContext& ctx) {
+  ASSIGN_OR_RETURN(const BackwardParams g, make_backward_params(plan.params, grads));
+  return run_backward_params(backend, plan, g, ctx);
+}
+
+StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const AttentionParams& p, PlanLimits limits,
+                                                     const GradientRefs& grads, const ExecContext& ctx) {
+  if (grads.out != nullptr || grads.lse != nullptr)
+    return invalid_argument("grads.out and grads.lse must be null for run_forward_backward: the forward's own are used");
+  limits.backward = true;
+  ASSIGN_OR_RETURN(Plan plan, plan_attention(backend, p, limits));
+  std::vector<float> own_lse;
+  if (plan.params.lse == nullptr) {
+    if (p.memory != MemorySpace::kHost)
+      return invalid_argument("lse = null, expected a device tensor [B, Nq, H] for a backward on device tensors");
+    try {
+      own_lse.resize(static_cast<size_t>(p.batch * p.q_len * p.heads));
+    } catch (const std::bad_alloc&) {
+      return resource_exhausted("the forward's lse (" + std::to_string(p.batch * p.q_len * p.heads) +
+                                " floats) could not be allocated for the backward");
+    }
+    plan.params.lse = own_lse.data();
+  }
+  // The backward's tensors are checked before the forward runs: a bad dout
+  // costs no forward.
+  ASSIGN_OR_RETURN(const BackwardParams g, make_backward_params(plan.params, grads));
+  ForwardBackwardResult result;
+  ASSIGN_OR_RETURN(result.forward, run_attention(backend, plan, ctx));
+  ASSIGN_OR_RETURN(result.backward, run_backward_params(backend, plan, g, ctx));
+  return result;
 }
 
 }  // namespace plsh

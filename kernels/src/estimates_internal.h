@@ -73,10 +73,16 @@ struct ProbeStats {
   double se = 0, sn = 0;   // sums of err2 and ref2
   double see = 0, snn = 0, sen = 0;
   double max_abs = 0, bound_max = 0;
+  std::vector<double> err2;  // every row's err2: the upper bound reads the largest (probe_bound.cpp)
 };
 
 ProbeStats probe_stats(const std::vector<ProbeRow>& rows, int64_t population);
 ProbeEstimate summarize_probe(const std::vector<ProbeStats>& heads);
+// ProbeEstimate::rel_err_upper from the heads' rows, their pooled Q and its
+// standard error (probe_bound.cpp, where the rule is written down).
+double probe_rel_err_upper(const std::vector<ProbeStats>& heads, double q, double se_q);
+// g(gamma, m) = m^(gamma-1) sum_{i=1}^{m} i^-gamma, the bound's tail factor.
+double tail_growth(double gamma, double m);
 
 // Host bytes the estimates of one head hold at once (tables, Lanczos
 // vectors, block edges) and of one probe task.

@@ -59,6 +59,13 @@ StatusOr<LshAlgorithm> parse_lsh_algorithm(const std::string& s) {
   return invalid_argument("lsh_algorithm = '" + s + "', expected auto, per_sample or banded");
 }
 
+StatusOr<Sampling> parse_sampling(const std::string& s) {
+  if (s == "iid") return Sampling::kIid;
+  if (s == "stratified") return Sampling::kStratified;
+  if (s == "ash") return Sampling::kAsh;
+  return invalid_argument("sampling = '" + s + "', expected iid, stratified or ash");
+}
+
 double AttentionParams::sigma(int64_t h) const {
   const double m = slopes[static_cast<size_t>(h)];
   return m > 0 ? 1.0 / m : std::numeric_limits<double>::infinity();
@@ -165,6 +172,15 @@ Status validate_options(const AttentionOptions& o) {
     if (o.window_width == 0 && !(o.window_eps > 0 && o.window_eps < 1))
       return field_error("window_eps", str(o.window_eps), "in (0, 1)");
   }
+  if (o.sampling != Sampling::kIid && o.sampling != Sampling::kStratified && o.sampling != Sampling::kAsh)
+    return field_error("sampling", str(static_cast<int>(o.sampling)), "iid, stratified or ash");
+  if (!(o.target_rel_err >= 0 && o.target_rel_err <= 1))
+    return field_error("target_rel_err", str(o.target_rel_err), "in (0, 1] (0: no target)");
+  if (o.target_rel_err > 0 && o.estimates == false)
+    return field_error("estimates", "false", "true with target_rel_err (the target is checked by the probe)");
+  if (o.target_rel_err > 0 && o.mode != Mode::kExact && o.probe_rows < kMinTargetProbeRows)
+    return field_error("probe_rows", str(o.probe_rows),
+                       ">= " + str(kMinTargetProbeRows) + " with target_rel_err (the target is checked by the probe)");
   if (o.probe_rows < 0 || o.probe_rows > kMaxProbeRows)
     return field_error("probe_rows", str(o.probe_rows), "in [0, " + str(kMaxProbeRows) + "]");
   if (o.mask_row_budget < 1) return field_error("mask_row_budget", str(o.mask_row_budget), ">= 1");
@@ -225,6 +241,7 @@ StatusOr<AttentionParams> resolve_params(const AttentionOptions& o) {
   p.samples = o.mode == Mode::kLsh ? o.samples : 0;
   p.seed = o.seed;
   p.lsh_algorithm = o.lsh_algorithm;
+  p.sampling = o.mode == Mode::kLsh ? o.sampling : Sampling::kIid;
   p.window_eps = o.window_eps;
   if (o.mode == Mode::kWindow) {
     p.window.resize(static_cast<size_t>(p.heads));
@@ -246,6 +263,7 @@ StatusOr<AttentionParams> resolve_params(const AttentionOptions& o) {
   p.mask_row_budget = o.mask_row_budget;
   p.return_draws = o.return_draws;
   p.check_finite = o.check_finite;
+  p.target_rel_err = o.target_rel_err;
   return p;
 }
 

@@ -26,6 +26,7 @@ ProbeStats probe_stats(const std::vector<ProbeRow>& rows, int64_t population) {
     st.sen += pr.err2 * pr.ref2;
     st.max_abs = std::max(st.max_abs, pr.max_abs);
     st.bound_max = std::max(st.bound_max, pr.bound);
+    st.err2.push_back(pr.err2);
   }
   return st;
 }
@@ -51,6 +52,7 @@ ProbeEstimate summarize_probe(const std::vector<ProbeStats>& heads) {
   if (sn <= 0) {
     e.rel_err = se > 0 ? kInf : 0;
     e.rel_err_stderr = se > 0 ? kInf : 0;
+    e.rel_err_upper = se > 0 ? kInf : 0;
     return e;
   }
   const double q = se / sn;
@@ -70,6 +72,7 @@ ProbeEstimate summarize_probe(const std::vector<ProbeStats>& heads) {
   }
   const double se_q = std::sqrt(var) / sn;
   e.rel_err_stderr = q > 0 ? se_q / (2 * std::sqrt(q)) : 0;
+  e.rel_err_upper = probe_rel_err_upper(heads, q, se_q);
   return e;
 }
 

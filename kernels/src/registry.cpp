@@ -133,15 +133,20 @@ StatusOr<Backend*> BackendRegistry::find(const std::string& name) {
   return failed_precondition("backend = '" + name + "' is not available" + (why.empty() ? "" : ": " + why));
 }
 
-StatusOr<Backend*> BackendRegistry::select(const std::string& name, const AttentionParams& p) {
+StatusOr<Backend*> BackendRegistry::select(const std::string& name, const AttentionParams& p, bool backward) {
+  auto usable = [&](const Backend* b) {
+    Status s = b->supports(p);
+    if (s.ok() && backward) s = b->supports_backward(p);
+    return s;
+  };
   if (name != "auto") {
     ASSIGN_OR_RETURN(Backend * b, find(name));
-    RETURN_IF_ERROR(b->supports(p));
+    RETURN_IF_ERROR(usable(b));
     return b;
   }
   Status last;
   for (Backend* b : backends()) {
-    Status s = b->supports(p);
+    Status s = usable(b);
     if (s.ok()) return b;
     last = s;
   }

@@ -8,6 +8,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kCancelled: return "CANCELLED";
     case StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
     case StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
+    case StatusCode::kNotFound: return "NOT_FOUND";
     case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
     case StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
     case StatusCode::kUnimplemented: return "UNIMPLEMENTED";

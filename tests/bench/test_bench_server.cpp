@@ -350,3 +350,39 @@ TEST(BenchServer, BadFlagsAndAnUnreachableTargetFailInOneLine) {
 
 }  // namespace
 }  // namespace plsh::bench
+
+namespace plsh::bench {
+namespace {
+
+// --backward: each request a training step (a forward that keeps its
+// context, then its backward by context id): both calls counted by the
+// server, percentiles per call, no context left behind.
+TEST(BenchServer, BackwardStepsCountTwoCallsEachAndLeaveNoContext) {
+  ServerProcess server(kServerFlags);
+  ASSERT_TRUE(server.started()) << server.log();
+  std::vector<std::string> args = kSmall;
+  for (const char* a : {"--causal", "--backward", "--requests", "12", "--warmup", "0.2"}) args.push_back(a);
+  args.insert(args.end(), {"--metrics", server.metrics_address()});
+  const BenchRun run = run_bench(server, args);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  const json& level = run.report["levels"][0];
+  EXPECT_EQ(level["ok"], 12);
+  EXPECT_EQ(run.report["config"]["rpc"], "Attend+AttendBackward");
+  expect_ordered(level["step_ms"]["forward"], "forward");
+  expect_ordered(level["step_ms"]["backward"], "backward");
+  EXPECT_EQ(level["step_ms"]["forward"]["count"], 12);
+  EXPECT_TRUE(level["server_metrics"]["agrees"].get<bool>()) << run.out;
+  const int64_t steps = 12 + level["warmup"]["ok"].get<int64_t>();
+  const auto m = scrape(server);
+  EXPECT_EQ(plsh::testing::metric_sum(m, "plsh_requests_total", {"method=\"AttendBackward\"", "code=\"OK\""}), steps);
+  EXPECT_EQ(plsh::testing::metric_sum(m, "plsh_requests_total", {"method=\"Attend\"", "code=\"OK\""}), steps);
+  EXPECT_EQ(plsh::testing::metric_sum(m, "plsh_context_evictions_total", {"reason=\"consumed\""}), steps);
+  EXPECT_EQ(plsh::testing::metric_sum(m, "plsh_contexts"), 0);
+  EXPECT_NE(run.out.find("training steps (--backward)"), std::string::npos) << run.out;
+  // The CSV's last six columns: forward and backward avg / p50 / p99.
+  EXPECT_NE(run.csv.find("backward_p99_ms\n"), std::string::npos);
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
+}  // namespace
+}  // namespace plsh::bench

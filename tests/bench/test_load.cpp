@@ -22,23 +22,15 @@ using namespace std::chrono_literals;
 
 Outcome ok_after(std::chrono::microseconds d) {
   std::this_thread::sleep_for(d);
-  Outcome o;
-  o.tokens = 10;
-  o.bytes_up = 1000;
-  o.bytes_down = 500;
-  o.has_server_timings = true;
-  o.computing = 0.001;
-  o.receiving = 0.0002;
-  return o;
+  return {.has_server_timings = true, .receiving = 0.0002, .computing = 0.001, .bytes_up = 1000, .bytes_down = 500,
+          .tokens = 10};
 }
 
 TEST(Load, ClosedLoopRunsExactlyTheRequestsAsked) {
   std::atomic<int> in_flight{0}, most{0};
   std::mutex m;
   std::set<int64_t> indices;
-  LevelSpec spec;
-  spec.concurrency = 3;
-  spec.requests = 30;
+  const LevelSpec spec{.concurrency = 3, .requests = 30};
   const LevelResult r = run_level(spec, [&](int worker, int64_t index) {
     EXPECT_GE(worker, 0);
     EXPECT_LT(worker, 3);
@@ -74,9 +66,7 @@ TEST(Load, ClosedLoopRunsExactlyTheRequestsAsked) {
 }
 
 TEST(Load, FailuresAreCountedByCode) {
-  LevelSpec spec;
-  spec.concurrency = 2;
-  spec.requests = 40;
+  const LevelSpec spec{.concurrency = 2, .requests = 40};
   const LevelResult r = run_level(spec, [](int, int64_t index) {
     Outcome o;
     if (index % 4 == 1) {
@@ -103,10 +93,7 @@ TEST(Load, FailuresAreCountedByCode) {
 }
 
 TEST(Load, WarmupRequestsAreRunButNotMeasured) {
-  LevelSpec spec;
-  spec.concurrency = 2;
-  spec.warmup = 0.1;
-  spec.requests = 10;
+  const LevelSpec spec{.concurrency = 2, .requests = 10, .warmup = 0.1};
   std::atomic<int64_t> calls{0};
   const LevelResult r = run_level(spec, [&](int, int64_t) {
     ++calls;
@@ -121,9 +108,7 @@ TEST(Load, WarmupRequestsAreRunButNotMeasured) {
 }
 
 TEST(Load, DurationStopsIssuingAtTheEnd) {
-  LevelSpec spec;
-  spec.concurrency = 1;
-  spec.duration = 0.2;
+  const LevelSpec spec{.concurrency = 1, .duration = 0.2};
   const auto t0 = std::chrono::steady_clock::now();
   const LevelResult r = run_level(spec, [](int, int64_t) { return ok_after(10ms); });
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -137,10 +122,7 @@ TEST(Load, DurationStopsIssuingAtTheEnd) {
 }
 
 TEST(Load, OpenLoopHoldsTheRate) {
-  LevelSpec spec;
-  spec.rate = 200;
-  spec.concurrency = 8;
-  spec.duration = 1.0;
+  const LevelSpec spec{.concurrency = 8, .rate = 200, .duration = 1.0};
   const LevelResult r = run_level(spec, [](int, int64_t) { return ok_after(2ms); });
   // Constant arrivals at 200/s for 1 s: exactly 200 are scheduled.
   EXPECT_EQ(r.ok, 200);
@@ -153,10 +135,7 @@ TEST(Load, OpenLoopLatencyCountsTheWaitForASlot) {
   // One slot, 20 ms per request, arrivals every 5 ms: requests queue in the
   // client; their latency must grow with the queue (measured from the
   // schedule), and the schedule must be reported as not kept.
-  LevelSpec spec;
-  spec.rate = 200;
-  spec.concurrency = 1;
-  spec.requests = 10;
+  const LevelSpec spec{.concurrency = 1, .rate = 200, .requests = 10};
   const LevelResult r = run_level(spec, [](int, int64_t) { return ok_after(20ms); });
   EXPECT_EQ(r.ok, 10);
   // The 10th request was due at 45 ms and started at ~180 ms: ~155 ms late.
@@ -167,9 +146,7 @@ TEST(Load, OpenLoopLatencyCountsTheWaitForASlot) {
 }
 
 TEST(Load, ProgressIsReported) {
-  LevelSpec spec;
-  spec.concurrency = 1;
-  spec.duration = 0.3;
+  const LevelSpec spec{.concurrency = 1, .duration = 0.3};
   std::atomic<int> calls{0};
   Progress last;
   std::mutex m;
@@ -193,9 +170,7 @@ TEST(Load, ClientCpuIsMeasured) {
   // does not. (How busy the spinner gets depends on what else runs on the
   // machine, so only the contrast is checked here; the rule itself is
   // checked on fixed figures below.)
-  LevelSpec spec;
-  spec.concurrency = 1;
-  spec.duration = 0.3;
+  const LevelSpec spec{.concurrency = 1, .duration = 0.3};
   const LevelResult spin = run_level(spec, [](int, int64_t) {
     const auto until = std::chrono::steady_clock::now() + 5ms;
     volatile double x = 0;

@@ -43,6 +43,28 @@ void write_file(const std::string& path, const std::string& bytes) {
 
 bool file_exists(const std::string& path) { return std::filesystem::exists(path); }
 
+std::vector<int64_t> npy_shape(const AttentionOptions& o, bool batched, int64_t rows, int64_t heads, bool with_dim) {
+  std::vector<int64_t> s;
+  if (batched) s.push_back(o.batch);
+  s.push_back(rows);
+  s.push_back(heads);
+  if (with_dim) s.push_back(o.head_dim);
+  return s;
+}
+
+Status write_qkv(const ScratchDir& dir, const AttentionOptions& o, bool batched, const plsh::testing::RandomTensors& t) {
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
+  RETURN_IF_ERROR(write_npy(dir.path("q.npy"), o.dtype, npy_shape(o, batched, o.q_len, o.heads), t.q.data()));
+  RETURN_IF_ERROR(write_npy(dir.path("k.npy"), o.dtype, npy_shape(o, batched, o.kv_len, kv_heads), t.k.data()));
+  return write_npy(dir.path("v.npy"), o.dtype, npy_shape(o, batched, o.kv_len, kv_heads), t.v.data());
+}
+
+NpyArray read_npy_ok(const std::string& path) {
+  auto a = read_npy(path, NpyReadOptions{true});
+  EXPECT_TRUE(a.ok()) << a.status().to_string();
+  return a.ok() ? std::move(a).value() : NpyArray{};
+}
+
 RunResult run_plsh(const std::vector<std::string>& args, const ScratchDir& dir) {
   const std::string out_path = dir.path("stdout.txt");
   const std::string err_path = dir.path("stderr.txt");

@@ -2,8 +2,13 @@
 // built plsh binary as a subprocess, and .npy files in memory.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
+
+#include "cli/npy.h"
+#include "plsh/params.h"
+#include "reference.h"
 
 namespace plsh::cli::testing {
 
@@ -32,5 +37,15 @@ RunResult run_plsh(const std::vector<std::string>& args, const ScratchDir& dir);
 std::string read_file(const std::string& path);
 void write_file(const std::string& path, const std::string& bytes);
 bool file_exists(const std::string& path);
+
+// The .npy shape of one of o's [B, rows, heads, D] tensors: without B when
+// not batched (rank 3), without D for lse.
+std::vector<int64_t> npy_shape(const AttentionOptions& o, bool batched, int64_t rows, int64_t heads,
+                               bool with_dim = true);
+// Writes q, k and v as dir's q.npy, k.npy and v.npy in o's dtype.
+Status write_qkv(const ScratchDir& dir, const AttentionOptions& o, bool batched, const plsh::testing::RandomTensors& t);
+// read_npy with bfloat16 bit patterns allowed; a test failure, and an empty
+// array, when it fails.
+NpyArray read_npy_ok(const std::string& path);
 
 }  // namespace plsh::cli::testing

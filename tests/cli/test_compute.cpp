@@ -21,6 +21,7 @@
 #include "plsh/backend.h"
 #include "plsh/draws.h"
 #include "plsh/numeric.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh::cli {
@@ -40,104 +41,53 @@ struct Case {
 
 std::vector<Case> cases() {
   std::vector<Case> c;
-  {
-    Case e{"exact_gqa_causal", {}, true, {"--mode", "exact", "--causal"}};
-    e.options.batch = 2;
-    e.options.q_len = 33;
-    e.options.kv_len = 40;
-    e.options.heads = 4;
-    e.options.kv_heads = 2;
-    e.options.head_dim = 16;
-    e.options.mode = Mode::kExact;
-    e.options.causal = true;
-    c.push_back(e);
-  }
-  {
-    // A seed above 2^63 checks that uint64 seeds survive the flag and the JSON.
-    Case l{"lsh_gqa_causal_hashes",
-           {},
-           true,
-           {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-draws"}};
-    l.options.batch = 2;
-    l.options.q_len = l.options.kv_len = 48;
-    l.options.heads = 4;
-    l.options.kv_heads = 1;
-    l.options.head_dim = 8;
-    l.options.mode = Mode::kLsh;
-    l.options.samples = 8;
-    l.options.seed = 12345678901234567890ULL;
-    l.options.causal = true;
-    l.options.return_draws = true;
-    c.push_back(l);
-  }
-  {
-    // Rank 3, float16, a zero slope (sigma = inf), offsets, a window.
-    Case w{"window_rank3_f16_offsets",
-           {},
-           false,
-           {"--mode", "window", "--window-eps", "1e-3", "--slopes", "0.5,0.25,0,0.125", "--q-pos0", "100",
-            "--k-pos0", "90", "--probe-rows", "5"}};
-    w.options.q_len = 20;
-    w.options.kv_len = 37;
-    w.options.heads = 4;
-    w.options.head_dim = 8;
-    w.options.dtype = DType::kF16;
-    w.options.mode = Mode::kWindow;
-    w.options.window_eps = 1e-3;
-    w.options.slopes = {0.5, 0.25, 0, 0.125};
-    w.options.q_pos0 = 100;
-    w.options.k_pos0 = 90;
-    w.options.probe_rows = 5;
-    c.push_back(w);
-  }
-  {
-    Case p{"lsh_per_sample_f16_to_f32",
-           {},
-           true,
-           {"--mode", "lsh", "--samples", "3", "--seed", "7", "--lsh-algorithm", "per_sample", "--scale", "0.3",
-            "--out-dtype", "f32", "--return-draws"}};
-    p.options.batch = 1;
-    p.options.q_len = 17;
-    p.options.kv_len = 29;
-    p.options.heads = 2;
-    p.options.head_dim = 12;
-    p.options.dtype = DType::kF16;
-    p.options.out_dtype = DType::kF32;
-    p.options.mode = Mode::kLsh;
-    p.options.samples = 3;
-    p.options.seed = 7;
-    p.options.lsh_algorithm = LshAlgorithm::kPerSample;
-    p.options.scale = 0.3;
-    p.options.return_draws = true;
-    c.push_back(p);
-  }
-  {
-    // bfloat16 travels as '<u2' bit patterns, in and out, with --bf16-bits.
-    Case b{"exact_bf16_bits", {}, true, {"--mode", "exact", "--bf16-bits"}};
-    b.options.batch = 1;
-    b.options.q_len = b.options.kv_len = 24;
-    b.options.heads = 2;
-    b.options.head_dim = 16;
-    b.options.dtype = DType::kBF16;
-    b.options.mode = Mode::kExact;
-    c.push_back(b);
-  }
+  auto add = [&c](const char* name, const AttentionOptions& options, bool batched, std::vector<std::string> flags) {
+    c.push_back({name, options, batched, std::move(flags)});
+  };
+  add("exact_gqa_causal",
+      {.batch = 2, .q_len = 33, .kv_len = 40, .heads = 4, .kv_heads = 2, .head_dim = 16, .causal = true,
+       .mode = Mode::kExact},
+      true,
+      {"--mode", "exact", "--causal"});
+  // A seed above 2^63 checks that uint64 seeds survive the flag and the JSON.
+  add("lsh_gqa_causal_hashes",
+      {.batch = 2, .q_len = 48, .kv_len = 48, .heads = 4, .kv_heads = 1, .head_dim = 8, .causal = true,
+       .mode = Mode::kLsh, .samples = 8, .seed = 12345678901234567890ULL, .return_draws = true},
+      true,
+      {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-draws"});
+  // Rank 3, float16, a zero slope (sigma = inf), offsets, a window.
+  add("window_rank3_f16_offsets",
+      {.q_len = 20, .kv_len = 37, .heads = 4, .head_dim = 8, .dtype = DType::kF16, .slopes = {0.5, 0.25, 0, 0.125},
+       .q_pos0 = 100, .k_pos0 = 90, .mode = Mode::kWindow, .window_eps = 1e-3, .probe_rows = 5},
+      false,
+      {"--mode", "window", "--window-eps", "1e-3", "--slopes", "0.5,0.25,0,0.125", "--q-pos0", "100",
+       "--k-pos0", "90", "--probe-rows", "5"});
+  add("lsh_per_sample_f16_to_f32",
+      {.batch = 1, .q_len = 17, .kv_len = 29, .heads = 2, .head_dim = 12, .dtype = DType::kF16,
+       .out_dtype = DType::kF32, .scale = 0.3, .mode = Mode::kLsh, .samples = 3, .seed = 7,
+       .lsh_algorithm = LshAlgorithm::kPerSample, .return_draws = true},
+      true,
+      {"--mode", "lsh", "--samples", "3", "--seed", "7", "--lsh-algorithm", "per_sample", "--scale", "0.3",
+       "--out-dtype", "f32", "--return-draws"});
+  // The ash sampler's draws come back in the metadata, recomputable.
+  add("lsh_ash_draws",
+      {.batch = 1, .q_len = 64, .kv_len = 64, .heads = 2, .head_dim = 8, .mode = Mode::kLsh, .samples = 16, .seed = 5,
+       .sampling = Sampling::kAsh, .return_draws = true},
+      true,
+      {"--mode", "lsh", "--samples", "16", "--sampling", "ash", "--seed", "5", "--return-draws"});
+  // An error-targeted request without --mode searches windows.
+  add("targeted_window",
+      {.batch = 1, .q_len = 200, .kv_len = 200, .heads = 2, .head_dim = 16, .causal = true, .slopes = {0.5, 0.25},
+       .mode = kDefaultTargetMode, .target_rel_err = 0.05},
+      true,
+      {"--target-error", "0.05", "--causal", "--slopes", "0.5,0.25"});
+  // bfloat16 travels as '<u2' bit patterns, in and out, with --bf16-bits.
+  add("exact_bf16_bits",
+      {.batch = 1, .q_len = 24, .kv_len = 24, .heads = 2, .head_dim = 16, .dtype = DType::kBF16,
+       .mode = Mode::kExact},
+      true,
+      {"--mode", "exact", "--bf16-bits"});
   return c;
-}
-
-std::vector<int64_t> shape_of(const AttentionOptions& o, bool batched, int64_t rows, int64_t heads, bool with_dim) {
-  std::vector<int64_t> s;
-  if (batched) s.push_back(o.batch);
-  s.push_back(rows);
-  s.push_back(heads);
-  if (with_dim) s.push_back(o.head_dim);
-  return s;
-}
-
-NpyArray read_ok(const std::string& path) {
-  auto a = read_npy(path, NpyReadOptions{true});
-  EXPECT_TRUE(a.ok()) << a.status().to_string();
-  return a.ok() ? std::move(a).value() : NpyArray{};
 }
 
 void expect_keys(const nlohmann::json& j, const std::vector<const char*>& keys, const std::string& where) {
@@ -151,10 +101,10 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   ScratchDir dir;
   const AttentionOptions& o = c.options;
   const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  const plsh::testing::RandomTensors t = plsh::testing::random_qkv(o, 1234);
-  ASSERT_TRUE(write_npy(dir.path("q.npy"), o.dtype, shape_of(o, c.batched, o.q_len, o.heads, true), t.q.data()).ok());
-  ASSERT_TRUE(write_npy(dir.path("k.npy"), o.dtype, shape_of(o, c.batched, o.kv_len, kv_heads, true), t.k.data()).ok());
-  ASSERT_TRUE(write_npy(dir.path("v.npy"), o.dtype, shape_of(o, c.batched, o.kv_len, kv_heads, true), t.v.data()).ok());
+  // The inputs, and the params of the same request in this process.
+  plsh::testing::Problem pr = plsh::testing::make_problem(o, 1234);
+  ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
+  ASSERT_TRUE(testing::write_qkv(dir, o, c.batched, pr.qkv).ok());
 
   std::vector<std::string> args = {"compute", "--q", dir.path("q.npy"), "--k", dir.path("k.npy"), "--v",
                                    dir.path("v.npy"), "--out", dir.path("o.npy"), "--lse", dir.path("lse.npy"),
@@ -166,30 +116,23 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   EXPECT_EQ(run.err, "");
 
   // The same request in this process.
-  std::vector<uint8_t> out = plsh::testing::output_buffer(o);
-  std::vector<float> lse(static_cast<size_t>(o.batch * o.q_len * o.heads));
-  TensorRefs refs;
-  refs.q = t.q.data();
-  refs.k = t.k.data();
-  refs.v = t.v.data();
-  refs.out = out.data();
-  refs.lse = lse.data();
-  auto params = make_params(o, refs);
-  ASSERT_TRUE(params.ok()) << params.status().to_string();
-  auto backend = BackendRegistry::global().select("cpu", *params);
+  const std::vector<uint8_t>& out = pr.out;
+  const std::vector<float>& lse = pr.lse;
+  const AttentionParams& params = pr.params;
+  auto backend = BackendRegistry::global().select("cpu", params);
   ASSERT_TRUE(backend.ok()) << backend.status().to_string();
   PlanLimits limits;
   limits.threads = kThreads;
-  auto expected = run_attention(**backend, *params, limits, ExecContext{});
+  auto expected = run_attention(**backend, params, limits, ExecContext{});
   ASSERT_TRUE(expected.ok()) << expected.status().to_string();
 
-  const NpyArray got_out = read_ok(dir.path("o.npy"));
+  const NpyArray got_out = testing::read_npy_ok(dir.path("o.npy"));
   EXPECT_EQ(got_out.dtype, o.out_dtype.value_or(o.dtype));
-  EXPECT_EQ(got_out.shape, shape_of(o, c.batched, o.q_len, o.heads, true));
+  EXPECT_EQ(got_out.shape, testing::npy_shape(o, c.batched, o.q_len, o.heads));
   EXPECT_TRUE(got_out.data == out) << "output differs from the in-process run";
-  const NpyArray got_lse = read_ok(dir.path("lse.npy"));
+  const NpyArray got_lse = testing::read_npy_ok(dir.path("lse.npy"));
   EXPECT_EQ(got_lse.dtype, DType::kF32);
-  EXPECT_EQ(got_lse.shape, shape_of(o, c.batched, o.q_len, o.heads, false));
+  EXPECT_EQ(got_lse.shape, testing::npy_shape(o, c.batched, o.q_len, o.heads, false));
   EXPECT_EQ(got_lse.data.size(), lse.size() * sizeof(float));
   EXPECT_EQ(std::memcmp(got_lse.data.data(), lse.data(), std::min(got_lse.data.size(), lse.size() * sizeof(float))), 0)
       << "lse differs from the in-process run";
@@ -201,25 +144,43 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   expect_keys(meta["timings"], {"compute", "load", "save"}, "timings");
   expect_keys(meta["summary"], {"mask_max_err", "mask_spectral_err", "probe"}, "summary");
   expect_keys(meta["shape"], {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "dtype", "out_dtype"}, "shape");
-  EXPECT_EQ(meta["mode"], mode_name(o.mode));
+  EXPECT_EQ(meta["mode"], mode_name(expected->mode));  // a targeted request's: the kept attempt's
+  if (o.target_rel_err == 0) EXPECT_EQ(expected->mode, o.mode);
   EXPECT_EQ(meta["seed"].get<uint64_t>(), expected->seed);
   EXPECT_EQ(meta["samples"].get<int64_t>(), expected->samples);
   EXPECT_EQ(meta["backend"], "cpu");
   EXPECT_EQ(meta["flops"].get<double>(), expected->flops);
   EXPECT_EQ(meta["dense_flops"].get<double>(), expected->dense_flops);
   EXPECT_EQ(meta["lsh_algorithm"], lsh_algorithm_name(expected->lsh_algorithm));
+  EXPECT_EQ(meta["sampling"], sampling_name(expected->sampling));
+  EXPECT_EQ(meta.contains("target"), o.target_rel_err > 0);
+  if (o.target_rel_err > 0) {
+    const nlohmann::json& t = meta["target"];
+    EXPECT_EQ(t["target_rel_err"].get<double>(), o.target_rel_err);
+    EXPECT_TRUE(t["met"].get<bool>());
+    EXPECT_EQ(t["chosen"].get<int64_t>(), expected->target.chosen);
+    ASSERT_EQ(t["attempts"].size(), expected->target.attempts.size());
+    for (size_t i = 0; i < expected->target.attempts.size(); ++i) {
+      const TargetAttempt& a = expected->target.attempts[i];
+      const nlohmann::json& ja = t["attempts"][i];
+      EXPECT_EQ(ja["mode"], mode_name(a.mode));
+      EXPECT_EQ(ja["flops"].get<double>(), a.flops);
+      EXPECT_EQ(ja["met"].get<bool>(), a.met);
+      expect_keys(ja, {"rel_err", "rel_err_upper", "seconds"}, "target.attempts");
+    }
+  }
   EXPECT_EQ(meta["shape"]["kv_heads"].get<int64_t>(), kv_heads);
   EXPECT_EQ(meta["shape"]["batched"].get<bool>(), c.batched);
   // The resolved defaults, as the library resolved them.
-  EXPECT_EQ(expected->scale, params->scale);
-  EXPECT_EQ(expected->q_pos0, params->q_pos0);
-  EXPECT_EQ(expected->k_pos0, params->k_pos0);
-  EXPECT_EQ(meta["params"]["scale"].get<double>(), params->scale);
-  EXPECT_EQ(meta["params"]["q_pos0"].get<int64_t>(), params->q_pos0);
-  EXPECT_EQ(meta["params"]["k_pos0"].get<int64_t>(), params->k_pos0);
+  EXPECT_EQ(expected->scale, params.scale);
+  EXPECT_EQ(expected->q_pos0, params.q_pos0);
+  EXPECT_EQ(expected->k_pos0, params.k_pos0);
+  EXPECT_EQ(meta["params"]["scale"].get<double>(), params.scale);
+  EXPECT_EQ(meta["params"]["q_pos0"].get<int64_t>(), params.q_pos0);
+  EXPECT_EQ(meta["params"]["k_pos0"].get<int64_t>(), params.k_pos0);
 
   ASSERT_EQ(meta["heads"].size(), expected->heads.size());
-  if (o.mode != Mode::kExact) {
+  if (expected->mode != Mode::kExact) {
     ASSERT_EQ(static_cast<int64_t>(expected->heads.size()), o.heads);
   }
   for (size_t h = 0; h < expected->heads.size(); ++h) {
@@ -229,7 +190,8 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
     expect_keys(jh, {"head", "slope", "sigma", "window", "max_block", "mask_max_err", "mask_rows_checked",
                      "mask_rows_sampled", "mask_spectral_err", "spectral_iterations", "probe"},
                 where);
-    expect_keys(jh["probe"], {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max"}, where + ".probe");
+    expect_keys(jh["probe"], {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max", "rel_err_upper"},
+                where + ".probe");
     EXPECT_EQ(jh["head"].get<int64_t>(), eh.head);
     if (std::isfinite(eh.sigma)) {
       EXPECT_EQ(jh["sigma"].get<double>(), eh.sigma) << where;
@@ -240,10 +202,11 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
     EXPECT_EQ(jh["mask_max_err"].get<double>(), eh.mask_max_err) << where;
     EXPECT_EQ(jh["probe"]["rows"].get<int64_t>(), eh.probe.rows) << where;
 
-    // The draws are SPEC section 5's, recomputable from (seed, head, sigma).
+    // The draws are SPEC section 5's, recomputable from (seed, head, sigma, samples, sampling).
     ASSERT_EQ(jh.contains("draws"), o.return_draws) << where;
     if (!o.return_draws) continue;
-    const std::vector<Draw> draws = draw_hashes(o.seed, static_cast<int64_t>(h), params->sigma(static_cast<int64_t>(h)), o.samples);
+    const std::vector<Draw> draws =
+        draw_hashes(o.seed, static_cast<int64_t>(h), params.sigma(static_cast<int64_t>(h)), o.samples, o.sampling);
     ASSERT_EQ(jh["draws"].size(), draws.size()) << where;
     for (size_t k = 0; k < draws.size(); ++k) {
       EXPECT_EQ(jh["draws"][k][0].get<double>(), draws[k].pitch) << where << " draw " << k;
@@ -252,8 +215,7 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, Compute, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Cases, Compute, ::testing::ValuesIn(cases()), plsh::testing::CaseName());
 
 // Inputs for the bad-input table: q [1, 8, 4, 4] and k, v [1, 8, 2, 4].
 struct BadInputs {
@@ -370,13 +332,16 @@ TEST(Demo, PrintsOneRowPerModeWithExactAsItsOwnReference) {
       {"demo", "--n", "96", "--heads", "2", "--head-dim", "8", "--samples", "4", "--threads", "2", "--per-head"}, dir);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.err, "");
-  for (const char* row : {"\nexact ", "\nwindow ", "\nlsh "})
+  for (const char* row : {"\nexact ", "\nwindow ", "\nlsh iid ", "\nlsh ash ", "\ntarget 1.00e-02 "})
     EXPECT_NE(r.out.find(row), std::string::npos) << "no row '" << row + 1 << "' in:\n" << r.out;
   // exact against itself: relative error exactly 0.
   const size_t exact = r.out.find("\nexact ");
   ASSERT_NE(exact, std::string::npos);
   EXPECT_NE(r.out.substr(exact, r.out.find('\n', exact + 1) - exact).find("0.00e+00"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("lsh, per head:"), std::string::npos) << r.out;
+  // The targeted row lists its attempts and marks the one kept.
+  EXPECT_NE(r.out.find("kept the first whose probe upper bound met it"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  * "), std::string::npos) << r.out;
 
   EXPECT_NE(r.out.find(", causal,"), std::string::npos) << r.out;  // the default
   const RunResult open = testing::run_plsh({"demo", "--n", "40", "--heads", "1", "--head-dim", "4", "--no-causal"}, dir);

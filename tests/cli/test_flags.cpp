@@ -74,6 +74,8 @@ TEST(Flags, OptionsFromArgs) {
       {{"--out-dtype", "bf16"}, "--bf16-bits"},
       {{"--backend", "tpu"}, "backend = 'tpu'"},
       {{"--threads", "-1"}, "threads = -1"},
+      {{"--sampling", "sobol"}, "sampling = 'sobol'"},
+      {{"--target-error", "nan"}, "target_rel_err = nan"},
   };
   for (const auto& [argv, expected] : bad) {
     auto r = options_from_args(parse(argv));
@@ -81,6 +83,24 @@ TEST(Flags, OptionsFromArgs) {
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(r.status().message().find(expected), std::string::npos) << r.status().message();
   }
+}
+
+// --sampling and --target-error; a target without --mode searches windows,
+// with --mode that mode's configurations.
+TEST(Flags, SamplingAndTargetError) {
+  auto o = options_from_args(parse({"--sampling", "ash", "--target-error", "0.02"}));
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  EXPECT_EQ(o->sampling, Sampling::kAsh);
+  EXPECT_EQ(o->target_rel_err, 0.02);
+  EXPECT_EQ(o->mode, kDefaultTargetMode);
+  o = options_from_args(parse({"--mode", "lsh", "--target-error", "0.02"}));
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->mode, Mode::kLsh);
+  o = options_from_args(parse({}));
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->target_rel_err, 0);
+  EXPECT_EQ(o->sampling, kDefaultSampling);
+  EXPECT_EQ(o->mode, AttentionOptions{}.mode);
 }
 
 // Unset flags are AttentionOptions' defaults (plsh/params.h), not the CLI's own.

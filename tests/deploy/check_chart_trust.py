@@ -22,7 +22,6 @@
   starts with it (secret files from this test); the overlay's health check
   command answers SERVING against its health-only port.
 """
-import argparse
 import hashlib
 import json
 import os
@@ -36,17 +35,11 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import check_server_settings as css  # noqa: E402
+from deploy_checks import check, finish, problems  # noqa: E402
 from plsh_proc import Server, ServerError  # noqa: E402
 
-problems = []
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 FILE_SETTINGS = ("PLSH_TLS_CERT", "PLSH_TLS_KEY", "PLSH_TLS_CLIENT_CA", "PLSH_TOKEN_FILE")
-
-
-def check(ok, message):
-    if not ok:
-        problems.append(message)
-    return ok
 
 
 def openssl(d, *args):
@@ -216,12 +209,7 @@ def check_compose(args, envs, files, token, pki, root):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repo", required=True)
-    ap.add_argument("--helmrender", required=True)
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--cli", required=True)
-    args = ap.parse_args()
+    args = css.parse_args()
     chart = os.path.join(args.repo, "deploy", "helm", "plsh")
     envs, _ = css.server_options(args.server)
 
@@ -323,12 +311,9 @@ def main():
         # 5. Compose: the trust overlays over compose.yaml.
         check_compose(args, envs, files, token, pki, os.path.join(tmp, "compose"))
 
-    problems.extend(css.problems)
-    if problems:
-        print("\n".join("FAIL: " + p for p in problems), file=sys.stderr)
-        return 1
-    print("TLS and tokens: probes on the plaintext health port, Secrets mounted, the server serves with them")
-    return 0
+    # css's checks record into the same problems (deploy_checks).
+    return finish(problems, "TLS and tokens: probes on the plaintext health port, Secrets mounted, the server serves "
+                            "with them")
 
 
 if __name__ == "__main__":

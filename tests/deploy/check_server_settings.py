@@ -27,15 +27,8 @@ import urllib.request
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from deploy_checks import check, finish, problems  # noqa: E402
 from plsh_proc import Server, ServerError  # noqa: E402
-
-problems = []
-
-
-def check(ok, message):
-    if not ok:
-        problems.append(message)
-    return ok
 
 
 def server_options(binary):
@@ -221,13 +214,17 @@ def check_chart(docs, label, envs, defaults, service_name, image_uid, values_exp
     return env, c.get("args", []), used
 
 
-def main():
+def parse_args():
+    """The command line of this check and of check_chart_trust.py: the
+    repository, helmrender and the plsh-server and plsh binaries."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repo", required=True)
-    ap.add_argument("--helmrender", required=True)
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--cli", required=True)
-    args = ap.parse_args()
+    for flag in ("--repo", "--helmrender", "--server", "--cli"):
+        ap.add_argument(flag, required=True)
+    return ap.parse_args()
+
+
+def main():
+    args = parse_args()
     deploy = os.path.join(args.repo, "deploy")
     chart = os.path.join(deploy, "helm", "plsh")
 
@@ -331,11 +328,7 @@ def main():
     check(has_health, f"{args.cli} has no `health` subcommand: the image's HEALTHCHECK cannot work")
     run_server("Dockerfile", args.server, denv, [], set(), extra=healthcheck if has_health else None)
 
-    if problems:
-        print("\n".join("FAIL: " + p for p in problems), file=sys.stderr)
-        return 1
-    print("every deploy setting is accepted by plsh-server; ports and probes agree")
-    return 0
+    return finish(problems, "every deploy setting is accepted by plsh-server; ports and probes agree")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,7 @@ import tempfile
 
 import yaml
 
-problems = []
-
-
-def check(ok, message):
-    if not ok:
-        problems.append(message)
-    return ok
+from deploy_checks import check, finish, problems
 
 
 def load_yaml_docs(path):
@@ -217,11 +211,7 @@ def main():
     #    COPY --from name exist, ARGs used in FROM declared before the first.
     check_dockerfile(os.path.join(args.repo, "Dockerfile"), os.path.join(args.repo, ".dockerignore"))
 
-    if problems:
-        print("\n".join("FAIL: " + p for p in problems), file=sys.stderr)
-        return 1
-    print("all static deploy checks passed")
-    return 0
+    return finish(problems, "all static deploy checks passed")
 
 
 if __name__ == "__main__":

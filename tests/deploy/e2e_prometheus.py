@@ -29,6 +29,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_static import dashboard_queries, substitute_grafana  # noqa: E402
+from deploy_checks import finish  # noqa: E402
 from plsh_proc import Server  # noqa: E402
 
 LOAD_SECONDS = 20.0
@@ -62,10 +63,10 @@ def has_values(data):
 
 
 def write_npy_inputs(work, n, heads, dim):
-    """q, k, v as .npy [n, heads, dim] float32, fixed seed."""
+    """q, k, v (and dout, for the backward) as .npy [n, heads, dim] float32, fixed seed."""
     code = ("import numpy as np, sys; r = np.random.default_rng(7); "
             f"[np.save(sys.argv[1] + '/' + t + '.npy', r.standard_normal(({n}, {heads}, {dim}), dtype=np.float32)) "
-            "for t in ('q', 'k', 'v')]")
+            "for t in ('q', 'k', 'v', 'dout')]")
     subprocess.run(["/usr/bin/python3", "-c", code, work], check=True, timeout=60)
 
 
@@ -79,6 +80,11 @@ class Load:
         self.lock = threading.Lock()
         help_text = subprocess.run([cli, "--help"], capture_output=True, text=True, timeout=30).stdout
         self.kind = kind if kind != "auto" else "bench" if re.search(r"^\s+bench\b", help_text, re.M) else "attend"
+        # Training steps where the CLI has them: plsh bench --backward, plsh attend --dout.
+        self.backward = self.kind == "bench" and "--backward" in subprocess.run(
+            [cli, "bench", "--help"], capture_output=True, text=True, timeout=30).stdout
+        self.attend_backward = self.kind == "attend" and "--dout" in subprocess.run(
+            [cli, "attend", "--help"], capture_output=True, text=True, timeout=30).stdout
 
     def describe(self):
         return f"plsh {self.kind}"
@@ -111,7 +117,13 @@ class Load:
         while time.monotonic() < deadline:
             mode = modes[i % len(modes)]
             i += 1
-            r = self.attend(mode, "--samples", "16", "--seed", str(i))
+            extra = []
+            if mode == "window" and self.attend_backward:
+                # A training step: forward keeping its context, then the backward.
+                w, t = self.work, threading.get_ident()
+                extra = ["--dout", f"{w}/dout.npy", "--dq", f"{w}/dq-{t}.npy", "--dk", f"{w}/dk-{t}.npy",
+                         "--dv", f"{w}/dv-{t}.npy"]
+            r = self.attend(mode, "--samples", "16", "--seed", str(i), *extra)
             self.tally(mode if r.returncode == 0 else f"{mode} failed", r)
 
     def tally(self, key, result):
@@ -122,13 +134,17 @@ class Load:
 
     def run_bench(self):
         # One closed-loop client per mode, in parallel for the whole window:
-        # exact feeds the latency panels, lsh and window the error panels too.
+        # exact feeds the latency panels, lsh and window the error panels too;
+        # window runs training steps (--backward: a forward keeping its
+        # context, then its backward) for the training row.
         procs = {}
         for mode in ("exact", "lsh", "window"):
             cmd = [self.cli, "bench", "--target", self.target, "--mode", mode, "--causal",
                    "--shape", "1,512,4,4,32", "--concurrency", "1", "--warmup", "1",
                    "--duration", str(self.seconds - 1), "--quiet",
                    "--json", os.path.join(self.work, f"bench-{mode}.json")]
+            if mode == "window" and self.backward:
+                cmd.append("--backward")
             procs[mode] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True)
         for mode, p in procs.items():
@@ -272,11 +288,7 @@ def main():
             if code != 0:
                 problems.append(f"plsh-server exited {code} after SIGTERM:\n{server.log()}")
 
-    if problems:
-        print("\n".join("FAIL: " + p for p in problems), file=sys.stderr)
-        return 1
-    print("e2e: Prometheus scraped plsh-server; up is 1 and every dashboard query has data")
-    return 0
+    return finish(problems, "e2e: Prometheus scraped plsh-server; up is 1 and every dashboard query has data")
 
 
 if __name__ == "__main__":

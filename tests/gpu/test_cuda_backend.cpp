@@ -27,43 +27,21 @@
 #include "plsh/draws.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
+#include "cuda_test_backend.h"
+#include "gpu_cases.h"
 #include "log_reference.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh {
 namespace {
 
+using testing::AttentionCase;
 using testing::compare;
 using testing::ErrorStats;
-
-// One backend per process: creating cuBLAS handles and the pool once.
-Backend* cuda_backend(std::string* why) {
-  static std::string reason;
-  static std::unique_ptr<Backend> backend = cuda::make_cuda_backend(&reason);
-  *why = reason;
-  return backend.get();
-}
-
-#define REQUIRE_CUDA(backend_var)                         \
-  std::string why_no_cuda;                                \
-  Backend* backend_var = cuda_backend(&why_no_cuda);      \
-  if (backend_var == nullptr) GTEST_SKIP() << why_no_cuda
-
-struct GpuCase {
-  std::string name;
-  int64_t batch, q_len, kv_len, heads, kv_heads, head_dim;
-  DType dtype;
-  Mode mode;
-  bool causal;
-  std::optional<int64_t> q_pos0;
-  int64_t k_pos0;
-  int64_t samples;
-  int64_t window_width;  // window: 0 = from window_eps
-  std::vector<double> slopes;  // empty: standard
-};
-
-// ctest lists a case by its name, not by a byte dump of the struct.
-void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
+using testing::make_problem;
+using testing::options_of;
+using testing::Problem;
 
 // Tolerances on max |a - b| / max |b| and relative L2, by dtype. f32: fp32
 // GEMMs (no TF32) and expf leave ~1e-6; 1e-4 leaves room for long sums.
@@ -72,81 +50,41 @@ void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
 // significant bits, at most 2^-9 (2^-12) relative each: two roundings of at
 // most 3.9e-3 (4.9e-4) against the largest output, so 1e-2 (2e-3) with
 // room for the sums.
-double tolerance(DType t) {
-  switch (t) {
-    case DType::kF32: return 1e-4;
-    case DType::kBF16: return 1e-2;
-    case DType::kF16: return 2e-3;
-  }
-  return 0;
-}
+double tolerance(DType t) { return t == DType::kF32 ? 1e-4 : t == DType::kBF16 ? 1e-2 : 2e-3; }
 
 // lse = m + log(sum of rounded probabilities): a relative error of at most
 // one rounding (2^-9 bf16, 2^-12 f16) in the sum is that much, absolute, in
 // the log.
-double lse_tolerance(DType t) {
-  switch (t) {
-    case DType::kF32: return 1e-5;
-    case DType::kBF16: return 4e-3;
-    case DType::kF16: return 5e-4;
-  }
-  return 0;
-}
+double lse_tolerance(DType t) { return t == DType::kF32 ? 1e-5 : t == DType::kBF16 ? 4e-3 : 5e-4; }
 
-class CudaVsCpu : public ::testing::TestWithParam<GpuCase> {};
+class CudaVsCpu : public ::testing::TestWithParam<AttentionCase> {};
 
 TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
   REQUIRE_CUDA(cuda);
-  const GpuCase& c = GetParam();
-  AttentionOptions o;
-  o.batch = c.batch;
-  o.q_len = c.q_len;
-  o.kv_len = c.kv_len;
-  o.heads = c.heads;
-  o.kv_heads = c.kv_heads;
-  o.head_dim = c.head_dim;
-  o.dtype = c.dtype;
-  o.mode = c.mode;
-  o.causal = c.causal;
-  o.q_pos0 = c.q_pos0;
-  o.k_pos0 = c.k_pos0;
-  o.samples = c.samples;
-  o.seed = 1234;
-  o.window_width = c.window_width;
-  o.slopes = c.slopes;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 77);
-  std::vector<uint8_t> out_gpu = testing::output_buffer(o);
-  std::vector<uint8_t> out_cpu = testing::output_buffer(o);
-  const size_t rows = static_cast<size_t>(o.batch * o.q_len * o.heads);
-  std::vector<float> lse_gpu(rows, std::numeric_limits<float>::quiet_NaN());
-  std::vector<float> lse_cpu(rows);
+  const AttentionCase& c = GetParam();
+  // The same inputs twice: one run on each backend.
+  Problem gpu = make_problem(options_of(c, 1234), 77), on_cpu = make_problem(options_of(c, 1234), 77);
+  ASSERT_TRUE(gpu.status.ok() && on_cpu.status.ok());
+  const std::vector<float>& lse_gpu = gpu.lse;
+  const std::vector<float>& lse_cpu = on_cpu.lse;
+  const size_t rows = lse_gpu.size();
   // Poison: every element must be written.
-  std::fill(out_gpu.begin(), out_gpu.end(), 0xFF);
+  std::fill(gpu.out.begin(), gpu.out.end(), 0xFF);
 
-  TensorRefs refs{t.q.data(), t.k.data(), t.v.data(), out_gpu.data(), lse_gpu.data(), MemorySpace::kHost};
-  StatusOr<AttentionParams> p = make_params(o, refs);
-  ASSERT_TRUE(p.ok()) << p.status().to_string();
   ForwardStats stats;
-  const Status s = testing::plan_and_forward(*cuda, *p, ExecContext{}, &stats);
+  const Status s = testing::plan_and_forward(*cuda, gpu.params, ExecContext{}, &stats);
   ASSERT_TRUE(s.ok()) << s.to_string();
   EXPECT_GT(stats.flops, 0);
 
-  refs.out = out_cpu.data();
-  refs.lse = lse_cpu.data();
-  StatusOr<AttentionParams> pc = make_params(o, refs);
-  ASSERT_TRUE(pc.ok());
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  ASSERT_TRUE(testing::plan_and_forward(*cpu, *pc, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::plan_and_forward(*cpu, on_cpu.params, ExecContext{}, nullptr).ok());
 
   // The bias in the log domain: exact for queries far from every key too.
-  const testing::ReferenceOutput ref = testing::log_domain_reference(*p);
+  const testing::ReferenceOutput ref = testing::log_domain_reference(gpu.params);
   const double tol = tolerance(c.dtype);
-  const ErrorStats vs_ref = compare(out_gpu.data(), c.dtype, ref.out);
-  const ErrorStats cpu_vs_ref = compare(out_cpu.data(), c.dtype, ref.out);
-  std::vector<double> cpu_out(ref.out.size());
-  for (size_t i = 0; i < cpu_out.size(); ++i) cpu_out[i] = load_element(out_cpu.data(), c.dtype, static_cast<int64_t>(i));
-  const ErrorStats vs_cpu = compare(out_gpu.data(), c.dtype, cpu_out);
+  const ErrorStats vs_ref = compare(gpu.out.data(), c.dtype, ref.out);
+  const ErrorStats cpu_vs_ref = compare(on_cpu.out.data(), c.dtype, ref.out);
+  const ErrorStats vs_cpu = compare(gpu.out.data(), c.dtype, testing::to_doubles(on_cpu.out, c.dtype));
   EXPECT_LE(vs_ref.max_rel, tol) << "cuda vs float64 reference (cpu backend: " << cpu_vs_ref.max_rel << ")";
   EXPECT_LE(vs_cpu.max_rel, c.dtype == DType::kF32 ? tol : 2 * tol) << "cuda vs cpu backend";
   EXPECT_LE(vs_ref.rel_l2, tol);
@@ -161,46 +99,46 @@ TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
   EXPECT_LE(lse_err, lse_tolerance(c.dtype));
 }
 
-std::vector<GpuCase> cases() {
-  std::vector<GpuCase> v;
+std::vector<AttentionCase> cases() {
+  constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
+  std::vector<AttentionCase> v = testing::every_dtype_cases("exact_causal_");
   const std::vector<double> mixed = {0.9, 0.31, 0.05, 0.0};  // sigma 1.1 .. 20, and no bias
-  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
-    const std::string d = dtype_name(t);
-    v.push_back({"exact_causal_" + d, 2, 97, 97, 4, 2, 40, t, Mode::kExact, true, std::nullopt, 0, 0, 0, {}});
-    v.push_back({"lsh_causal_gqa_" + d, 1, 300, 300, 4, 2, 64, t, Mode::kLsh, true, std::nullopt, 0, 16, 0, mixed});
-    v.push_back({"window_" + d, 1, 129, 129, 3, 3, 59, t, Mode::kWindow, true, std::nullopt, 0, 0, 0, {}});
-  }
   // f32: odd sizes, offsets, non-causal, multi-chunk spans, decode-like tails.
   const DType f = DType::kF32;
-  v.push_back({"exact_noncausal_offsets_f32", 1, 33, 1025, 2, 1, 128, f, Mode::kExact, false, int64_t{5000}, 4100, 0, 0, {}});
-  v.push_back({"exact_causal_decode_f32", 2, 1, 1025, 4, 4, 59, f, Mode::kExact, true, std::nullopt, 0, 0, 0, {}});
-  v.push_back({"exact_one_row_f32", 1, 1, 1, 1, 1, 40, f, Mode::kExact, true, std::nullopt, 0, 0, 0, {}});
-  v.push_back({"lsh_noncausal_f32", 2, 97, 97, 8, 2, 40, f, Mode::kLsh, false, std::nullopt, 0, 7, 0, {}});
-  v.push_back({"lsh_tail_positions_f32", 1, 70, 700, 4, 1, 64, f, Mode::kLsh, true, int64_t{123456 + 630}, 123456, 16, 0,
-               {1.0 / 300, 0.8, 0.2, 0.04}});
-  v.push_back({"lsh_wide_pitch_f32", 1, 600, 600, 2, 2, 128, f, Mode::kLsh, false, std::nullopt, 0, 4, 0, {1.0 / 400, 1.0 / 150}});
-  v.push_back({"window_fixed_width_f32", 1, 257, 300, 2, 1, 64, f, Mode::kWindow, false, std::nullopt, 0, 0, 17, {}});
-  v.push_back({"window_wide_f32", 1, 200, 1100, 2, 2, 40, f, Mode::kWindow, true, std::nullopt, 0, 0, 700, {}});
+  v.push_back({"exact_noncausal_offsets_f32", 1, 33, 1025, 2, 1, 128, f, Mode::kExact, false, int64_t{5000}, 4100});
+  v.push_back({"exact_causal_decode_f32", 2, 1, 1025, 4, 4, 59, f, Mode::kExact, true});
+  v.push_back({"exact_one_row_f32", 1, 1, 1, 1, 1, 40, f, Mode::kExact, true});
+  v.push_back({"lsh_noncausal_f32", 2, 97, 97, 8, 2, 40, f, Mode::kLsh, false, std::nullopt, 0, 7});
+  v.push_back({"lsh_tail_positions_f32", 1, 70, 700, 4, 1, 64, f, Mode::kLsh, true, int64_t{123456 + 630}, 123456, 16,
+               kAuto, {1.0 / 300, 0.8, 0.2, 0.04}});
+  // The backend reads plan.draws, whichever sampler made them.
+  v.push_back({"lsh_ash_causal_f32", 1, 300, 300, 4, 2, 64, f, Mode::kLsh, true, std::nullopt, 0, 64, kAuto, {}, 0,
+               std::nullopt, std::nullopt, Sampling::kAsh});
+  v.push_back({"lsh_stratified_noncausal_f32", 1, 97, 97, 4, 4, 40, f, Mode::kLsh, false, std::nullopt, 0, 16, kAuto, {},
+               0, std::nullopt, std::nullopt, Sampling::kStratified});
+  v.push_back({"lsh_wide_pitch_f32", 1, 600, 600, 2, 2, 128, f, Mode::kLsh, false, std::nullopt, 0, 4, kAuto,
+               {1.0 / 400, 1.0 / 150}});
+  v.push_back({"window_fixed_width_f32", 1, 257, 300, 2, 1, 64, f, Mode::kWindow, false, std::nullopt, 0, 0, kAuto, {}, 17});
+  v.push_back({"window_wide_f32", 1, 200, 1100, 2, 2, 40, f, Mode::kWindow, true, std::nullopt, 0, 0, kAuto, {}, 700});
   // Head rows that are not 16-byte multiples (bf16/f16 D = 20: 40 bytes;
   // f32 D = 59): host tensors are staged with padded rows (issue 15).
-  v.push_back({"exact_causal_d20_bf16", 2, 97, 97, 4, 2, 20, DType::kBF16, Mode::kExact, true, std::nullopt, 0, 0, 0, {}});
-  v.push_back({"lsh_causal_d20_f16", 1, 130, 130, 4, 4, 20, DType::kF16, Mode::kLsh, true, std::nullopt, 0, 8, 0, mixed});
-  v.push_back({"window_d59_f32", 1, 129, 129, 3, 1, 59, f, Mode::kWindow, false, std::nullopt, 0, 0, 0, {}});
+  v.push_back({"exact_causal_d20_bf16", 2, 97, 97, 4, 2, 20, DType::kBF16, Mode::kExact, true});
+  v.push_back({"lsh_causal_d20_f16", 1, 130, 130, 4, 4, 20, DType::kF16, Mode::kLsh, true, std::nullopt, 0, 8, kAuto, mixed});
+  v.push_back({"window_d59_f32", 1, 129, 129, 3, 1, 59, f, Mode::kWindow, false});
   // Queries far from every key (shards of a long sequence): the logits are
   // relative to the nearest key and lse adds the offset back (issue 15).
-  v.push_back({"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, f, Mode::kExact, true, int64_t{1000000}, 0, 0, 0,
+  v.push_back({"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, f, Mode::kExact, true, int64_t{1000000}, 0, 0, kAuto,
                {0.5, 1.0 / 64}});
-  v.push_back({"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, f, Mode::kExact, false, int64_t{-200000}, 0, 0, 0,
-               {0.5, 0.125}});
-  v.push_back({"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, f, Mode::kExact, true, int64_t{65536}, 0, 0, 0,
+  v.push_back({"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, f, Mode::kExact, false, int64_t{-200000}, 0, 0,
+               kAuto, {0.5, 0.125}});
+  v.push_back({"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, f, Mode::kExact, true, int64_t{65536}, 0, 0, kAuto,
                {0.5, 1.0 / 16}});
   v.push_back({"exact_shard_at_65536_bf16", 1, 64, 4096, 2, 1, 64, DType::kBF16, Mode::kExact, true, int64_t{65536}, 0, 0,
-               0, {0.5, 1.0 / 16}});
+               kAuto, {0.5, 1.0 / 16}});
   return v;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, CudaVsCpu, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<GpuCase>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Cases, CudaVsCpu, ::testing::ValuesIn(cases()), testing::CaseName());
 
 // The lsh masks on the device put every position in the same bin as
 // bin_of on the host: the same draws, bit for bit.
@@ -223,21 +161,13 @@ TEST(CudaBins, DeviceBinsEqualHostBinOf) {
 // Device tensors in, device tensors out: the same output as host tensors.
 TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o;
-  o.q_len = o.kv_len = 150;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.head_dim = 64;
-  o.dtype = DType::kBF16;
-  o.mode = Mode::kLsh;
-  o.causal = true;
-  o.samples = 8;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 3);
-  std::vector<uint8_t> out_host = testing::output_buffer(o);
-  StatusOr<AttentionParams> ph = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_host.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(ph.ok());
-  ASSERT_TRUE(testing::plan_and_forward(*cuda, *ph, ExecContext{}, nullptr).ok());
+  const AttentionOptions o{.q_len = 150, .kv_len = 150, .heads = 4, .kv_heads = 2, .head_dim = 64, .dtype = DType::kBF16,
+                           .causal = true, .mode = Mode::kLsh, .samples = 8, .estimates = false};
+  Problem host = make_problem(o, 3, false);
+  ASSERT_TRUE(host.status.ok());
+  ASSERT_TRUE(testing::plan_and_forward(*cuda, host.params, ExecContext{}, nullptr).ok());
+  const testing::RandomTensors& t = host.qkv;
+  const std::vector<uint8_t>& out_host = host.out;
 
   void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dout = nullptr;
   ASSERT_EQ(cudaMalloc(&dq, t.q.size()), cudaSuccess);
@@ -262,13 +192,12 @@ TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
   cudaFree(dv);
   cudaFree(dout);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  std::vector<double> host_result(out_host.size() / 2);
-  for (size_t i = 0; i < host_result.size(); ++i) host_result[i] = load_element(out_host.data(), o.dtype, static_cast<int64_t>(i));
   // Same plan and kernels; only cuBLAS's choice of algorithm could differ.
-  EXPECT_LE(compare(out_dev.data(), o.dtype, host_result).max_rel, tolerance(o.dtype) / 4);
+  EXPECT_LE(compare(out_dev.data(), o.dtype, testing::to_doubles(out_host, o.dtype)).max_rel, tolerance(o.dtype) / 4);
 
   // Host pointers under memory = device are refused, not dereferenced.
-  StatusOr<AttentionParams> bad = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_host.data(), nullptr, MemorySpace::kDevice});
+  StatusOr<AttentionParams> bad =
+      make_params(o, {t.q.data(), t.k.data(), t.v.data(), host.out.data(), nullptr, MemorySpace::kDevice});
   ASSERT_TRUE(bad.ok());
   const Status refused = testing::plan_and_forward(*cuda, *bad, ExecContext{}, nullptr);
   EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.to_string();
@@ -276,36 +205,23 @@ TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
 
 TEST(CudaControl, CancelStopsTheWork) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o;
-  o.q_len = o.kv_len = 256;
-  o.heads = 2;
-  o.head_dim = 64;
-  o.mode = Mode::kExact;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 4);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok());
+  Problem pr =
+      make_problem({.q_len = 256, .kv_len = 256, .heads = 2, .head_dim = 64, .mode = Mode::kExact, .estimates = false}, 4,
+                   false);
+  ASSERT_TRUE(pr.status.ok());
   std::atomic<bool> cancel{true};
   ExecContext ctx;
   ctx.cancel = &cancel;
-  EXPECT_EQ(testing::plan_and_forward(*cuda, *p, ctx, nullptr).code(), StatusCode::kCancelled);
+  EXPECT_EQ(testing::plan_and_forward(*cuda, pr.params, ctx, nullptr).code(), StatusCode::kCancelled);
 }
 
 TEST(CudaControl, BandedIsRefusedWithAReason) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o;
-  o.q_len = o.kv_len = 16;
-  o.heads = 1;
-  o.head_dim = 8;
-  o.mode = Mode::kLsh;
-  o.lsh_algorithm = LshAlgorithm::kBanded;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 4);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok());
-  const Status s = cuda->supports(*p);
+  Problem pr = make_problem({.q_len = 16, .kv_len = 16, .heads = 1, .head_dim = 8, .mode = Mode::kLsh,
+                             .lsh_algorithm = LshAlgorithm::kBanded, .estimates = false},
+                            4, false);
+  ASSERT_TRUE(pr.status.ok());
+  const Status s = cuda->supports(pr.params);
   EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
   EXPECT_NE(s.message().find("lsh_algorithm"), std::string::npos);
 }
@@ -313,57 +229,35 @@ TEST(CudaControl, BandedIsRefusedWithAReason) {
 // Under a tight budget the work is cut into chunks of lanes and tiles; the
 // output must not change beyond rounding.
 TEST(CudaControl, TightBudgetChunksAndStillMatches) {
-  std::string why;
-  cuda::CudaBackendOptions opts;
-  opts.memory_budget_bytes = 1536 * 1024;  // staging ~0.6 MB; leaves room for about 5 tile slots
-  std::unique_ptr<Backend> small = cuda::make_cuda_backend(&why, opts);
-  if (small == nullptr) GTEST_SKIP() << why;
-  AttentionOptions o;
-  o.q_len = o.kv_len = 300;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.head_dim = 64;
-  o.dtype = DType::kBF16;
-  o.mode = Mode::kLsh;
-  o.causal = true;
-  o.samples = 8;
-  o.slopes = {0.9, 0.2, 0.03, 0.0};
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 8);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok());
+  const int64_t budget = 1536 * 1024;  // staging ~0.6 MB; leaves room for about 5 tile slots
+  REQUIRE_CUDA_BUDGET(small, budget);
+  Problem pr = make_problem({.q_len = 300, .kv_len = 300, .heads = 4, .kv_heads = 2, .head_dim = 64,
+                             .dtype = DType::kBF16, .causal = true, .slopes = {0.9, 0.2, 0.03, 0.0},
+                             .mode = Mode::kLsh, .samples = 8, .estimates = false},
+                            8, false);
+  ASSERT_TRUE(pr.status.ok());
   ForwardStats stats;
-  const Status s = testing::plan_and_forward(*small, *p, ExecContext{}, &stats);
+  const Status s = testing::plan_and_forward(*small, pr.params, ExecContext{}, &stats);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  EXPECT_LE(stats.workspace.device_bytes, opts.memory_budget_bytes);
-  const testing::ReferenceOutput ref = testing::reference_attention(*p);
-  EXPECT_LE(compare(out.data(), o.dtype, ref.out).max_rel, tolerance(o.dtype));
+  EXPECT_LE(stats.workspace.device_bytes, budget);
+  const testing::ReferenceOutput ref = testing::reference_attention(pr.params);
+  EXPECT_LE(compare(pr.out.data(), pr.params.dtype, ref.out).max_rel, tolerance(pr.params.dtype));
 }
 
 // Without a share from the caller a request plans for at most half the pool,
 // so a second one can run beside it; with a share, at most that; and the
 // bytes forward reports are what the plan charged (issue 15).
 TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
-  std::string why;
-  cuda::CudaBackendOptions opts;
-  opts.memory_budget_bytes = int64_t{256} << 20;
-  std::unique_ptr<Backend> backend = cuda::make_cuda_backend(&why, opts);
-  if (backend == nullptr) GTEST_SKIP() << why;
-  AttentionOptions o;
-  o.q_len = o.kv_len = 8192;
-  o.heads = 8;
-  o.head_dim = 64;
-  o.dtype = DType::kBF16;
-  o.mode = Mode::kExact;
-  o.causal = true;
-  o.estimates = false;
+  const int64_t budget = int64_t{256} << 20;
+  REQUIRE_CUDA_BUDGET(backend, budget);
+  const AttentionOptions o{.q_len = 8192, .kv_len = 8192, .heads = 8, .head_dim = 64, .dtype = DType::kBF16, .causal = true,
+                           .mode = Mode::kExact, .estimates = false};
   StatusOr<AttentionParams> p = resolve_params(o);
   ASSERT_TRUE(p.ok());
   StatusOr<Plan> half = backend->plan(*p, PlanLimits{});
   ASSERT_TRUE(half.ok()) << half.status().to_string();
-  EXPECT_LE(half->forward_workspace.device_bytes, opts.memory_budget_bytes / 2);
-  EXPECT_GT(half->forward_workspace.device_bytes, opts.memory_budget_bytes / 4) << "the work buffer fills its share";
+  EXPECT_LE(half->forward_workspace.device_bytes, budget / 2);
+  EXPECT_GT(half->forward_workspace.device_bytes, budget / 4) << "the work buffer fills its share";
   PlanLimits share;
   share.device_bytes = int64_t{64} << 20;
   StatusOr<Plan> shared = backend->plan(*p, share);
@@ -380,20 +274,15 @@ TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
   EXPECT_EQ(stats.workspace.device_bytes, half->forward_workspace.device_bytes);
   const std::optional<DeviceMemory> mem = backend->device_memory();
   ASSERT_TRUE(mem.has_value());
-  EXPECT_EQ(mem->budget_bytes, opts.memory_budget_bytes);
+  EXPECT_EQ(mem->budget_bytes, budget);
 }
 
 // Device tensors whose rows are not 16-byte multiples are refused before
 // any GEMM sees them (a misaligned access would lose the context).
 TEST(CudaMemory, UnalignedDeviceTensorsAreRefused) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o;
-  o.q_len = o.kv_len = 64;
-  o.heads = 4;
-  o.head_dim = 20;
-  o.dtype = DType::kBF16;
-  o.mode = Mode::kExact;
-  o.estimates = false;
+  const AttentionOptions o{.q_len = 64, .kv_len = 64, .heads = 4, .head_dim = 20, .dtype = DType::kBF16,
+                           .mode = Mode::kExact, .estimates = false};
   const size_t bytes = static_cast<size_t>(o.q_len * o.heads * o.head_dim * 2);
   void* d[4] = {};
   for (void*& b : d) ASSERT_EQ(cudaMalloc(&b, bytes), cudaSuccess);
@@ -410,32 +299,16 @@ TEST(CudaMemory, UnalignedDeviceTensorsAreRefused) {
 // several batched calls; the result is the CPU backend's.
 TEST(CudaLarge, RoundsAbove65535SlotsMatchTheCpu) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o;
-  o.q_len = 65536;
-  o.kv_len = 32;
-  o.q_pos0 = 0;
-  o.heads = 64;
-  o.kv_heads = 8;
-  o.head_dim = 8;
-  o.dtype = DType::kF32;
-  o.mode = Mode::kExact;
-  o.causal = false;
-  o.estimates = false;
-  o.check_finite = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 21);
-  std::vector<uint8_t> out_gpu = testing::output_buffer(o), out_cpu = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_gpu.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok()) << p.status().to_string();
-  StatusOr<Plan> plan = cuda->plan(*p, PlanLimits{});
+  const AttentionOptions o{.q_len = 65536, .kv_len = 32, .heads = 64, .kv_heads = 8, .head_dim = 8, .dtype = DType::kF32,
+                           .causal = false, .q_pos0 = 0, .mode = Mode::kExact, .estimates = false, .check_finite = false};
+  Problem gpu = make_problem(o, 21, false), on_cpu = make_problem(o, 21, false);
+  ASSERT_TRUE(gpu.status.ok() && on_cpu.status.ok());
+  StatusOr<Plan> plan = cuda->plan(gpu.params, PlanLimits{});
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   ASSERT_TRUE(cuda->forward(*plan, ExecContext{}, nullptr).ok());
-  StatusOr<AttentionParams> pc = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_cpu.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(pc.ok());
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  ASSERT_TRUE(testing::plan_and_forward(*cpu, *pc, ExecContext{}, nullptr).ok());
-  std::vector<double> expected(out_cpu.size() / 4);
-  for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_element(out_cpu.data(), o.dtype, static_cast<int64_t>(i));
-  EXPECT_LE(compare(out_gpu.data(), o.dtype, expected).max_rel, 1e-4);
+  ASSERT_TRUE(testing::plan_and_forward(*cpu, on_cpu.params, ExecContext{}, nullptr).ok());
+  EXPECT_LE(compare(gpu.out.data(), o.dtype, testing::to_doubles(on_cpu.out, o.dtype)).max_rel, 1e-4);
 }
 
 // Cancel, deadline and progress follow the GPU (issue 15): a request of
@@ -469,20 +342,12 @@ TimedRun timed_forward(Backend& cuda, const Plan& plan, const std::atomic<bool>*
 
 TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o;
-  o.q_len = o.kv_len = 32768;
-  o.heads = 32;
-  o.head_dim = 128;
-  o.dtype = DType::kF32;  // fp32 GEMMs without TF32: the slow path, about 9 TFLOP here
-  o.mode = Mode::kExact;
-  o.causal = true;
-  o.estimates = false;
-  o.check_finite = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 13);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok());
-  StatusOr<Plan> plan = cuda->plan(*p, PlanLimits{});
+  // fp32 GEMMs without TF32: the slow path, about 9 TFLOP here.
+  Problem pr = make_problem({.q_len = 32768, .kv_len = 32768, .heads = 32, .head_dim = 128, .dtype = DType::kF32,
+                             .causal = true, .mode = Mode::kExact, .estimates = false, .check_finite = false},
+                            13, false);
+  ASSERT_TRUE(pr.status.ok());
+  StatusOr<Plan> plan = cuda->plan(pr.params, PlanLimits{});
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
 
   const TimedRun full = timed_forward(*cuda, *plan, nullptr, std::chrono::steady_clock::time_point::max());
@@ -516,22 +381,12 @@ TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
 
 // A budget too small for one tile is refused before any memory is touched.
 TEST(CudaControl, TinyBudgetIsResourceExhausted) {
-  std::string why;
-  cuda::CudaBackendOptions opts;
-  opts.memory_budget_bytes = 4096;
-  std::unique_ptr<Backend> small = cuda::make_cuda_backend(&why, opts);
-  if (small == nullptr) GTEST_SKIP() << why;
-  AttentionOptions o;
-  o.q_len = o.kv_len = 128;
-  o.heads = 1;
-  o.head_dim = 64;
-  o.mode = Mode::kExact;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 4);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok());
-  EXPECT_EQ(testing::plan_and_forward(*small, *p, ExecContext{}, nullptr).code(), StatusCode::kResourceExhausted);
+  REQUIRE_CUDA_BUDGET(small, 4096);
+  Problem pr =
+      make_problem({.q_len = 128, .kv_len = 128, .heads = 1, .head_dim = 64, .mode = Mode::kExact, .estimates = false}, 4,
+                   false);
+  ASSERT_TRUE(pr.status.ok());
+  EXPECT_EQ(testing::plan_and_forward(*small, pr.params, ExecContext{}, nullptr).code(), StatusCode::kResourceExhausted);
 }
 
 // A recoverable error an earlier call left on the worker thread (here an
@@ -543,21 +398,15 @@ TEST(CudaErrors, StaleRecoverableErrorDoesNotFailTheNextRequest) {
   void* huge = nullptr;
   ASSERT_EQ(cudaMalloc(&huge, size_t{1} << 60), cudaErrorMemoryAllocation);
   ASSERT_EQ(cudaPeekAtLastError(), cudaErrorMemoryAllocation) << "the runtime keeps it as the last error";
-  AttentionOptions o;
-  o.q_len = o.kv_len = 100;
-  o.heads = 2;
-  o.head_dim = 64;
-  o.mode = Mode::kExact;
-  o.causal = true;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 6);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok());
-  const Status s = testing::plan_and_forward(*cuda, *p, ExecContext{}, nullptr);
+  Problem pr = make_problem(
+      {.q_len = 100, .kv_len = 100, .heads = 2, .head_dim = 64, .causal = true, .mode = Mode::kExact, .estimates = false},
+      6, false);
+  ASSERT_TRUE(pr.status.ok());
+  const Status s = testing::plan_and_forward(*cuda, pr.params, ExecContext{}, nullptr);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  EXPECT_TRUE(cuda->supports(*p).ok());
-  EXPECT_LE(compare(out.data(), o.dtype, testing::reference_attention(*p).out).max_rel, tolerance(o.dtype));
+  EXPECT_TRUE(cuda->supports(pr.params).ok());
+  EXPECT_LE(compare(pr.out.data(), pr.params.dtype, testing::reference_attention(pr.params).out).max_rel,
+            tolerance(pr.params.dtype));
 }
 
 // A real device fault (a GEMM reading far past a 4 KiB buffer that was
@@ -570,13 +419,8 @@ void sticky_fault_child() {
   std::string why;
   std::unique_ptr<Backend> cuda = cuda::make_cuda_backend(&why);
   if (cuda == nullptr) std::exit(3);
-  AttentionOptions o;
-  o.q_len = o.kv_len = 65536;
-  o.heads = 32;
-  o.head_dim = 128;
-  o.dtype = DType::kBF16;
-  o.mode = Mode::kExact;
-  o.estimates = false;
+  const AttentionOptions o{.q_len = 65536, .kv_len = 65536, .heads = 32, .head_dim = 128, .dtype = DType::kBF16,
+                           .mode = Mode::kExact, .estimates = false};
   void* small[4] = {};
   for (void*& b : small)
     if (cudaMalloc(&b, 4096) != cudaSuccess) std::exit(4);

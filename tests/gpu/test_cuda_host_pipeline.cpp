@@ -24,6 +24,7 @@
 #include "plsh/numeric.h"
 #include "plsh/params.h"
 #include "log_reference.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh::cuda {
@@ -48,13 +49,7 @@ struct Emulated {
 Emulated emulate(const AttentionParams& p, int64_t budget) {
   const SpanShape shape = span_shape(p);
   const std::vector<LaneSetup> heads = head_passes(p, plan_draws(p));
-  WorkspaceShape ws;
-  ws.lanes = p.batch * p.heads;
-  ws.q_len = p.q_len;
-  ws.kv_len = p.kv_len;
-  ws.head_dim = p.head_dim;
-  ws.elem_bytes = static_cast<int64_t>(dtype_bytes(p.dtype));
-  StatusOr<WorkspacePlan> plan_or = plan_workspace(ws, budget);
+  StatusOr<WorkspacePlan> plan_or = plan_workspace(workspace_shape(p), budget);
   EXPECT_TRUE(plan_or.ok()) << plan_or.status().to_string();
   const WorkspacePlan plan = *plan_or;
   const int64_t T = plan.tile_rows, D = p.head_dim;
@@ -72,129 +67,96 @@ Emulated emulate(const AttentionParams& p, int64_t budget) {
   };
   const int64_t lanes_total = p.batch * p.heads;
   const int64_t tiles_total = tile_count(shape);
-  for (int64_t lane0 = 0; lane0 < lanes_total; lane0 += plan.lanes_per_chunk) {
-    const int64_t lane1 = std::min(lanes_total, lane0 + plan.lanes_per_chunk);
-    const std::vector<LaneSetup> setups = chunk_lanes(heads, p.heads, lane0, lane1);
-    for (int64_t t0 = 0; t0 < tiles_total; t0 += plan.tiles_per_chunk) {
-      const int64_t t1 = std::min(tiles_total, t0 + plan.tiles_per_chunk);
-      ++e.chunks;
-      std::vector<LanePass> table;
-      const std::vector<Round> rounds = plan_rounds(shape, setups, t0, t1, &table);
-      e.rounds += static_cast<int64_t>(rounds.size());
-      const int64_t row0 = t0 * T, rows = (t1 - t0) * T;
-      std::vector<float> acc(static_cast<size_t>((lane1 - lane0) * rows * D), 0.0f);
-      std::vector<float> acc_max(static_cast<size_t>((lane1 - lane0) * rows), 0.0f);
-      std::vector<float> acc_sum(acc_max.size(), 0.0f);
-      for (const Round& r : rounds) {
-        EXPECT_LE(r.slots, plan.slots);
-        const int64_t Kc = r.key_cols;
-        std::vector<float> logits(static_cast<size_t>(Kc));
-        std::vector<uint8_t> ok(static_cast<size_t>(Kc));
-        std::vector<float> prob(static_cast<size_t>(Kc));
-        std::vector<float> part(static_cast<size_t>(D));
-        for (int64_t slot = 0; slot < r.slots; ++slot) {
-          const TileDesc d = describe_slot(shape, r, table.data(), slot);
-          const LanePass& l = table[static_cast<size_t>(d.lane)];
-          const int64_t hk = l.head / p.head_group;
-          for (int64_t rr = 0; rr < T; ++rr) {
-            const int64_t i = d.row0 + rr;
-            if (i < d.own_begin || i >= d.own_end) continue;
-            const int64_t pos_i = p.q_pos0 + i;
-            const int64_t nearest = nearest_key_distance(shape, i);
-            const bool same_bin = l.rule == SpanRule::kSameBin;
-            const int64_t q_bin = same_bin ? span_bin(pos_i, l.pitch, l.shift) : 0;
-            float m = -INFINITY;
-            for (int64_t x = 0; x < Kc; ++x) {
-              const int64_t j = d.col0 + x;
-              float dot = 0;  // the first GEMM: fp32 accumulation, alpha = scale
-              for (int64_t c = 0; c < D; ++c) dot += q_at(l.batch, i, l.head, c) * k_at(l.batch, j, hk, c);
-              const int64_t k_bin = same_bin ? span_bin(p.k_pos0 + j, l.pitch, l.shift) : 0;
-              ok[x] = slot_logit(l, d, p.causal, pos_i, j, p.k_pos0 + j, nearest, q_bin, k_bin,
-                                 static_cast<float>(p.scale) * dot, &logits[x]);
-              if (ok[x]) m = std::max(m, logits[x]);
-            }
-            float l_part = 0;
-            for (int64_t x = 0; x < Kc; ++x) {
-              prob[x] = ok[x] ? round_to(p.dtype, std::exp(logits[x] - m)) : 0.0f;
-              l_part += prob[x];
-            }
-            std::fill(part.begin(), part.end(), 0.0f);  // the second GEMM
-            for (int64_t x = 0; x < Kc; ++x)
-              if (prob[x] != 0)
-                for (int64_t c = 0; c < D; ++c) part[c] += prob[x] * v_at(l.batch, d.col0 + x, hk, c);
-            if (l_part == 0) continue;
-            const int64_t idx = l.acc_lane * rows + (i - row0);
-            const MergeCoefficients mc = merge_coefficients(acc_max[idx], acc_sum[idx], m);
-            for (int64_t c = 0; c < D; ++c) acc[idx * D + c] = acc[idx * D + c] * mc.c_acc + part[c] * mc.c_part;
-            acc_sum[idx] = acc_sum[idx] * mc.c_acc + l_part * mc.c_part;
-            acc_max[idx] = mc.m_new;
+  const Status ran = for_each_chunk(plan, heads, p.heads, lanes_total, tiles_total, [&](const Chunk& chunk) {
+    const int64_t lane0 = chunk.lane0, lane1 = chunk.lane1, t0 = chunk.tile0, t1 = chunk.tile1;
+    ++e.chunks;
+    std::vector<LanePass> table;
+    const std::vector<Round> rounds = plan_rounds(shape, chunk.setups, t0, t1, &table);
+    e.rounds += static_cast<int64_t>(rounds.size());
+    const int64_t row0 = t0 * T, rows = (t1 - t0) * T;
+    std::vector<float> acc(static_cast<size_t>((lane1 - lane0) * rows * D), 0.0f);
+    std::vector<float> acc_max(static_cast<size_t>((lane1 - lane0) * rows), 0.0f);
+    std::vector<float> acc_sum(acc_max.size(), 0.0f);
+    for (const Round& r : rounds) {
+      EXPECT_LE(r.slots, plan.slots);
+      const int64_t Kc = r.key_cols;
+      std::vector<float> logits(static_cast<size_t>(Kc));
+      std::vector<uint8_t> ok(static_cast<size_t>(Kc));
+      std::vector<float> prob(static_cast<size_t>(Kc));
+      std::vector<float> part(static_cast<size_t>(D));
+      for (int64_t slot = 0; slot < r.slots; ++slot) {
+        const TileDesc d = describe_slot(shape, r, table.data(), slot);
+        const LanePass& l = table[static_cast<size_t>(d.lane)];
+        const int64_t hk = l.head / p.head_group;
+        for (int64_t rr = 0; rr < T; ++rr) {
+          const int64_t i = d.row0 + rr;
+          if (i < d.own_begin || i >= d.own_end) continue;
+          const SlotRow row = slot_row(l, shape, p.q_pos0, i);
+          const bool same_bin = l.rule == SpanRule::kSameBin;
+          float m = -INFINITY;
+          for (int64_t x = 0; x < Kc; ++x) {
+            const int64_t j = d.col0 + x;
+            float dot = 0;  // the first GEMM: fp32 accumulation, alpha = scale
+            for (int64_t c = 0; c < D; ++c) dot += q_at(l.batch, i, l.head, c) * k_at(l.batch, j, hk, c);
+            const int64_t k_bin = same_bin ? span_bin(p.k_pos0 + j, l.pitch, l.shift) : 0;
+            ok[x] = slot_logit(l, d, p.causal, row.pos, j, p.k_pos0 + j, row.nearest, row.bin, k_bin,
+                               static_cast<float>(p.scale) * dot, &logits[x]);
+            if (ok[x]) m = std::max(m, logits[x]);
           }
-        }
-      }
-      for (int64_t g = lane0; g < lane1; ++g) {
-        const int64_t b = g / p.heads, h = g % p.heads;
-        for (int64_t i = row0; i < std::min(row0 + rows, p.q_len); ++i) {
-          const int64_t idx = (g - lane0) * rows + (i - row0);
-          const float l = acc_sum[idx];
-          for (int64_t c = 0; c < D; ++c)
-            e.out[static_cast<size_t>(((b * p.q_len + i) * p.heads + h) * D + c)] =
-                round_to(p.out_dtype, l > 0 ? acc[idx * D + c] / l : 0.0f);
-          // As the device stores it: row_lse in double, rounded to float.
-          e.lse[static_cast<size_t>((b * p.q_len + i) * p.heads + h)] = static_cast<float>(
-              row_lse(acc_max[idx], l, head_lse(p, heads[static_cast<size_t>(h)]), nearest_key_distance(shape, i)));
+          float l_part = 0;
+          for (int64_t x = 0; x < Kc; ++x) {
+            prob[x] = ok[x] ? round_to(p.dtype, std::exp(logits[x] - m)) : 0.0f;
+            l_part += prob[x];
+          }
+          std::fill(part.begin(), part.end(), 0.0f);  // the second GEMM
+          for (int64_t x = 0; x < Kc; ++x)
+            if (prob[x] != 0)
+              for (int64_t c = 0; c < D; ++c) part[c] += prob[x] * v_at(l.batch, d.col0 + x, hk, c);
+          if (l_part == 0) continue;
+          const int64_t idx = l.acc_lane * rows + (i - row0);
+          const MergeCoefficients mc = merge_coefficients(acc_max[idx], acc_sum[idx], m);
+          for (int64_t c = 0; c < D; ++c) acc[idx * D + c] = acc[idx * D + c] * mc.c_acc + part[c] * mc.c_part;
+          acc_sum[idx] = acc_sum[idx] * mc.c_acc + l_part * mc.c_part;
+          acc_max[idx] = mc.m_new;
         }
       }
     }
-  }
+    for (int64_t g = lane0; g < lane1; ++g) {
+      const int64_t b = g / p.heads, h = g % p.heads;
+      for (int64_t i = row0; i < std::min(row0 + rows, p.q_len); ++i) {
+        const int64_t idx = (g - lane0) * rows + (i - row0);
+        const float l = acc_sum[idx];
+        for (int64_t c = 0; c < D; ++c)
+          e.out[static_cast<size_t>(((b * p.q_len + i) * p.heads + h) * D + c)] =
+              round_to(p.out_dtype, l > 0 ? acc[idx * D + c] / l : 0.0f);
+        // As the device stores it: row_lse in double, rounded to float.
+        e.lse[static_cast<size_t>((b * p.q_len + i) * p.heads + h)] = static_cast<float>(
+            row_lse(acc_max[idx], l, head_lse(p, heads[static_cast<size_t>(h)]), nearest_key_distance(shape, i)));
+      }
+    }
+    return Status::Ok();
+  });
+  EXPECT_TRUE(ran.ok()) << ran.to_string();
   return e;
 }
 
-struct PipelineCase {
-  std::string name;
-  int64_t batch, q_len, kv_len, heads, kv_heads, head_dim;
-  DType dtype;
-  Mode mode;
-  bool causal;
-  std::optional<int64_t> q_pos0;
-  int64_t k_pos0;
-  int64_t samples;
-  std::vector<double> slopes;
-  int64_t budget;       // bytes for the workspace plan
-  int64_t min_chunks;   // the budget must force at least this many chunks
-  int64_t window_width = 0;  // window: 0 = from window_eps
+// A case and the workspace budget to plan it for.
+struct PipelineCase : testing::AttentionCase {
+  int64_t budget;      // bytes for the workspace plan
+  int64_t min_chunks;  // the budget must force at least this many chunks
 };
-
-// ctest lists a case by its name, not by a byte dump of the struct.
-void PrintTo(const PipelineCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const PipelineCase& c, std::ostream* os) { testing::PrintTo(c, os); }
 
 class CudaPipelineOnHost : public ::testing::TestWithParam<PipelineCase> {};
 
 TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   const PipelineCase& c = GetParam();
-  AttentionOptions o;
-  o.batch = c.batch;
-  o.q_len = c.q_len;
-  o.kv_len = c.kv_len;
-  o.heads = c.heads;
-  o.kv_heads = c.kv_heads;
-  o.head_dim = c.head_dim;
-  o.dtype = c.dtype;
-  o.mode = c.mode;
-  o.causal = c.causal;
-  o.q_pos0 = c.q_pos0;
-  o.k_pos0 = c.k_pos0;
-  o.samples = c.samples;
-  o.seed = 99;
-  o.slopes = c.slopes;
-  o.window_width = c.window_width;
-  o.estimates = false;
-  const testing::RandomTensors t = testing::random_qkv(o, 5);
-  std::vector<uint8_t> out = testing::output_buffer(o);
-  StatusOr<AttentionParams> p = make_params(o, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost});
-  ASSERT_TRUE(p.ok()) << p.status().to_string();
-  const Emulated e = emulate(*p, c.budget);
+  const AttentionOptions o = testing::options_of(c, 99);
+  testing::Problem pr = testing::make_problem(o, 5, false);
+  ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
+  const Emulated e = emulate(pr.params, c.budget);
   EXPECT_GE(e.chunks, c.min_chunks);
-  const testing::ReferenceOutput ref = testing::log_domain_reference(*p);
+  const testing::ReferenceOutput ref = testing::log_domain_reference(pr.params);
   double max_err = 0, max_ref = 0, lse_err = 0;
   for (size_t i = 0; i < ref.out.size(); ++i) {
     ASSERT_TRUE(std::isfinite(e.out[i])) << "output element " << i << " not written";
@@ -210,17 +172,15 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   EXPECT_LE(lse_err, f32 ? 1e-5 : 4e-3);
 
   // And against the CPU backend, as the GPU tests compare the device.
-  std::vector<uint8_t> out_cpu = testing::output_buffer(o);
-  std::vector<float> lse_cpu(ref.lse.size());
-  StatusOr<AttentionParams> pc =
-      make_params(o, {t.q.data(), t.k.data(), t.v.data(), out_cpu.data(), lse_cpu.data(), MemorySpace::kHost});
-  ASSERT_TRUE(pc.ok()) << pc.status().to_string();
+  testing::Problem on_cpu = testing::make_problem(o, 5);
+  ASSERT_TRUE(on_cpu.status.ok()) << on_cpu.status.to_string();
+  const std::vector<float>& lse_cpu = on_cpu.lse;
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  const Status s = testing::plan_and_forward(*cpu, *pc, ExecContext{}, nullptr, 1);
+  const Status s = testing::plan_and_forward(*cpu, on_cpu.params, ExecContext{}, nullptr, 1);
   ASSERT_TRUE(s.ok()) << s.to_string();
+  const std::vector<double> out_cpu = testing::to_doubles(on_cpu.out, on_cpu.params.out_dtype);
   double cpu_err = 0, cpu_lse_err = 0;
-  for (size_t i = 0; i < e.out.size(); ++i)
-    cpu_err = std::max(cpu_err, std::fabs(e.out[i] - load_element(out_cpu.data(), p->out_dtype, static_cast<int64_t>(i))));
+  for (size_t i = 0; i < e.out.size(); ++i) cpu_err = std::max(cpu_err, std::fabs(e.out[i] - out_cpu[i]));
   for (size_t i = 0; i < e.lse.size(); ++i)
     cpu_lse_err = std::max(cpu_lse_err, std::fabs(e.lse[i] - lse_cpu[i]) / std::max(1.0, std::fabs(static_cast<double>(lse_cpu[i]))));
   std::printf("%s: vs float64 max_rel %.3g lse %.3g; vs cpu backend max_rel %.3g lse %.3g\n", c.name.c_str(),
@@ -230,34 +190,51 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
 }
 
 constexpr int64_t kRoomy = int64_t{1} << 30;
+constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaPipelineOnHost,
     ::testing::Values(
         // sigma from 1.1 to 300 and a slope of 0; GQA; chunked over lanes and tiles.
-        PipelineCase{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 16,
-                     {0.9, 0.05, 1.0 / 300, 0.0}, 3 * 150000, 4},
-        PipelineCase{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0, 8,
-                     {0.7, 0.02}, kRoomy, 1},
-        PipelineCase{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true, int64_t{7000 + 590}, 7000, 5,
-                     {0.5, 1.0 / 200}, kRoomy, 1},
-        PipelineCase{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true, std::nullopt, 0, 0,
-                     {}, 2 * 150000, 2},
-        PipelineCase{"exact_noncausal_offsets_bf16", 1, 33, 300, 3, 3, 59, DType::kBF16, Mode::kExact, false, int64_t{1000}, 900, 0,
-                     {}, kRoomy, 1},
-        PipelineCase{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true, std::nullopt, 0, 0, {}, kRoomy, 1},
+        PipelineCase{{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 16,
+                      kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
+                     3 * 150000, 4},
+        PipelineCase{{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0, 8, kAuto,
+                      {0.7, 0.02}},
+                     kRoomy, 1},
+        // The CUDA backend reads plan.draws only: other samplers' draws need
+        // no change there (stratified pitches, ash's shared pitches with
+        // evenly spaced shifts).
+        PipelineCase{{"lsh_ash_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt,
+                      0, 64, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}, 0, std::nullopt, std::nullopt, Sampling::kAsh},
+                     3 * 150000, 4},
+        PipelineCase{{"lsh_stratified_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
+                      16, kAuto, {0.7, 0.02}, 0, std::nullopt, std::nullopt, Sampling::kStratified},
+                     kRoomy, 1},
+        PipelineCase{{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true, int64_t{7000 + 590}, 7000,
+                      5, kAuto, {0.5, 1.0 / 200}},
+                     kRoomy, 1},
+        PipelineCase{{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true}, 2 * 150000, 2},
+        PipelineCase{{"exact_noncausal_offsets_bf16", 1, 33, 300, 3, 3, 59, DType::kBF16, Mode::kExact, false, int64_t{1000},
+                      900},
+                     kRoomy, 1},
+        PipelineCase{{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true}, kRoomy, 1},
         // Queries far from every key (shards of a long sequence): a bias of
         // -slope * 1e6 in float would swamp the scores; the logits must be
         // taken relative to the nearest key and the offset added to lse.
-        PipelineCase{"exact_far_queries_noncausal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
-                     int64_t{1000000}, 0, 0, {0.5, 1.0 / 64}, kRoomy, 1},
-        PipelineCase{"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, true,
-                     int64_t{1000000}, 0, 0, {0.5, 1.0 / 64}, kRoomy, 1},
-        PipelineCase{"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, DType::kF32, Mode::kExact, false,
-                     int64_t{-200000}, 0, 0, {0.5, 0.125}, kRoomy, 1},
-        PipelineCase{"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, DType::kF32, Mode::kExact, true, int64_t{65536}, 0,
-                     0, {0.5, 1.0 / 16}, kRoomy, 1}),
-    [](const ::testing::TestParamInfo<PipelineCase>& info) { return info.param.name; });
+        PipelineCase{{"exact_far_queries_noncausal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
+                      int64_t{1000000}, 0, 0, kAuto, {0.5, 1.0 / 64}},
+                     kRoomy, 1},
+        PipelineCase{{"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, true,
+                      int64_t{1000000}, 0, 0, kAuto, {0.5, 1.0 / 64}},
+                     kRoomy, 1},
+        PipelineCase{{"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, DType::kF32, Mode::kExact, false,
+                      int64_t{-200000}, 0, 0, kAuto, {0.5, 0.125}},
+                     kRoomy, 1},
+        PipelineCase{{"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, DType::kF32, Mode::kExact, true, int64_t{65536}, 0,
+                      0, kAuto, {0.5, 1.0 / 16}},
+                     kRoomy, 1}),
+    testing::CaseName());
 
 }  // namespace
 }  // namespace plsh::cuda

@@ -85,12 +85,8 @@ class TilePlanCoverage : public ::testing::TestWithParam<PlanCase> {};
 // tensors.
 TEST_P(TilePlanCoverage, EveryAllowedPairExactlyOnceAndOperandsInBounds) {
   const PlanCase& c = GetParam();
-  SpanShape shape;
-  shape.q_len = c.q_len;
-  shape.kv_len = c.kv_len;
-  shape.qk_offset = c.q_pos0 - c.k_pos0;
-  shape.causal = c.causal;
-  shape.tile_rows = std::min(kTileRows, c.q_len);
+  const SpanShape shape{.q_len = c.q_len, .kv_len = c.kv_len, .qk_offset = c.q_pos0 - c.k_pos0, .causal = c.causal,
+                        .tile_rows = std::min(kTileRows, c.q_len)};
   const int64_t lanes = 3;  // three heads with shifted draws
   std::vector<LaneSetup> setups(lanes);
   for (int64_t g = 0; g < lanes; ++g) {
@@ -287,15 +283,7 @@ TEST(TilePlan, KeyColumnsArePowersOfTwoWithinLimits) {
   EXPECT_EQ(key_cols_for(5000, 300), 300);  // never wider than the keys
 }
 
-WorkspaceShape shape_for(int64_t n) {
-  WorkspaceShape s;
-  s.lanes = 32;
-  s.q_len = n;
-  s.kv_len = n;
-  s.head_dim = 128;
-  s.elem_bytes = 2;
-  return s;
-}
+WorkspaceShape shape_for(int64_t n) { return {.lanes = 32, .q_len = n, .kv_len = n, .head_dim = 128, .elem_bytes = 2}; }
 
 TEST(Workspace, FitsTheBudgetAndDoesNotGrowWithN) {
   const int64_t budget = int64_t{1} << 30;
@@ -377,15 +365,8 @@ TEST(Layout, WorkSlicesAreAlignedDisjointAndInside) {
 }
 
 AttentionParams layout_params(Mode mode, int64_t n, int64_t heads, int64_t samples) {
-  AttentionOptions o;
-  o.q_len = o.kv_len = n;
-  o.heads = heads;
-  o.head_dim = 64;
-  o.dtype = DType::kBF16;
-  o.mode = mode;
-  o.samples = samples;
-  o.causal = true;
-  StatusOr<AttentionParams> p = resolve_params(o);
+  StatusOr<AttentionParams> p = resolve_params({.q_len = n, .kv_len = n, .heads = heads, .head_dim = 64,
+                                                .dtype = DType::kBF16, .causal = true, .mode = mode, .samples = samples});
   EXPECT_TRUE(p.ok()) << p.status().to_string();
   return *p;
 }
@@ -491,17 +472,8 @@ TEST(Layout, ForwardRefusesParamsThePlanDidNotSize) {
 
 AttentionParams operand_params(DType dtype, int64_t n, int64_t kv, int64_t heads, int64_t kv_heads, int64_t dim,
                                MemorySpace memory) {
-  AttentionOptions o;
-  o.q_len = n;
-  o.kv_len = kv;
-  o.heads = heads;
-  o.kv_heads = kv_heads;
-  o.head_dim = dim;
-  o.dtype = dtype;
-  o.mode = Mode::kExact;
-  o.causal = false;
-  o.batch = 2;
-  StatusOr<AttentionParams> p = resolve_params(o);
+  StatusOr<AttentionParams> p = resolve_params({.batch = 2, .q_len = n, .kv_len = kv, .heads = heads, .kv_heads = kv_heads,
+                                                .head_dim = dim, .dtype = dtype, .causal = false, .mode = Mode::kExact});
   EXPECT_TRUE(p.ok()) << p.status().to_string();
   p->memory = memory;
   return *p;

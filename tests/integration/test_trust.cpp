@@ -190,7 +190,7 @@ TEST_F(Trust, RefusesToStartOnBadFilesNamingTheFlag) {
        "clients[0] ('a'): unknown field 'max_stream'"},
       {{"--token-file", token_file("g.json", "{\"clients\": [{\"name\": \"a\", \"sha256\": \"" + digest +
                                                  "\", \"methods\": [\"Attnd\"]}]}")},
-       R"(methods has \"Attnd\", expected Attend, AttendUnary, GetInfo or)"},
+       R"(methods has \"Attnd\", expected Attend, AttendUnary, GetInfo, AttendBackward, ReleaseContext or)"},
       {{"--token-file", token_file("h.json", "{\"clients\": [{\"name\": \"a\", \"sha256\": \"" + digest +
                                                  "\", \"max_reserved_bytes\": -1}]}")},
        "max_reserved_bytes = -1, expected an integer >= 0"},

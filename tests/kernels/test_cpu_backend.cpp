@@ -14,11 +14,14 @@
 
 #include "cpu/cpu_backend.h"
 #include "plsh/numeric.h"
+#include "problem.h"
 #include "reference.h"
 
 namespace plsh {
 namespace {
 
+using testing::make_problem;
+using testing::Problem;
 using testing::ReferenceOutput;
 
 // Unit roundoff of the output dtype: storing a value v rounds it by at most
@@ -37,63 +40,14 @@ constexpr double kF32Tolerance = 1e-5;
 
 double output_tolerance(DType t) { return kF32Tolerance + unit_roundoff(t); }
 
-struct Case {
-  std::string name;
-  Mode mode = Mode::kExact;
-  LshAlgorithm algorithm = LshAlgorithm::kAuto;
-  int64_t batch = 1, q_len = 0, kv_len = 0, heads = 1, kv_heads = 1, head_dim = 0;
-  bool causal = false;
-  std::optional<int64_t> q_pos0;
-  int64_t k_pos0 = 0;
-  DType dtype = DType::kF32;
-  std::optional<DType> out_dtype;
-  int64_t samples = 16;
-  int64_t window_width = 0;
-  std::vector<double> slopes;
-  bool has_empty_rows = false;  // some rows reach no key (see compare_rows)
+// A case of the shared shape (problem.h) and whether some of its rows reach
+// no key (see compare_rows).
+struct Case : testing::AttentionCase {
+  bool has_empty_rows = false;
 };
+void PrintTo(const Case& c, std::ostream* os) { testing::PrintTo(c, os); }
 
-AttentionOptions options_of(const Case& c) {
-  AttentionOptions o;
-  o.batch = c.batch;
-  o.q_len = c.q_len;
-  o.kv_len = c.kv_len;
-  o.heads = c.heads;
-  o.kv_heads = c.kv_heads;
-  o.head_dim = c.head_dim;
-  o.causal = c.causal;
-  o.q_pos0 = c.q_pos0;
-  o.k_pos0 = c.k_pos0;
-  o.dtype = c.dtype;
-  o.out_dtype = c.out_dtype;
-  o.mode = c.mode;
-  o.samples = c.samples;
-  o.seed = 1234;
-  o.lsh_algorithm = c.algorithm;
-  o.window_width = c.window_width;
-  o.slopes = c.slopes;
-  return o;
-}
-
-// Inputs, output buffers and the params pointing at them.
-struct Problem {
-  testing::RandomTensors tensors;
-  std::vector<uint8_t> out;
-  std::vector<float> lse;
-  AttentionParams params;
-};
-
-Problem make_problem(const AttentionOptions& o, uint64_t seed) {
-  Problem pr;
-  pr.tensors = testing::random_qkv(o, seed);
-  pr.out = testing::output_buffer(o);
-  pr.lse.assign(static_cast<size_t>(o.batch * o.q_len * o.heads), std::nanf(""));
-  TensorRefs refs{pr.tensors.q.data(), pr.tensors.k.data(), pr.tensors.v.data(), pr.out.data(), pr.lse.data()};
-  StatusOr<AttentionParams> p = make_params(o, refs);
-  EXPECT_TRUE(p.ok()) << p.status().to_string();
-  pr.params = p.value();
-  return pr;
-}
+AttentionOptions options_of(const Case& c) { return testing::options_of(c, 1234); }
 
 // max |a - e| / max(1, |e|) over the lse entries.
 double lse_error(const std::vector<float>& actual, const std::vector<double>& expected) {
@@ -146,8 +100,6 @@ Comparison compare_rows(const Problem& pr, const ReferenceOutput& ref) {
   return c;
 }
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
 class CpuVsReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CpuVsReference, MatchesFloat64Reference) {
@@ -175,17 +127,7 @@ TEST_P(CpuVsReference, MatchesFloat64Reference) {
 
 Case make(std::string name, Mode mode, int64_t q_len, int64_t kv_len, int64_t heads, int64_t kv_heads, int64_t dim,
           bool causal, DType dtype = DType::kF32) {
-  Case c;
-  c.name = std::move(name);
-  c.mode = mode;
-  c.q_len = q_len;
-  c.kv_len = kv_len;
-  c.heads = heads;
-  c.kv_heads = kv_heads;
-  c.head_dim = dim;
-  c.causal = causal;
-  c.dtype = dtype;
-  return c;
+  return Case{{std::move(name), 1, q_len, kv_len, heads, kv_heads, dim, dtype, mode, causal}};
 }
 
 Case with_offsets(Case c, int64_t q_pos0, int64_t k_pos0) {
@@ -269,8 +211,7 @@ std::vector<Case> cases() {
   return v;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, CpuVsReference, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Cases, CpuVsReference, ::testing::ValuesIn(cases()), testing::CaseName());
 
 // Padded q/k/v (head stride > D, row stride > H * head stride): the backend
 // must follow the strides, not assume a dense layout.
@@ -298,9 +239,9 @@ TEST(CpuBackend, FollowsPaddedStrides) {
       };
       std::vector<float> q, k, v;
       AttentionParams& p = pr.params;
-      padded(pr.tensors.q, o.q_len, o.heads, &q, &p.q_batch_stride, &p.q_row_stride, &p.q_head_stride);
-      padded(pr.tensors.k, o.kv_len, o.kv_heads, &k, &p.k_batch_stride, &p.k_row_stride, &p.k_head_stride);
-      padded(pr.tensors.v, o.kv_len, o.kv_heads, &v, &p.v_batch_stride, &p.v_row_stride, &p.v_head_stride);
+      padded(pr.qkv.q, o.q_len, o.heads, &q, &p.q_batch_stride, &p.q_row_stride, &p.q_head_stride);
+      padded(pr.qkv.k, o.kv_len, o.kv_heads, &k, &p.k_batch_stride, &p.k_row_stride, &p.k_head_stride);
+      padded(pr.qkv.v, o.kv_len, o.kv_heads, &v, &p.v_batch_stride, &p.v_row_stride, &p.v_head_stride);
       p.q = q.data();
       p.k = k.data();
       p.v = v.data();
@@ -334,8 +275,7 @@ TEST(CpuBackend, LshAlgorithmsAgree) {
     std::unique_ptr<Backend> cpu = make_cpu_backend();
     ASSERT_TRUE(testing::plan_and_forward(*cpu, per_sample.params, ExecContext{}, nullptr).ok());
     ASSERT_TRUE(testing::plan_and_forward(*cpu, banded.params, ExecContext{}, nullptr).ok());
-    std::vector<double> expected(per_sample.out.size() / 4);
-    for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_element(per_sample.out.data(), DType::kF32, i);
+    const std::vector<double> expected = testing::to_doubles(per_sample.out, DType::kF32);
     EXPECT_LE(testing::compare(banded.out.data(), DType::kF32, expected).max_rel, 1e-5)
         << "n " << s.q_len << "x" << s.kv_len << " causal " << s.causal;
     std::vector<double> expected_lse(per_sample.lse.begin(), per_sample.lse.end());
@@ -351,8 +291,7 @@ TEST(CpuBackend, LshErrorFallsWithSamples) {
   Problem exact = make_problem(o, 21);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(testing::plan_and_forward(*cpu, exact.params, ExecContext{}, nullptr).ok());
-  std::vector<double> reference(exact.out.size() / 4);
-  for (size_t i = 0; i < reference.size(); ++i) reference[i] = load_element(exact.out.data(), DType::kF32, i);
+  const std::vector<double> reference = testing::to_doubles(exact.out, DType::kF32);
 
   auto lsh_error = [&](int64_t samples) {
     o.mode = Mode::kLsh;
@@ -414,8 +353,7 @@ TEST(CpuBackend, ExactIsShiftInvariantFarFromKeys) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(testing::plan_and_forward(*cpu, near.params, ExecContext{}, nullptr).ok());
   ASSERT_TRUE(testing::plan_and_forward(*cpu, far.params, ExecContext{}, nullptr).ok());
-  std::vector<double> expected(near.out.size() / 4);
-  for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_element(near.out.data(), DType::kF32, i);
+  const std::vector<double> expected = testing::to_doubles(near.out, DType::kF32);
   EXPECT_LE(testing::compare(far.out.data(), DType::kF32, expected).max_rel, 1e-6);
   std::vector<double> expected_lse(near.lse.size());
   for (size_t i = 0; i < expected_lse.size(); ++i)
@@ -510,22 +448,14 @@ namespace {
 // finish (blocks are single positions) and match the float64 reference.
 TEST(CpuBackend, SteepSlopeFarFromZeroFinishesAndMatches) {
   for (LshAlgorithm a : {LshAlgorithm::kPerSample, LshAlgorithm::kBanded}) {
-    AttentionOptions o;
-    o.q_len = o.kv_len = 40;
-    o.heads = o.kv_heads = 2;
-    o.head_dim = 16;
-    o.mode = Mode::kLsh;
-    o.samples = 16;
-    o.lsh_algorithm = a;
-    o.slopes = {1024.0, 0.5};
-    o.k_pos0 = (int64_t{1} << 52) - 40;
-    o.q_pos0 = (int64_t{1} << 52) - 40;
-    testing::RandomTensors t = testing::random_qkv(o, 21);
-    std::vector<uint8_t> out = testing::output_buffer(o);
-    StatusOr<AttentionParams> p = make_params(o, TensorRefs{t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr});
-    ASSERT_TRUE(p.ok()) << p.status().to_string();
-    ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), *p, ExecContext{}, nullptr).ok());
-    const testing::ErrorStats e = testing::compare(out.data(), DType::kF32, testing::reference_attention(*p).out);
+    const int64_t near_2_52 = (int64_t{1} << 52) - 40;
+    const AttentionOptions o{.q_len = 40, .kv_len = 40, .heads = 2, .kv_heads = 2, .head_dim = 16, .slopes = {1024.0, 0.5},
+                             .q_pos0 = near_2_52, .k_pos0 = near_2_52, .mode = Mode::kLsh, .samples = 16,
+                             .lsh_algorithm = a};
+    Problem pr = make_problem(o, 21, false);
+    ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
+    ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), pr.params, ExecContext{}, nullptr).ok());
+    const testing::ErrorStats e = testing::compare(pr.out.data(), DType::kF32, testing::reference_attention(pr.params).out);
     EXPECT_LT(e.max_rel, 1e-5) << lsh_algorithm_name(a);
   }
 }

@@ -16,15 +16,7 @@
 namespace plsh {
 namespace {
 
-AttentionOptions valid_options() {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 30;
-  o.kv_len = 100;
-  o.heads = 8;
-  o.head_dim = 64;
-  return o;
-}
+AttentionOptions valid_options() { return {.batch = 2, .q_len = 30, .kv_len = 100, .heads = 8, .head_dim = 64}; }
 
 // Tensors big enough for any options used below.
 struct Buffers {
@@ -36,14 +28,7 @@ struct Buffers {
     v.assign(static_cast<size_t>(o.batch * o.kv_len * kv_heads * o.head_dim), 1.0f);
     out.assign(q.size(), 0.0f);
   }
-  TensorRefs refs() {
-    TensorRefs t;
-    t.q = q.data();
-    t.k = k.data();
-    t.v = v.data();
-    t.out = out.data();
-    return t;
-  }
+  TensorRefs refs() { return {.q = q.data(), .k = k.data(), .v = v.data(), .out = out.data()}; }
 };
 
 // An INVALID_ARGUMENT whose message contains every one of `parts`.

@@ -15,20 +15,8 @@ namespace plsh {
 namespace {
 
 AttentionOptions lsh_options() {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 97;
-  o.kv_len = 131;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.head_dim = 24;
-  o.mode = Mode::kLsh;
-  o.samples = 6;
-  o.seed = 5;
-  o.causal = true;
-  o.return_draws = true;
-  o.probe_rows = 16;
-  return o;
+  return {.batch = 2, .q_len = 97, .kv_len = 131, .heads = 4, .kv_heads = 2, .head_dim = 24, .causal = true,
+          .mode = Mode::kLsh, .samples = 6, .seed = 5, .probe_rows = 16, .return_draws = true};
 }
 
 struct Tensors {

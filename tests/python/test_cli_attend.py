@@ -76,3 +76,44 @@ def test_health_and_info(server):
     assert parsed["backends"][-1]["name"] == "cpu"
     down = run("health", "--target", "127.0.0.1:1", "--deadline", "2")
     assert down.returncode == 1 and "plsh health: " in down.stderr
+
+
+@pytest.mark.parametrize("mode", ["exact", "lsh", "window"])
+def test_attend_backward_equals_compute_bit_for_bit(files, tmp_path, mode):
+    """plsh attend --dout runs forward+backward through the server (q, k, v
+    up once: the forward keeps its context) and writes the same dq, dk, dv
+    as plsh compute --dout: both on one CPU thread, so the backward's dq
+    sums run in one order and the bits agree."""
+    from conftest import Server
+    one_thread = Server("--threads", "1")
+    try:
+        r = np.random.default_rng(3)
+        np.save(tmp_path / "dout.npy", r.standard_normal((2, 150, 4, 48)).astype(np.float32))
+        common = ["--q", str(files / "q.npy"), "--k", str(files / "k.npy"), "--v", str(files / "v.npy"),
+                  "--mode", mode, "--samples", "24", "--seed", "5", "--causal", "--dout", str(tmp_path / "dout.npy")]
+        local = run("compute", *common, "--backend", "cpu", "--threads", "1", "--out", str(tmp_path / "c.npy"),
+                    "--dq", str(tmp_path / "c_dq.npy"), "--dk", str(tmp_path / "c_dk.npy"),
+                    "--dv", str(tmp_path / "c_dv.npy"))
+        assert local.returncode == 0, local.stderr
+        remote = run("attend", *common, "--target", one_thread.address, "--chunk-bytes", "8192",
+                     "--out", str(tmp_path / "a.npy"), "--dq", str(tmp_path / "a_dq.npy"),
+                     "--dk", str(tmp_path / "a_dk.npy"), "--dv", str(tmp_path / "a_dv.npy"),
+                     "--meta", str(tmp_path / "a.json"))
+        assert remote.returncode == 0, remote.stderr
+        for name in ("dq", "dk", "dv"):
+            a, b = np.load(tmp_path / f"a_{name}.npy"), np.load(tmp_path / f"c_{name}.npy")
+            assert a.shape == b.shape and a.dtype == b.dtype == np.float32
+            assert np.array_equal(a, b), name
+        meta = json.loads((tmp_path / "a.json").read_text())
+        # Only dout went up for the backward; dq, dk, dv came down.
+        assert meta["backward"]["server"]["sent_bytes"] == 2 * 150 * 4 * 48 * 4
+        assert meta["backward"]["server"]["received_bytes"] == (2 * 150 * 4 + 2 * 2 * 190 * 2) * 48 * 4
+        assert meta["backward"]["flops"] > 0 and meta["backward"]["grad_dtype"] == "f32"
+        # A dout of the wrong shape is refused before anything is sent.
+        np.save(tmp_path / "bad.npy", np.zeros((2, 150, 4, 47), np.float32))
+        bad = run("attend", *common[:-2], "--dout", str(tmp_path / "bad.npy"), "--target", one_thread.address,
+                  "--out", str(tmp_path / "x.npy"), "--dq", str(tmp_path / "x1.npy"), "--dk", str(tmp_path / "x2.npy"),
+                  "--dv", str(tmp_path / "x3.npy"))
+        assert bad.returncode == 2 and "dout shape [2, 150, 4, 47], expected the shape of out" in bad.stderr
+    finally:
+        assert one_thread.stop() == 0

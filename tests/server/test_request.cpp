@@ -66,6 +66,17 @@ TEST(PlanRequest, SmallExactRequestPlans) {
   EXPECT_EQ(plan->kernel.backend, "cpu");
 }
 
+// A targeted request chooses its configuration while computing: there is
+// no plan for a kept context to hold, so the two are refused together.
+TEST(PlanRequest, KeepContextWithATargetIsRefused) {
+  v1::AttendHeader h = small_header(v1::MODE_WINDOW);
+  h.set_target_rel_err(0.1);
+  h.set_keep_context(true);
+  EXPECT_TRUE(has_error(plan_request(h, roomy_limits()).status(), kInvalid, {"keep_context = true with target_rel_err"}));
+  h.set_keep_context(false);
+  EXPECT_TRUE(is_ok(plan_request(h, roomy_limits()).status()));
+}
+
 TEST(PlanRequest, RowSizesFollowGroupingAndDtypes) {
   v1::AttendHeader h = small_header();
   h.set_batch(3);

@@ -24,6 +24,7 @@ _DTYPES = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
 _MODES = {"exact": pb.MODE_EXACT, "lsh": pb.MODE_LSH, "window": pb.MODE_WINDOW}
 _ALGORITHMS = {"auto": pb.LSH_ALGORITHM_AUTO, "per_sample": pb.LSH_ALGORITHM_PER_SAMPLE,
                "banded": pb.LSH_ALGORITHM_BANDED}
+_SAMPLINGS = {"iid": pb.SAMPLING_IID, "stratified": pb.SAMPLING_STRATIFIED, "ash": pb.SAMPLING_ASH}
 
 
 class PlshError(Exception):
@@ -170,19 +171,39 @@ def _varint(n):
 
 def _probe(p):
     return {"rows": p.rows, "rel_err": p.rel_err, "rel_err_stderr": p.rel_err_stderr,
-            "max_abs_err": p.max_abs_err, "bound_max": p.bound_max}
+            "max_abs_err": p.max_abs_err, "bound_max": p.bound_max, "rel_err_upper": p.rel_err_upper}
+
+
+def _target(summary):
+    """The attempts of an error-targeted request, or None for other requests."""
+    if not summary.HasField("target") or summary.target.target_rel_err <= 0:
+        return None
+    names = {v: k for k, v in _MODES.items()}
+    t = summary.target
+    attempts = []
+    for a in t.attempts:
+        entry = {"mode": names.get(a.mode, "lsh")}
+        if a.mode == pb.MODE_LSH:
+            entry["samples"] = a.samples
+        if a.mode == pb.MODE_WINDOW:
+            entry.update(window_scale=a.window_scale, window_max=a.window_max)
+        entry.update(flops=a.flops, rel_err=a.rel_err, rel_err_upper=a.rel_err_upper, met=a.met, seconds=a.seconds)
+        attempts.append(entry)
+    return {"target_rel_err": t.target_rel_err, "met": t.met, "chosen": t.chosen, "attempts": attempts}
 
 
 def _meta(summary):
     names = {v: k for k, v in _MODES.items()}
     algorithms = {v: k for k, v in _ALGORITHMS.items()}
+    samplings = {v: k for k, v in _SAMPLINGS.items()}
     t = summary.timings
-    return {
+    meta = {
         "request_id": summary.request_id,
         "backend": summary.backend,
         "device": summary.device,
         "mode": names.get(summary.mode, "lsh"),
         "lsh_algorithm": algorithms.get(summary.lsh_algorithm, "auto"),
+        "sampling": samplings.get(summary.sampling, "iid"),
         "samples": summary.samples,
         "seed": summary.seed,
         # The defaults as the server resolved them (0 from servers before these fields).
@@ -205,7 +226,15 @@ def _meta(summary):
                     "total": t.total_seconds, "backend": dict(t.backend)},
         "received_bytes": summary.received_bytes,
         "sent_bytes": summary.sent_bytes,
+        # keep_context: the kept context (empty otherwise).
+        "context_id": summary.context_id,
+        "context_ttl_seconds": summary.context_ttl_seconds,
+        "context_bytes": summary.context_bytes,
     }
+    target = _target(summary)
+    if target is not None:
+        meta["target"] = target
+    return meta
 
 
 def _read_credential(name, value):
@@ -317,7 +346,7 @@ class Client:
                q_pos0=None, k_pos0=0, lsh_algorithm="auto", window_eps=None, window_width=0, estimates=None,
                probe_rows=None, mask_row_budget=None, return_draws=False, check_finite=None, return_lse=False,
                out_dtype=None, wire_dtype=None, backend=None, chunk_bytes=0, deadline=None, request_id="",
-               out=None, lse=None):
+               out=None, lse=None, sampling=None, target_rel_err=None, keep_context=False):
         """Runs one attention request; returns (out, meta).
 
         Defaults and limits are the server's, not this client's: an argument
@@ -346,6 +375,17 @@ class Client:
         the output there (out is then the array returned, meta["lse"] the
         lse array). Other arrays travel in chunks as usual, so regions and
         streaming mix freely.
+
+        sampling ("iid", "stratified" or "ash"; None: the server's default,
+        iid) picks how lsh draws a head's hashes (README, "Which mode").
+        target_rel_err (in (0, 1]) makes an error-targeted request: the
+        library tries configurations of `mode` from the cheapest up (mode
+        None: windows) and keeps the first whose probe upper bound
+        meta["summary"]["probe"]["rel_err_upper"] is under the target, or
+        computes exact; meta["target"] lists the attempts, each with its
+        FLOPs, estimate, bound and seconds, and "chosen", the one kept.
+        keep_context keeps the forward's context on the server for
+        backward(): meta["context_id"].
         """
         originals = (q, k, v)
         q, k, v = (np.asarray(a) for a in (q, k, v))
@@ -364,6 +404,8 @@ class Client:
             raise ValueError(f"mode = {mode!r}, expected one of {sorted(_MODES)}")
         if lsh_algorithm not in _ALGORITHMS:
             raise ValueError(f"lsh_algorithm = {lsh_algorithm!r}, expected one of {sorted(_ALGORITHMS)}")
+        if sampling is not None and sampling not in _SAMPLINGS:
+            raise ValueError(f"sampling = {sampling!r}, expected one of {sorted(_SAMPLINGS)}")
         B, Nq, H, D = q.shape
         Nk, Hkv = k.shape[1], k.shape[2]
 
@@ -372,13 +414,16 @@ class Client:
             dtype=_DTYPES[wire], out_dtype=_DTYPES[out_wire], causal=causal, slopes=list(slopes or []),
             k_pos0=k_pos0, seed=seed, lsh_algorithm=_ALGORITHMS[lsh_algorithm], window_width=window_width,
             return_draws=return_draws, return_lse=return_lse, out_chunk_bytes=max(0, chunk_bytes),
-            backend=backend or "")
+            backend=backend or "", keep_context=keep_context)
         if mode is not None:
             header.mode = _MODES[mode]
+        if sampling is not None:
+            header.sampling = _SAMPLINGS[sampling]
         # Optional on the wire: unset means the server's default.
         for field, value in (("scale", scale), ("q_pos0", q_pos0), ("samples", samples),
                              ("window_eps", window_eps), ("estimates", estimates), ("probe_rows", probe_rows),
-                             ("mask_row_budget", mask_row_budget), ("check_finite", check_finite)):
+                             ("mask_row_budget", mask_row_budget), ("check_finite", check_finite),
+                             ("target_rel_err", target_rel_err)):
             if value is not None:
                 setattr(header, field, value)
 
@@ -471,6 +516,21 @@ class Client:
             lse_out = lse if lse_raw is None else lse_raw.view("<f4").reshape(B, Nq, H)
             meta["lse"] = lse_out if batched or lse_raw is None else lse_out[0]
         return (result if batched or out_raw is None else result[0]), meta
+
+    def backward(self, dout, **kwargs):
+        """AttendBackward: (dq, dk, dv, meta) of a kept context (context_id=)
+        or statelessly (q=, k=, v= and out=, lse= or recompute_forward=True).
+        See plsh_client._backward.backward."""
+        from ._backward import backward
+        return backward(self, dout, **kwargs)
+
+    def release_context(self, context_id, timeout=10):
+        """ReleaseContext: drops a kept context now; returns the bytes the server gave back."""
+        try:
+            return self._stub.ReleaseContext(pb.ReleaseContextRequest(context_id=context_id), timeout=timeout,
+                                             metadata=self._metadata).released_bytes
+        except grpc.RpcError as e:
+            raise PlshError(e.code(), e.details()) from None
 
     @staticmethod
     def _take_chunk(tensor, row_start, row_count, data, out_raw, lse_raw, out_row, lse_row, filled):

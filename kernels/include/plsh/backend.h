@@ -10,9 +10,13 @@
 //                           algorithm, the workspace by memory space, the
 //                           backend's layout (plsh/plan.h)
 //   forward(plan, ctx)      the computation, reading only the plan
+//   backward(plan, grads)   SPEC section 8: dq, dk, dv of the forward this
+//                           plan computes (same draws, same window), for a
+//                           plan made with PlanLimits::backward
 // run_attention (plsh/attention.h) adds the estimates, which read the same
 // plan; the server plans at the header, charges plan.workspace() to its
 // host and device budgets, then binds the received tensors and runs.
+// run_backward is the backward's front door.
 #pragma once
 
 #include <atomic>
@@ -24,13 +28,14 @@
 #include <string>
 #include <vector>
 
+#include "plsh/backward.h"
 #include "plsh/params.h"
 #include "plsh/plan.h"
 #include "plsh/status.h"
 
 namespace plsh {
 
-// How one forward call runs: where, and when to give up. How many threads
+// How one forward or backward call runs: where, and when to give up. How many threads
 // is the plan's (PlanLimits::threads), since the workspace was sized for it.
 struct ExecContext {
   void* stream = nullptr;                        // cudaStream_t on CUDA backends; unused on the CPU
@@ -57,6 +62,12 @@ struct ForwardStats {
   Workspace workspace;                            // extra memory actually used
 };
 
+// What a backward pass did.
+struct BackwardStats {
+  double flops = 0;     // multiply-adds x2 actually done (the five GEMMs: QK^T, dO V^T, P^T dO, dS^T Q, dS K)
+  Workspace workspace;  // extra memory actually used
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -71,6 +82,23 @@ class Backend {
   // Writes plan.params.out (and .lse when set). The plan must be this
   // backend's and its tensors bound.
   virtual Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) = 0;
+  // OK, or why this backend has no backward pass for these params
+  // (UNIMPLEMENTED / FAILED_PRECONDITION). plan() with PlanLimits::backward
+  // asks it first. Not pure, so that backends without a backward (and
+  // test doubles) need not say so twice.
+  virtual Status supports_backward(const AttentionParams& p) const {
+    (void)p;
+    return unimplemented("the " + name() + " backend has no backward pass");
+  }
+  // Writes g.dq, g.dk, g.dv: the gradient of the forward this plan computes
+  // (its draws, its window), from the forward's out and lse and the upstream
+  // dout. The plan must be this backend's, made with PlanLimits::backward,
+  // its q, k, v bound; g from make_backward_params for the plan's params.
+  // A stopped backward (cancel, deadline) leaves dq, dk, dv partly written.
+  virtual Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) {
+    (void)g, (void)ctx, (void)stats;
+    return supports_backward(plan.params);
+  }
   // The device's memory now; nullopt for backends without a device (CPU).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
 };
@@ -94,9 +122,10 @@ class BackendRegistry {
   std::vector<Backend*> backends();
   std::vector<std::string> notes();
 
-  // "auto": the first backend that supports p; "cpu" / "cuda": that one or a
-  // FAILED_PRECONDITION saying why it is not available.
-  StatusOr<Backend*> select(const std::string& name, const AttentionParams& p);
+  // "auto": the first backend that supports p (and, with `backward`, its
+  // backward pass); "cpu" / "cuda": that one or a FAILED_PRECONDITION saying
+  // why it is not available.
+  StatusOr<Backend*> select(const std::string& name, const AttentionParams& p, bool backward = false);
   // The same, without params: the backend a name refers to.
   StatusOr<Backend*> find(const std::string& name);
 
@@ -115,10 +144,11 @@ class BackendRegistry {
 // ggml's GGML_BACKEND_API_VERSION: the library exports kBackendPluginSymbol,
 // a function returning this struct; the registry reads api_version first and
 // calls nothing else when it differs from kBackendApiVersion (a note, and the
-// CPU serves). Bump kBackendApiVersion whenever Backend, Plan, AttentionParams
-// or ExecContext change layout: the library and the process are separate
-// builds.
-inline constexpr uint32_t kBackendApiVersion = 2;
+// CPU serves). Bump kBackendApiVersion whenever Backend, Plan, AttentionParams,
+// BackwardParams or ExecContext change layout: the library and the process
+// are separate builds. 3: Backend::supports_backward and ::backward, the
+// plan's backward workspace; 4: AttentionParams' sampling and target.
+inline constexpr uint32_t kBackendApiVersion = 4;
 extern "C" {
 struct PlshBackendPlugin {
   uint32_t api_version;  // kBackendApiVersion of the library's build

@@ -14,11 +14,49 @@ struct Draw {
   double shift = 0;  // u ~ Uniform[0, delta)
 };
 
+// How the s hashes of a head depend on each other (SPEC section 5). Every
+// sampler keeps each hash a valid draw on its own (pitch marginally
+// Gamma(2, sigma), shift uniform on [0, pitch) given the pitch), so
+// E[M~] = L* exactly whichever is used; they differ in the variance of M~.
+//   kIid:        SPEC section 5's rule, hashes independent.
+//   kStratified: the s pitches take one Gamma(2) quantile from each of s
+//                equal strata (in a seeded random order); shifts as iid.
+//   kAsh:        "averaged shifted histograms": m = ceil(s / r) stratified
+//                pitches, each used by r hashes (ash_shifts_per_pitch) whose
+//                shifts are a random offset plus l / r of the pitch,
+//                l = 0..r-1, i.e. systematic shifts.
+// The exact rules are draw_hashes' comment in draws.cpp, the proto's
+// `sampling` field and the README.
+enum class Sampling : int { kIid = 0, kStratified = 1, kAsh = 2 };
+const char* sampling_name(Sampling s);  // "iid", "stratified", "ash"
+
 uint64_t mix64(uint64_t z);
-// U_j in (0, 1) for j = 0, 1, 2.
+// U_j in (0, 1) for j = 0, 1, 2, 3 (iid reads j = 0, 1, 2; the other
+// samplers read j = 3 for their permutations).
 double draw_uniform(uint64_t seed, int64_t head, int64_t sample, int j);
 Draw draw_hash(uint64_t seed, int64_t head, int64_t sample, double sigma);
+// The iid draws (SPEC section 5).
 std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t samples);
+// The draws of `sampling`: a pure function of (seed, head, sample, samples)
+// and sigma; kIid gives draw_hashes' draws bit for bit.
+std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t samples, Sampling sampling);
+
+// kAsh: hashes per pitch for s samples, r = max(1, floor(sqrt(s) / 2 + 1/2))
+// (s = 16: 2, 64: 4, 256: 8, 1024: 16). Fewer pitches trade pitch variance
+// for shift variance; measured best of r in {1, 2, 4, 8, 16, 32} at s = 64
+// and 256 on Gaussian and peaked inputs (bench/RESULTS.md).
+int64_t ash_shifts_per_pitch(int64_t samples);
+
+// The Gamma(2, 1) quantile: t >= 0 with P[T <= t] = 1 - (1 + t) e^-t = u,
+// given u in (0, 1) and its complement 1 - u (passed separately so that
+// neither tail loses precision). Newton's method in IEEE double, to within
+// a few ulps.
+double gamma2_quantile(double u, double one_minus_u);
+
+// A seeded permutation of [0, n) (Fisher-Yates from the last position
+// down, position i swapped with floor(U_3(i) (i + 1))); what the
+// stratified samplers use to give each hash a uniformly random stratum.
+std::vector<int64_t> draw_permutation(uint64_t seed, int64_t head, int64_t n);
 
 // Below this pitch every block is one position: neighbouring quotients
 // (p - u) / delta differ by more than 2, so their floors differ. Such pitches

@@ -3,9 +3,10 @@
 // down, as the GPU does.
 #pragma once
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <cstring>  // memcpy, which includers (numeric.cpp) use
 
 #include "plsh/params.h"
 
@@ -33,14 +34,11 @@ inline float half_to_float(uint16_t h) {
   } else {
     bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
   }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return std::bit_cast<float>(bits);
 }
 
 inline uint16_t float_to_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
+  const uint32_t x = std::bit_cast<uint32_t>(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t abs = x & 0x7FFFFFFFu;
   if (abs >= 0x7F800000u) return static_cast<uint16_t>(sign | 0x7C00u | (abs > 0x7F800000u ? 0x200u : 0));
@@ -48,8 +46,7 @@ inline uint16_t float_to_half(float f) {
   if (abs < 0x38800000u) {  // below the smallest normal half: subnormal or zero
     // |f| * 2^24 is exact in float; nearbyint rounds to nearest even. 1024
     // lands on the smallest normal's bit pattern, as it should.
-    float a;
-    std::memcpy(&a, &abs, 4);
+    const float a = std::bit_cast<float>(abs);
     return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
   }
   uint32_t h = ((abs >> 13) - ((127 - 15) << 10));
@@ -58,16 +55,10 @@ inline uint16_t float_to_half(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
 
 inline uint16_t float_to_bf16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
+  uint32_t x = std::bit_cast<uint32_t>(f);
   if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
   const uint32_t lsb = (x >> 16) & 1u;
   x += 0x7FFFu + lsb;

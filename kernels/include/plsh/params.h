@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "plsh/draws.h"
 #include "plsh/status.h"
 
 namespace plsh {
@@ -30,6 +31,7 @@ size_t dtype_bytes(DType t);
 StatusOr<DType> parse_dtype(const std::string& s);   // f32|float32|f16|float16|bf16|bfloat16
 StatusOr<Mode> parse_mode(const std::string& s);
 StatusOr<LshAlgorithm> parse_lsh_algorithm(const std::string& s);
+StatusOr<Sampling> parse_sampling(const std::string& s);  // iid | stratified | ash (plsh/draws.h)
 
 // Hard limits of the library itself (the server adds configurable ones,
 // e.g. --max-samples, 4096 by default).
@@ -37,6 +39,9 @@ inline constexpr int64_t kMaxSamples = int64_t{1} << 24;   // draws index 2^24 *
 inline constexpr int64_t kMaxHeads = int64_t{1} << 20;
 inline constexpr int64_t kMaxHeadDim = 1024;
 inline constexpr int64_t kMaxProbeRows = 4096;
+// Fewest probe rows per head an error-targeted request may ask for: the
+// upper bound's coverage was calibrated at 64 (bench/RESULTS.md).
+inline constexpr int64_t kMinTargetProbeRows = 32;
 
 // Defaults of what a caller may leave out: the one source that the server's
 // GetInfo, the CLI, plsh bench and (through GetInfo) the Python client read.
@@ -44,6 +49,12 @@ inline constexpr int64_t kDefaultSamples = 16;
 inline constexpr double kDefaultWindowEps = 1e-4;
 inline constexpr int64_t kDefaultProbeRows = 64;
 inline constexpr int64_t kDefaultMaskRowBudget = 65536;
+inline constexpr Sampling kDefaultSampling = Sampling::kIid;
+// A request with target_rel_err and no mode of its own (the wire's
+// MODE_UNSPECIFIED, a CLI or Python call without --mode / mode=) searches
+// windows: at equal FLOPs they beat lsh on every input measured
+// (bench/RESULTS.md, "Accuracy users can choose").
+inline constexpr Mode kDefaultTargetMode = Mode::kWindow;
 
 // kv_heads = 0 means one kv head per query head (no grouping).
 inline int64_t resolved_kv_heads(int64_t heads, int64_t kv_heads) { return kv_heads == 0 ? heads : kv_heads; }
@@ -68,6 +79,7 @@ struct AttentionOptions {
   int64_t samples = kDefaultSamples;   // lsh: hashes per head (s)
   uint64_t seed = 0;                   // lsh: draws seed (SPEC section 5)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;
+  Sampling sampling = kDefaultSampling;  // lsh: how the s hashes of a head depend on each other (SPEC 5)
   double window_eps = kDefaultWindowEps;  // window: W_h = ceil(sigma_h ln(1/eps))
   int64_t window_width = 0;            // window: one W for every head; 0: from window_eps
   bool estimates = true;               // section-6 estimates for lsh and window results
@@ -75,6 +87,11 @@ struct AttentionOptions {
   int64_t mask_row_budget = kDefaultMaskRowBudget;  // rows checked exactly for mask_max_err before sampling
   bool return_draws = false;           // copy the draws into the result
   bool check_finite = true;            // reject NaN/Inf inputs with the first bad position
+  // > 0: an error-targeted request (plsh/targeted.h): the library tries
+  // configurations of `mode` from the cheapest up (window: wider windows;
+  // lsh: more samples) and then exact, and keeps the first whose probe's
+  // rel_err_upper is <= this; 0: off. In (0, 1].
+  double target_rel_err = 0;
 };
 
 // Pointers to the caller's tensors; all dense row-major in the layout above.
@@ -116,6 +133,7 @@ struct AttentionParams {
   int64_t samples = 0;
   uint64_t seed = 0;
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;
+  Sampling sampling = Sampling::kIid;
   double window_eps = 0;
   std::vector<int64_t> window;  // [H]: keys with |pos_i - pos_j| < window[h]; kNoWindow: all
 
@@ -124,6 +142,7 @@ struct AttentionParams {
   int64_t mask_row_budget = 0;
   bool return_draws = false;
   bool check_finite = true;
+  double target_rel_err = 0;    // > 0: error-targeted (plsh/targeted.h)
 
   double sigma(int64_t h) const;  // 1 / slope; +inf for slope 0
 };

@@ -11,7 +11,10 @@
 //     before it allocates anything,
 //   - the backend's own layout (on CUDA the tile/lane layout that both the
 //     sizing and the slicing of the workspace read).
-// Backend::plan makes one; Backend::forward and compute_estimates read it.
+// Backend::plan makes one; Backend::forward, compute_estimates and
+// Backend::backward read it. The backward's workspace is sized only when
+// asked (PlanLimits::backward), so that a server charges it to the requests
+// that will run one, and a backward refuses a plan made without it.
 #pragma once
 
 #include <algorithm>
@@ -36,6 +39,7 @@ struct Workspace {
 struct PlanLimits {
   int threads = 0;            // CPU threads forward and the estimates use; 0: all cores
   int64_t device_bytes = 0;   // most device workspace one request may take; 0: the backend's default share
+  bool backward = false;      // plan the backward pass too (supports_backward, backward_workspace)
 };
 
 // A backend's private part of a plan (CUDA: its tile layout). Backends
@@ -52,18 +56,27 @@ struct Plan {
   std::vector<std::vector<Draw>> draws;  // lsh: [H][samples], SPEC section 5; empty otherwise
   Workspace forward_workspace;           // what forward needs
   Workspace estimates_workspace;         // what compute_estimates needs (host only)
+  bool backward = false;                 // planned with PlanLimits::backward: backward may run on it
+  Workspace backward_workspace;          // what backward needs; zero unless planned for it
   std::shared_ptr<const BackendLayout> layout;
+  // Error-targeted requests (params.target_rel_err > 0, plsh/targeted.h):
+  // one plan per configuration to try, cheapest first, made with this one;
+  // the workspaces above are the largest attempt's plus every attempt's
+  // draws. Empty otherwise.
+  std::vector<Plan> attempts;
+  double target_window_scale = 0;        // an attempt's window: c in W_h = ceil(c sigma_h)
 
-  // Peak extra memory of the request: forward and the estimates run one
-  // after the other, so the larger of the two per memory space.
+  // Peak extra memory of the request: forward, the estimates and the
+  // backward run one after the other, so the largest per memory space.
   Workspace workspace() const {
-    return {std::max(forward_workspace.host_bytes, estimates_workspace.host_bytes),
-            std::max(forward_workspace.device_bytes, estimates_workspace.device_bytes)};
+    return {std::max({forward_workspace.host_bytes, estimates_workspace.host_bytes, backward_workspace.host_bytes}),
+            std::max({forward_workspace.device_bytes, estimates_workspace.device_bytes,
+                      backward_workspace.device_bytes})};
   }
 };
 
-// The draws of every head for lsh params, nothing otherwise: the one place
-// that calls draw_hashes for a request.
+// The draws of every head for lsh params (SPEC section 5, by p.sampling),
+// nothing otherwise: the one place that calls draw_hashes for a request.
 std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p);
 
 // What every backend's plan starts from: the params, the backend's name,

@@ -20,6 +20,30 @@ struct ProbeEstimate {
   double rel_err_stderr = 0;    // standard error of rel_err from the per-row spread
   double max_abs_err = 0;       // max |o~ - o*| over those rows
   double bound_max = 0;         // max over rows of SPEC's rigorous per-row bound
+  // Upper confidence bound on the whole output's relative L2 error (all
+  // rows): rel_err plus a heavy-tail margin (estimates.h, probe_upper_bound);
+  // its coverage is measured (bench/RESULTS.md). 0 without rows.
+  double rel_err_upper = 0;
+};
+
+// One configuration an error-targeted request tried (plsh/targeted.h).
+struct TargetAttempt {
+  Mode mode = Mode::kExact;
+  int64_t samples = 0;          // lsh
+  double window_scale = 0;      // window: c in W_h = ceil(c sigma_h) (eps = e^-c)
+  int64_t window_max = 0;       // window: the widest W_h
+  double flops = 0;             // its forward pass
+  double rel_err = 0;           // its probe's estimate
+  double rel_err_upper = 0;     // its probe's upper bound; 0 for exact
+  bool met = false;             // rel_err_upper <= target
+  double seconds = 0;           // forward and estimates
+};
+
+struct TargetReport {
+  double target_rel_err = 0;    // 0: not a targeted request
+  bool met = false;             // the kept attempt met the target
+  int64_t chosen = -1;          // index into attempts of the kept one
+  std::vector<TargetAttempt> attempts;  // in the order tried
 };
 
 struct HeadEstimate {
@@ -44,6 +68,7 @@ struct AttentionResult {
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // used, for lsh
   int64_t samples = 0;
   uint64_t seed = 0;
+  Sampling sampling = Sampling::kIid;  // lsh
   // Defaults as resolved (AttentionParams), so that a client reads them
   // instead of re-deriving them.
   double scale = 0;                 // softmax scale: options.scale or 1/sqrt(D)
@@ -57,6 +82,18 @@ struct AttentionResult {
   double mask_spectral_err = 0;
   ProbeEstimate probe;
   std::map<std::string, double> timings;  // seconds: "compute", "estimates", ...
+  TargetReport target;              // error-targeted requests: the attempts; flops above counts them all
+};
+
+// What a backward pass returns besides dq, dk, dv.
+struct BackwardResult {
+  std::string backend;
+  std::string device;
+  double flops = 0;          // done: the five GEMMs of SPEC section 8 over the pairs visited
+  double dense_flops = 0;    // the same five GEMMs over every allowed pair of exact attention (2.5x the forward's)
+  int64_t host_workspace_bytes = 0;    // extra memory used, by memory space
+  int64_t device_workspace_bytes = 0;
+  std::map<std::string, double> timings;  // seconds: "backward"
 };
 
 }  // namespace plsh

@@ -25,6 +25,18 @@
 //   c.register_shared_memory("inputs", "plsh-inputs", 0, bytes);
 //   call.q_shm = {"inputs", 0}; call.k_shm = {"inputs", q_bytes}; ...
 //   call.out_shm = {"outputs", 0};   // the server writes out there; reply.out stays empty
+// Training (SPEC section 8): a forward with keep_context leaves its context
+// on the server, and the backward sends only dout:
+//
+//   call.keep_context = true;
+//   c.attend(call, &reply);                    // reply.context_id
+//   plsh::client::BackwardCall bw;
+//   bw.options = call.options; bw.context_id = reply.context_id; bw.dout = dout;
+//   plsh::client::BackwardReply grads;
+//   c.backward(bw, &grads);                    // grads.dq, grads.dk, grads.dv
+//
+// or statelessly with q, k, v, out and lse (bw.q ... bw.lse, no context_id);
+// release_context() drops a context that no backward will use.
 //
 // A server with TLS, client certificates or bearer tokens (README, "Server
 // settings"):
@@ -39,6 +51,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,6 +86,7 @@ struct AttendCall {
   int64_t chunk_bytes = 0;       // payload per message both ways; 0: the largest the server allows
   double deadline_seconds = 0;   // whole call; 0: none
   std::string request_id;        // empty: the server makes one
+  bool keep_context = false;     // keep the context on the server for backward(): AttendReply::context_id
 };
 
 // The server's view of where the time went, seconds.
@@ -91,6 +105,47 @@ struct AttendReply {
   int64_t received_bytes = 0;  // tensor payload this client received
   int64_t largest_message_bytes = 0;  // largest message either way (serialised size)
   int64_t messages = 0;               // messages either way
+  std::string context_id;             // with keep_context: the kept context, for backward()
+  double context_ttl_seconds = 0;     // it expires this long after its last use
+  int64_t context_bytes = 0;          // host bytes it holds on the server
+};
+
+// The backward pass (AttendBackward): dq, dk, dv of a forward, from dout.
+struct BackwardCall {
+  AttentionOptions options;       // the forward's: shape, dtype of q/k/v, out_dtype, mode and its parameters
+  // By context: a forward's AttendReply::context_id; only dout goes up.
+  // Empty: stateless, with q, k, v and out and lse (or recompute_forward).
+  std::string context_id;
+  bool keep_context = false;      // by context: keep it for another backward; default: this one consumes it
+  const void* q = nullptr;        // stateless: [B, Nq, H, D]   options.dtype
+  const void* k = nullptr;        // stateless: [B, Nk, Hkv, D]
+  const void* v = nullptr;        // stateless: [B, Nk, Hkv, D]
+  const void* out = nullptr;      // stateless: the forward's output [B, Nq, H, D], out dtype
+  const float* lse = nullptr;     // stateless: its lse [B, Nq, H]
+  bool recompute_forward = false;  // stateless without out and lse: the server runs the forward for them
+  const void* dout = nullptr;     // [B, Nq, H, D] in the forward's out dtype
+  std::optional<DType> grad_dtype;  // of dq, dk, dv; default options.dtype
+  std::string backend = "auto";   // stateless: the server's backend
+  int64_t chunk_bytes = 0;        // payload per message both ways; 0: the largest the server allows
+  double deadline_seconds = 0;    // whole call; 0: none
+  std::string request_id;         // empty: the server makes one
+};
+
+struct BackwardReply {
+  std::vector<uint8_t> dq;        // [B, Nq, H, D]   grad_dtype
+  std::vector<uint8_t> dk;        // [B, Nk, Hkv, D] grad_dtype
+  std::vector<uint8_t> dv;        // [B, Nk, Hkv, D] grad_dtype
+  DType grad_dtype = DType::kF32;
+  BackwardResult result;          // backend, device, FLOPs, workspace, backend timings
+  double forward_flops = 0;       // recompute_forward: the forward's
+  ServerTimings timings;
+  std::string request_id;
+  std::string context_id;         // the context used (empty: stateless)
+  bool context_kept = false;      // still on the server (keep_context)
+  int64_t sent_bytes = 0;         // tensor payload this client sent
+  int64_t received_bytes = 0;     // tensor payload this client received
+  int64_t largest_message_bytes = 0;
+  int64_t messages = 0;
 };
 
 // How to reach a server: plaintext (all empty: the default), TLS, TLS with
@@ -135,6 +190,12 @@ class Client {
   grpc::Status attend(const AttendCall& call, AttendReply* reply);
   // The same in one message each way (AttendUnary), for small requests.
   grpc::Status attend_unary(const AttendCall& call, AttendReply* reply);
+  // The backward (AttendBackward), by context or stateless; streamed both
+  // ways like attend(). Checks that dq, dk, dv arrive whole.
+  grpc::Status backward(const BackwardCall& call, BackwardReply* reply);
+  // ReleaseContext: drops a kept context now.
+  grpc::Status release_context(const std::string& context_id, int64_t* released_bytes = nullptr,
+                               double deadline_seconds = 10);
   grpc::Status info(v1::GetInfoResponse* info, double deadline_seconds = 10);
   // Same-host shared memory (plsh.proto: RegisterSharedMemory and the
   // rest): key is a file name in the server's --shm-dir.

@@ -1,0 +1,437 @@
+// The CPU backward pass; the structure is described in cpu_backward.h.
+//
+// One pair is `rows` query rows of one query head against the keys
+// [lo, hi) of a key tile that those rows may see:
+//   S  = scale Q K^T + log W        (W: AlibiBias, or log(c/s) for lsh)
+//   P  = exp(S - lse)               (probs_from_lse)
+//   dP = dO V^T,  dS = P * (dP - D)
+//   dV += P^T dO,  dK += scale dS^T Q   (the job's accumulators)
+//   dQ += scale dS K                    (the shared accumulator, locked)
+// five GEMMs against the forward's two, hence about 2.5 forwards of work.
+#include "cpu/cpu_backward.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "cpu/tiles.h"
+#include "plsh/draws.h"
+#include "plsh/numeric.h"
+
+namespace plsh::cpu {
+
+namespace {
+
+// Keys per job and query rows per pair (and per dQ lock). Measured with
+// bench_cpu_backward at n = 8192 (H = 8, D = 64, causal), backward CPU
+// seconds, exact / window / lsh s=16: 256 x 64 gave 1.95 / 0.31 / 0.16;
+// 128 x 128 2.08 / 0.32 / 0.18 (the dK/dV GEMMs' m halves); 64 x 128
+// 2.38 / 0.34 / 0.17; 512 x 64 1.92 / 0.31 / 0.17 (half the jobs, and
+// twice the dK/dV buffers, for 1%); 256 x 32 2.08 / 0.32 / 0.16. S and dP
+// (64 KiB each) and the K, V, dK, dV tiles (64 KiB each at D = 64) stay
+// within L2.
+constexpr int64_t kBwdKeyTile = 256;
+constexpr int64_t kBwdRowTile = 64;
+
+// One work item: a key tile of one (batch item, kv head), across every
+// query head of the kv head's group.
+struct BackwardJob {
+  int64_t b = 0, hk = 0, j0 = 0, len = 0;
+};
+
+// Per-thread buffers, sized once per backward call.
+struct BackwardScratch {
+  std::vector<float> k, v;         // [Kt, D] widened key / value rows (f16/bf16 only)
+  std::vector<float> q, dout;      // [R, D] widened query / dout rows (when not f32)
+  std::vector<float> s;            // [R, Kt] logits, then P
+  std::vector<float> dp;           // [R, Kt] dP, then dS
+  std::vector<float> dk, dv;       // [Kt, D] the job's accumulators
+  std::vector<float> dq;           // [R, D] one pair's share of dQ
+  std::vector<float> row_a, row_b; // [D] out and dout rows for D_i
+  std::vector<int64_t> nearest;    // [R] exact/window: AlibiBias's reference distances
+  std::vector<int32_t> counts;     // lsh: [R, Kt + 1] block-count differences, then counts
+};
+
+struct ScratchSizes {
+  int64_t q, dout, kv, tile, counts;
+};
+
+ScratchSizes scratch_sizes(const AttentionParams& p) {
+  ScratchSizes z{};
+  const int64_t D = p.head_dim;
+  z.q = p.dtype != DType::kF32 ? kBwdRowTile * D : 0;
+  z.dout = p.out_dtype != DType::kF32 ? kBwdRowTile * D : 0;
+  z.kv = p.dtype != DType::kF32 ? kBwdKeyTile * D : 0;
+  z.tile = kBwdRowTile * kBwdKeyTile;
+  z.counts = p.mode == Mode::kLsh ? kBwdRowTile * (kBwdKeyTile + 1) : 0;
+  return z;
+}
+
+int64_t scratch_bytes(const AttentionParams& p) {
+  const ScratchSizes z = scratch_sizes(p);
+  const int64_t D = p.head_dim;
+  const int64_t floats = z.q + z.dout + 2 * z.kv + 2 * z.tile + 2 * kBwdKeyTile * D + kBwdRowTile * D + 2 * D;
+  return 4 * floats + 8 * kBwdRowTile + 4 * z.counts;
+}
+
+void size_scratch(const AttentionParams& p, BackwardScratch* s) {
+  const ScratchSizes z = scratch_sizes(p);
+  const size_t D = static_cast<size_t>(p.head_dim);
+  s->k.resize(static_cast<size_t>(z.kv));
+  s->v.resize(static_cast<size_t>(z.kv));
+  s->q.resize(static_cast<size_t>(z.q));
+  s->dout.resize(static_cast<size_t>(z.dout));
+  s->s.resize(static_cast<size_t>(z.tile));
+  s->dp.resize(static_cast<size_t>(z.tile));
+  s->dk.resize(static_cast<size_t>(kBwdKeyTile) * D);
+  s->dv.resize(static_cast<size_t>(kBwdKeyTile) * D);
+  s->dq.resize(static_cast<size_t>(kBwdRowTile) * D);
+  s->row_a.resize(D);
+  s->row_b.resize(D);
+  s->nearest.resize(static_cast<size_t>(kBwdRowTile));
+  s->counts.resize(static_cast<size_t>(z.counts));
+}
+
+int64_t job_count(const AttentionParams& p) { return p.batch * p.kv_heads * ((p.kv_len + kBwdKeyTile - 1) / kBwdKeyTile); }
+int64_t lock_count(const AttentionParams& p) { return p.batch * p.heads * ((p.q_len + kBwdRowTile - 1) / kBwdRowTile); }
+
+int64_t saturating_add(int64_t a, int64_t b) {
+  int64_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) return b > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+  return r;
+}
+
+// Distance from a query position to the key positions [k_pos0, k_pos0 +
+// Nk): what the backward takes each row's logits relative to (AlibiBias).
+// No key is nearer, so every biased logit stays <= the score.
+int64_t nearest_key(const AttentionParams& p, int64_t pos) {
+  const int64_t first = p.k_pos0, last = p.k_pos0 + p.kv_len - 1;
+  return pos < first ? first - pos : pos > last ? pos - last : 0;
+}
+
+// What every job reads; the accumulators it writes under their locks.
+struct Shared {
+  const AttentionParams& p;
+  const BackwardParams& g;
+  const std::vector<std::vector<Draw>>& draws;  // lsh: the plan's
+  float* dq_acc;             // [B, Nq, H, D] scale * sum_j dS_ij k_j
+  const float* row_d;        // [B, H, Nq] D_i = dO_i . O_i
+  const float* row_lse;      // [B, H, Nq] lse_i as the logits see it (+ slope * nearest for exact/window)
+  std::mutex* locks;         // [B, H, ceil(Nq / R)]: one per query tile of dq_acc
+  const float* log_count;    // lsh: [s + 1] log(c / s), -inf for c = 0
+};
+
+// Query positions [*lo, *hi) that may see some key of positions [kp0, kp1)
+// under head h's weights (causality aside).
+void query_reach(const Shared& sh, int64_t h, int64_t kp0, int64_t kp1, int64_t* lo, int64_t* hi) {
+  const AttentionParams& p = sh.p;
+  *lo = std::numeric_limits<int64_t>::min();
+  *hi = std::numeric_limits<int64_t>::max();
+  if (p.mode == Mode::kWindow) {
+    const int64_t w = p.window[static_cast<size_t>(h)];
+    if (w != kNoWindow) {
+      *lo = saturating_add(kp0, -(w - 1));
+      *hi = saturating_add(kp1 - 1, w);
+    }
+  } else if (p.mode == Mode::kLsh) {
+    *lo = std::numeric_limits<int64_t>::max();
+    *hi = std::numeric_limits<int64_t>::min();
+    for (const Draw& d : sh.draws[static_cast<size_t>(h)]) {
+      *lo = std::min(*lo, block_begin(kp0, d));
+      *hi = std::max(*hi, block_end(kp1 - 1, d));
+    }
+  }
+}
+
+// lsh: for rows [pos_first, pos_first + rows), the differences of c_ij (the
+// hashes that put query and key in one bin) along the tile's keys [kp0,
+// kp1), in counts [rows, kp1 - kp0 + 1]; returns through lo/hi the keys
+// with any weight.
+void lsh_count_steps(const std::vector<Draw>& draws, int64_t pos_first, int64_t rows, int64_t kp0, int64_t kp1,
+                     int32_t* counts, int64_t* lo, int64_t* hi) {
+  const int64_t width = kp1 - kp0 + 1;
+  std::fill_n(counts, rows * width, 0);
+  *lo = kp1;
+  *hi = kp0;
+  for (const Draw& d : draws) {
+    int64_t first = block_begin(pos_first, d), last = block_end(pos_first, d);
+    for (int64_t r = 0; r < rows; ++r) {
+      while (pos_first + r >= last) {
+        first = last;
+        last = block_end(first, d);
+      }
+      const int64_t b = std::clamp(first, kp0, kp1), e = std::clamp(last, kp0, kp1);
+      if (b >= e) continue;
+      ++counts[r * width + (b - kp0)];
+      --counts[r * width + (e - kp0)];
+      *lo = std::min(*lo, b);
+      *hi = std::max(*hi, e);
+    }
+  }
+}
+
+// Adds log(c_ij / s) to S ([rows, len] for key positions [lo, lo + len))
+// from the count steps of lsh_count_steps, -inf where c = 0 and, under
+// causality, after the query.
+void add_lsh_log_weight(const Shared& sh, const int32_t* counts, int64_t rows, int64_t kp0, int64_t kp1,
+                        int64_t pos_first, int64_t lo, int64_t len, float* s) {
+  const int64_t width = kp1 - kp0 + 1;
+  const int64_t c0 = lo - kp0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* step = counts + r * width;
+    float* sr = s + r * len;
+    int32_t count = 0;
+    for (int64_t c = 0; c < c0; ++c) count += step[c];
+    for (int64_t c = 0; c < len; ++c) {
+      count += step[c0 + c];
+      sr[c] = count > 0 ? sr[c] + sh.log_count[count] : kNegInf;
+    }
+    if (sh.p.causal) {
+      const int64_t first_masked = std::clamp<int64_t>(pos_first + r - lo + 1, 0, len);
+      std::fill(sr + first_masked, sr + len, kNegInf);
+    }
+  }
+}
+
+// One pair: query rows [i0, i1) of head h against the job's key tile.
+// Returns the GEMM FLOPs done.
+double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_t i0, int64_t i1, const float* kt,
+                     int64_t ldk, const float* vt, int64_t ldv, BackwardScratch& sc) {
+  const AttentionParams& p = sh.p;
+  const BackwardParams& g = sh.g;
+  const int64_t D = p.head_dim;
+  const int64_t rows = i1 - i0;
+  const int64_t pos_first = p.q_pos0 + i0, pos_last = pos_first + rows - 1;
+  const int64_t kp0 = p.k_pos0 + job.j0, kp1 = kp0 + job.len;
+
+  // The tile's keys [lo, hi) that these rows may see.
+  int64_t lo = kp0, hi = kp1;
+  int64_t width = kNoWindow;
+  if (p.mode == Mode::kLsh) {
+    lsh_count_steps(sh.draws[static_cast<size_t>(h)], pos_first, rows, kp0, kp1, sc.counts.data(), &lo, &hi);
+  } else if (p.mode == Mode::kWindow) {
+    width = p.window[static_cast<size_t>(h)];
+    if (width != kNoWindow) {
+      lo = std::max(lo, saturating_add(pos_first, -(width - 1)));
+      hi = std::min(hi, saturating_add(pos_last, width));
+    }
+  }
+  if (p.causal) hi = std::min(hi, pos_last + 1);
+  if (lo >= hi) return 0;
+  const int64_t c0 = lo - kp0, len = hi - lo;
+  const float scale = static_cast<float>(p.scale);
+
+  int64_t ldq = 0, lddo = 0;
+  const float* q = rows_as_f32(q_slice(p, job.b, h), i0, rows, sc.q.data(), &ldq);
+  const SliceView dout_view{g.dout, g.out_dtype, job.b * g.do_batch_stride + h * g.do_head_stride, g.do_row_stride, D};
+  const float* dout = rows_as_f32(dout_view, i0, rows, sc.dout.data(), &lddo);
+  const float* k = kt + c0 * ldk;
+  const float* v = vt + c0 * ldv;
+
+  float* s = sc.s.data();
+  gemm_abt(rows, len, D, scale, q, ldq, k, ldk, s, len);
+  if (p.mode == Mode::kLsh) {
+    add_lsh_log_weight(sh, sc.counts.data(), rows, kp0, kp1, pos_first, lo, len, s);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) sc.nearest[static_cast<size_t>(r)] = nearest_key(p, pos_first + r);
+    const AlibiBias bias{p, width, p.slopes[static_cast<size_t>(h)], pos_first, rows, sc.nearest.data()};
+    bias(s, job.j0 + c0, len);
+  }
+  const int64_t stat = (job.b * p.heads + h) * p.q_len + i0;
+  for (int64_t r = 0; r < rows; ++r) probs_from_lse(s + r * len, len, sh.row_lse[stat + r]);
+
+  float* dp = sc.dp.data();
+  gemm_abt(rows, len, D, 1.0f, dout, lddo, v, ldv, dp, len);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float d = sh.row_d[stat + r];
+    const float* pr = s + r * len;
+    float* dr = dp + r * len;
+#pragma omp simd
+    for (int64_t c = 0; c < len; ++c) dr[c] = pr[c] * (dr[c] - d);
+  }
+  gemm_atb_acc(len, D, rows, 1.0f, s, len, dout, lddo, sc.dv.data() + c0 * D, D);
+  gemm_atb_acc(len, D, rows, scale, dp, len, q, ldq, sc.dk.data() + c0 * D, D);
+  gemm_ab(rows, D, len, scale, dp, len, k, ldk, sc.dq.data(), D);
+  {
+    std::lock_guard<std::mutex> lock(sh.locks[(job.b * p.heads + h) * ((p.q_len + kBwdRowTile - 1) / kBwdRowTile) +
+                                             i0 / kBwdRowTile]);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* acc = sh.dq_acc + ((job.b * p.q_len + i0 + r) * p.heads + h) * D;
+      const float* part = sc.dq.data() + r * D;
+#pragma omp simd
+      for (int64_t x = 0; x < D; ++x) acc[x] += part[x];
+    }
+  }
+  return 10.0 * static_cast<double>(rows) * static_cast<double>(len) * static_cast<double>(D);
+}
+
+// One job: every pair of its key tile, then dK and dV of the tile. On a
+// stop it returns early with *why set, leaving its dk/dv rows unwritten.
+double backward_job(const Shared& sh, const BackwardJob& job, const ExecContext& ctx, BackwardScratch& sc,
+                    Status* why) {
+  const AttentionParams& p = sh.p;
+  const BackwardParams& g = sh.g;
+  const int64_t D = p.head_dim;
+  const int64_t h_first = job.hk * p.head_group;
+  int64_t ldk = 0, ldv = 0;
+  const float* kt = rows_as_f32(k_slice(p, job.b, h_first), job.j0, job.len, sc.k.data(), &ldk);
+  const float* vt = rows_as_f32(v_slice(p, job.b, h_first), job.j0, job.len, sc.v.data(), &ldv);
+  std::fill_n(sc.dk.data(), job.len * D, 0.0f);
+  std::fill_n(sc.dv.data(), job.len * D, 0.0f);
+  const int64_t kp0 = p.k_pos0 + job.j0, kp1 = kp0 + job.len;
+  double flops = 0;
+  for (int64_t h = h_first; h < h_first + p.head_group; ++h) {
+    int64_t qlo = 0, qhi = 0;
+    query_reach(sh, h, kp0, kp1, &qlo, &qhi);
+    if (p.causal) qlo = std::max(qlo, kp0);
+    const int64_t i_lo = std::clamp(qlo, p.q_pos0, p.q_pos0 + p.q_len) - p.q_pos0;
+    const int64_t i_hi = std::clamp(qhi, p.q_pos0, p.q_pos0 + p.q_len) - p.q_pos0;
+    for (int64_t i0 = i_lo; i0 < i_hi;) {
+      const int64_t i1 = std::min(i_hi, (i0 / kBwdRowTile + 1) * kBwdRowTile);
+      *why = ctx.check_stop();
+      if (!why->ok()) return flops;
+      flops += backward_pair(sh, job, h, i0, i1, kt, ldk, vt, ldv, sc);
+      i0 = i1;
+    }
+  }
+  for (int64_t r = 0; r < job.len; ++r) {
+    const int64_t j = job.j0 + r;
+    store_row(g.dk, g.grad_dtype, job.b * g.dk_batch_stride + j * g.dk_row_stride + job.hk * g.dk_head_stride, D,
+              sc.dk.data() + r * D);
+    store_row(g.dv, g.grad_dtype, job.b * g.dv_batch_stride + j * g.dv_row_stride + job.hk * g.dv_head_stride, D,
+              sc.dv.data() + r * D);
+  }
+  return flops;
+}
+
+}  // namespace
+
+int64_t backward_workspace_bytes(const AttentionParams& p, int threads) {
+  const int64_t dq_acc = p.batch * p.q_len * p.heads * p.head_dim * 4;
+  const int64_t row_stats = 2 * p.batch * p.heads * p.q_len * 4;
+  const int64_t locks = lock_count(p) * static_cast<int64_t>(sizeof(std::mutex));
+  const int64_t jobs = job_count(p) * static_cast<int64_t>(sizeof(BackwardJob));
+  const int64_t log_count = p.mode == Mode::kLsh ? (p.samples + 1) * 4 : 0;
+  return threads * scratch_bytes(p) + dq_acc + row_stats + locks + jobs + log_count;
+}
+
+Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) {
+  const AttentionParams& p = plan.params;
+  const int threads = plan.threads;
+  const int64_t D = p.head_dim;
+  RETURN_IF_ERROR(ctx.check_stop());
+
+  // Every allocation before the threads start: no exception crosses the
+  // backend boundary.
+  std::vector<BackwardJob> jobs;
+  std::vector<BackwardScratch> scratch;
+  std::vector<float> dq_acc, row_d, row_lse, log_count;
+  std::unique_ptr<std::mutex[]> locks;
+  try {
+    // Key tiles in order: under causality the first see the most queries,
+    // and starting them first keeps the dynamic schedule's tail short.
+    const int64_t tiles = (p.kv_len + kBwdKeyTile - 1) / kBwdKeyTile;
+    jobs.reserve(static_cast<size_t>(job_count(p)));
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t b = 0; b < p.batch; ++b)
+        for (int64_t hk = 0; hk < p.kv_heads; ++hk)
+          jobs.push_back({b, hk, t * kBwdKeyTile, std::min(kBwdKeyTile, p.kv_len - t * kBwdKeyTile)});
+    scratch.resize(static_cast<size_t>(threads));
+    for (BackwardScratch& s : scratch) size_scratch(p, &s);
+    dq_acc.resize(static_cast<size_t>(p.batch * p.q_len * p.heads * D));
+    row_d.resize(static_cast<size_t>(p.batch * p.heads * p.q_len));
+    row_lse.resize(row_d.size());
+    locks.reset(new std::mutex[static_cast<size_t>(lock_count(p))]);
+    if (p.mode == Mode::kLsh) {
+      log_count.resize(static_cast<size_t>(p.samples + 1));
+      log_count[0] = kNegInf;
+      for (int64_t c = 1; c <= p.samples; ++c)
+        log_count[static_cast<size_t>(c)] =
+            static_cast<float>(std::log(static_cast<double>(c) / static_cast<double>(p.samples)));
+    }
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted("cpu backend: the backward workspace of " +
+                              std::to_string(plan.backward_workspace.host_bytes) + " bytes could not be allocated");
+  }
+
+  // D_i = dO_i . O_i (FlashAttention's dot_do_o) and the lse each row's
+  // logits are measured against, per (b, i) with every head; dq_acc zeroed.
+  const int64_t rows_total = p.batch * p.q_len;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t n = 0; n < rows_total; ++n) {
+    BackwardScratch& s = scratch[static_cast<size_t>(omp_get_thread_num())];
+    const int64_t b = n / p.q_len, i = n % p.q_len;
+    const int64_t shift_distance = nearest_key(p, p.q_pos0 + i);
+    for (int64_t h = 0; h < p.heads; ++h) {
+      load_row(g.out, g.out_dtype, b * g.o_batch_stride + i * g.o_row_stride + h * g.o_head_stride, D, s.row_a.data());
+      load_row(g.dout, g.out_dtype, b * g.do_batch_stride + i * g.do_row_stride + h * g.do_head_stride, D,
+               s.row_b.data());
+      double dot = 0;
+      for (int64_t x = 0; x < D; ++x) dot += static_cast<double>(s.row_a[static_cast<size_t>(x)]) * s.row_b[static_cast<size_t>(x)];
+      const double lse = g.lse[b * g.lse_batch_stride + i * g.lse_row_stride + h];
+      // Exact and window logits leave out -slope * nearest (AlibiBias);
+      // lsh weighs by log(c / s) with nothing left out.
+      const double shift =
+          p.mode == Mode::kLsh ? 0.0 : p.slopes[static_cast<size_t>(h)] * static_cast<double>(shift_distance);
+      const int64_t stat = (b * p.heads + h) * p.q_len + i;
+      row_d[static_cast<size_t>(stat)] = static_cast<float>(dot);
+      row_lse[static_cast<size_t>(stat)] = static_cast<float>(lse + shift);
+    }
+    std::fill_n(dq_acc.data() + n * p.heads * D, p.heads * D, 0.0f);
+  }
+
+  const Shared shared{p, g, plan.draws, dq_acc.data(), row_d.data(), row_lse.data(), locks.get(), log_count.data()};
+  std::atomic<bool> stopped{false};
+  Status stop_status;
+  std::mutex stop_mutex;
+  std::atomic<int64_t> done{0};
+  std::atomic<int> reported_percent{-1};
+  std::vector<double> flops(static_cast<size_t>(threads), 0.0);
+  const int64_t total = static_cast<int64_t>(jobs.size());
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    BackwardScratch& s = scratch[static_cast<size_t>(t)];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < total; ++n) {
+      if (stopped.load(std::memory_order_relaxed)) continue;
+      Status why;
+      flops[static_cast<size_t>(t)] += backward_job(shared, jobs[static_cast<size_t>(n)], ctx, s, &why);
+      if (!why.ok()) {
+        std::lock_guard<std::mutex> lock(stop_mutex);
+        if (!stopped.load()) stop_status = why;
+        stopped.store(true);
+        continue;
+      }
+      report_progress(ctx, ++done, total, &reported_percent);
+    }
+  }
+  if (stopped.load()) return stop_status;
+
+  // dq from its accumulator, in dq's dtype and strides.
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t n = 0; n < rows_total; ++n) {
+    const int64_t b = n / p.q_len, i = n % p.q_len;
+    for (int64_t h = 0; h < p.heads; ++h)
+      store_row(g.dq, g.grad_dtype, b * g.dq_batch_stride + i * g.dq_row_stride + h * g.dq_head_stride, D,
+                dq_acc.data() + (n * p.heads + h) * D);
+  }
+
+  if (stats != nullptr) {
+    stats->flops = 0;
+    for (double f : flops) stats->flops += f;
+    stats->workspace = plan.backward_workspace;
+  }
+  return Status::Ok();
+}
+
+}  // namespace plsh::cpu

@@ -357,8 +357,17 @@ TEST_F(BackwardTest, ReleaseGivesTheMemoryBack) {
 // leaves no context.
 TEST_F(BackwardTest, ACancelledForwardLeavesNoContext) {
   const double kept_before = gauge(*server_, "plsh_contexts_kept_total");
-  const Problem p = make_problem(options_for(Mode::kExact, true), 23);
-  auto stub = v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  // 2.6 MB of output through a fixed 64 KiB stream window (no BDP probing
+  // to grow it): the server cannot have sent it all when the client
+  // cancels after reading one chunk.
+  AttentionOptions o = options_for(Mode::kExact, true);
+  o.q_len = o.kv_len = 2048;
+  const Problem p = make_problem(o, 23);
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  auto stub = v1::Attention::NewStub(
+      grpc::CreateCustomChannel(server_->grpc_address(), grpc::InsecureChannelCredentials(), args));
   grpc::ClientContext ctx;
   auto stream = stub->Attend(&ctx);
   AttendCall call = forward_call(p, true);

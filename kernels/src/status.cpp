@@ -14,7 +14,6 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kUnimplemented: return "UNIMPLEMENTED";
     case StatusCode::kInternal: return "INTERNAL";
     case StatusCode::kUnavailable: return "UNAVAILABLE";
-    case StatusCode::kNotFound: return "NOT_FOUND";
     case StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
     case StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
     case StatusCode::kUnauthenticated: return "UNAUTHENTICATED";

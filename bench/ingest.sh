@@ -186,5 +186,5 @@ if [[ -f $work/perf.data ]]; then
   echo
   echo "## perf: the server's gRPC threads over the streamed requests (perf record -F 999 -g)"
   perf report -i "$work/perf.data" --no-children --sort comm,dso,sym -g none --stdio 2>/dev/null |
-    grep -v '^#' | grep -v plsh-server | grep '%' | head -25
+    grep -v '^#' | grep -v plsh-server | grep '%' | head -25 || true  # head closes the pipe early
 fi

@@ -577,37 +577,6 @@ grpc::Status Client::info(v1::GetInfoResponse* info, double deadline_seconds) {
   return stub_->GetInfo(&ctx, v1::GetInfoRequest{}, info);
 }
 
-grpc::Status Client::register_shared_memory(const std::string& name, const std::string& key, int64_t offset,
-                                            int64_t byte_size, double deadline_seconds) {
-  grpc::ClientContext ctx;
-  prepare(&ctx, deadline_seconds);
-  v1::RegisterSharedMemoryRequest request;
-  request.set_name(name);
-  request.set_key(key);
-  request.set_offset(offset);
-  request.set_byte_size(byte_size);
-  v1::RegisterSharedMemoryResponse response;
-  return stub_->RegisterSharedMemory(&ctx, request, &response);
-}
-
-grpc::Status Client::unregister_shared_memory(const std::string& name, double deadline_seconds) {
-  grpc::ClientContext ctx;
-  prepare(&ctx, deadline_seconds);
-  v1::UnregisterSharedMemoryRequest request;
-  request.set_name(name);
-  v1::UnregisterSharedMemoryResponse response;
-  return stub_->UnregisterSharedMemory(&ctx, request, &response);
-}
-
-grpc::Status Client::list_shared_memory(std::vector<v1::SharedMemoryRegion>* regions, double deadline_seconds) {
-  grpc::ClientContext ctx;
-  prepare(&ctx, deadline_seconds);
-  v1::ListSharedMemoryResponse response;
-  const grpc::Status status = stub_->ListSharedMemory(&ctx, v1::ListSharedMemoryRequest{}, &response);
-  regions->assign(response.regions().begin(), response.regions().end());
-  return status;
-}
-
 grpc::Status Client::health(const std::string& service, std::string* status_name, double deadline_seconds) {
   auto stub = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext ctx;

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <random>
 
+#include "plsh/client.h"
+
 namespace plsh::client {
 
 namespace {
@@ -69,6 +71,39 @@ std::string unique_shared_memory_key(const std::string& prefix) {
   char hex[17];
   std::snprintf(hex, sizeof hex, "%08x%08x", random(), random());
   return prefix + "-" + std::to_string(getpid()) + "-" + hex;
+}
+
+// The shared-memory RPCs of Client (plsh/client.h).
+
+grpc::Status Client::register_shared_memory(const std::string& name, const std::string& key, int64_t offset,
+                                            int64_t byte_size, double deadline_seconds) {
+  grpc::ClientContext ctx;
+  prepare(&ctx, deadline_seconds);
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  return stub_->RegisterSharedMemory(&ctx, request, &response);
+}
+
+grpc::Status Client::unregister_shared_memory(const std::string& name, double deadline_seconds) {
+  grpc::ClientContext ctx;
+  prepare(&ctx, deadline_seconds);
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSharedMemoryResponse response;
+  return stub_->UnregisterSharedMemory(&ctx, request, &response);
+}
+
+grpc::Status Client::list_shared_memory(std::vector<v1::SharedMemoryRegion>* regions, double deadline_seconds) {
+  grpc::ClientContext ctx;
+  prepare(&ctx, deadline_seconds);
+  v1::ListSharedMemoryResponse response;
+  const grpc::Status status = stub_->ListSharedMemory(&ctx, v1::ListSharedMemoryRequest{}, &response);
+  regions->assign(response.regions().begin(), response.regions().end());
+  return status;
 }
 
 }  // namespace plsh::client

@@ -27,7 +27,7 @@
 #include "cuda/cuda_forward.h"
 #include "cuda/cuda_kernels.h"
 #include "cuda/device_memory.h"
-#include "cuda/tile_plan.h"
+#include "cuda/workspace_plan.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
 

@@ -4,7 +4,8 @@
 // their backward on the same tiles (backward_plan.h). Built into
 // libplsh_cuda.so, which the registry dlopens, and into a static library
 // that tests and benchmarks call directly.
-//   tile_plan.h/.cpp      host planning: tiles, lanes, rounds, the workspace layout
+//   tile_plan.h           the tile arithmetic the device and the host tests share
+//   workspace_plan.h, tile_plan.cpp   host planning: reach, lanes, rounds, the workspace layout
 //   cuda_kernels.h/.cu    device kernels and their launchers
 //   device_memory.h       the memory pool, its reservations, stream-ordered buffers
 //   cuda_backend.cpp      the Backend: plan, then forward over the rounds

@@ -14,7 +14,7 @@
 
 #include "cuda/device_memory.h"
 #include "cuda/step_events.h"
-#include "cuda/tile_plan.h"
+#include "cuda/workspace_plan.h"
 #include "plsh/backend.h"
 #include "plsh/params.h"
 #include "plsh/status.h"

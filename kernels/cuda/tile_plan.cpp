@@ -1,4 +1,4 @@
-#include "cuda/tile_plan.h"
+#include "cuda/workspace_plan.h"
 
 #include <algorithm>
 #include <cstdint>

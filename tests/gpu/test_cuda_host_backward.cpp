@@ -25,7 +25,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "cuda/backward_plan.h"
-#include "cuda/tile_plan.h"
+#include "cuda/workspace_plan.h"
 #include "plsh/attention.h"
 #include "plsh/backward.h"
 #include "plsh/numeric.h"

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "cpu/cpu_backend.h"
-#include "cuda/tile_plan.h"
+#include "cuda/workspace_plan.h"
 #include "plsh/plan.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/tile_plan.h"
+#include "cuda/workspace_plan.h"
 #include "plsh/plan.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"

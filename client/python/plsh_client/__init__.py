@@ -39,7 +39,8 @@ The generated stubs (plsh/v1/plsh_pb2.py, ...) are built by CMake into
 PLSH_PYTHON_STUBS to it.
 """
 
-from ._client import Client, PlshError, SharedMemoryRegion
+from ._client import Client, PlshError
+from ._shm import SharedMemoryRegion
 from .sharding import ShardedClient
 
 __all__ = ["Client", "PlshError", "ShardedClient", "SharedMemoryRegion"]

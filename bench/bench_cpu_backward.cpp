@@ -8,55 +8,20 @@
 //   bench_cpu_backward [--sizes 8192,32768] [--runs 3] [--threads 0] [--samples 16] [--modes exact,window,lsh]
 #include <CLI/CLI.hpp>
 
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <ctime>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "cpu/cpu_backend.h"
+#include "cpu_bench_util.h"
 #include "plsh/backward.h"
 #include "plsh/params.h"
 #include "reference.h"
 
-namespace {
-
-// Seconds of CPU used by the whole process (all threads): on a shared
-// machine wall time also counts the time other processes held the cores.
-double process_cpu_seconds() {
-  timespec t{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
-}
-
-struct Timing {
-  double wall = 0, cpu = 0;
-};
-
-template <typename F>
-Timing median_of(int runs, F&& f) {
-  std::vector<double> wall, cpu;
-  for (int r = 0; r < runs; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const double c0 = process_cpu_seconds();
-    f();
-    wall.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    cpu.push_back(process_cpu_seconds() - c0);
-  }
-  std::sort(wall.begin(), wall.end());
-  std::sort(cpu.begin(), cpu.end());
-  return {wall[wall.size() / 2], cpu[cpu.size() / 2]};
-}
-
-void die_unless(const plsh::Status& s) {
-  if (s.ok()) return;
-  std::fprintf(stderr, "%s\n", s.to_string().c_str());
-  std::exit(1);
-}
-
-}  // namespace
+using plsh::bench::die_unless;
+using plsh::bench::median_of;
+using plsh::bench::Timing;
 
 int main(int argc, char** argv) {
   CLI::App app{"CPU backend benchmark: backward vs forward"};
@@ -78,14 +43,7 @@ int main(int argc, char** argv) {
               "backward CPU s | backward / forward (CPU) | backward GFLOP | backward GFLOP per CPU s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (int64_t n : sizes) {
-    plsh::AttentionOptions o;
-    o.q_len = o.kv_len = n;
-    o.heads = 8;
-    o.head_dim = 64;
-    o.causal = true;
-    o.samples = samples;
-    o.seed = 1;
-    o.estimates = false;
+    plsh::AttentionOptions o = plsh::bench::timed_options(n, samples);
     o.check_finite = false;  // random normals; and the validation is not what is timed
     const plsh::testing::RandomTensors t = plsh::testing::random_qkv(o, 42);
     const size_t elems = static_cast<size_t>(n * o.heads * o.head_dim);

@@ -80,27 +80,6 @@ def default_slopes(heads):
     return [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
 
 
-M64 = (1 << 64) - 1
-
-
-def mix64(z):
-    z ^= z >> 30
-    z = (z * 0xBF58476D1CE4E5B9) & M64
-    z ^= z >> 27
-    z = (z * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
-def spec_draw(seed, head, sample, sigma):
-    """(pitch, shift) of one iid hash, SPEC section 5."""
-    u = []
-    for j in range(3):
-        word = mix64((seed + 0x9E3779B97F4A7C15 * (1 + 4 * (head * (1 << 24) + sample) + j)) & M64)
-        u.append(((word >> 11) + 0.5) * 2.0 ** -53)
-    delta = -sigma * (math.log(u[0]) + math.log(u[1]))
-    return delta, u[2] * delta
-
-
 def reference(q, k, v, *, mode, causal, slopes, draws=None, eps=1e-4):
     """Float64 ALiBi attention, [B, Nq, H, D] out; draws [H][s] of (pitch, shift) for lsh."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
@@ -196,9 +175,11 @@ class Server:
 class Soak:
     def __init__(self, server, args):
         from plsh_client import Client, PlshError  # noqa: needs PYTHONPATH (see the docstring)
+        from plsh_client.sharding import draw_hashes  # SPEC section 5, in Python
         from plsh.v1 import plsh_pb2 as pb
         from plsh.v1 import plsh_pb2_grpc as pb_grpc
         self.Client, self.PlshError, self.pb, self.pb_grpc = Client, PlshError, pb, pb_grpc
+        self.draw_hashes = draw_hashes
         self.server = server
         self.args = args
         self.lock = threading.Lock()
@@ -268,8 +249,9 @@ class Soak:
         if mode == "lsh":
             draws = [h["draws"] for h in meta["heads"]]
             for h in range(H):
+                spec = self.draw_hashes(seed, h, 1 / slopes[h], samples)
                 for s in (0, samples - 1):
-                    want = spec_draw(seed, h, s, 1 / slopes[h])
+                    want = spec[s]
                     if not np.allclose(draws[h][s], want, rtol=1e-12, atol=0):
                         return kind, "OK", f"draw (head {h}, sample {s}) = {draws[h][s]}, SPEC 5 gives {want}"
         ref = reference(q, k, v, mode=mode, causal=causal, slopes=slopes, draws=draws)

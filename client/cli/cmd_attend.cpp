@@ -13,10 +13,8 @@
 // go up once; dq, dk, dv are those plsh compute --dout writes.
 #include <grpcpp/grpcpp.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -103,15 +101,6 @@ class SharedCall {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-Status write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::trunc);
-  if (!out) return failed_precondition(path + ": cannot create: " + std::strerror(errno));
-  out << text;
-  out.close();
-  if (!out) return failed_precondition(path + ": write failed: " + std::strerror(errno));
-  return Status::Ok();
 }
 
 // The array's elements in another dtype (through float, as the backends read them).
@@ -300,7 +289,7 @@ int attend(const AttendArgs& args) {
                                     {"sent_bytes", grads.sent_bytes},
                                     {"received_bytes", grads.received_bytes}};
     }
-    if (Status s = write_text(args.outputs.meta_path, meta.dump(2) + "\n"); !s.ok()) return report_error("attend", s);
+    if (Status s = write_meta_file(args.outputs.meta_path, meta); !s.ok()) return report_error("attend", s);
   }
   return kExitOk;
 }

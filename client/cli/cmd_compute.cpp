@@ -3,10 +3,7 @@
 // and the way to produce reference outputs and metadata for a server's.
 // With --dout --dq --dk --dv it also runs the backward pass (SPEC section
 // 8) on the same plan: the gradients of the forward it just computed.
-#include <cerrno>
 #include <chrono>
-#include <cstring>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -24,15 +21,6 @@ namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-Status write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::trunc);
-  if (!out) return failed_precondition(path + ": cannot create: " + std::strerror(errno));
-  out << text;
-  out.close();
-  if (!out) return failed_precondition(path + ": write failed: " + std::strerror(errno));
-  return Status::Ok();
 }
 
 // dout's file against what the forward writes: out's shape and dtype.
@@ -117,7 +105,7 @@ Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs, const
     nlohmann::ordered_json meta = result_to_json(result);
     add_params_json(o, result, in.batched, &meta);
     if (backward_result) meta["backward"] = backward_to_json(*backward_result, grad_dtype);
-    RETURN_IF_ERROR(write_text(outputs.meta_path, meta.dump(2) + "\n"));
+    RETURN_IF_ERROR(write_meta_file(outputs.meta_path, meta));
   }
   return Status::Ok();
 }

@@ -1,6 +1,9 @@
 #include "cli/meta_json.h"
 
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 
 namespace plsh::cli {
 
@@ -113,6 +116,15 @@ void add_params_json(const AttentionOptions& o, const AttentionResult& r, bool b
                        {"probe_rows", o.probe_rows},
                        {"mask_row_budget", o.mask_row_budget},
                        {"estimates", o.estimates}};
+}
+
+Status write_meta_file(const std::string& path, const nlohmann::ordered_json& meta) {
+  std::ofstream out(path, std::ios::trunc);
+  if (!out) return failed_precondition(path + ": cannot create: " + std::strerror(errno));
+  out << meta.dump(2) << "\n";
+  out.close();
+  if (!out) return failed_precondition(path + ": write failed: " + std::strerror(errno));
+  return Status::Ok();
 }
 
 }  // namespace plsh::cli

@@ -55,4 +55,7 @@ nlohmann::ordered_json backward_to_json(const BackwardResult& r, DType grad_dtyp
 void add_params_json(const AttentionOptions& options, const AttentionResult& result, bool batched,
                      nlohmann::ordered_json* meta);
 
+// Writes meta to path (replacing the file): two-space indent, a final newline.
+Status write_meta_file(const std::string& path, const nlohmann::ordered_json& meta);
+
 }  // namespace plsh::cli

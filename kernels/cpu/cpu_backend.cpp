@@ -1,10 +1,8 @@
 #include "cpu/cpu_backend.h"
 
-#include <omp.h>
 #include <sys/utsname.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cblas.h>
 #include <limits>
 #include <mutex>
@@ -150,48 +148,25 @@ class CpuBackend final : public Backend {
                                 " bytes could not be allocated");
     }
 
-    std::atomic<bool> stopped{false};
-    Status stop_status;
-    std::mutex stop_mutex;
-    std::atomic<int64_t> done{0};
-    std::atomic<int> reported_percent{-1};
-    std::vector<double> flops(static_cast<size_t>(threads), 0.0);
-    const int64_t total = static_cast<int64_t>(jobs.size());
-
-#pragma omp parallel num_threads(threads)
-    {
-      const int t = omp_get_thread_num();
+    const auto tile = [&](int t, int64_t n, Status* why) {
+      *why = ctx.check_stop();
+      if (!why->ok()) return 0.0;
       cpu::Scratch& s = scratch[static_cast<size_t>(t)];
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t n = 0; n < total; ++n) {
-        if (stopped.load(std::memory_order_relaxed)) continue;
-        Status why = ctx.check_stop();
-        if (why.ok()) {
-          const cpu::TileJob& job = jobs[static_cast<size_t>(n)];
-          double f = 0;
-          if (p.mode != Mode::kLsh) {
-            f = cpu::exact_tile(p, job, s);
-          } else {
-            const std::vector<Draw>& d = plan.draws[static_cast<size_t>(job.h)];
-            f = banded ? cpu::lsh_banded_tile(p, job, d, s) : cpu::lsh_per_sample_tile(p, job, d, ctx, s);
-          }
-          flops[static_cast<size_t>(t)] += f;
-          why = ctx.check_stop();  // a per-sample tile may have stopped half way
-        }
-        if (!why.ok()) {
-          std::lock_guard<std::mutex> lock(stop_mutex);
-          if (!stopped.load()) stop_status = why;
-          stopped.store(true);
-          continue;
-        }
-        cpu::report_progress(ctx, ++done, total, &reported_percent);
+      const cpu::TileJob& job = jobs[static_cast<size_t>(n)];
+      double f = 0;
+      if (p.mode != Mode::kLsh) {
+        f = cpu::exact_tile(p, job, s);
+      } else {
+        const std::vector<Draw>& d = plan.draws[static_cast<size_t>(job.h)];
+        f = banded ? cpu::lsh_banded_tile(p, job, d, s) : cpu::lsh_per_sample_tile(p, job, d, ctx, s);
       }
-    }
-    if (stopped.load()) return stop_status;
+      *why = ctx.check_stop();  // a per-sample tile may have stopped half way
+      return f;
+    };
+    ASSIGN_OR_RETURN(const double flops, cpu::run_jobs(threads, static_cast<int64_t>(jobs.size()), ctx, tile));
 
     if (stats != nullptr) {
-      stats->flops = 0;
-      for (double f : flops) stats->flops += f;
+      stats->flops = flops;
       stats->lsh_algorithm = plan.lsh_algorithm;
       stats->workspace = plan.forward_workspace;
     }

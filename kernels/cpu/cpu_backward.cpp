@@ -390,32 +390,10 @@ Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ct
   }
 
   const Shared shared{p, g, plan.draws, dq_acc.data(), row_d.data(), row_lse.data(), locks.get(), log_count.data()};
-  std::atomic<bool> stopped{false};
-  Status stop_status;
-  std::mutex stop_mutex;
-  std::atomic<int64_t> done{0};
-  std::atomic<int> reported_percent{-1};
-  std::vector<double> flops(static_cast<size_t>(threads), 0.0);
-  const int64_t total = static_cast<int64_t>(jobs.size());
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num();
-    BackwardScratch& s = scratch[static_cast<size_t>(t)];
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < total; ++n) {
-      if (stopped.load(std::memory_order_relaxed)) continue;
-      Status why;
-      flops[static_cast<size_t>(t)] += backward_job(shared, jobs[static_cast<size_t>(n)], ctx, s, &why);
-      if (!why.ok()) {
-        std::lock_guard<std::mutex> lock(stop_mutex);
-        if (!stopped.load()) stop_status = why;
-        stopped.store(true);
-        continue;
-      }
-      report_progress(ctx, ++done, total, &reported_percent);
-    }
-  }
-  if (stopped.load()) return stop_status;
+  const auto job = [&](int t, int64_t n, Status* why) {
+    return backward_job(shared, jobs[static_cast<size_t>(n)], ctx, scratch[static_cast<size_t>(t)], why);
+  };
+  ASSIGN_OR_RETURN(const double flops, run_jobs(threads, static_cast<int64_t>(jobs.size()), ctx, job));
 
   // dq from its accumulator, in dq's dtype and strides.
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -427,8 +405,7 @@ Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ct
   }
 
   if (stats != nullptr) {
-    stats->flops = 0;
-    for (double f : flops) stats->flops += f;
+    stats->flops = flops;
     stats->workspace = plan.backward_workspace;
   }
   return Status::Ok();

@@ -1,6 +1,9 @@
 #include "cpu/tiles.h"
 
 #include <cblas.h>
+#include <omp.h>
+
+#include <mutex>
 
 // The exp and max loops below vectorise only if GCC may if-convert float
 // compares, i.e. without trapping-math (we never unmask FP exceptions).
@@ -170,6 +173,11 @@ void write_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int6
   }
 }
 
+namespace {
+
+// Calls ctx.progress with done / total at most once per percent, so that a
+// slow callback cannot serialise the tiles; `reported` holds the last
+// percent reported.
 void report_progress(const ExecContext& ctx, int64_t done, int64_t total, std::atomic<int>* reported) {
   if (!ctx.progress) return;
   const int percent = static_cast<int>(100 * done / total);
@@ -180,6 +188,39 @@ void report_progress(const ExecContext& ctx, int64_t done, int64_t total, std::a
       return;
     }
   }
+}
+
+}  // namespace
+
+StatusOr<double> run_jobs(int threads, int64_t total, const ExecContext& ctx,
+                          const std::function<double(int thread, int64_t n, Status* why)>& job) {
+  std::atomic<bool> stopped{false};
+  Status stop_status;
+  std::mutex stop_mutex;
+  std::atomic<int64_t> done{0};
+  std::atomic<int> reported_percent{-1};
+  std::vector<double> flops(static_cast<size_t>(threads), 0.0);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < total; ++n) {
+      if (stopped.load(std::memory_order_relaxed)) continue;
+      Status why;
+      flops[static_cast<size_t>(t)] += job(t, n, &why);
+      if (!why.ok()) {
+        std::lock_guard<std::mutex> lock(stop_mutex);
+        if (!stopped.load()) stop_status = why;
+        stopped.store(true);
+        continue;
+      }
+      report_progress(ctx, ++done, total, &reported_percent);
+    }
+  }
+  if (stopped.load()) return stop_status;
+  double sum = 0;
+  for (double f : flops) sum += f;
+  return sum;
 }
 
 SliceView q_slice(const AttentionParams& p, int64_t b, int64_t h) {

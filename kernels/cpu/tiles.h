@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -192,10 +193,14 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
 double lsh_per_sample_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws,
                            const ExecContext& ctx, Scratch& scratch);
 
-// Calls ctx.progress with done / total at most once per percent, so that a
-// slow callback cannot serialise the tiles; `reported` holds the last
-// percent reported.
-void report_progress(const ExecContext& ctx, int64_t done, int64_t total, std::atomic<int>* reported);
+// Runs jobs 0 .. total - 1 on `threads` OpenMP threads, each thread taking
+// the next job when it finishes one (the forward's and the backward's tiles
+// differ in cost): job(thread, n, &why) returns the FLOPs it did and sets
+// why to stop the run; the other threads skip what is left. ctx.progress
+// hears of finished jobs at most once per percent. Returns the first stop's
+// status, or the FLOPs of every job (per thread, then summed in thread order).
+StatusOr<double> run_jobs(int threads, int64_t total, const ExecContext& ctx,
+                          const std::function<double(int thread, int64_t n, Status* why)>& job);
 
 // Which lsh algorithm kAuto picks, by SPEC section 3's cost models (see the
 // definition for the constants).

@@ -23,35 +23,19 @@
 
 #include "plsh/attention.h"
 #include "plsh/backend.h"
-#include "plsh/client.h"
-#include "plsh/numeric.h"
+#include "integration_util.h"
 #include "reference.h"
-#include "server_process.h"
 #include "trust_files.h"
 
 namespace plsh {
 namespace {
 
-using client::AttendCall;
-using client::AttendReply;
 using client::BackwardCall;
 using client::BackwardReply;
-using client::Client;
-using testing::metric_sum;
-using testing::ServerProcess;
+using testing::eventually;
+using testing::odd_gqa_options;
+using testing::scrape;
 
-bool eventually(const std::function<bool()>& f, double seconds = 10) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (std::chrono::steady_clock::now() < until) {
-    if (f()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return f();
-}
-
-std::map<std::string, double> scrape(const ServerProcess& s) {
-  return testing::parse_metrics(testing::http_get(s.metrics_address(), "/metrics"));
-}
 double gauge(const ServerProcess& s, const std::string& name, const std::vector<std::string>& labels = {}) {
   return metric_sum(scrape(s), name, labels);
 }
@@ -66,46 +50,19 @@ Problem make_problem(const AttentionOptions& o, uint64_t seed) {
   Problem p;
   p.options = o;
   const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  auto fill = [&](std::vector<uint8_t>& t, int64_t n, DType dtype) {
-    t.resize(static_cast<size_t>(n) * dtype_bytes(dtype));
-    std::vector<float> row(static_cast<size_t>(n));
-    for (float& x : row) x = normal(rng);
-    store_row(t.data(), dtype, 0, n, row.data());
-  };
-  fill(p.q, o.batch * o.q_len * o.heads * o.head_dim, o.dtype);
-  fill(p.k, o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
-  fill(p.v, o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
-  fill(p.dout, o.batch * o.q_len * o.heads * o.head_dim, o.out_dtype.value_or(o.dtype));
+  testing::Gaussian normal(seed);
+  p.q = normal.tensor(o.batch * o.q_len * o.heads * o.head_dim, o.dtype);
+  p.k = normal.tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
+  p.v = normal.tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
+  p.dout = normal.tensor(o.batch * o.q_len * o.heads * o.head_dim, o.out_dtype.value_or(o.dtype));
   return p;
 }
 
-AttentionOptions options_for(Mode mode, bool causal) {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 97;
-  o.kv_len = 130;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.head_dim = 40;
-  o.mode = mode;
-  o.samples = 16;
-  o.seed = 7;
-  o.causal = causal;
-  return o;
-}
-
 AttendCall forward_call(const Problem& p, bool keep_context, int64_t chunk_bytes = 0) {
-  AttendCall c;
-  c.options = p.options;
-  c.q = p.q.data();
-  c.k = p.k.data();
-  c.v = p.v.data();
+  AttendCall c = testing::attend_call(p.options, p.q, p.k, p.v, 60);
   c.return_lse = true;
   c.keep_context = keep_context;
   c.chunk_bytes = chunk_bytes;
-  c.deadline_seconds = 60;
   return c;
 }
 
@@ -120,6 +77,20 @@ BackwardCall by_context(const Problem& p, const std::string& id, bool keep = fal
   return b;
 }
 
+// p's params in this process, with the forward output in *out (sized here).
+StatusOr<AttentionParams> params_for(const Problem& p, std::vector<uint8_t>* out) {
+  const AttentionOptions& o = p.options;
+  out->resize(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(o.out_dtype.value_or(o.dtype)));
+  TensorRefs t;
+  t.q = p.q.data();
+  t.k = p.k.data();
+  t.v = p.v.data();
+  t.out = out->data();
+  StatusOr<AttentionParams> params = make_params(o, t);
+  EXPECT_TRUE(params.ok()) << params.status().to_string();
+  return params;
+}
+
 // The same forward and backward in this process, one thread, CPU.
 struct LocalGradients {
   std::vector<uint8_t> dq, dk, dv;
@@ -127,15 +98,8 @@ struct LocalGradients {
 LocalGradients local_gradients(const Problem& p, DType grad_dtype) {
   const AttentionOptions& o = p.options;
   const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  std::vector<uint8_t> out(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) *
-                           dtype_bytes(o.out_dtype.value_or(o.dtype)));
-  TensorRefs t;
-  t.q = p.q.data();
-  t.k = p.k.data();
-  t.v = p.v.data();
-  t.out = out.data();
-  StatusOr<AttentionParams> params = make_params(o, t);
-  EXPECT_TRUE(params.ok()) << params.status().to_string();
+  std::vector<uint8_t> out;
+  const StatusOr<AttentionParams> params = params_for(p, &out);
   LocalGradients g;
   g.dq.resize(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(grad_dtype));
   g.dk.resize(static_cast<size_t>(o.batch * o.kv_len * kv_heads * o.head_dim) * dtype_bytes(grad_dtype));
@@ -158,15 +122,8 @@ LocalGradients local_gradients(const Problem& p, DType grad_dtype) {
 // The float64 reference's gradients (SPEC section 8 from the definition).
 testing::ReferenceGradients reference_gradients(const Problem& p) {
   const AttentionOptions& o = p.options;
-  std::vector<uint8_t> out(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) *
-                           dtype_bytes(o.out_dtype.value_or(o.dtype)));
-  TensorRefs t;
-  t.q = p.q.data();
-  t.k = p.k.data();
-  t.v = p.v.data();
-  t.out = out.data();
-  StatusOr<AttentionParams> params = make_params(o, t);
-  EXPECT_TRUE(params.ok()) << params.status().to_string();
+  std::vector<uint8_t> out;
+  const StatusOr<AttentionParams> params = params_for(p, &out);
   const int64_t n = o.batch * o.q_len * o.heads * o.head_dim;
   std::vector<double> dout(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) dout[static_cast<size_t>(i)] = load_element(p.dout.data(), o.out_dtype.value_or(o.dtype), i);
@@ -201,7 +158,7 @@ TEST_F(BackwardTest, ByContextMatchesFloat64ReferenceAndInProcessBitForBit) {
   for (Mode mode : {Mode::kExact, Mode::kLsh, Mode::kWindow}) {
     for (bool causal : {false, true}) {
       SCOPED_TRACE(std::string(mode_name(mode)) + (causal ? " causal" : ""));
-      const Problem p = make_problem(options_for(mode, causal), 5);
+      const Problem p = make_problem(odd_gqa_options(mode, causal), 5);
       AttendReply forward;
       // Small chunks both ways: many messages.
       grpc::Status s = c.attend(forward_call(p, true, 3000), &forward);
@@ -246,7 +203,7 @@ TEST_F(BackwardTest, ByContextMatchesFloat64ReferenceAndInProcessBitForBit) {
 
 TEST_F(BackwardTest, HalfPrecisionWithFloat32GradientsMatchesInProcess) {
   Client c(server_->grpc_address());
-  AttentionOptions o = options_for(Mode::kLsh, true);
+  AttentionOptions o = odd_gqa_options(Mode::kLsh, true);
   o.dtype = DType::kBF16;
   const Problem p = make_problem(o, 9);
   AttendReply forward;
@@ -267,7 +224,7 @@ TEST_F(BackwardTest, StatelessFormsGiveTheKeptContextsBits) {
   Client c(server_->grpc_address());
   for (Mode mode : {Mode::kLsh, Mode::kWindow}) {
     SCOPED_TRACE(mode_name(mode));
-    const Problem p = make_problem(options_for(mode, true), 13);
+    const Problem p = make_problem(odd_gqa_options(mode, true), 13);
     AttendReply forward;
     ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
     BackwardReply kept;
@@ -311,7 +268,7 @@ TEST_F(BackwardTest, StatelessFormsGiveTheKeptContextsBits) {
 
 TEST_F(BackwardTest, ABackwardConsumesItsContextUnlessAskedToKeepIt) {
   Client c(server_->grpc_address());
-  const Problem p = make_problem(options_for(Mode::kExact, true), 17);
+  const Problem p = make_problem(odd_gqa_options(Mode::kExact, true), 17);
   AttendReply forward;
   ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
   BackwardReply first, second, third;
@@ -334,7 +291,7 @@ TEST_F(BackwardTest, ABackwardConsumesItsContextUnlessAskedToKeepIt) {
 
 TEST_F(BackwardTest, ReleaseGivesTheMemoryBack) {
   Client c(server_->grpc_address());
-  const Problem p = make_problem(options_for(Mode::kWindow, false), 19);
+  const Problem p = make_problem(odd_gqa_options(Mode::kWindow, false), 19);
   AttendReply forward;
   ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
   EXPECT_EQ(gauge(*server_, "plsh_context_bytes"), forward.context_bytes);
@@ -360,7 +317,7 @@ TEST_F(BackwardTest, ACancelledForwardLeavesNoContext) {
   // 2.6 MB of output through a fixed 64 KiB stream window (no BDP probing
   // to grow it): the server cannot have sent it all when the client
   // cancels after reading one chunk.
-  AttentionOptions o = options_for(Mode::kExact, true);
+  AttentionOptions o = odd_gqa_options(Mode::kExact, true);
   o.q_len = o.kv_len = 2048;
   const Problem p = make_problem(o, 23);
   grpc::ChannelArguments args;
@@ -405,7 +362,7 @@ TEST_F(BackwardTest, ACancelledForwardLeavesNoContext) {
 // A cancelled backward leaves its context in place (not consumed).
 TEST_F(BackwardTest, ACancelledBackwardLeavesItsContextForARetry) {
   Client c(server_->grpc_address());
-  const Problem p = make_problem(options_for(Mode::kLsh, true), 29);
+  const Problem p = make_problem(odd_gqa_options(Mode::kLsh, true), 29);
   AttendReply forward;
   ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
   {
@@ -480,7 +437,7 @@ v1::BackwardRequest end() {
 TEST_F(BackwardTest, BadRequestsGetTheContractsCodes) {
   Client c(server_->grpc_address());
   const std::string target = server_->grpc_address();
-  AttentionOptions o = options_for(Mode::kLsh, true);
+  AttentionOptions o = odd_gqa_options(Mode::kLsh, true);
   o.batch = 1;
   o.q_len = o.kv_len = 16;
   const Problem p = make_problem(o, 31);
@@ -598,7 +555,7 @@ TEST(BackwardContexts, ExpireAfterTheirTimeToLive) {
   ServerProcess server({"--context-ttl", "0.3", "--threads", "1"});
   ASSERT_TRUE(server.started()) << server.log();
   Client c(server.grpc_address());
-  const Problem p = make_problem(options_for(Mode::kExact, false), 37);
+  const Problem p = make_problem(odd_gqa_options(Mode::kExact, false), 37);
   AttendReply forward;
   ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
   EXPECT_EQ(forward.context_ttl_seconds, 0.3);
@@ -617,7 +574,7 @@ TEST(BackwardContexts, AreEvictedLeastRecentlyUsedFirstWhenTheBudgetNeedsRoom) {
   // Exact, one thread: the workspaces are known here, so that the budget
   // fits one kept context and its backward (dout, dq, dk, dv and the
   // backward's workspace beside it), and not two contexts.
-  AttentionOptions o = options_for(Mode::kExact, true);
+  AttentionOptions o = odd_gqa_options(Mode::kExact, true);
   o.batch = 1;
   o.q_len = o.kv_len = 512;
   const Problem p = make_problem(o, 41);
@@ -673,7 +630,7 @@ TEST(BackwardContexts, OverMaxContextsTheLeastRecentlyUsedGoes) {
   ServerProcess server({"--threads", "1", "--max-contexts", "2"});
   ASSERT_TRUE(server.started()) << server.log();
   Client c(server.grpc_address());
-  const Problem p = make_problem(options_for(Mode::kExact, true), 47);
+  const Problem p = make_problem(odd_gqa_options(Mode::kExact, true), 47);
   AttendReply f[3];
   for (AttendReply& r : f) ASSERT_TRUE(c.attend(forward_call(p, true), &r).ok());
   EXPECT_EQ(gauge(server, "plsh_contexts"), 2);
@@ -689,7 +646,7 @@ TEST(BackwardContexts, ADrainDropsThemAll) {
   ServerProcess server({"--threads", "1"});
   ASSERT_TRUE(server.started()) << server.log();
   Client c(server.grpc_address());
-  const Problem p = make_problem(options_for(Mode::kLsh, true), 53);
+  const Problem p = make_problem(odd_gqa_options(Mode::kLsh, true), 53);
   AttendReply f;
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(c.attend(forward_call(p, true), &f).ok());
   EXPECT_EQ(gauge(server, "plsh_contexts"), 3);
@@ -705,7 +662,7 @@ TEST(BackwardContexts, AServerWithoutContextsRefusesKeepContextButServesStateles
   ServerProcess server({"--context-ttl", "0"});
   ASSERT_TRUE(server.started()) << server.log();
   Client c(server.grpc_address());
-  const Problem p = make_problem(options_for(Mode::kWindow, true), 59);
+  const Problem p = make_problem(odd_gqa_options(Mode::kWindow, true), 59);
   AttendReply f;
   grpc::Status s = c.attend(forward_call(p, true), &f);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
@@ -732,7 +689,7 @@ TEST(BackwardContexts, UnaryForwardsKeepThemAndSilentBackwardsTimeOut) {
   ServerProcess server({"--threads", "1", "--stream-idle-timeout", "0.5"});
   ASSERT_TRUE(server.started()) << server.log();
   Client c(server.grpc_address());
-  const Problem p = make_problem(options_for(Mode::kWindow, true), 67);
+  const Problem p = make_problem(odd_gqa_options(Mode::kWindow, true), 67);
   AttendReply forward;
   ASSERT_TRUE(c.attend_unary(forward_call(p, true), &forward).ok());
   ASSERT_FALSE(forward.context_id.empty());
@@ -787,7 +744,7 @@ TEST(BackwardContexts, AreBoundToTheirClient) {
     return c;
   };
   std::unique_ptr<Client> a = connect(alice), b = connect(bob), f = connect(fwd);
-  const Problem p = make_problem(options_for(Mode::kExact, true), 61);
+  const Problem p = make_problem(odd_gqa_options(Mode::kExact, true), 61);
   AttendReply forward;
   ASSERT_TRUE(a->attend(forward_call(p, true), &forward).ok());
   BackwardReply grads;

@@ -11,39 +11,20 @@
 #include <thread>
 #include <vector>
 
-#include "plsh/client.h"
-#include "server_process.h"
+#include "integration_util.h"
 
 namespace plsh {
 namespace {
 
-using client::AttendCall;
-using client::AttendReply;
-using client::Client;
-using testing::metric_sum;
-using testing::parse_metrics;
-using testing::ServerProcess;
+using testing::scrape;
+using testing::seconds_since;
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-std::map<std::string, double> scrape(const ServerProcess& s) {
-  return parse_metrics(testing::http_get(s.metrics_address(), "/metrics"));
-}
 
 struct Request {
   AttentionOptions options;
   std::vector<float> q, k, v;
-  AttendCall call() const {
-    AttendCall c;
-    c.options = options;
-    c.q = q.data();
-    c.k = k.data();
-    c.v = v.data();
-    c.deadline_seconds = 60;
-    return c;
-  }
+  AttendCall call() const { return testing::attend_call(options, q, k, v, 60); }
 };
 
 Request small_request(int64_t n = 64) {

@@ -9,38 +9,21 @@
 #include <chrono>
 #include <thread>
 
+#include "integration_util.h"
 #include "plsh/attention.h"
 #include "plsh/backend.h"
-#include "plsh/client.h"
-#include "server_process.h"
 
 namespace plsh {
 namespace {
 
-using client::AttendCall;
-using client::AttendReply;
-using client::Client;
-using testing::metric_sum;
-using testing::parse_metrics;
-using testing::ServerProcess;
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
+using testing::scrape;
+using testing::seconds_since;
 
 // Inputs of zeros are enough here: these tests are about the plumbing.
 struct Request {
   AttentionOptions options;
   std::vector<uint8_t> q, k, v;
-  AttendCall call() const {
-    AttendCall c;
-    c.options = options;
-    c.q = q.data();
-    c.k = k.data();
-    c.v = v.data();
-    c.deadline_seconds = 120;
-    return c;
-  }
+  AttendCall call() const { return testing::attend_call(options, q, k, v, 120); }
 };
 
 Request make_request(Mode mode, int64_t n, int64_t heads, DType dtype = DType::kF32) {
@@ -90,10 +73,6 @@ grpc::Status stream_request(const std::string& target, const Request& r, grpc::C
   while (stream->Read(&response)) {
   }
   return stream->Finish();
-}
-
-std::map<std::string, double> scrape(const ServerProcess& s) {
-  return parse_metrics(testing::http_get(s.metrics_address(), "/metrics"));
 }
 
 TEST(ServiceMetrics, MoveByExactlyTheRequestsMade) {

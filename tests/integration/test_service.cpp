@@ -8,23 +8,14 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <random>
 #include <thread>
 
 #include "plsh/attention.h"
 #include "plsh/backend.h"
-#include "plsh/client.h"
-#include "plsh/numeric.h"
-#include "server_process.h"
+#include "integration_util.h"
 
 namespace plsh {
 namespace {
-
-using client::AttendCall;
-using client::AttendReply;
-using client::Client;
-using testing::metric_sum;
-using testing::ServerProcess;
 
 struct Inputs {
   AttentionOptions options;
@@ -36,17 +27,10 @@ Inputs make_inputs(const AttentionOptions& o, uint64_t seed) {
   Inputs in;
   in.options = o;
   const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  auto fill = [&](std::vector<uint8_t>& t, int64_t n) {
-    t.resize(static_cast<size_t>(n) * dtype_bytes(o.dtype));
-    std::vector<float> row(static_cast<size_t>(n));
-    for (float& x : row) x = normal(rng);
-    store_row(t.data(), o.dtype, 0, n, row.data());
-  };
-  fill(in.q, o.batch * o.q_len * o.heads * o.head_dim);
-  fill(in.k, o.batch * o.kv_len * kv_heads * o.head_dim);
-  fill(in.v, o.batch * o.kv_len * kv_heads * o.head_dim);
+  testing::Gaussian normal(seed);
+  in.q = normal.tensor(o.batch * o.q_len * o.heads * o.head_dim, o.dtype);
+  in.k = normal.tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
+  in.v = normal.tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
   return in;
 }
 
@@ -79,14 +63,9 @@ Local compute_local(const Inputs& in) {
 }
 
 AttendCall call_for(const Inputs& in, int64_t chunk_bytes = 0) {
-  AttendCall c;
-  c.options = in.options;
-  c.q = in.q.data();
-  c.k = in.k.data();
-  c.v = in.v.data();
+  AttendCall c = testing::attend_call(in.options, in.q, in.k, in.v, 60);
   c.return_lse = true;
   c.chunk_bytes = chunk_bytes;
-  c.deadline_seconds = 60;
   return c;
 }
 
@@ -115,20 +94,7 @@ class ServiceTest : public ::testing::Test {
 };
 ServerProcess* ServiceTest::server_ = nullptr;
 
-AttentionOptions small_options(Mode mode) {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 97;
-  o.kv_len = 130;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.head_dim = 40;
-  o.mode = mode;
-  o.samples = 16;
-  o.seed = 7;
-  o.causal = true;
-  return o;
-}
+AttentionOptions small_options(Mode mode) { return testing::odd_gqa_options(mode, true); }
 
 TEST_F(ServiceTest, EveryModeEqualsInProcessStreamedAndUnary) {
   Client c(server_->grpc_address());

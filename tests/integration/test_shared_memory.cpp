@@ -16,19 +16,13 @@
 #include <string>
 #include <vector>
 
-#include "plsh/client.h"
 #include "plsh/shared_memory.h"
-#include "server_process.h"
 #include "trust_test_util.h"
 
 namespace plsh {
 namespace {
 
-using client::AttendCall;
-using client::AttendReply;
-using client::Client;
 using client::SharedMemoryFile;
-using testing::ServerProcess;
 using testing::TempDir;
 
 AttentionOptions options() {
@@ -257,12 +251,7 @@ TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
   ASSERT_TRUE(c.register_shared_memory("refs", file->key(), 0, at.total).ok());
   const std::vector<float> q = gaussian(z.q, 1), k = gaussian(z.kv, 2), v = gaussian(z.kv, 3);
   auto attend = [&](const std::function<void(AttendCall&)>& edit) {
-    AttendCall call;
-    call.options = o;
-    call.q = q.data();
-    call.k = k.data();
-    call.v = v.data();
-    call.deadline_seconds = 30;
+    AttendCall call = testing::attend_call(o, q, k, v, 30);
     edit(call);
     AttendReply reply;
     return c.attend(call, &reply);

@@ -18,30 +18,16 @@
 #include <sstream>
 #include <thread>
 
-#include "plsh/client.h"
+#include "integration_util.h"
 #include "plsh/params.h"
-#include "server_process.h"
 #include "trust_files.h"
 
 namespace plsh::trust {
 
-using client::AttendCall;
-using client::AttendReply;
 using client::ChannelOptions;
-using client::Client;
-using testing::metric_sum;
-using testing::ServerProcess;
+using testing::eventually;
+using testing::scrape;
 using testing::TempDir;
-
-// Polls f every 20 ms for up to `seconds`.
-inline bool eventually(const std::function<bool()>& f, double seconds = 10) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (std::chrono::steady_clock::now() < until) {
-    if (f()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return f();
-}
 
 // A small lsh request with Gaussian inputs.
 struct Request {
@@ -62,15 +48,7 @@ struct Request {
       for (float& x : *t) x = normal(rng);
     }
   }
-  AttendCall call() const {
-    AttendCall c;
-    c.options = options;
-    c.q = q.data();
-    c.k = k.data();
-    c.v = v.data();
-    c.deadline_seconds = 30;
-    return c;
-  }
+  AttendCall call() const { return testing::attend_call(options, q, k, v, 30); }
 };
 
 inline grpc::Status attend(Client& c, const Request& r = Request()) {
@@ -94,10 +72,6 @@ inline std::string health(Client& c, const std::string& service = "") {
 inline std::string field(const std::string& log, const std::string& key) {
   std::smatch m;
   return std::regex_search(log, m, std::regex(" serving .*" + key + "=([^ \n]+)")) ? m[1].str() : "";
-}
-
-inline std::map<std::string, double> scrape(const ServerProcess& s) {
-  return testing::parse_metrics(testing::http_get(s.metrics_address(), "/metrics"));
 }
 
 // A token file client entry.

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moments.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
 #include "plsh/plan.h"
@@ -20,22 +21,9 @@ namespace {
 
 constexpr Sampling kSamplers[] = {Sampling::kStratified, Sampling::kAsh};
 
-struct Moments {
-  double mean = 0, var = 0;
-};
-Moments moments(const std::vector<double>& x) {
-  Moments m;
-  for (double v : x) m.mean += v;
-  m.mean /= static_cast<double>(x.size());
-  for (double v : x) m.var += (v - m.mean) * (v - m.mean);
-  m.var /= static_cast<double>(x.size() - 1);
-  return m;
-}
-
-double variance_stderr(double var, double mu4, int64_t n) {
-  const double nd = static_cast<double>(n);
-  return std::sqrt((mu4 - var * var * (nd - 3) / (nd - 1)) / nd);
-}
+using testing::Moments;
+using testing::moments;
+using testing::variance_stderr;
 
 // 1 - (1 + t) e^-t; below t = 1 as its series sum_{n>=2} (-1)^n (n-1) t^n / n!,
 // which keeps full relative precision near 0.

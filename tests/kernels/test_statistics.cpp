@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moments.h"
 #include "plsh/draws.h"
 
 namespace plsh {
@@ -16,26 +17,9 @@ namespace {
 
 constexpr int64_t kHashes = 20000;
 
-// Mean and unbiased sample variance.
-struct Moments {
-  double mean = 0, var = 0;
-};
-Moments moments(const std::vector<double>& x) {
-  Moments m;
-  for (double v : x) m.mean += v;
-  m.mean /= static_cast<double>(x.size());
-  for (double v : x) m.var += (v - m.mean) * (v - m.mean);
-  m.var /= static_cast<double>(x.size() - 1);
-  return m;
-}
-
-// Standard error of the sample variance of n draws from a distribution with
-// variance var and fourth central moment mu4:
-// Var(s^2) = (mu4 - var^2 (n - 3) / (n - 1)) / n.
-double variance_stderr(double var, double mu4, int64_t n) {
-  const double nd = static_cast<double>(n);
-  return std::sqrt((mu4 - var * var * (nd - 3) / (nd - 1)) / nd);
-}
+using testing::Moments;
+using testing::moments;
+using testing::variance_stderr;
 
 // E[M(h)_ij] = L*_ij: the fraction of hashes that put two positions x apart
 // in one bin is exp(-x / sigma), within 4 Bernoulli standard errors

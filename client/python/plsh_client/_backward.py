@@ -20,7 +20,7 @@ import threading
 import grpc
 import numpy as np
 
-from ._client import (_ALGORITHMS, _DTYPES, _MODES, PlshError, _decode, _encode, _wire_dtype_of, pb)
+from ._client import (_ALGORITHMS, _DTYPES, _MODES, PlshError, _decode, _encode, _input_chunks, _wire_dtype_of, pb)
 
 
 def _forward_header(q, k, v, wire, out_wire, *, mode=None, samples=None, seed=0, causal=False, scale=None,
@@ -108,14 +108,9 @@ def backward(client, dout, *, context_id=None, keep_context=False, kv_shape=None
         ack_seen.wait()
         if "ack" not in ack:
             return
-        cap = ack["ack"].max_chunk_payload_bytes or ack["ack"].out_chunk_bytes
-        payload = min(chunk_bytes, cap) if chunk_bytes > 0 else cap
-        for tensor, rows in inputs:
-            per_chunk = max(1, payload // max(1, rows.strides[0]))
-            for start in range(0, rows.shape[0], per_chunk):
-                part = rows[start:start + per_chunk]
-                yield pb.BackwardRequest(chunk=pb.TensorChunk(
-                    tensor=tensor, row_start=start, row_count=part.shape[0], data=part.tobytes()))
+        for tensor, start, part in _input_chunks(ack["ack"], chunk_bytes, inputs):
+            yield pb.BackwardRequest(chunk=pb.TensorChunk(
+                tensor=tensor, row_start=start, row_count=part.shape[0], data=part.tobytes()))
         yield pb.BackwardRequest(end=pb.EndOfInput())
 
     parts = {pb.TENSOR_DQ: [], pb.TENSOR_DK: [], pb.TENSOR_DV: []}

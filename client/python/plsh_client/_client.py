@@ -153,6 +153,20 @@ def _parse_chunk(buf):
     return tensor, fields[1], fields[2], data[0], data[1]
 
 
+def _input_chunks(ack, chunk_bytes, tensors):
+    """(tensor, row_start, rows) of every chunk of the [rows, row bytes] slabs
+    in tensors [(tensor, slab)], sized to the payload the server's ack allows
+    (and to chunk_bytes when > 0)."""
+    # Servers older than max_chunk_payload_bytes (0) said it only as
+    # out_chunk_bytes: the payload cut from this call's chunk_bytes.
+    cap = ack.max_chunk_payload_bytes or ack.out_chunk_bytes
+    payload = min(chunk_bytes, cap) if chunk_bytes > 0 else cap
+    for tensor, rows in tensors:
+        per_chunk = max(1, payload // max(1, rows.strides[0]))
+        for start in range(0, rows.shape[0], per_chunk):
+            yield tensor, start, rows[start:start + per_chunk]
+
+
 def _chunk_prefix(tensor, row_start, row_count, nbytes):
     """Everything of an AttendRequest{chunk} but its data's bytes."""
     fields = (b"\x08" + _varint(tensor) + b"\x10" + _varint(row_start) + b"\x18" + _varint(row_count) +
@@ -460,17 +474,11 @@ class Client:
             ack_seen.wait()
             if "ack" not in ack:
                 return
-            # Servers older than max_chunk_payload_bytes (0) said it only as
-            # out_chunk_bytes: the payload cut from this call's chunk_bytes.
-            cap = ack["ack"].max_chunk_payload_bytes or ack["ack"].out_chunk_bytes
-            payload = min(chunk_bytes, cap) if chunk_bytes > 0 else cap
-            for tensor, rows in tensors:
-                per_chunk = max(1, payload // max(1, rows.strides[0]))
-                for start in range(0, rows.shape[0], per_chunk):
-                    part = memoryview(rows[start:start + per_chunk]).cast("B")
-                    # One copy, straight from the array into the message (grpcio
-                    # takes bytes); the protobuf message would copy it twice more.
-                    yield b"".join((_chunk_prefix(tensor, start, len(part) // rows.strides[0], len(part)), part))
+            for tensor, start, rows in _input_chunks(ack["ack"], chunk_bytes, tensors):
+                part = memoryview(rows).cast("B")
+                # One copy, straight from the array into the message (grpcio
+                # takes bytes); the protobuf message would copy it twice more.
+                yield b"".join((_chunk_prefix(tensor, start, len(part) // rows.strides[0], len(part)), part))
             yield pb.AttendRequest(end=pb.EndOfInput()).SerializeToString()
 
         # The output, filled in place from each response's bytes.

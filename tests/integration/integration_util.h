@@ -1,0 +1,95 @@
+// What the integration suites share beside the server process: the names
+// they all use, polling, a /metrics scrape, a call over tensors the test
+// owns, and the small odd-sized GQA request they check end to end.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "plsh/client.h"
+#include "plsh/numeric.h"
+#include "server_process.h"
+
+namespace plsh {
+
+using client::AttendCall;
+using client::AttendReply;
+using client::Client;
+using testing::metric_sum;
+using testing::ServerProcess;
+
+namespace testing {
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Polls f every 20 ms for up to `seconds`.
+inline bool eventually(const std::function<bool()>& f, double seconds = 10) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < until) {
+    if (f()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return f();
+}
+
+inline std::map<std::string, double> scrape(const ServerProcess& s) {
+  return parse_metrics(http_get(s.metrics_address(), "/metrics"));
+}
+
+// A call over host tensors q, k, v (float or raw bytes) that outlive it.
+template <class T>
+AttendCall attend_call(const AttentionOptions& o, const std::vector<T>& q, const std::vector<T>& k,
+                       const std::vector<T>& v, double deadline_seconds) {
+  AttendCall c;
+  c.options = o;
+  c.q = q.data();
+  c.k = k.data();
+  c.v = v.data();
+  c.deadline_seconds = deadline_seconds;
+  return c;
+}
+
+// B = 2, 97 queries over 130 keys, 4 heads on 2 kv heads, D = 40, 16
+// samples: odd sizes and GQA in a request that takes milliseconds.
+inline AttentionOptions odd_gqa_options(Mode mode, bool causal) {
+  AttentionOptions o;
+  o.batch = 2;
+  o.q_len = 97;
+  o.kv_len = 130;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.head_dim = 40;
+  o.mode = mode;
+  o.samples = 16;
+  o.seed = 7;
+  o.causal = causal;
+  return o;
+}
+
+// Values ~ N(0, 1) from a fixed seed, one tensor after another, stored in
+// any dtype.
+class Gaussian {
+ public:
+  explicit Gaussian(uint64_t seed) : rng_(seed) {}
+  std::vector<uint8_t> tensor(int64_t n, DType dtype) {
+    std::vector<uint8_t> t(static_cast<size_t>(n) * dtype_bytes(dtype));
+    std::vector<float> row(static_cast<size_t>(n));
+    for (float& x : row) x = normal_(rng_);
+    store_row(t.data(), dtype, 0, n, row.data());
+    return t;
+  }
+
+ private:
+  std::mt19937_64 rng_;
+  std::normal_distribution<float> normal_{0.0f, 1.0f};
+};
+
+}  // namespace testing
+}  // namespace plsh

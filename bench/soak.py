@@ -199,8 +199,15 @@ class Soak:
     # One thread's loop.
     def worker(self, index, stop_at):
         rng = random.Random(self.args.seed * 1000 + index)
-        with self.Client(self.server.grpc) as client:
+        # The non-reading client on a channel of its own with a small, fixed
+        # stream window (no BDP probing): the client library's 32 MiB window
+        # would take the whole 8 MiB output unread, and the server would
+        # rightly finish OK.
+        reader_channel = grpc.insecure_channel(
+            self.server.grpc, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 << 10)])
+        with self.Client(self.server.grpc) as client, reader_channel:
             stub = self.pb_grpc.AttentionStub(client._channel)
+            slow_stub = self.pb_grpc.AttentionStub(reader_channel)
             kinds, weights = zip(*WEIGHTS.items())
             while time.monotonic() < stop_at:
                 kind = rng.choices(kinds, weights)[0]
@@ -209,7 +216,7 @@ class Soak:
                     if kind == "valid":
                         kind, code, failure = self.valid(client, rng)
                     else:
-                        code = getattr(self, kind)(stub, rng)
+                        code = getattr(self, kind)(slow_stub if kind == "slow_reader" else stub, rng)
                         failure = None if code == EXPECTED[kind] else f"got {code}, expected {EXPECTED[kind]}"
                 except Exception as e:  # a bug in this script or the client: count it, go on
                     code, failure = "EXCEPTION", f"{type(e).__name__}: {e}"

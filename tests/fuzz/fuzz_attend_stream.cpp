@@ -40,8 +40,9 @@ server::RequestLimits stream_limits() {
 }
 
 bool allowed_client_error(StatusCode code) {
+  // UNIMPLEMENTED: a tensor in shared memory on a server without --shm-dir.
   return code == StatusCode::kInvalidArgument || code == StatusCode::kResourceExhausted ||
-         code == StatusCode::kFailedPrecondition;
+         code == StatusCode::kFailedPrecondition || code == StatusCode::kUnimplemented;
 }
 
 // One stream's server-side state, as the reactor holds it.

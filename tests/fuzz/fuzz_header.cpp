@@ -22,8 +22,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   plsh::StatusOr<plsh::server::RequestPlan> plan = plsh::fuzz::plan_like_server(header, limits, int64_t{256} << 20);
   if (!plan.ok()) {
     const StatusCode code = plan.status().code();
+    // UNIMPLEMENTED: a tensor in shared memory on a server without --shm-dir.
     PLSH_FUZZ_CHECK(code == StatusCode::kInvalidArgument || code == StatusCode::kResourceExhausted ||
-                        code == StatusCode::kFailedPrecondition,
+                        code == StatusCode::kFailedPrecondition || code == StatusCode::kUnimplemented,
                     plan.status().to_string().c_str());
     PLSH_FUZZ_CHECK(!plan.status().message().empty(), "an error without a message");
     return 0;
@@ -40,5 +41,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   PLSH_FUZZ_CHECK(p.out_chunk_bytes >= p.out_row_bytes && p.out_chunk_bytes <= std::max(payload_cap, p.out_row_bytes),
                   "out_chunk_bytes outside [one row, the payload cap]");
   PLSH_FUZZ_CHECK(p.charge.host_bytes >= p.total_bytes, "charge below the tensors' bytes");
+  PLSH_FUZZ_CHECK(p.host_tensor_bytes() == p.total_bytes, "a tensor in shared memory accepted without --shm-dir");
   return 0;
 }

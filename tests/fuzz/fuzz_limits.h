@@ -32,11 +32,14 @@ inline server::RequestLimits server_default_limits() {
 
 // What CallBase::plan (server/call.cpp) does with a header, against a
 // memory budget of `budget_bytes` for this request alone: the header's
-// checks, then the planning bound held against the budget, then the
-// kernels' plan. Checks that the bound holds for the draws actually made.
+// checks, its shared-memory references (a default server has no
+// --shm-dir: UNIMPLEMENTED), then the planning bound held against the
+// budget, then the kernels' plan. Checks that the bound holds for the draws
+// actually made.
 inline StatusOr<server::RequestPlan> plan_like_server(const v1::AttendHeader& header,
                                                      const server::RequestLimits& limits, int64_t budget_bytes) {
   ASSIGN_OR_RETURN(server::RequestPlan plan, server::check_request(header, limits));
+  RETURN_IF_ERROR(server::use_shared_memory(header, &plan, nullptr, ""));
   const int64_t bound = server::planning_bytes(plan);
   PLSH_FUZZ_CHECK(bound >= 0, "negative planning_bytes");
   if (bound > budget_bytes) return resource_exhausted("planning bound over the budget");

@@ -10,6 +10,7 @@
 #include "server/assembler.h"
 #include "server/logging.h"
 #include "server/status_map.h"
+#include "server/streamed_call.h"
 
 namespace plsh::server {
 
@@ -145,123 +146,28 @@ StatusOr<BackwardComputation> compute_backward(BackwardPlan& plan, BackwardBuffe
 
 namespace {
 
-std::string shape_text(const RequestPlan& p, DType grad_dtype) {
-  const AttentionOptions& o = p.options;
-  return "B=" + std::to_string(o.batch) + " Nq=" + std::to_string(o.q_len) + " Nk=" + std::to_string(o.kv_len) +
-         " H=" + std::to_string(o.heads) + " Hkv=" + std::to_string(resolved_kv_heads(o.heads, o.kv_heads)) +
-         " D=" + std::to_string(o.head_dim) + " " + dtype_name(o.dtype) + " grad=" + dtype_name(grad_dtype);
-}
-
 // ------------------------------------------------------- AttendBackward
 
-class BackwardReactor final : public grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>,
-                              private CallBase {
+class BackwardReactor final : public StreamedCall<v1::BackwardRequest, v1::BackwardResponse> {
  public:
-  BackwardReactor(ServiceContext& s, grpc::CallbackServerContext* ctx) : CallBase(s, ctx, "AttendBackward") {
-    const Status opened = open(/*watched=*/true);
-    if (!opened.ok()) {
-      fail(opened);
-      return;
-    }
-    StartRead(&request_);
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      if (cancel_.load() || ctx_->IsCancelled()) {
-        fail(cancelled("cancelled by the client"));
-      } else {
-        fail(invalid_argument(std::string("the stream ended before the end message (closed by the client, or a "
-                                          "message that is not a BackwardRequest), expected ") +
-                              (plan_ready_ ? "chunks then end" : "header, chunks, then end")));
-      }
-      return;
-    }
-    progress();
-    Status status = check_message_size(request_.ByteSizeLong());
-    if (status.ok()) status = handle(request_);
-    if (!status.ok()) {
-      fail(status);
-      return;
-    }
-    if (!end_received_) StartRead(&request_);
-  }
-
-  void OnWriteDone(bool ok) override {
-    if (ok) progress();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      write_in_flight_ = false;
-      if (!ok) {
-        if (!finish_) finish_ = grpc::Status(grpc::StatusCode::CANCELLED, "client went away during output");
-        cancel_.store(true);
-      }
-    }
-    pump();
-  }
-
-  void OnCancel() override { cancel_.store(true); }
-  void OnDone() override { delete this; }
-
-  // The watchdog's, as AttendReactor's (service.cpp).
-  void expire(const grpc::Status& status, const char* reason) override {
-    phase.store(static_cast<int>(Phase::kDone));
-    bool write_stuck = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finished_) return;
-      if (!finish_) finish_ = status;
-      stop_reason_.store(reason);
-      write_stuck = write_in_flight_;
-      abandon_write_ = write_stuck;
-    }
-    cancel_.store(true);
-    if (write_stuck) {
-      server_cancelled_.store(true);
-      ctx_->TryCancel();
-    }
-    pump();
+  BackwardReactor(ServiceContext& s, grpc::CallbackServerContext* ctx)
+      : StreamedCall(s, ctx, "AttendBackward", "a BackwardRequest") {
+    start();
   }
 
  private:
-  enum class Stage { kReading, kComputing, kSending, kFailed };
-
-  Status handle(const v1::BackwardRequest& request) {
-    switch (request.kind_case()) {
-      case v1::BackwardRequest::kHeader: return on_header(request.header());
-      case v1::BackwardRequest::kChunk: {
-        if (!plan_ready_) return invalid_argument("chunk before header, expected the header as the first message");
-        RETURN_IF_ERROR(assembler_->add(request.chunk()));
-        const auto bytes = static_cast<int64_t>(request.chunk().data().size());
-        record_.received_bytes += bytes;
-        s_.metrics->received_bytes(static_cast<double>(bytes));
-        return Status::Ok();
-      }
-      case v1::BackwardRequest::kEnd: {
-        if (!plan_ready_) return invalid_argument("end before header, expected the header as the first message");
-        RETURN_IF_ERROR(assembler_->complete());
-        end_received_ = true;
-        end_at_ = Clock::now();
-        record_.receiving = seconds_between(record_.start, end_at_);
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          stage_ = Stage::kComputing;
-        }
-        enter(Phase::kComputing, 0);
-        const Status submitted = s_.scheduler->submit([this] { run(); });
-        if (!submitted.ok()) {
-          std::lock_guard<std::mutex> lock(mu_);
-          stage_ = Stage::kReading;
-        }
-        return submitted;
-      }
+  Status handle_message() override {
+    switch (request_.kind_case()) {
+      case v1::BackwardRequest::kHeader: return on_header(request_.header());
+      case v1::BackwardRequest::kChunk: return add_chunk(request_.chunk());
+      case v1::BackwardRequest::kEnd: return end_of_input();
       default: break;
     }
     return invalid_argument("BackwardRequest with no kind set, expected header, chunk or end");
   }
 
   Status on_header(const v1::BackwardHeader& header) {
-    if (plan_ready_ || backward_)
+    if (backward_)
       return invalid_argument("header received twice, expected exactly one header as the first message");
     if (header.has_forward()) record_.mode = wire::mode_label(header.forward().mode());
     ASSIGN_OR_RETURN(BackwardPlan plan, check_backward_header(header, s_.limits));
@@ -288,7 +194,7 @@ class BackwardReactor final : public grpc::ServerBidiReactor<v1::BackwardRequest
     const RequestPlan& f = b.forward();
     record_.mode = mode_name(f.options.mode);
     record_.backend = f.backend->name();
-    record_.shape = shape_text(f, b.grad_dtype);
+    record_.shape = shape_of(f) + " grad=" + dtype_name(b.grad_dtype);
     RETURN_IF_ERROR(size_backward(&b, s_.limits));
     phase_bytes.store(b.input_bytes());
     RETURN_IF_ERROR(reserve(b.charge));
@@ -315,65 +221,21 @@ class BackwardReactor final : public grpc::ServerBidiReactor<v1::BackwardRequest
         assembler_ = std::make_unique<Assembler>(std::initializer_list<AssemblyTarget>{q, k, v, out, lse, dout});
       }
     }
-    plan_ready_ = true;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ack_.set_request_id(b.id);
-      ack_.set_backend(f.backend->name());
-      ack_.set_device(f.backend->device());
-      ack_.set_out_chunk_bytes(b.out_chunk_bytes);
-      ack_.set_max_message_bytes(s_.limits.max_message_bytes);
-      ack_.set_max_chunk_payload_bytes(wire::max_chunk_payload_bytes(s_.limits.max_message_bytes));
-      ack_ready_ = true;
-    }
-    pump();
+    publish_ack(b.id, *f.backend, b.out_chunk_bytes);
     return Status::Ok();
   }
 
-  // On a worker.
-  void run() {
-    const Clock::time_point started = Clock::now();
-    record_.queued = seconds_between(end_at_, started);
-    StatusOr<BackwardComputation> result = cancelled("cancelled by the client while queued");
-    if (!cancel_.load()) {
-      ExecContext exec;
-      exec.cancel = &cancel_;
-      exec.deadline = deadline_;
-      try {
-        result = compute_backward(*backward_, buffers_bw_, exec);
-      } catch (const std::bad_alloc&) {
-        result = resource_exhausted("out of host memory while computing backward request " + backward_->id);
-      } catch (const std::exception& e) {
-        result = internal_error(std::string("backward request ") + backward_->id + ": " + e.what());
-      }
-    }
-    record_.computing = seconds_between(started, Clock::now());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (result.ok()) {
-        result_ = std::move(result).value();
-        record_.backend = result_->result.backend;
-        stage_ = Stage::kSending;
-        send_start_ = Clock::now();
-        enter(Phase::kSending, backward_->dq_bytes() + 2 * backward_->dkv_bytes());
-      } else {
-        stage_ = Stage::kFailed;
-        if (!finish_) finish_ = to_grpc_status(result.status());
-      }
-    }
-    pump();  // may finish the call: nothing of `this` may be touched after it
+  void run() override {
+    const BackwardPlan& b = *backward_;
+    StatusOr<BackwardComputation> result = run_guarded<BackwardComputation>(
+        end_at_, "backward request " + b.id,
+        [this](const ExecContext& exec) { return compute_backward(*backward_, buffers_bw_, exec); });
+    if (result.ok()) record_.backend = result->result.backend;
+    computed(std::move(result), &result_, b.dq_bytes() + 2 * b.dkv_bytes());
   }
 
-  void fail(const Status& status) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!finish_) finish_ = to_grpc_status(status);
-    }
-    pump();
-  }
-
-  // dq, then dk, then dv, in row order. Called with mu_ held.
-  bool next_output() {
+  // dq, then dk, then dv, in row order.
+  bool next_output() override {
     const BackwardPlan& b = *backward_;
     const struct {
       v1::Tensor tensor;
@@ -392,17 +254,15 @@ class BackwardReactor final : public grpc::ServerBidiReactor<v1::BackwardRequest
       c->set_row_start(*g.next);
       c->set_row_count(rows);
       c->set_data(g.data + *g.next * g.row_bytes, static_cast<size_t>(rows * g.row_bytes));
-      record_.sent_bytes += rows * g.row_bytes;
-      s_.metrics->sent_bytes(static_cast<double>(rows * g.row_bytes));
+      sent(rows * g.row_bytes);
       *g.next += rows;
       return true;
     }
     return false;
   }
 
-  void set_summary() {
+  void set_summary() override {
     response_.Clear();
-    record_.sending = seconds_between(send_start_, Clock::now());
     const BackwardPlan& b = *backward_;
     v1::BackwardSummary* s = response_.mutable_summary();
     wire::backward_result_to_summary(result_->result, s);
@@ -412,92 +272,28 @@ class BackwardReactor final : public grpc::ServerBidiReactor<v1::BackwardRequest
     s->set_mode(wire::to_wire(b.forward().options.mode));
     s->set_grad_dtype(wire::to_wire(b.grad_dtype));
     s->set_forward_flops(result_->forward_flops);
-    v1::Timings* t = s->mutable_timings();
-    t->set_queued_seconds(record_.queued);
-    t->set_receiving_seconds(record_.receiving);
-    t->set_computing_seconds(record_.computing);
-    t->set_sending_seconds(record_.sending);
-    t->set_total_seconds(seconds_between(record_.start, Clock::now()));
+    fill_timings(s->mutable_timings());
     s->set_received_bytes(record_.received_bytes);
     s->set_sent_bytes(record_.sent_bytes);
   }
 
-  // As AttendReactor's pump (service.cpp): the next write or the finish,
-  // one write at a time, the call itself after the lock is released.
-  void pump() {
-    enum class Action { kNone, kWrite, kFinish } action = Action::kNone;
-    grpc::Status status;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finished_ || (write_in_flight_ && !abandon_write_)) return;
-      if (finish_) {
-        if (stage_ == Stage::kComputing) return;  // the worker holds the buffers; run() pumps again
-        action = Action::kFinish;
-        status = *finish_;
-      } else if (write_in_flight_) {
-        return;
-      } else if (ack_ready_ && !ack_sent_) {
-        response_.Clear();
-        *response_.mutable_ack() = ack_;
-        ack_sent_ = true;
-        action = Action::kWrite;
-      } else if (stage_ == Stage::kSending) {
-        if (next_output()) {
-          action = Action::kWrite;
-        } else if (!summary_sent_) {
-          set_summary();
-          summary_sent_ = true;
-          action = Action::kWrite;
-        } else {
-          action = Action::kFinish;
-          status = grpc::Status::OK;
-        }
-      }
-      if (action == Action::kWrite) write_in_flight_ = true;
-      if (action == Action::kFinish) finished_ = true;
-    }
-    if (action == Action::kWrite) StartWrite(&response_);
-    if (action == Action::kFinish) finish(status);
-  }
-
-  void finish(grpc::Status status) {
-    const grpc::Status final_status = close(std::move(status));
-    // Memory: close() gave the reservation back; so go the buffers. The
-    // context goes back to the store (consumed when its client got OK and
-    // did not ask to keep it); when it is consumed, its memory goes with
-    // the last reference here.
+  // Memory: close() gave the reservation back; so go the buffers. The
+  // context goes back to the store (consumed when its client got OK and
+  // did not ask to keep it); when it is consumed, its memory goes with the
+  // last reference here.
+  void after_close() override {
     buffers_bw_ = BackwardBuffers{};
     if (checked_out_) {
       s_.contexts->check_in(backward_->context_id, client_status_.ok() && !backward_->keep_context, backward_->id);
       backward_->context.reset();
     }
-    Finish(final_status);  // last: OnDone may delete this at once
   }
 
-  // Reading side.
-  v1::BackwardRequest request_;
-  bool plan_ready_ = false;
-  bool end_received_ = false;
-  Clock::time_point end_at_;
   std::optional<BackwardPlan> backward_;
   bool checked_out_ = false;
   BackwardBuffers buffers_bw_;
-  std::unique_ptr<Assembler> assembler_;
-
-  // Writing side, shared by reactions and the worker.
-  std::mutex mu_;
-  Stage stage_ = Stage::kReading;
-  v1::Ack ack_;
-  bool ack_ready_ = false, ack_sent_ = false;
-  bool write_in_flight_ = false;
-  bool abandon_write_ = false;
-  std::optional<grpc::Status> finish_;
-  bool finished_ = false;
-  std::optional<BackwardComputation> result_;
-  Clock::time_point send_start_;
-  int64_t next_[3] = {0, 0, 0};  // dq, dk, dv rows sent
-  bool summary_sent_ = false;
-  v1::BackwardResponse response_;
+  std::optional<BackwardComputation> result_;  // under mu_, as the outputs sent
+  int64_t next_[3] = {0, 0, 0};                // dq, dk, dv rows sent
 };
 
 }  // namespace

@@ -21,12 +21,16 @@ Clock::time_point steady_deadline(const grpc::CallbackServerContext* ctx) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
 }
 
+}  // namespace
+
 std::string shape_of(const RequestPlan& p) {
   const AttentionOptions& o = p.options;
   return "B=" + std::to_string(o.batch) + " Nq=" + std::to_string(o.q_len) + " Nk=" + std::to_string(o.kv_len) +
          " H=" + std::to_string(o.heads) + " Hkv=" + std::to_string(resolved_kv_heads(o.heads, o.kv_heads)) +
          " D=" + std::to_string(o.head_dim) + " " + dtype_name(o.dtype);
 }
+
+namespace {
 
 void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Status& status, const char* stop_reason) {
   const double total = seconds_between(r.start, Clock::now());
@@ -159,26 +163,16 @@ Status CallBase::reserve(const MemoryCharge& charge) {
 }
 
 StatusOr<AttentionResult> CallBase::compute(Clock::time_point queued_at) {
-  const Clock::time_point started = Clock::now();
-  record_.queued = seconds_between(queued_at, started);
-  if (cancel_.load()) return cancelled("cancelled by the client while queued");
-  ExecContext exec;
-  exec.cancel = &cancel_;
-  exec.deadline = deadline_;
-  StatusOr<AttentionResult> result = cancelled("not run");
-  try {
-    result = compute_request(*plan_, buffers_, exec);
-    // A region whose file shrank while it was read or written: the result
-    // is not what the client sent (server/shm_registry.h).
-    if (result.ok()) {
-      if (const Status intact = check_shared_memory_intact(*plan_); !intact.ok()) result = intact;
-    }
-  } catch (const std::bad_alloc&) {
-    result = resource_exhausted("out of host memory while computing request " + plan_->id);
-  } catch (const std::exception& e) {
-    result = internal_error(std::string("request ") + plan_->id + ": " + e.what());
-  }
-  record_.computing = seconds_between(started, Clock::now());
+  StatusOr<AttentionResult> result =
+      run_guarded<AttentionResult>(queued_at, "request " + plan_->id, [this](const ExecContext& exec) {
+        StatusOr<AttentionResult> r = compute_request(*plan_, buffers_, exec);
+        // A region whose file shrank while it was read or written: the
+        // result is not what the client sent (server/shm_registry.h).
+        if (r.ok()) {
+          if (const Status intact = check_shared_memory_intact(*plan_); !intact.ok()) r = intact;
+        }
+        return r;
+      });
   if (result.ok() && plan_->keep_context) {
     StatusOr<std::string> id = s_.contexts->reserve_id(record_.client);
     if (id.ok())
@@ -198,13 +192,7 @@ StatusOr<AttentionResult> CallBase::compute(Clock::time_point queued_at) {
 
 void CallBase::fill_summary_message(const AttentionResult& result, v1::Summary* s) {
   fill_summary(result, *plan_, s);
-  const Clock::time_point now = Clock::now();
-  v1::Timings* t = s->mutable_timings();
-  t->set_queued_seconds(record_.queued);
-  t->set_receiving_seconds(record_.receiving);
-  t->set_computing_seconds(record_.computing);
-  t->set_sending_seconds(record_.sending);
-  t->set_total_seconds(seconds_between(record_.start, now));
+  fill_timings(s->mutable_timings());
   s->set_received_bytes(record_.received_bytes);
   s->set_sent_bytes(record_.sent_bytes);
   if (!context_id_.empty()) {
@@ -212,6 +200,14 @@ void CallBase::fill_summary_message(const AttentionResult& result, v1::Summary* 
     s->set_context_ttl_seconds(s_.contexts->options().ttl_seconds);
     s->set_context_bytes(plan_->total_bytes);
   }
+}
+
+void CallBase::fill_timings(v1::Timings* t) const {
+  t->set_queued_seconds(record_.queued);
+  t->set_receiving_seconds(record_.receiving);
+  t->set_computing_seconds(record_.computing);
+  t->set_sending_seconds(record_.sending);
+  t->set_total_seconds(seconds_between(record_.start, Clock::now()));
 }
 
 grpc::Status CallBase::close(grpc::Status status) {

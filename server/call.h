@@ -12,6 +12,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
+#include <new>
 #include <optional>
 #include <string>
 
@@ -47,6 +49,9 @@ struct ServiceContext {
 using Clock = std::chrono::steady_clock;
 
 double seconds_between(Clock::time_point a, Clock::time_point b);
+
+// A request's shape for the log: "B=.. Nq=.. Nk=.. H=.. Hkv=.. D=.. dtype".
+std::string shape_of(const RequestPlan& plan);
 
 // What one request leaves behind in the log and the metrics.
 struct RequestRecord {
@@ -88,11 +93,19 @@ class CallBase : public WatchedCall {
   // With keep_context, also the context's id (the context itself enters
   // the store at close()).
   StatusOr<AttentionResult> compute(Clock::time_point queued_at);
+  // On a worker: work(exec) with the call's cancel flag and deadline, unless
+  // the client left while the request was queued; what it throws becomes
+  // RESOURCE_EXHAUSTED (bad_alloc) or INTERNAL, naming `what` (the request).
+  // Fills the queued and computing times.
+  template <class T, class Work>
+  StatusOr<T> run_guarded(Clock::time_point queued_at, const std::string& what, Work&& work);
   // Who owns the shared-memory regions this call may use: the token
   // file's client name, "" without a token file.
   std::string owner() const;
   // The summary of a computed request, timings and byte counts included.
   void fill_summary_message(const AttentionResult& result, v1::Summary* summary);
+  // The record's phase times, and the total so far.
+  void fill_timings(v1::Timings* timings) const;
   // Logs and counts the request with the status its client gets (a
   // cancellation when gRPC ended the call first: IsCancelled), gives its
   // memory back and closes it; returns the status to finish with (the
@@ -124,5 +137,25 @@ class CallBase : public WatchedCall {
   bool counted_open_ = false;
   std::shared_ptr<CallWatch> watch_;
 };
+
+template <class T, class Work>
+StatusOr<T> CallBase::run_guarded(Clock::time_point queued_at, const std::string& what, Work&& work) {
+  const Clock::time_point started = Clock::now();
+  record_.queued = seconds_between(queued_at, started);
+  if (cancel_.load()) return cancelled("cancelled by the client while queued");
+  ExecContext exec;
+  exec.cancel = &cancel_;
+  exec.deadline = deadline_;
+  StatusOr<T> result = cancelled("not run");
+  try {
+    result = work(static_cast<const ExecContext&>(exec));
+  } catch (const std::bad_alloc&) {
+    result = resource_exhausted("out of host memory while computing " + what);
+  } catch (const std::exception& e) {
+    result = internal_error(what + ": " + e.what());
+  }
+  record_.computing = seconds_between(started, Clock::now());
+  return result;
+}
 
 }  // namespace plsh::server

@@ -11,6 +11,7 @@
 #include "server/assembler.h"
 #include "server/backward_call.h"
 #include "server/call.h"
+#include "server/streamed_call.h"
 #include "server/logging.h"
 #include "server/status_map.h"
 
@@ -41,144 +42,41 @@ void release_block(void* arg) { delete static_cast<std::shared_ptr<uint8_t>*>(ar
 
 // ---------------------------------------------------------------- Attend
 
-class AttendReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>, private CallBase {
+class AttendReactor final : public StreamedCall<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  AttendReactor(ServiceContext& s, grpc::CallbackServerContext* ctx) : CallBase(s, ctx, "Attend") {
-    const Status opened = open(/*watched=*/true);
-    if (!opened.ok()) {
-      fail(opened);
-      return;
-    }
-    StartRead(&request_);
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      if (cancel_.load() || ctx_->IsCancelled()) {
-        fail(cancelled("cancelled by the client"));
-      } else {
-        // A half-close, or bytes that do not parse as an AttendRequest.
-        fail(invalid_argument(std::string("the stream ended before the end message (closed by the client, or a "
-                                          "message that is not an AttendRequest), expected ") +
-                              (plan_ ? "chunks then end" : "header, chunks, then end")));
-      }
-      return;
-    }
-    progress();
-    Status status = check_message_size(request_.Length());
-    if (status.ok()) status = handle_message();
-    request_.Clear();  // gRPC's slices go back before the next read
-    if (!status.ok()) {
-      fail(status);
-      return;
-    }
-    if (!end_received_) StartRead(&request_);
-  }
-
-  void OnWriteDone(bool ok) override {
-    if (ok) progress();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      write_in_flight_ = false;
-      if (!ok) {
-        if (!finish_) finish_ = grpc::Status(grpc::StatusCode::CANCELLED, "client went away during output");
-        // A failed ack can come while a worker computes: stop it; its run()
-        // pumps again and finishes the call then.
-        cancel_.store(true);
-      }
-    }
-    pump();
-  }
-
-  void OnCancel() override { cancel_.store(true); }
-
-  void OnDone() override { delete this; }
-
-  // The watchdog's (watchdog.h): ends the stream now. A read outstanding is
-  // fine (Finish sends the status; the read then fails). A write the client
-  // does not take completes only seconds after a cancel: the call is
-  // cancelled and finished without waiting for it (the write holds its own
-  // reference to the bytes it sends; OnDone waits for it).
-  void expire(const grpc::Status& status, const char* reason) override {
-    phase.store(static_cast<int>(Phase::kDone));  // once: the watchdog looks no more
-    bool write_stuck = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finished_) return;
-      if (!finish_) finish_ = status;
-      stop_reason_.store(reason);
-      write_stuck = write_in_flight_;
-      abandon_write_ = write_stuck;
-    }
-    cancel_.store(true);
-    if (write_stuck) {
-      server_cancelled_.store(true);
-      ctx_->TryCancel();
-    }
-    pump();
+  AttendReactor(ServiceContext& s, grpc::CallbackServerContext* ctx)
+      : StreamedCall(s, ctx, "Attend", "an AttendRequest") {
+    start();
   }
 
  private:
-  enum class Stage { kReading, kComputing, kSending, kFailed };
-
   // One received message. Chunks, the bulk of a stream, are read from the
   // slices gRPC received and copied once, straight into the tensor; the
   // rest (and any chunk the slice reader leaves to protobuf) is parsed.
-  Status handle_message() {
-    if (plan_ && chunk_.read(request_)) {
+  Status handle_message() override {
+    if (header_received() && chunk_.read(request_)) {
       const Status status = handle_chunk();
       chunk_.clear();
       return status;
     }
     v1::AttendRequest request;
     if (!parse_message(&request_, &request))
-      return invalid_argument(std::string("a message that is not an AttendRequest, expected ") +
-                              (plan_ ? "chunks then end" : "header, chunks, then end"));
-    return handle(request);
+      return invalid_argument(std::string("a message that is not an AttendRequest, expected ") + expected_next());
+    switch (request.kind_case()) {
+      case v1::AttendRequest::kHeader: return on_header(request.header());
+      case v1::AttendRequest::kChunk: return add_chunk(request.chunk());
+      case v1::AttendRequest::kEnd: return end_of_input();
+      default: break;
+    }
+    return invalid_argument("AttendRequest with no kind set, expected header, chunk or end");
   }
 
   Status handle_chunk() {
     ASSIGN_OR_RETURN(uint8_t* dst,
                      assembler_->accept(chunk_.tensor(), chunk_.row_start(), chunk_.row_count(), chunk_.data_bytes()));
     chunk_.copy_data(dst);
-    const auto bytes = static_cast<int64_t>(chunk_.data_bytes());
-    record_.received_bytes += bytes;
-    s_.metrics->received_bytes(static_cast<double>(bytes));
+    received(static_cast<int64_t>(chunk_.data_bytes()));
     return Status::Ok();
-  }
-
-  Status handle(const v1::AttendRequest& request) {
-    switch (request.kind_case()) {
-      case v1::AttendRequest::kHeader: return on_header(request.header());
-      case v1::AttendRequest::kChunk: {
-        if (!plan_) return invalid_argument("chunk before header, expected the header as the first message");
-        RETURN_IF_ERROR(assembler_->add(request.chunk()));
-        const auto bytes = static_cast<int64_t>(request.chunk().data().size());
-        record_.received_bytes += bytes;
-        s_.metrics->received_bytes(static_cast<double>(bytes));
-        return Status::Ok();
-      }
-      case v1::AttendRequest::kEnd: {
-        if (!plan_) return invalid_argument("end before header, expected the header as the first message");
-        RETURN_IF_ERROR(assembler_->complete());
-        end_received_ = true;
-        end_at_ = Clock::now();
-        record_.receiving = seconds_between(record_.start, end_at_);
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          stage_ = Stage::kComputing;
-        }
-        enter(Phase::kComputing, 0);
-        const Status submitted = s_.scheduler->submit([this] { run(); });
-        if (!submitted.ok()) {
-          std::lock_guard<std::mutex> lock(mu_);
-          stage_ = Stage::kReading;
-        }
-        return submitted;
-      }
-      default: break;
-    }
-    return invalid_argument("AttendRequest with no kind set, expected header, chunk or end");
   }
 
   Status on_header(const v1::AttendHeader& header) {
@@ -189,50 +87,14 @@ class AttendReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     // ms for GiBs): the server's time, not the client's idleness.
     progress();
     assembler_ = std::make_unique<Assembler>(*plan_, &buffers_);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ack_.set_request_id(plan_->id);
-      ack_.set_backend(plan_->backend->name());
-      ack_.set_device(plan_->backend->device());
-      ack_.set_out_chunk_bytes(plan_->out_chunk_bytes);
-      ack_.set_max_message_bytes(s_.limits.max_message_bytes);
-      ack_.set_max_chunk_payload_bytes(wire::max_chunk_payload_bytes(s_.limits.max_message_bytes));
-      ack_ready_ = true;
-    }
-    pump();
+    publish_ack(plan_->id, *plan_->backend, plan_->out_chunk_bytes);
     return Status::Ok();
   }
 
-  // On a worker.
-  void run() {
-    StatusOr<AttentionResult> result = compute(end_at_);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (result.ok()) {
-        result_ = std::move(result).value();
-        stage_ = Stage::kSending;
-        send_start_ = Clock::now();
-        enter(Phase::kSending, plan_->streamed_output_bytes());
-      } else {
-        stage_ = Stage::kFailed;
-        if (!finish_) finish_ = to_grpc_status(result.status());
-      }
-    }
-    pump();  // may finish the call: nothing of `this` may be touched after it
-  }
+  void run() override { computed(compute(end_at_), &result_, plan_->streamed_output_bytes()); }
 
-  void fail(const Status& status) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!finish_) finish_ = to_grpc_status(status);
-    }
-    pump();
-  }
-
-  // The next output message into response_, or false when all are sent.
-  // Called with mu_ held. Tensors in shared memory are not sent: the
-  // worker wrote them there.
-  bool next_output() {
+  // Tensors in shared memory are not sent: the worker wrote them there.
+  bool next_output() override {
     const RequestPlan& p = *plan_;
     if (!p.in_shm.out && out_next_ < p.q_rows) {
       const int64_t rows = std::min(p.q_rows - out_next_, std::max<int64_t>(1, p.out_chunk_bytes / p.out_row_bytes));
@@ -256,84 +118,18 @@ class AttendReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void set_chunk(v1::Tensor tensor, int64_t row_start, int64_t rows, const uint8_t* data, int64_t bytes) {
     response_ = wire::encode_chunk(tensor, row_start, rows, data, static_cast<size_t>(bytes), release_block,
                                    new std::shared_ptr<uint8_t>(buffers_.block));
-    record_.sent_bytes += bytes;
-    s_.metrics->sent_bytes(static_cast<double>(bytes));
+    sent(bytes);
   }
 
-  void set_summary() {
-    record_.sending = seconds_between(send_start_, Clock::now());
+  void set_summary() override {
     v1::AttendResponse message;
     fill_summary_message(*result_, message.mutable_summary());
     response_ = serialize_message(message);
   }
 
-  // Starts the next write or the finish, whichever is due; one write at a
-  // time. gRPC may run a reaction inline, so the call itself happens after
-  // the lock is released.
-  void pump() {
-    enum class Action { kNone, kWrite, kFinish } action = Action::kNone;
-    grpc::Status status;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finished_ || (write_in_flight_ && !abandon_write_)) return;
-      if (finish_) {
-        // Never while a worker holds the buffers: finish() frees them and
-        // the call; run() pumps again when the worker is done.
-        if (stage_ == Stage::kComputing) return;
-        action = Action::kFinish;
-        status = *finish_;
-      } else if (write_in_flight_) {
-        return;
-      } else if (ack_ready_ && !ack_sent_) {
-        v1::AttendResponse message;
-        *message.mutable_ack() = ack_;
-        response_ = serialize_message(message);
-        ack_sent_ = true;
-        action = Action::kWrite;
-      } else if (stage_ == Stage::kSending) {
-        if (next_output()) {
-          action = Action::kWrite;
-        } else if (!summary_sent_) {
-          set_summary();
-          summary_sent_ = true;
-          action = Action::kWrite;
-        } else {
-          action = Action::kFinish;
-          status = grpc::Status::OK;
-        }
-      }
-      if (action == Action::kWrite) write_in_flight_ = true;
-      if (action == Action::kFinish) finished_ = true;
-    }
-    if (action == Action::kWrite) StartWrite(&response_);
-    if (action == Action::kFinish) finish(status);
-  }
-
-  void finish(grpc::Status status) {
-    Finish(close(std::move(status)));  // last: OnDone may delete this at once
-  }
-
-  // Reading side (reactions run one at a time).
-  grpc::ByteBuffer request_;
   wire::ChunkReader chunk_;
-  bool end_received_ = false;
-  Clock::time_point end_at_;
-  std::unique_ptr<Assembler> assembler_;
-
-  // Writing side, shared by reactions and the worker.
-  std::mutex mu_;
-  Stage stage_ = Stage::kReading;
-  v1::Ack ack_;
-  bool ack_ready_ = false, ack_sent_ = false;
-  bool write_in_flight_ = false;
-  bool abandon_write_ = false;  // expire: finish without waiting for the write in flight
-  std::optional<grpc::Status> finish_;
-  bool finished_ = false;
-  std::optional<AttentionResult> result_;
-  Clock::time_point send_start_;
+  std::optional<AttentionResult> result_;  // under mu_, as the outputs sent
   int64_t out_next_ = 0, lse_next_ = 0;
-  bool summary_sent_ = false;
-  grpc::ByteBuffer response_;
 };
 
 // ----------------------------------------------------------- AttendUnary

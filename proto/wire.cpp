@@ -4,43 +4,46 @@
 
 namespace plsh::wire {
 
-v1::DType to_wire(DType t) {
-  switch (t) {
-    case DType::kF32: return v1::DTYPE_F32;
-    case DType::kF16: return v1::DTYPE_F16;
-    case DType::kBF16: return v1::DTYPE_BF16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
-v1::Mode to_wire(Mode m) {
-  switch (m) {
-    case Mode::kExact: return v1::MODE_EXACT;
-    case Mode::kLsh: return v1::MODE_LSH;
-    case Mode::kWindow: return v1::MODE_WINDOW;
-  }
-  return v1::MODE_UNSPECIFIED;
-}
-
-v1::LshAlgorithm to_wire(LshAlgorithm a) {
-  switch (a) {
-    case LshAlgorithm::kAuto: return v1::LSH_ALGORITHM_AUTO;
-    case LshAlgorithm::kPerSample: return v1::LSH_ALGORITHM_PER_SAMPLE;
-    case LshAlgorithm::kBanded: return v1::LSH_ALGORITHM_BANDED;
-  }
-  return v1::LSH_ALGORITHM_AUTO;
-}
-
-v1::Sampling to_wire(Sampling s) {
-  switch (s) {
-    case Sampling::kIid: return v1::SAMPLING_IID;
-    case Sampling::kStratified: return v1::SAMPLING_STRATIFIED;
-    case Sampling::kAsh: return v1::SAMPLING_ASH;
-  }
-  return v1::SAMPLING_IID;
-}
-
 namespace {
+
+// One table per enum, read both ways: the library's value beside the wire's,
+// in the order the errors list them.
+template <class Value, class Wire>
+struct EnumPair {
+  Value value;
+  Wire wire;
+};
+
+constexpr EnumPair<DType, v1::DType> kDTypes[] = {
+    {DType::kF32, v1::DTYPE_F32}, {DType::kF16, v1::DTYPE_F16}, {DType::kBF16, v1::DTYPE_BF16}};
+constexpr EnumPair<Mode, v1::Mode> kModes[] = {
+    {Mode::kExact, v1::MODE_EXACT}, {Mode::kLsh, v1::MODE_LSH}, {Mode::kWindow, v1::MODE_WINDOW}};
+constexpr EnumPair<LshAlgorithm, v1::LshAlgorithm> kLshAlgorithms[] = {
+    {LshAlgorithm::kAuto, v1::LSH_ALGORITHM_AUTO},
+    {LshAlgorithm::kPerSample, v1::LSH_ALGORITHM_PER_SAMPLE},
+    {LshAlgorithm::kBanded, v1::LSH_ALGORITHM_BANDED}};
+constexpr EnumPair<Sampling, v1::Sampling> kSamplings[] = {
+    {Sampling::kIid, v1::SAMPLING_IID}, {Sampling::kStratified, v1::SAMPLING_STRATIFIED}, {Sampling::kAsh, v1::SAMPLING_ASH}};
+
+template <class Value, class Wire, size_t N>
+Wire wire_of(const EnumPair<Value, Wire> (&table)[N], Value value, Wire otherwise) {
+  for (const auto& p : table)
+    if (p.value == value) return p.wire;
+  return otherwise;
+}
+
+// INVALID_ARGUMENT "<field> = <shown>, expected A, B or C" for a value
+// outside the table.
+template <class Value, class Wire, size_t N>
+StatusOr<Value> value_of(const EnumPair<Value, Wire> (&table)[N], int wire, const char* field, const std::string& shown) {
+  for (const auto& p : table)
+    if (static_cast<int>(p.wire) == wire) return p.value;
+  const google::protobuf::EnumDescriptor* names = google::protobuf::GetEnumDescriptor<Wire>();
+  std::string expected;
+  for (size_t i = 0; i < N; ++i)
+    expected += (i == 0 ? "" : i + 1 == N ? " or " : ", ") + names->FindValueByNumber(table[i].wire)->name();
+  return invalid_argument(std::string(field) + " = " + shown + ", expected " + expected);
+}
 
 std::string dtype_enum_name(int value) {
   const std::string name = v1::DType_Name(static_cast<v1::DType>(value));
@@ -69,61 +72,32 @@ void probe_to_wire(const ProbeEstimate& p, v1::ProbeEstimate* w) {
 
 }  // namespace
 
+v1::DType to_wire(DType t) { return wire_of(kDTypes, t, v1::DTYPE_UNSPECIFIED); }
+v1::Mode to_wire(Mode m) { return wire_of(kModes, m, v1::MODE_UNSPECIFIED); }
+v1::LshAlgorithm to_wire(LshAlgorithm a) { return wire_of(kLshAlgorithms, a, v1::LSH_ALGORITHM_AUTO); }
+v1::Sampling to_wire(Sampling s) { return wire_of(kSamplings, s, v1::SAMPLING_IID); }
+
 StatusOr<DType> dtype_from_wire(const char* field, int value, std::optional<DType> if_unspecified) {
-  switch (value) {
-    case v1::DTYPE_F32: return DType::kF32;
-    case v1::DTYPE_F16: return DType::kF16;
-    case v1::DTYPE_BF16: return DType::kBF16;
-    case v1::DTYPE_UNSPECIFIED:
-      if (if_unspecified) return *if_unspecified;
-      break;
-    default: break;
-  }
-  return invalid_argument(std::string(field) + " = " + dtype_enum_name(value) +
-                          ", expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16");
+  if (value == v1::DTYPE_UNSPECIFIED && if_unspecified) return *if_unspecified;
+  return value_of(kDTypes, value, field, dtype_enum_name(value));
 }
 
 StatusOr<Mode> mode_from_wire(int value) {
-  switch (value) {
-    case v1::MODE_UNSPECIFIED:
-    case v1::MODE_LSH: return Mode::kLsh;
-    case v1::MODE_EXACT: return Mode::kExact;
-    case v1::MODE_WINDOW: return Mode::kWindow;
-    default: break;
-  }
-  return invalid_argument("mode = " + std::to_string(value) + ", expected MODE_EXACT, MODE_LSH or MODE_WINDOW");
+  if (value == v1::MODE_UNSPECIFIED) return Mode::kLsh;
+  return value_of(kModes, value, "mode", std::to_string(value));
 }
 
 StatusOr<LshAlgorithm> lsh_algorithm_from_wire(int value) {
-  switch (value) {
-    case v1::LSH_ALGORITHM_AUTO: return LshAlgorithm::kAuto;
-    case v1::LSH_ALGORITHM_PER_SAMPLE: return LshAlgorithm::kPerSample;
-    case v1::LSH_ALGORITHM_BANDED: return LshAlgorithm::kBanded;
-    default: break;
-  }
-  return invalid_argument("lsh_algorithm = " + std::to_string(value) +
-                          ", expected LSH_ALGORITHM_AUTO, LSH_ALGORITHM_PER_SAMPLE or LSH_ALGORITHM_BANDED");
+  return value_of(kLshAlgorithms, value, "lsh_algorithm", std::to_string(value));
 }
 
 StatusOr<Sampling> sampling_from_wire(int value) {
-  switch (value) {
-    case v1::SAMPLING_IID: return Sampling::kIid;
-    case v1::SAMPLING_STRATIFIED: return Sampling::kStratified;
-    case v1::SAMPLING_ASH: return Sampling::kAsh;
-    default: break;
-  }
-  return invalid_argument("sampling = " + std::to_string(value) +
-                          ", expected SAMPLING_IID, SAMPLING_STRATIFIED or SAMPLING_ASH");
+  return value_of(kSamplings, value, "sampling", std::to_string(value));
 }
 
 const char* mode_label(v1::Mode m) {
-  switch (m) {
-    case v1::MODE_UNSPECIFIED:
-    case v1::MODE_LSH: return "lsh";
-    case v1::MODE_EXACT: return "exact";
-    case v1::MODE_WINDOW: return "window";
-    default: return "unknown";
-  }
+  const StatusOr<Mode> mode = mode_from_wire(m);
+  return mode.ok() ? mode_name(*mode) : "unknown";
 }
 
 void result_to_summary(const AttentionResult& r, v1::Summary* s) {

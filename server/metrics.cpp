@@ -10,10 +10,19 @@ namespace plsh::server {
 
 namespace {
 
-using prometheus::BuildCounter;
-using prometheus::BuildGauge;
-using prometheus::BuildHistogram;
+using prometheus::Counter;
+using prometheus::Gauge;
 using prometheus::Histogram;
+
+// A metric family, and the one series of a family without labels.
+template <class Metric>
+prometheus::Family<Metric>& family(prometheus::Registry& registry, const char* name, const char* help) {
+  return prometheus::detail::Builder<Metric>().Name(name).Help(help).Register(registry);
+}
+template <class Metric>
+Metric& series(prometheus::Registry& registry, const char* name, const char* help) {
+  return family<Metric>(registry, name, help).Add({});
+}
 
 // Requests run from milliseconds (small exact) to minutes (N = 10^6 exact).
 Histogram::BucketBoundaries duration_buckets() {
@@ -35,119 +44,67 @@ Histogram::BucketBoundaries error_buckets() {
 
 Metrics::Metrics()
     : registry_(std::make_shared<prometheus::Registry>()),
-      requests_(BuildCounter()
-                    .Name("plsh_requests_total")
-                    .Help("Attention requests finished, by method (Attend, AttendUnary, AttendBackward), mode, backend "
-                          "and gRPC status code")
-                    .Register(*registry_)),
-      request_duration_(BuildHistogram()
-                            .Name("plsh_request_duration_seconds")
-                            .Help("Whole request as the server saw it, header to status")
-                            .Register(*registry_)),
-      phase_duration_(BuildHistogram()
-                          .Name("plsh_phase_duration_seconds")
-                          .Help("Time per request phase: queued, receiving, computing, sending")
-                          .Register(*registry_)),
-      tokens_(BuildCounter().Name("plsh_tokens_total").Help("Query tokens (B * Nq) of completed requests").Register(*registry_)),
-      received_(BuildCounter()
-                    .Name("plsh_received_bytes_total")
-                    .Help("Tensor payload bytes received")
-                    .Register(*registry_)
-                    .Add({})),
-      sent_(BuildCounter().Name("plsh_sent_bytes_total").Help("Tensor payload bytes sent").Register(*registry_).Add({})),
-      inflight_(BuildGauge().Name("plsh_inflight_requests").Help("Attention streams open").Register(*registry_).Add({})),
-      queue_(BuildGauge().Name("plsh_queue_depth").Help("Requests waiting for a worker").Register(*registry_).Add({})),
-      probe_error_(BuildHistogram()
-                       .Name("plsh_probe_relative_error")
-                       .Help("Probe relative L2 error of lsh and window results (SPEC section 6)")
-                       .Register(*registry_)),
-      mask_error_(BuildHistogram()
-                      .Name("plsh_mask_max_error")
-                      .Help("max |L* - M~| of lsh and window results (SPEC section 6)")
-                      .Register(*registry_)),
-      build_info_(BuildGauge()
-                      .Name("plsh_build_info")
-                      .Help("Always 1; labels say the version, backend and device")
-                      .Register(*registry_)),
-      device_memory_used_(BuildGauge()
-                              .Name("plsh_device_memory_used_bytes")
-                              .Help("Memory in use on the backend's device (all processes)")
-                              .Register(*registry_)),
-      device_memory_total_(BuildGauge()
-                               .Name("plsh_device_memory_total_bytes")
-                               .Help("Memory of the backend's device")
-                               .Register(*registry_)),
-      memory_budget_(BuildGauge()
-                         .Name("plsh_memory_budget_bytes")
-                         .Help("Budget of all in-flight requests by memory space (host: --memory-budget, device: "
-                               "--device-memory-budget)")
-                         .Register(*registry_)),
-      memory_reserved_(BuildGauge()
-                           .Name("plsh_memory_reserved_bytes")
-                           .Help("Bytes reserved by requests in flight, by memory space")
-                           .Register(*registry_)),
-      stream_timeouts_(BuildCounter()
-                           .Name("plsh_stream_timeouts_total")
-                           .Help("Attend streams ended for waiting on their client, by reason")
-                           .Register(*registry_)),
-      backward_duration_(BuildHistogram()
-                             .Name("plsh_backward_duration_seconds")
-                             .Help("Whole AttendBackward request as the server saw it, header to status")
-                             .Register(*registry_)),
-      contexts_held_(BuildGauge()
-                         .Name("plsh_contexts")
-                         .Help("Kept contexts held for AttendBackward (idle or in use by a backward)")
-                         .Register(*registry_)
-                         .Add({})),
-      context_bytes_(BuildGauge()
-                         .Name("plsh_context_bytes")
-                         .Help("Host bytes of the kept contexts, charged to the host memory budget")
-                         .Register(*registry_)
-                         .Add({})),
-      contexts_kept_(BuildCounter()
-                         .Name("plsh_contexts_kept_total")
-                         .Help("Contexts kept by forwards with keep_context")
-                         .Register(*registry_)
-                         .Add({})),
-      context_evictions_(BuildCounter()
-                             .Name("plsh_context_evictions_total")
-                             .Help("Kept contexts removed, by reason: expired (--context-ttl), evicted (for memory or "
-                                   "--max-contexts), released, consumed (by a backward), drained (shutdown)")
-                             .Register(*registry_)),
+      requests_(family<Counter>(*registry_, "plsh_requests_total",
+                                "Attention requests finished, by method (Attend, AttendUnary, AttendBackward), mode, "
+                                "backend and gRPC status code")),
+      request_duration_(family<Histogram>(*registry_, "plsh_request_duration_seconds",
+                                          "Whole request as the server saw it, header to status")),
+      phase_duration_(family<Histogram>(*registry_, "plsh_phase_duration_seconds",
+                                        "Time per request phase: queued, receiving, computing, sending")),
+      tokens_(family<Counter>(*registry_, "plsh_tokens_total", "Query tokens (B * Nq) of completed requests")),
+      received_(series<Counter>(*registry_, "plsh_received_bytes_total", "Tensor payload bytes received")),
+      sent_(series<Counter>(*registry_, "plsh_sent_bytes_total", "Tensor payload bytes sent")),
+      inflight_(series<Gauge>(*registry_, "plsh_inflight_requests", "Attention streams open")),
+      queue_(series<Gauge>(*registry_, "plsh_queue_depth", "Requests waiting for a worker")),
+      probe_error_(family<Histogram>(*registry_, "plsh_probe_relative_error",
+                                     "Probe relative L2 error of lsh and window results (SPEC section 6)")),
+      mask_error_(family<Histogram>(*registry_, "plsh_mask_max_error",
+                                    "max |L* - M~| of lsh and window results (SPEC section 6)")),
+      build_info_(family<Gauge>(*registry_, "plsh_build_info", "Always 1; labels say the version, backend and device")),
+      device_memory_used_(family<Gauge>(*registry_, "plsh_device_memory_used_bytes",
+                                        "Memory in use on the backend's device (all processes)")),
+      device_memory_total_(
+          family<Gauge>(*registry_, "plsh_device_memory_total_bytes", "Memory of the backend's device")),
+      memory_budget_(family<Gauge>(
+          *registry_, "plsh_memory_budget_bytes",
+          "Budget of all in-flight requests by memory space (host: --memory-budget, device: --device-memory-budget)")),
+      memory_reserved_(family<Gauge>(*registry_, "plsh_memory_reserved_bytes",
+                                     "Bytes reserved by requests in flight, by memory space")),
+      stream_timeouts_(family<Counter>(*registry_, "plsh_stream_timeouts_total",
+                                       "Attend streams ended for waiting on their client, by reason")),
+      backward_duration_(family<Histogram>(*registry_, "plsh_backward_duration_seconds",
+                                           "Whole AttendBackward request as the server saw it, header to status")),
+      contexts_held_(series<Gauge>(*registry_, "plsh_contexts",
+                                   "Kept contexts held for AttendBackward (idle or in use by a backward)")),
+      context_bytes_(series<Gauge>(*registry_, "plsh_context_bytes",
+                                   "Host bytes of the kept contexts, charged to the host memory budget")),
+      contexts_kept_(
+          series<Counter>(*registry_, "plsh_contexts_kept_total", "Contexts kept by forwards with keep_context")),
+      context_evictions_(
+          family<Counter>(*registry_, "plsh_context_evictions_total",
+                          "Kept contexts removed, by reason: expired (--context-ttl), evicted (for memory or "
+                          "--max-contexts), released, consumed (by a backward), drained (shutdown)")),
       // Families without a series print nothing: without --token-file
       // /metrics is as before.
-      client_requests_(BuildCounter()
-                           .Name("plsh_client_requests_total")
-                           .Help("Calls by client (token file name, or unauthenticated), method and gRPC status code")
-                           .Register(*registry_)),
-      client_received_(BuildCounter()
-                           .Name("plsh_client_received_bytes_total")
-                           .Help("Tensor payload bytes received, by client")
-                           .Register(*registry_)),
-      client_sent_(BuildCounter()
-                       .Name("plsh_client_sent_bytes_total")
-                       .Help("Tensor payload bytes sent, by client")
-                       .Register(*registry_)),
-      client_open_streams_(BuildGauge()
-                               .Name("plsh_client_open_streams")
-                               .Help("Attend, AttendUnary and AttendBackward calls open, by client (its max_streams counts these)")
-                               .Register(*registry_)),
-      client_reserved_(BuildGauge()
-                           .Name("plsh_client_reserved_bytes")
-                           .Help("Bytes reserved by a client's requests in flight, by memory space (its "
-                                 "max_reserved_bytes and max_reserved_device_bytes count these)")
-                           .Register(*registry_)),
-      token_reloads_(BuildCounter()
-                         .Name("plsh_token_file_reloads_total")
-                         .Help("Loads of --token-file: ok, or error (the previous clients stay)")
-                         .Register(*registry_)),
-      token_clients_(BuildGauge()
-                         .Name("plsh_token_file_clients")
-                         .Help("Clients in the token file in use")
-                         .Register(*registry_)) {
+      client_requests_(
+          family<Counter>(*registry_, "plsh_client_requests_total",
+                          "Calls by client (token file name, or unauthenticated), method and gRPC status code")),
+      client_received_(
+          family<Counter>(*registry_, "plsh_client_received_bytes_total", "Tensor payload bytes received, by client")),
+      client_sent_(family<Counter>(*registry_, "plsh_client_sent_bytes_total", "Tensor payload bytes sent, by client")),
+      client_open_streams_(
+          family<Gauge>(*registry_, "plsh_client_open_streams",
+                        "Attend, AttendUnary and AttendBackward calls open, by client (its max_streams counts these)")),
+      client_reserved_(family<Gauge>(*registry_, "plsh_client_reserved_bytes",
+                                     "Bytes reserved by a client's requests in flight, by memory space (its "
+                                     "max_reserved_bytes and max_reserved_device_bytes count these)")),
+      token_reloads_(family<Counter>(*registry_, "plsh_token_file_reloads_total",
+                                     "Loads of --token-file: ok, or error (the previous clients stay)")),
+      token_clients_(family<Gauge>(*registry_, "plsh_token_file_clients", "Clients in the token file in use")) {
   for (const char* reason : {"receive_idle", "receive_slow", "send_idle", "send_slow"})
     stream_timeouts_.Add({{"reason", reason}});
-  for (const char* p : {"queued", "receiving", "computing", "sending"}) phase_duration_.Add({{"phase", p}}, duration_buckets());
+  for (const char* p : {"queued", "receiving", "computing", "sending"})
+    phase_duration_.Add({{"phase", p}}, duration_buckets());
   // Every reason from the start, so that rates are 0 rather than absent.
   for (ContextEnd end : kContextEnds) context_evictions_.Add({{"reason", context_end_name(end)}});
 }

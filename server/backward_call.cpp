@@ -151,19 +151,13 @@ namespace {
 class BackwardReactor final : public StreamedCall<v1::BackwardRequest, v1::BackwardResponse> {
  public:
   BackwardReactor(ServiceContext& s, grpc::CallbackServerContext* ctx)
-      : StreamedCall(s, ctx, "AttendBackward", "a BackwardRequest") {
+      : StreamedCall(s, ctx, "AttendBackward", "BackwardRequest") {
     start();
   }
 
  private:
   Status handle_message() override {
-    switch (request_.kind_case()) {
-      case v1::BackwardRequest::kHeader: return on_header(request_.header());
-      case v1::BackwardRequest::kChunk: return add_chunk(request_.chunk());
-      case v1::BackwardRequest::kEnd: return end_of_input();
-      default: break;
-    }
-    return invalid_argument("BackwardRequest with no kind set, expected header, chunk or end");
+    return dispatch(request_, [this](const v1::BackwardHeader& header) { return on_header(header); });
   }
 
   Status on_header(const v1::BackwardHeader& header) {

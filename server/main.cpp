@@ -14,6 +14,7 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <initializer_list>
 #include <csignal>
 #include <memory>
 #include <mutex>
@@ -49,14 +50,19 @@ extern "C" void on_shutdown_signal(int signal_number) {
   [[maybe_unused]] const ssize_t n = write(g_signal_pipe[1], &byte, 1);
 }
 
-bool install_shutdown_handlers() {
-  if (pipe(g_signal_pipe) != 0) return false;
+// A pipe, and `handler` (which writes to it) for `signals`.
+bool install_pipe_handler(int (&pipe_fds)[2], void (*handler)(int), std::initializer_list<int> signals) {
+  if (pipe(pipe_fds) != 0) return false;
   struct sigaction action {};
-  action.sa_handler = on_shutdown_signal;
+  action.sa_handler = handler;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
-  return sigaction(SIGTERM, &action, nullptr) == 0 && sigaction(SIGINT, &action, nullptr) == 0;
+  for (int signal_number : signals)
+    if (sigaction(signal_number, &action, nullptr) != 0) return false;
+  return true;
 }
+
+bool install_shutdown_handlers() { return install_pipe_handler(g_signal_pipe, on_shutdown_signal, {SIGTERM, SIGINT}); }
 
 // SIGHUP (with a token file only: otherwise it keeps its default action)
 // writes a byte that wakes the token file's watcher (auth.h).
@@ -67,14 +73,7 @@ extern "C" void on_reload_signal(int) {
   [[maybe_unused]] const ssize_t n = write(g_reload_pipe[1], &byte, 1);
 }
 
-bool install_reload_handler() {
-  if (pipe(g_reload_pipe) != 0) return false;
-  struct sigaction action {};
-  action.sa_handler = on_reload_signal;
-  sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESTART;
-  return sigaction(SIGHUP, &action, nullptr) == 0;
-}
+bool install_reload_handler() { return install_pipe_handler(g_reload_pipe, on_reload_signal, {SIGHUP}); }
 
 // 127.0.0.1:port, localhost:port, [::1]:port.
 bool is_loopback(const std::string& address) {

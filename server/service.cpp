@@ -45,7 +45,7 @@ void release_block(void* arg) { delete static_cast<std::shared_ptr<uint8_t>*>(ar
 class AttendReactor final : public StreamedCall<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   AttendReactor(ServiceContext& s, grpc::CallbackServerContext* ctx)
-      : StreamedCall(s, ctx, "Attend", "an AttendRequest") {
+      : StreamedCall(s, ctx, "Attend", "AttendRequest") {
     start();
   }
 
@@ -62,13 +62,7 @@ class AttendReactor final : public StreamedCall<grpc::ByteBuffer, grpc::ByteBuff
     v1::AttendRequest request;
     if (!parse_message(&request_, &request))
       return invalid_argument(std::string("a message that is not an AttendRequest, expected ") + expected_next());
-    switch (request.kind_case()) {
-      case v1::AttendRequest::kHeader: return on_header(request.header());
-      case v1::AttendRequest::kChunk: return add_chunk(request.chunk());
-      case v1::AttendRequest::kEnd: return end_of_input();
-      default: break;
-    }
-    return invalid_argument("AttendRequest with no kind set, expected header, chunk or end");
+    return dispatch(request, [this](const v1::AttendHeader& header) { return on_header(header); });
   }
 
   Status handle_chunk() {

@@ -9,6 +9,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
+
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -78,6 +80,12 @@ class AttentionService final : public AttentionServiceBase {
   // The shared-memory calls' log line and per-client count.
   void log_shm_call(grpc::CallbackServerContext* ctx, Method method, const std::string& client, const std::string& region,
                     const Status& status);
+  // The shared-memory calls' one path: the token check, UNIMPLEMENTED on a
+  // server without --shm-dir, work(registry, client), the log line (when
+  // `region` is given: Register and Unregister) and the finish.
+  using ShmWork = std::function<Status(SharedMemoryRegistry& registry, const std::string& client)>;
+  grpc::ServerUnaryReactor* shm_call(grpc::CallbackServerContext* ctx, Method method, const std::string* region,
+                                     const ShmWork& work);
 
   ServiceContext shared_;
 };

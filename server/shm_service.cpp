@@ -27,44 +27,42 @@ Status shm_off() {
 }
 }  // namespace
 
+grpc::ServerUnaryReactor* AttentionService::shm_call(grpc::CallbackServerContext* ctx, Method method,
+                                                     const std::string* region, const ShmWork& work) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::string client;
+  if (!authorize(ctx, method, reactor, &client)) return reactor;
+  const Status status = shared_.shm == nullptr ? shm_off() : work(*shared_.shm, client);
+  if (region != nullptr) log_shm_call(ctx, method, client, *region, status);
+  reactor->Finish(to_grpc_status(status));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(grpc::CallbackServerContext* ctx,
                                                                  const v1::RegisterSharedMemoryRequest* request,
                                                                  v1::RegisterSharedMemoryResponse*) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  std::string client;
-  if (!authorize(ctx, Method::kRegisterSharedMemory, reactor, &client)) return reactor;
-  const Status status = shared_.shm == nullptr ? shm_off()
-                                               : shared_.shm->register_region(client, request->name(), request->key(),
-                                                                              request->offset(), request->byte_size());
-  log_shm_call(ctx, Method::kRegisterSharedMemory, client, request->name(), status);
-  reactor->Finish(to_grpc_status(status));
-  return reactor;
+  return shm_call(ctx, Method::kRegisterSharedMemory, &request->name(),
+                  [request](SharedMemoryRegistry& shm, const std::string& client) {
+                    return shm.register_region(client, request->name(), request->key(), request->offset(),
+                                               request->byte_size());
+                  });
 }
 
 grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(grpc::CallbackServerContext* ctx,
                                                                    const v1::UnregisterSharedMemoryRequest* request,
                                                                    v1::UnregisterSharedMemoryResponse*) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  std::string client;
-  if (!authorize(ctx, Method::kUnregisterSharedMemory, reactor, &client)) return reactor;
-  const Status status =
-      shared_.shm == nullptr ? shm_off() : shared_.shm->unregister_region(client, request->name());
-  log_shm_call(ctx, Method::kUnregisterSharedMemory, client, request->name(), status);
-  reactor->Finish(to_grpc_status(status));
-  return reactor;
+  return shm_call(ctx, Method::kUnregisterSharedMemory, &request->name(),
+                  [request](SharedMemoryRegistry& shm, const std::string& client) {
+                    return shm.unregister_region(client, request->name());
+                  });
 }
 
 grpc::ServerUnaryReactor* AttentionService::ListSharedMemory(grpc::CallbackServerContext* ctx,
                                                              const v1::ListSharedMemoryRequest*,
                                                              v1::ListSharedMemoryResponse* response) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  std::string client;
-  if (!authorize(ctx, Method::kListSharedMemory, reactor, &client)) return reactor;
-  StatusOr<std::vector<SharedMemoryRegistry::RegionInfo>> regions =
-      shared_.shm == nullptr ? StatusOr<std::vector<SharedMemoryRegistry::RegionInfo>>(shm_off())
-                             : shared_.shm->list(client);
-  if (regions.ok()) {
-    for (const SharedMemoryRegistry::RegionInfo& r : *regions) {
+  return shm_call(ctx, Method::kListSharedMemory, nullptr, [response](SharedMemoryRegistry& shm, const std::string& client) {
+    ASSIGN_OR_RETURN(const std::vector<SharedMemoryRegistry::RegionInfo> regions, shm.list(client));
+    for (const SharedMemoryRegistry::RegionInfo& r : regions) {
       v1::SharedMemoryRegion* out = response->add_regions();
       out->set_name(r.name);
       out->set_key(r.key);
@@ -72,9 +70,8 @@ grpc::ServerUnaryReactor* AttentionService::ListSharedMemory(grpc::CallbackServe
       out->set_byte_size(r.byte_size);
       out->set_requests(r.requests);
     }
-  }
-  reactor->Finish(to_grpc_status(regions.status()));
-  return reactor;
+    return Status::Ok();
+  });
 }
 
 }  // namespace plsh::server

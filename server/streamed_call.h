@@ -17,6 +17,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -57,7 +58,8 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
         // A half-close, or bytes that do not parse as the request type.
         fail(invalid_argument(std::string("the stream ended before the end message (closed by the client, or a "
                                           "message that is not ") +
-                              request_type_ + "), expected " + expected_next()));
+                              (std::strchr("AEIOU", request_type_[0]) != nullptr ? "an " : "a ") + request_type_ +
+                              "), expected " + expected_next()));
       }
       return;
     }
@@ -118,7 +120,7 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
  protected:
   enum class Stage { kReading, kComputing, kSending, kFailed };
 
-  // request_type: the message's name, for errors.
+  // request_type: the message's name (AttendRequest), for errors.
   StreamedCall(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method, const char* request_type)
       : CallBase(s, ctx, method), request_type_(request_type) {}
 
@@ -147,6 +149,19 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
 
   bool header_received() const { return assembler_ != nullptr; }
   const char* expected_next() const { return header_received() ? "chunks then end" : "header, chunks, then end"; }
+
+  // A parsed message to its step: the header to on_header, a chunk into
+  // its tensor, the end to end_of_input.
+  template <class Message, class OnHeader>
+  Status dispatch(const Message& message, OnHeader&& on_header) {
+    switch (message.kind_case()) {
+      case Message::kHeader: return on_header(message.header());
+      case Message::kChunk: return add_chunk(message.chunk());
+      case Message::kEnd: return end_of_input();
+      default: break;
+    }
+    return invalid_argument(std::string(request_type_) + " with no kind set, expected header, chunk or end");
+  }
 
   // A parsed chunk, into its tensor.
   Status add_chunk(const v1::TensorChunk& chunk) {

@@ -112,14 +112,8 @@ class CpuBackend final : public Backend {
     if (!plan.backward)
       return failed_precondition("cpu backend: the plan was made without PlanLimits::backward, expected a plan "
                                  "whose backward workspace is sized (and charged)");
+    RETURN_IF_ERROR(check_backward_inputs(plan, g));
     const AttentionParams& p = plan.params;
-    if (p.q == nullptr || p.k == nullptr || p.v == nullptr)
-      return failed_precondition("cpu backend: the plan's tensors are not bound, expected bind_tensors first");
-    RETURN_IF_ERROR(supports_backward(p));
-    if (g.memory != MemorySpace::kHost || g.out == nullptr || g.lse == nullptr || g.dout == nullptr ||
-        g.dq == nullptr || g.dk == nullptr || g.dv == nullptr)
-      return invalid_argument("cpu backend: backward tensors missing or not in host memory, expected "
-                              "make_backward_params' for this plan");
     if (p.mode == Mode::kLsh && static_cast<int64_t>(plan.draws.size()) != p.heads)
       return invalid_argument("cpu backend: the plan has draws for " + std::to_string(plan.draws.size()) +
                               " heads, expected " + std::to_string(p.heads));

@@ -316,14 +316,8 @@ Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, Forwar
 Status CudaBackend::run_backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx,
                                  BackwardStats* stats) {
   ASSIGN_OR_RETURN(const CudaLayout* layout, layout_of(plan));
+  RETURN_IF_ERROR(check_backward_inputs(plan, g));
   const AttentionParams& p = plan.params;
-  if (p.q == nullptr || p.k == nullptr || p.v == nullptr)
-    return failed_precondition("cuda backend: the plan's tensors are not bound, expected bind_tensors first");
-  RETURN_IF_ERROR(supports_backward(p));
-  if (g.memory != MemorySpace::kHost || g.out == nullptr || g.lse == nullptr || g.dout == nullptr ||
-      g.dq == nullptr || g.dk == nullptr || g.dv == nullptr)
-    return invalid_argument("cuda backend: backward tensors missing or not in host memory, expected "
-                            "make_backward_params' for this plan");
   RETURN_IF_ERROR(check_backward_layout_fits(*layout, p, static_cast<int64_t>(dtype_bytes(g.grad_dtype))));
   if (plan.backward_workspace.device_bytes != layout->backward.device_bytes())
     return internal_error("cuda backend: the plan charges " + std::to_string(plan.backward_workspace.device_bytes) +

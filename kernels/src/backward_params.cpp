@@ -1,5 +1,7 @@
 #include "plsh/backward.h"
 
+#include "plsh/backend.h"
+
 #include <string>
 
 #include "plsh/numeric.h"
@@ -69,6 +71,18 @@ StatusOr<BackwardParams> make_backward_params(const AttentionParams& p, const Gr
     if (g.lse != nullptr) RETURN_IF_ERROR(check_finite_tensor("lse", b.lse, DType::kF32, p.batch, p.q_len, p.heads, 1));
   }
   return b;
+}
+
+Status Backend::check_backward_inputs(const Plan& plan, const BackwardParams& g) const {
+  const AttentionParams& p = plan.params;
+  if (p.q == nullptr || p.k == nullptr || p.v == nullptr)
+    return failed_precondition(name() + " backend: the plan's tensors are not bound, expected bind_tensors first");
+  RETURN_IF_ERROR(supports_backward(p));
+  if (g.memory != MemorySpace::kHost || g.out == nullptr || g.lse == nullptr || g.dout == nullptr ||
+      g.dq == nullptr || g.dk == nullptr || g.dv == nullptr)
+    return invalid_argument(name() + " backend: backward tensors missing or not in host memory, expected "
+                                     "make_backward_params' for this plan");
+  return Status::Ok();
 }
 
 }  // namespace plsh

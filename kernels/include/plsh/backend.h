@@ -101,6 +101,12 @@ class Backend {
   }
   // The device's memory now; nullopt for backends without a device (CPU).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
+
+ protected:
+  // A backward's inputs as every backend needs them: the plan's tensors
+  // bound (FAILED_PRECONDITION), supports_backward, and g's tensors all
+  // present in host memory (INVALID_ARGUMENT).
+  Status check_backward_inputs(const Plan& plan, const BackwardParams& g) const;
 };
 
 // The names a request may give ("auto": the registry's choice), the one list

@@ -7,12 +7,11 @@
 //   bench_cpu [--sizes 2048,8192,32768] [--runs 3] [--threads 0] [--samples 16]
 #include <CLI/CLI.hpp>
 
-#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
 
-#include "cpu/cpu_backend.h"
+#include "cpu_bench_main.h"
 #include "cpu_bench_util.h"
 #include "plsh/params.h"
 #include "reference.h"
@@ -34,35 +33,19 @@ struct Measurement {
   plsh::LshAlgorithm used = plsh::LshAlgorithm::kAuto;
 };
 
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  double err = 0, ref = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = static_cast<double>(a[i]) - b[i];
-    err += d * d;
-    ref += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(err / ref);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"CPU backend benchmark: exact vs window vs lsh"};
   std::vector<int64_t> sizes{2048, 8192, 32768};
-  int runs = 3;
-  int threads = 0;
-  int64_t samples = 16;
+  plsh::bench::RunFlags flags;
   app.add_option("--sizes", sizes, "sequence lengths (Nq = Nk)")->delimiter(',');
-  app.add_option("--runs", runs, "timed runs per cell; the median is reported")->check(CLI::PositiveNumber);
-  app.add_option("--threads", threads, "worker threads; 0: all cores")->check(CLI::NonNegativeNumber);
-  app.add_option("--samples", samples, "lsh hashes per head")->check(CLI::PositiveNumber);
+  plsh::bench::add_run_flags(app, flags);
   CLI11_PARSE(app, argc, argv);
 
-  std::unique_ptr<plsh::Backend> cpu = plsh::make_cpu_backend();
-  std::printf("device: %s\n\n", cpu->device().c_str());
-  std::printf("| n | mode | median wall s | median CPU s | speedup vs exact | rel L2 err vs exact | GFLOP done | "
-              "GFLOP/s (wall) | GFLOP per CPU s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  std::unique_ptr<plsh::Backend> cpu = plsh::bench::cpu_backend_with_table_head(
+      "| n | mode | median wall s | median CPU s | speedup vs exact | rel L2 err vs exact | GFLOP done | "
+      "GFLOP/s (wall) | GFLOP per CPU s |");
 
   const Variant variants[] = {
       {"exact", plsh::Mode::kExact, plsh::LshAlgorithm::kAuto},
@@ -72,9 +55,9 @@ int main(int argc, char** argv) {
       {"lsh auto", plsh::Mode::kLsh, plsh::LshAlgorithm::kAuto},
   };
   for (int64_t n : sizes) {
-    plsh::AttentionOptions o = plsh::bench::timed_options(n, samples);
+    plsh::AttentionOptions o = plsh::bench::timed_options(n, flags.samples);
     const plsh::testing::RandomTensors t = plsh::testing::random_qkv(o, 42);
-    std::vector<float> exact_out;
+    std::vector<double> exact_out;  // the reference of plsh::testing::compare
     double exact_s = 0;
     for (const Variant& v : variants) {
       o.mode = v.mode;
@@ -85,28 +68,28 @@ int main(int argc, char** argv) {
       plsh::StatusOr<plsh::AttentionParams> p = plsh::make_params(o, refs);
       die_unless(p.status());
       plsh::PlanLimits limits;
-      limits.threads = threads;
+      limits.threads = flags.threads;
       plsh::StatusOr<plsh::Plan> plan = cpu->plan(*p, limits);  // once: forward alone is timed
       die_unless(plan.status());
-      m.median = plsh::bench::median_of(runs, [&] {
+      m.median = plsh::bench::median_of(flags.runs, [&] {
         plsh::ForwardStats stats;
         die_unless(cpu->forward(*plan, plsh::ExecContext{}, &stats));
         m.flops = stats.flops;
         m.used = stats.lsh_algorithm;
       });
       std::string label = v.label;
-      if (v.mode == plsh::Mode::kLsh) label += " s=" + std::to_string(samples);
+      if (v.mode == plsh::Mode::kLsh) label += " s=" + std::to_string(flags.samples);
       if (v.algorithm == plsh::LshAlgorithm::kAuto && v.mode == plsh::Mode::kLsh)
         label += std::string(" (") + plsh::lsh_algorithm_name(m.used) + ")";
       if (v.mode == plsh::Mode::kExact) {
-        exact_out = m.out;
+        exact_out.assign(m.out.begin(), m.out.end());
         exact_s = m.median.wall;
         std::printf("| %lld | %s | %.3f | %.3f | 1.0x | 0 | %.1f | %.1f | %.1f |\n", static_cast<long long>(n),
                     label.c_str(), m.median.wall, m.median.cpu, m.flops / 1e9, m.flops / m.median.wall / 1e9,
                     m.flops / m.median.cpu / 1e9);
       } else {
         std::printf("| %lld | %s | %.3f | %.3f | %.1fx | %.2e | %.1f | %.1f | %.1f |\n", static_cast<long long>(n),
-                    label.c_str(), m.median.wall, m.median.cpu, exact_s / m.median.wall, rel_l2(m.out, exact_out),
+                    label.c_str(), m.median.wall, m.median.cpu, exact_s / m.median.wall, plsh::testing::compare(m.out.data(), plsh::DType::kF32, exact_out).rel_l2,
                     m.flops / 1e9, m.flops / m.median.wall / 1e9, m.flops / m.median.cpu / 1e9);
       }
       std::fflush(stdout);

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/cpu_backend.h"
+#include "cpu_bench_main.h"
 #include "cpu_bench_util.h"
 #include "plsh/backward.h"
 #include "plsh/params.h"
@@ -27,23 +27,17 @@ int main(int argc, char** argv) {
   CLI::App app{"CPU backend benchmark: backward vs forward"};
   std::vector<int64_t> sizes{8192, 32768};
   std::vector<std::string> modes{"exact", "window", "lsh"};
-  int runs = 3;
-  int threads = 0;
-  int64_t samples = 16;
+  plsh::bench::RunFlags flags;
   app.add_option("--sizes", sizes, "sequence lengths (Nq = Nk)")->delimiter(',');
   app.add_option("--modes", modes, "exact, window (eps 1e-4), lsh (auto algorithm)")->delimiter(',');
-  app.add_option("--runs", runs, "timed runs per cell; the median is reported")->check(CLI::PositiveNumber);
-  app.add_option("--threads", threads, "worker threads; 0: all cores")->check(CLI::NonNegativeNumber);
-  app.add_option("--samples", samples, "lsh hashes per head")->check(CLI::PositiveNumber);
+  plsh::bench::add_run_flags(app, flags);
   CLI11_PARSE(app, argc, argv);
 
-  std::unique_ptr<plsh::Backend> cpu = plsh::make_cpu_backend();
-  std::printf("device: %s\n\n", cpu->device().c_str());
-  std::printf("| n | mode | forward wall s | backward wall s | backward / forward (wall) | forward CPU s | "
-              "backward CPU s | backward / forward (CPU) | backward GFLOP | backward GFLOP per CPU s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  std::unique_ptr<plsh::Backend> cpu = plsh::bench::cpu_backend_with_table_head(
+      "| n | mode | forward wall s | backward wall s | backward / forward (wall) | forward CPU s | "
+      "backward CPU s | backward / forward (CPU) | backward GFLOP | backward GFLOP per CPU s |");
   for (int64_t n : sizes) {
-    plsh::AttentionOptions o = plsh::bench::timed_options(n, samples);
+    plsh::AttentionOptions o = plsh::bench::timed_options(n, flags.samples);
     o.check_finite = false;  // random normals; and the validation is not what is timed
     const plsh::testing::RandomTensors t = plsh::testing::random_qkv(o, 42);
     const size_t elems = static_cast<size_t>(n * o.heads * o.head_dim);
@@ -59,7 +53,7 @@ int main(int argc, char** argv) {
       plsh::StatusOr<plsh::AttentionParams> p = plsh::make_params(o, refs);
       die_unless(p.status());
       plsh::PlanLimits limits;
-      limits.threads = threads;
+      limits.threads = flags.threads;
       limits.backward = true;
       plsh::StatusOr<plsh::Plan> plan = cpu->plan(*p, limits);  // once: forward and backward alone are timed
       die_unless(plan.status());
@@ -70,12 +64,14 @@ int main(int argc, char** argv) {
       grads.dv = dv.data();
       plsh::StatusOr<plsh::BackwardParams> g = plsh::make_backward_params(plan->params, grads);
       die_unless(g.status());
-      const Timing fwd = median_of(runs, [&] { die_unless(cpu->forward(*plan, plsh::ExecContext{}, nullptr)); });
+      const Timing fwd = median_of(flags.runs, [&] { die_unless(cpu->forward(*plan, plsh::ExecContext{}, nullptr)); });
       plsh::BackwardStats stats;
-      const Timing bwd = median_of(runs, [&] { die_unless(cpu->backward(*plan, *g, plsh::ExecContext{}, &stats)); });
+      const Timing bwd =
+          median_of(flags.runs, [&] { die_unless(cpu->backward(*plan, *g, plsh::ExecContext{}, &stats)); });
       std::string label = mode_name;
       if (o.mode == plsh::Mode::kLsh)
-        label += " s=" + std::to_string(samples) + " (" + plsh::lsh_algorithm_name(plan->lsh_algorithm) + " forward)";
+        label += " s=" + std::to_string(flags.samples) + " (" + plsh::lsh_algorithm_name(plan->lsh_algorithm) +
+                 " forward)";
       if (o.mode == plsh::Mode::kWindow) label += " (eps 1e-4)";
       std::printf("| %lld | %s | %.3f | %.3f | %.2fx | %.3f | %.3f | %.2fx | %.1f | %.1f |\n", static_cast<long long>(n),
                   label.c_str(), fwd.wall, bwd.wall, bwd.wall / fwd.wall, fwd.cpu, bwd.cpu, bwd.cpu / fwd.cpu,

@@ -20,6 +20,7 @@
 #include <optional>
 #include <vector>
 
+#include "cli/cmd_compute.h"
 #include "cli/commands.h"
 #include "cli/connection_flags.h"
 #include "cli/flags.h"
@@ -33,10 +34,8 @@
 namespace plsh::cli {
 namespace {
 
-struct AttendArgs {
-  AttentionCliArgs attention;
-  OutputCliArgs outputs;
-  BackwardCliArgs backward;
+// compute's flags, then attend's own.
+struct AttendArgs : ComputeCliArgs {
   std::string target = "127.0.0.1:50051";
   client::ChannelOptions channel;  // TLS and the bearer token
   std::string wire_dtype;    // f32 | f16 | bf16; empty: the inputs' dtype
@@ -99,10 +98,6 @@ class SharedCall {
   const float* lse_ = nullptr;
 };
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 // The array's elements in another dtype (through float, as the backends read them).
 std::vector<uint8_t> convert(const NpyArray& a, DType to) {
   const int64_t n = a.elements();
@@ -143,14 +138,8 @@ int attend(const AttendArgs& args) {
     StatusOr<NpyArray> read = read_npy(args.backward.dout_path, NpyReadOptions{args.attention.bf16_bits});
     if (!read.ok()) return report_error("attend", read.status());
     dout = std::move(read).value();
-    const std::vector<int64_t> want = output_shape(in.options, in.batched);
-    if (dout.shape != want)
-      return report_error("attend", invalid_argument(args.backward.dout_path + ": dout shape " + shape_string(dout.shape) +
-                                                     ", expected the shape of out " + shape_string(want)));
-    if (dout.dtype != *in.options.out_dtype)
-      return report_error("attend", invalid_argument(args.backward.dout_path + ": dout dtype " + dtype_name(dout.dtype) +
-                                                     ", expected the dtype of out (" +
-                                                     dtype_name(*in.options.out_dtype) + ")"));
+    if (Status s = check_dout(dout, args.backward.dout_path, in.options, in.batched); !s.ok())
+      return report_error("attend", s);
   }
   if (args.shm && wants_sharding(args.target, args.sharding))
     return report_error("attend", invalid_argument("--shm with a list of targets or --shards: shared memory is one "
@@ -245,9 +234,7 @@ int attend(const AttendArgs& args) {
   if (saved.ok() && call.return_lse) saved = write_npy(args.outputs.lse_path, DType::kF32, lse_shape(o, in.batched), lse);
   if (saved.ok() && backward) {
     const auto t_grads = std::chrono::steady_clock::now();
-    saved = write_npy(args.backward.dq_path, grad_dtype, output_shape(o, in.batched), grads.dq.data());
-    if (saved.ok()) saved = write_npy(args.backward.dk_path, grad_dtype, kv_shape(o, in.batched), grads.dk.data());
-    if (saved.ok()) saved = write_npy(args.backward.dv_path, grad_dtype, kv_shape(o, in.batched), grads.dv.data());
+    saved = write_gradients(args.backward, grad_dtype, o, in.batched, grads.dq.data(), grads.dk.data(), grads.dv.data());
     grads.result.timings["call"] = backward_seconds;
     grads.result.timings["save"] = seconds_since(t_grads);
   }
@@ -266,11 +253,7 @@ int attend(const AttendArgs& args) {
                       {"request_id", reply.request_id},
                       {"wire_dtype", dtype_name(wire)},
                       {"shared_memory", args.shm},
-                      {"timings", {{"queued", reply.timings.queued},
-                                   {"receiving", reply.timings.receiving},
-                                   {"computing", reply.timings.computing},
-                                   {"sending", reply.timings.sending},
-                                   {"total", reply.timings.total}}},
+                      {"timings", timings_json(reply.timings)},
                       {"messages", reply.messages},
                       {"largest_message_bytes", reply.largest_message_bytes},
                       {"sent_bytes", reply.sent_bytes},
@@ -280,11 +263,7 @@ int attend(const AttendArgs& args) {
       meta["backward"] = backward_to_json(grads.result, grad_dtype);
       meta["backward"]["server"] = {{"request_id", grads.request_id},
                                     {"context_id", grads.context_id},
-                                    {"timings", {{"queued", grads.timings.queued},
-                                                 {"receiving", grads.timings.receiving},
-                                                 {"computing", grads.timings.computing},
-                                                 {"sending", grads.timings.sending},
-                                                 {"total", grads.timings.total}}},
+                                    {"timings", timings_json(grads.timings)},
                                     {"messages", grads.messages},
                                     {"sent_bytes", grads.sent_bytes},
                                     {"received_bytes", grads.received_bytes}};
@@ -296,9 +275,7 @@ int attend(const AttendArgs& args) {
 
 RunFn setup_attend(CLI::App& app) {
   auto args = std::make_shared<AttendArgs>();
-  add_attention_flags(app, args->attention);
-  add_output_flags(app, args->outputs);
-  add_backward_flags(app, args->backward);
+  add_compute_flags(app, *args);
   app.add_option("--target", args->target,
                  "plsh-server address host:port; a list a:1,b:2 or dns:///name:port shards the request across them")
       ->capture_default_str();

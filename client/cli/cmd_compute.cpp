@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "cli/cmd_compute.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "cli/meta_json.h"
@@ -18,23 +19,6 @@
 
 namespace plsh::cli {
 namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// dout's file against what the forward writes: out's shape and dtype.
-Status check_dout(const NpyArray& dout, const std::string& path, const AttentionOptions& o, bool batched) {
-  const std::vector<int64_t> want = output_shape(o, batched);
-  if (dout.shape != want)
-    return invalid_argument(path + ": dout shape " + shape_string(dout.shape) + ", expected the shape of out " +
-                            shape_string(want));
-  const DType out_dtype = o.out_dtype.value_or(o.dtype);
-  if (dout.dtype != out_dtype)
-    return invalid_argument(path + ": dout dtype " + dtype_name(dout.dtype) + ", expected the dtype of out (" +
-                            dtype_name(out_dtype) + ")");
-  return Status::Ok();
-}
 
 Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs, const BackwardCliArgs& backward) {
   const auto t_start = std::chrono::steady_clock::now();
@@ -95,9 +79,7 @@ Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs, const
   result.timings["save"] = seconds_since(t_save);  // out and lse; the metadata file itself comes after
   if (backward_result) {
     const auto t_grads = std::chrono::steady_clock::now();
-    RETURN_IF_ERROR(write_npy(backward.dq_path, grad_dtype, output_shape(o, in.batched), dq.data()));
-    RETURN_IF_ERROR(write_npy(backward.dk_path, grad_dtype, kv_shape(o, in.batched), dk.data()));
-    RETURN_IF_ERROR(write_npy(backward.dv_path, grad_dtype, kv_shape(o, in.batched), dv.data()));
+    RETURN_IF_ERROR(write_gradients(backward, grad_dtype, o, in.batched, dq.data(), dk.data(), dv.data()));
     backward_result->timings["save"] = seconds_since(t_grads);
   }
 
@@ -110,17 +92,9 @@ Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs, const
   return Status::Ok();
 }
 
-struct ComputeArgs {
-  AttentionCliArgs attention;
-  OutputCliArgs outputs;
-  BackwardCliArgs backward;
-};
-
 RunFn setup_compute(CLI::App& app) {
-  auto args = std::make_shared<ComputeArgs>();
-  add_attention_flags(app, args->attention);
-  add_output_flags(app, args->outputs);
-  add_backward_flags(app, args->backward);
+  auto args = std::make_shared<ComputeCliArgs>();
+  add_compute_flags(app, *args);
   return [args] {
     const Status s = compute(args->attention, args->outputs, args->backward);
     return s.ok() ? kExitOk : report_error("compute", s);

@@ -4,11 +4,20 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <string>
 
 namespace plsh::cli {
 
 namespace {
 nlohmann::ordered_json number(double v) { return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); }
+
+// {name: seconds}, as both the forward's and the backward's results keep them.
+nlohmann::ordered_json timings_to_json(const std::map<std::string, double>& timings) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& [name, seconds] : timings) j[name] = number(seconds);
+  return j;
+}
 }  // namespace
 
 nlohmann::ordered_json probe_to_json(const ProbeEstimate& p) {
@@ -63,8 +72,6 @@ nlohmann::ordered_json target_to_json(const TargetReport& t) {
 nlohmann::ordered_json result_to_json(const AttentionResult& r) {
   nlohmann::ordered_json heads = nlohmann::ordered_json::array();
   for (const HeadEstimate& h : r.heads) heads.push_back(head_to_json(h));
-  nlohmann::ordered_json timings = nlohmann::ordered_json::object();
-  for (const auto& [name, seconds] : r.timings) timings[name] = number(seconds);
   nlohmann::ordered_json meta = {{"format", "plsh-meta/1"},
           {"mode", mode_name(r.mode)},
           {"samples", r.samples},
@@ -75,7 +82,7 @@ nlohmann::ordered_json result_to_json(const AttentionResult& r) {
           {"sampling", sampling_name(r.sampling)},
           {"flops", number(r.flops)},
           {"dense_flops", number(r.dense_flops)},
-          {"timings", std::move(timings)},
+          {"timings", timings_to_json(r.timings)},
           {"summary",
            {{"mask_max_err", number(r.mask_max_err)},
             {"mask_spectral_err", number(r.mask_spectral_err)},
@@ -86,8 +93,6 @@ nlohmann::ordered_json result_to_json(const AttentionResult& r) {
 }
 
 nlohmann::ordered_json backward_to_json(const BackwardResult& r, DType grad_dtype) {
-  nlohmann::ordered_json timings = nlohmann::ordered_json::object();
-  for (const auto& [name, seconds] : r.timings) timings[name] = number(seconds);
   return {{"backend", r.backend},
           {"device", r.device},
           {"grad_dtype", dtype_name(grad_dtype)},
@@ -95,7 +100,7 @@ nlohmann::ordered_json backward_to_json(const BackwardResult& r, DType grad_dtyp
           {"dense_flops", number(r.dense_flops)},
           {"host_workspace_bytes", r.host_workspace_bytes},
           {"device_workspace_bytes", r.device_workspace_bytes},
-          {"timings", std::move(timings)}};
+          {"timings", timings_to_json(r.timings)}};
 }
 
 void add_params_json(const AttentionOptions& o, const AttentionResult& r, bool batched, nlohmann::ordered_json* meta) {

@@ -15,12 +15,11 @@ Hkv from the stream unless kv_shape says them. Gradients come back in the
 forward's dtype (grad_dtype="f32" asks for float32; bfloat16 comes back as
 float32 arrays, as in attend)."""
 
-import threading
-
 import grpc
 import numpy as np
 
 from ._client import (_ALGORITHMS, _DTYPES, _MODES, PlshError, _decode, _encode, _input_chunks, _wire_dtype_of, pb)
+from ._rpc import _Stream
 
 
 def _forward_header(q, k, v, wire, out_wire, *, mode=None, samples=None, seed=0, causal=False, scale=None,
@@ -100,43 +99,30 @@ def backward(client, dout, *, context_id=None, keep_context=False, kv_shape=None
         header.grad_dtype = _DTYPES[grad_dtype]
     inputs.append((pb.TENSOR_DOUT, _encode(dout, out_wire).reshape(B * Nq, -1)))
 
-    ack_seen = threading.Event()
-    ack = {}
+    stream = _Stream()
 
     def requests():
         yield pb.BackwardRequest(header=header)
-        ack_seen.wait()
-        if "ack" not in ack:
+        ack = stream.wait_ack()
+        if ack is None:
             return
-        for tensor, start, part in _input_chunks(ack["ack"], chunk_bytes, inputs):
+        for tensor, start, part in _input_chunks(ack, chunk_bytes, inputs):
             yield pb.BackwardRequest(chunk=pb.TensorChunk(
                 tensor=tensor, row_start=start, row_count=part.shape[0], data=part.tobytes()))
         yield pb.BackwardRequest(end=pb.EndOfInput())
 
     parts = {pb.TENSOR_DQ: [], pb.TENSOR_DK: [], pb.TENSOR_DV: []}
     rows = {pb.TENSOR_DQ: 0, pb.TENSOR_DK: 0, pb.TENSOR_DV: 0}
-    summary = None
     call = client._stub.AttendBackward(requests(), timeout=deadline, metadata=client._metadata)
-    try:
+    with stream.receiving():
         for response in call:
-            kind = response.WhichOneof("kind")
-            if kind == "ack":
-                ack["ack"] = response.ack
-                ack_seen.set()
-            elif kind == "grad_chunk":
+            if stream.take(response) == "grad_chunk":
                 c = response.grad_chunk
                 if c.tensor not in parts:
                     raise PlshError(grpc.StatusCode.INTERNAL, f"gradient chunk of tensor {c.tensor}")
                 parts[c.tensor].append((c.row_start, c.data))
                 rows[c.tensor] += c.row_count
-            elif kind == "summary":
-                summary = response.summary
-    except grpc.RpcError as e:
-        raise PlshError(e.code(), e.details()) from None
-    finally:
-        ack_seen.set()
-    if summary is None:
-        raise PlshError(grpc.StatusCode.INTERNAL, "the server closed the stream without a summary")
+    summary = stream.summary
 
     def joined(tensor):
         return b"".join(d for _, d in sorted(parts[tensor], key=lambda p: p[0]))

@@ -2,11 +2,11 @@
 
 import os
 import sys
-import threading
 
 import grpc
 import numpy as np
 
+from ._rpc import PlshError, _rpc_errors, _Stream
 from ._shm import SharedMemoryRegion
 
 _stubs = os.environ.get("PLSH_PYTHON_STUBS")
@@ -25,17 +25,6 @@ _MODES = {"exact": pb.MODE_EXACT, "lsh": pb.MODE_LSH, "window": pb.MODE_WINDOW}
 _ALGORITHMS = {"auto": pb.LSH_ALGORITHM_AUTO, "per_sample": pb.LSH_ALGORITHM_PER_SAMPLE,
                "banded": pb.LSH_ALGORITHM_BANDED}
 _SAMPLINGS = {"iid": pb.SAMPLING_IID, "stratified": pb.SAMPLING_STRATIFIED, "ash": pb.SAMPLING_ASH}
-
-
-class PlshError(Exception):
-    """A failed call: `code` is the grpc.StatusCode, `code_name` its name
-    ("INVALID_ARGUMENT"), `details` the server's message."""
-
-    def __init__(self, code, details):
-        self.code = code
-        self.code_name = code.name if code is not None else "UNKNOWN"
-        self.details = details or ""
-        super().__init__(f"{self.code_name}: {self.details}")
 
 
 def _wire_dtype_of(array, wire_dtype):
@@ -334,10 +323,7 @@ class Client:
 
     def info(self, timeout=10):
         """GetInfo as a GetInfoResponse message."""
-        try:
-            return self._stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise PlshError(e.code(), e.details()) from None
+        return self._unary("GetInfo", pb.GetInfoRequest(), timeout)
 
     def health(self, service="", timeout=10):
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... (sends no token: health needs none)
@@ -349,10 +335,8 @@ class Client:
         encoded = service.encode()
         request = b"\x0a" + _varint(len(encoded)) + encoded if encoded else b""  # field 1: service
         check = self._channel.unary_unary("/grpc.health.v1.Health/Check")
-        try:
+        with _rpc_errors():
             response = check(request, timeout=timeout)
-        except grpc.RpcError as e:
-            raise PlshError(e.code(), e.details()) from None
         status = response[1] if len(response) >= 2 and response[0] == 0x08 else 0  # field 1: status (enum < 128)
         return {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}.get(status, "UNKNOWN")
 
@@ -465,16 +449,15 @@ class Client:
         tensors = [(t, _encode(a, wire).reshape(rows, -1)) for t, name, a, rows in
                    ((pb.TENSOR_Q, "q", q, B * Nq), (pb.TENSOR_K, "k", k, B * Nk), (pb.TENSOR_V, "v", v, B * Nk))
                    if name not in refs]
-        ack_seen = threading.Event()
-        ack = {}
+        stream = _Stream()
 
         def requests():
             yield pb.AttendRequest(header=header).SerializeToString()
             # Chunk sizes follow the limit the server states in its ack.
-            ack_seen.wait()
-            if "ack" not in ack:
+            ack = stream.wait_ack()
+            if ack is None:
                 return
-            for tensor, start, rows in _input_chunks(ack["ack"], chunk_bytes, tensors):
+            for tensor, start, rows in _input_chunks(ack, chunk_bytes, tensors):
                 part = memoryview(rows).cast("B")
                 # One copy, straight from the array into the message (grpcio
                 # takes bytes); the protobuf message would copy it twice more.
@@ -486,21 +469,14 @@ class Client:
         out_raw = np.empty(B * Nq * out_row, np.uint8) if "out" not in refs else None
         lse_raw = np.empty(B * Nq * lse_row, np.uint8) if return_lse and "lse" not in refs else None
         filled = {pb.TENSOR_OUT: 0, pb.TENSOR_LSE: 0}
-        summary = None
         attend = self._channel.stream_stream("/plsh.v1.Attention/Attend")  # bytes both ways
         call = attend(requests(), timeout=deadline, metadata=self._metadata)
-        try:
+        with stream.receiving():
             for response in call:
-                chunk = _parse_chunk(response) if "ack" in ack else None
+                chunk = _parse_chunk(response) if stream.ack is not None else None
                 if chunk is None:
                     message = pb.AttendResponse.FromString(response)
-                    kind = message.WhichOneof("kind")
-                    if kind == "ack":
-                        ack["ack"] = message.ack
-                        ack_seen.set()
-                    elif kind == "summary":
-                        summary = message.summary
-                    elif kind == "out_chunk":  # an encoding _parse_chunk leaves to protobuf
+                    if stream.take(message) == "out_chunk":  # an encoding _parse_chunk leaves to protobuf
                         c = message.out_chunk
                         self._take_chunk(c.tensor, c.row_start, c.row_count, memoryview(c.data), out_raw, lse_raw,
                                          out_row, lse_row, filled)
@@ -508,18 +484,12 @@ class Client:
                 tensor, row_start, row_count, at, n = chunk
                 self._take_chunk(tensor, row_start, row_count, memoryview(response)[at:at + n], out_raw, lse_raw,
                                  out_row, lse_row, filled)
-        except grpc.RpcError as e:
-            raise PlshError(e.code(), e.details()) from None
-        finally:
-            ack_seen.set()
-        if summary is None:
-            raise PlshError(grpc.StatusCode.INTERNAL, "the server closed the stream without a summary")
         if (out_raw is not None and filled[pb.TENSOR_OUT] != B * Nq) or \
                 (lse_raw is not None and filled[pb.TENSOR_LSE] != B * Nq):
             raise PlshError(grpc.StatusCode.INTERNAL, "the server's output misses rows")
 
         result = out if out_raw is None else _decode_into(out_raw, out_wire, (B, Nq, H, D))
-        meta = _meta(summary)
+        meta = _meta(stream.summary)
         if return_lse:
             lse_out = lse if lse_raw is None else lse_raw.view("<f4").reshape(B, Nq, H)
             meta["lse"] = lse_out if batched or lse_raw is None else lse_out[0]
@@ -534,11 +504,7 @@ class Client:
 
     def release_context(self, context_id, timeout=10):
         """ReleaseContext: drops a kept context now; returns the bytes the server gave back."""
-        try:
-            return self._stub.ReleaseContext(pb.ReleaseContextRequest(context_id=context_id), timeout=timeout,
-                                             metadata=self._metadata).released_bytes
-        except grpc.RpcError as e:
-            raise PlshError(e.code(), e.details()) from None
+        return self._unary("ReleaseContext", pb.ReleaseContextRequest(context_id=context_id), timeout).released_bytes
 
     @staticmethod
     def _take_chunk(tensor, row_start, row_count, data, out_raw, lse_raw, out_row, lse_row, filled):
@@ -578,10 +544,8 @@ class Client:
         return SharedMemoryRegion(self, size, name=name, dir=dir)
 
     def _unary(self, method, request, timeout):
-        try:
+        with _rpc_errors():
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise PlshError(e.code(), e.details()) from None
 
     def _shm_ref(self, array, wire):
         """The SharedMemoryRef of an array that lies in one of this client's

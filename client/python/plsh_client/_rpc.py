@@ -1,0 +1,69 @@
+"""Where plsh_client meets grpc: PlshError, what every failed call raises,
+and the handshake of the two streamed calls (Client.attend's Attend and
+Client.backward's AttendBackward). Apart from _client.py so that both
+calls' modules share one copy of it."""
+
+import contextlib
+import threading
+
+import grpc
+
+
+class PlshError(Exception):
+    """A failed call: `code` is the grpc.StatusCode, `code_name` its name
+    ("INVALID_ARGUMENT"), `details` the server's message."""
+
+    def __init__(self, code, details):
+        self.code = code
+        self.code_name = code.name if code is not None else "UNKNOWN"
+        self.details = details or ""
+        super().__init__(f"{self.code_name}: {self.details}")
+
+
+@contextlib.contextmanager
+def _rpc_errors():
+    """A grpc.RpcError as a PlshError, without grpc's traceback."""
+    try:
+        yield
+    except grpc.RpcError as e:
+        raise PlshError(e.code(), e.details()) from None
+
+
+class _Stream:
+    """One streamed call's handshake: its request generator (run by grpc on
+    another thread) sends the header, then waits for the server's ack, whose
+    chunk limit sizes the inputs; the caller's response loop hands the ack
+    over, and the summary that ends the stream."""
+
+    def __init__(self):
+        self.ack = None
+        self.summary = None
+        self._acked = threading.Event()
+
+    def wait_ack(self):
+        """The server's ack; None when the call ended without one (send nothing more)."""
+        self._acked.wait()
+        return self.ack
+
+    def take(self, message):
+        """Keeps a response's ack or summary; returns its kind, for the caller's chunks."""
+        kind = message.WhichOneof("kind")
+        if kind == "ack":
+            self.ack = message.ack
+            self._acked.set()
+        elif kind == "summary":
+            self.summary = message.summary
+        return kind
+
+    @contextlib.contextmanager
+    def receiving(self):
+        """Around the response loop: errors as PlshError, a request generator
+        still waiting for the ack released however the loop ends, and a
+        stream that closed without its summary an error."""
+        try:
+            with _rpc_errors():
+                yield
+        finally:
+            self._acked.set()
+        if self.summary is None:
+            raise PlshError(grpc.StatusCode.INTERNAL, "the server closed the stream without a summary")

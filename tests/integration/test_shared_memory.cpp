@@ -26,18 +26,8 @@ using client::SharedMemoryFile;
 using testing::TempDir;
 
 AttentionOptions options() {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 33;
-  o.kv_len = 40;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.head_dim = 16;
-  o.mode = Mode::kLsh;
-  o.samples = 8;
-  o.seed = 3;
-  o.causal = true;
-  return o;
+  return {.batch = 2, .q_len = 33, .kv_len = 40, .heads = 4, .kv_heads = 2, .head_dim = 16, .causal = true,
+          .mode = Mode::kLsh, .samples = 8, .seed = 3};
 }
 
 struct Sizes {

@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <stdexcept>
 
 #include <gtest/gtest.h>
@@ -16,24 +15,6 @@
 extern char** environ;
 
 namespace plsh::cli::testing {
-
-ScratchDir::ScratchDir() {
-  std::string tmpl = ::testing::TempDir() + "plsh_cli_XXXXXX";
-  if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
-  dir_ = tmpl;
-}
-
-ScratchDir::~ScratchDir() {
-  std::error_code ec;
-  std::filesystem::remove_all(dir_, ec);
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -54,9 +35,9 @@ std::vector<int64_t> npy_shape(const AttentionOptions& o, bool batched, int64_t 
 
 Status write_qkv(const ScratchDir& dir, const AttentionOptions& o, bool batched, const plsh::testing::RandomTensors& t) {
   const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  RETURN_IF_ERROR(write_npy(dir.path("q.npy"), o.dtype, npy_shape(o, batched, o.q_len, o.heads), t.q.data()));
-  RETURN_IF_ERROR(write_npy(dir.path("k.npy"), o.dtype, npy_shape(o, batched, o.kv_len, kv_heads), t.k.data()));
-  return write_npy(dir.path("v.npy"), o.dtype, npy_shape(o, batched, o.kv_len, kv_heads), t.v.data());
+  RETURN_IF_ERROR(write_npy(dir.file("q.npy"), o.dtype, npy_shape(o, batched, o.q_len, o.heads), t.q.data()));
+  RETURN_IF_ERROR(write_npy(dir.file("k.npy"), o.dtype, npy_shape(o, batched, o.kv_len, kv_heads), t.k.data()));
+  return write_npy(dir.file("v.npy"), o.dtype, npy_shape(o, batched, o.kv_len, kv_heads), t.v.data());
 }
 
 NpyArray read_npy_ok(const std::string& path) {
@@ -66,8 +47,8 @@ NpyArray read_npy_ok(const std::string& path) {
 }
 
 RunResult run_plsh(const std::vector<std::string>& args, const ScratchDir& dir) {
-  const std::string out_path = dir.path("stdout.txt");
-  const std::string err_path = dir.path("stderr.txt");
+  const std::string out_path = dir.file("stdout.txt");
+  const std::string err_path = dir.file("stderr.txt");
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);

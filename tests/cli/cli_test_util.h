@@ -2,6 +2,8 @@
 // built plsh binary as a subprocess, and .npy files in memory.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -9,20 +11,16 @@
 #include "cli/npy.h"
 #include "plsh/params.h"
 #include "reference.h"
+#include "temp_dir.h"
 
 namespace plsh::cli::testing {
 
-// A fresh directory under the test temp dir, removed with the object.
-class ScratchDir {
- public:
-  ScratchDir();
-  ~ScratchDir();
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+using plsh::testing::read_file;
 
- private:
-  std::string dir_;
+// A fresh directory under gtest's temp dir, removed with the object.
+class ScratchDir : public plsh::testing::TempDir {
+ public:
+  ScratchDir() : TempDir(::testing::TempDir() + "plsh_cli_XXXXXX") {}
 };
 
 struct RunResult {
@@ -34,7 +32,6 @@ struct RunResult {
 // Runs the plsh binary under test (PLSH_BINARY) with these arguments; no shell.
 RunResult run_plsh(const std::vector<std::string>& args, const ScratchDir& dir);
 
-std::string read_file(const std::string& path);
 void write_file(const std::string& path, const std::string& bytes);
 bool file_exists(const std::string& path);
 

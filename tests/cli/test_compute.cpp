@@ -106,9 +106,9 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   ASSERT_TRUE(testing::write_qkv(dir, o, c.batched, pr.qkv).ok());
 
-  std::vector<std::string> args = {"compute", "--q", dir.path("q.npy"), "--k", dir.path("k.npy"), "--v",
-                                   dir.path("v.npy"), "--out", dir.path("o.npy"), "--lse", dir.path("lse.npy"),
-                                   "--meta", dir.path("meta.json"), "--backend", "cpu", "--threads",
+  std::vector<std::string> args = {"compute", "--q", dir.file("q.npy"), "--k", dir.file("k.npy"), "--v",
+                                   dir.file("v.npy"), "--out", dir.file("o.npy"), "--lse", dir.file("lse.npy"),
+                                   "--meta", dir.file("meta.json"), "--backend", "cpu", "--threads",
                                    std::to_string(kThreads)};
   args.insert(args.end(), c.flags.begin(), c.flags.end());
   const RunResult run = testing::run_plsh(args, dir);
@@ -126,18 +126,18 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   auto expected = run_attention(**backend, params, limits, ExecContext{});
   ASSERT_TRUE(expected.ok()) << expected.status().to_string();
 
-  const NpyArray got_out = testing::read_npy_ok(dir.path("o.npy"));
+  const NpyArray got_out = testing::read_npy_ok(dir.file("o.npy"));
   EXPECT_EQ(got_out.dtype, o.out_dtype.value_or(o.dtype));
   EXPECT_EQ(got_out.shape, testing::npy_shape(o, c.batched, o.q_len, o.heads));
   EXPECT_TRUE(got_out.data == out) << "output differs from the in-process run";
-  const NpyArray got_lse = testing::read_npy_ok(dir.path("lse.npy"));
+  const NpyArray got_lse = testing::read_npy_ok(dir.file("lse.npy"));
   EXPECT_EQ(got_lse.dtype, DType::kF32);
   EXPECT_EQ(got_lse.shape, testing::npy_shape(o, c.batched, o.q_len, o.heads, false));
   EXPECT_EQ(got_lse.data.size(), lse.size() * sizeof(float));
   EXPECT_EQ(std::memcmp(got_lse.data.data(), lse.data(), std::min(got_lse.data.size(), lse.size() * sizeof(float))), 0)
       << "lse differs from the in-process run";
 
-  const nlohmann::json meta = nlohmann::json::parse(testing::read_file(dir.path("meta.json")));
+  const nlohmann::json meta = nlohmann::json::parse(testing::read_file(dir.file("meta.json")));
   expect_keys(meta, {"mode", "samples", "seed", "heads", "flops", "dense_flops", "timings", "backend", "device",
                      "lsh_algorithm", "summary", "shape", "params"},
               "META");
@@ -232,21 +232,21 @@ struct BadInputs {
     q_nan[(3 * 4 + 1) * 4 + 2] = std::numeric_limits<float>::quiet_NaN();  // [b=0, n=3, h=1, d=2]
     write(DType::kF32, "q_nan.npy", {1, 8, 4, 4}, q_nan.data());
 
-    const std::string good = testing::read_file(dir.path("q.npy"));
-    testing::write_file(dir.path("q_truncated.npy"), good.substr(0, good.size() - 5));
+    const std::string good = testing::read_file(dir.file("q.npy"));
+    testing::write_file(dir.file("q_truncated.npy"), good.substr(0, good.size() - 5));
     std::string fortran = good;
     fortran.replace(fortran.find("False"), 5, "True ");
-    testing::write_file(dir.path("q_fortran.npy"), fortran);
+    testing::write_file(dir.file("q_fortran.npy"), fortran);
     std::string f64 = good;
     f64.replace(f64.find("<f4"), 3, "<f8");
     f64 += std::string(q.size() * 4, '\0');
-    testing::write_file(dir.path("q_f64.npy"), f64);
+    testing::write_file(dir.file("q_f64.npy"), f64);
   }
   void write(DType t, const char* name, const std::vector<int64_t>& shape, const void* data) {
-    ASSERT_TRUE(write_npy(dir.path(name), t, shape, data).ok());
+    ASSERT_TRUE(write_npy(dir.file(name), t, shape, data).ok());
   }
   std::vector<std::string> args(const std::string& q, const std::string& k, const std::string& v) const {
-    return {"compute", "--q", dir.path(q), "--k", dir.path(k), "--v", dir.path(v), "--out", dir.path("o.npy")};
+    return {"compute", "--q", dir.file(q), "--k", dir.file(k), "--v", dir.file(v), "--out", dir.file("o.npy")};
   }
 };
 
@@ -285,10 +285,10 @@ TEST(ComputeErrors, EachBadInputExitsWithOneLineNamingTheProblem) {
       {"negative probe rows", with(plain, {"--probe-rows", "-3"}), 2, "probe_rows = -3"},
       {"samples not a number", with(plain, {"--samples", "many"}), 2, "--samples: 'many' is not a decimal integer"},
       {"unknown flag", with(plain, {"--bogus"}), 2, "--bogus"},
-      {"no --out", {"compute", "--q", in.dir.path("q.npy"), "--k", in.dir.path("k.npy"), "--v", in.dir.path("v.npy")},
+      {"no --out", {"compute", "--q", in.dir.file("q.npy"), "--k", in.dir.file("k.npy"), "--v", in.dir.file("v.npy")},
        2, "--out is required"},
-      {"out directory missing", with(in.args("q.npy", "k.npy", "v.npy"), {"--lse", in.dir.path("no/such/dir/l.npy")}),
-       2, "directory '" + in.dir.path("no/such/dir") + "' does not exist"},
+      {"out directory missing", with(in.args("q.npy", "k.npy", "v.npy"), {"--lse", in.dir.file("no/such/dir/l.npy")}),
+       2, "directory '" + in.dir.file("no/such/dir") + "' does not exist"},
       {"bad backend", with(plain, {"--backend", "tpu"}), 2, "backend = 'tpu', expected one of auto, cpu, cuda"},
   };
   if (!BackendRegistry::global().find("cuda").ok()) {
@@ -296,7 +296,7 @@ TEST(ComputeErrors, EachBadInputExitsWithOneLineNamingTheProblem) {
     cases.push_back({"cuda not available", with(plain, {"--backend", "cuda"}), 1, "backend = 'cuda' is not available"});
   }
   for (const BadCase& c : cases) {
-    std::remove(in.dir.path("o.npy").c_str());
+    std::remove(in.dir.file("o.npy").c_str());
     const RunResult r = testing::run_plsh(c.args, in.dir);
     EXPECT_EQ(r.exit_code, c.exit_code) << c.what << ": " << r.err;
     EXPECT_EQ(r.out, "") << c.what;
@@ -304,7 +304,7 @@ TEST(ComputeErrors, EachBadInputExitsWithOneLineNamingTheProblem) {
     EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << c.what << ": not one line: " << r.err;
     EXPECT_EQ(r.err.rfind("plsh compute: ", 0), 0u) << c.what << ": " << r.err;
     EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.what << ": " << r.err;
-    EXPECT_FALSE(testing::file_exists(in.dir.path("o.npy"))) << c.what << ": wrote an output anyway";
+    EXPECT_FALSE(testing::file_exists(in.dir.file("o.npy"))) << c.what << ": wrote an output anyway";
   }
 }
 

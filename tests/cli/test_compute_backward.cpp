@@ -74,12 +74,12 @@ TEST_P(ComputeBackward, MatchesInProcessForwardBackward) {
   ASSERT_TRUE(with.status.ok() && alone.status.ok()) << with.status.to_string();
   plsh::testing::GradTensors grads = plsh::testing::grad_tensors(o, grad_dtype, 7);
   ASSERT_TRUE(testing::write_qkv(dir, o, c.batched, with.qkv).ok());
-  ASSERT_TRUE(write_npy(dir.path("dout.npy"), o.dtype, testing::npy_shape(o, c.batched, o.q_len, o.heads), grads.dout.data()).ok());
+  ASSERT_TRUE(write_npy(dir.file("dout.npy"), o.dtype, testing::npy_shape(o, c.batched, o.q_len, o.heads), grads.dout.data()).ok());
 
-  std::vector<std::string> args = {"compute", "--q", dir.path("q.npy"), "--k", dir.path("k.npy"), "--v",
-                                   dir.path("v.npy"), "--out", dir.path("o.npy"), "--meta", dir.path("meta.json"),
-                                   "--dout", dir.path("dout.npy"), "--dq", dir.path("dq.npy"), "--dk",
-                                   dir.path("dk.npy"), "--dv", dir.path("dv.npy"), "--backend", "cpu", "--threads", "1"};
+  std::vector<std::string> args = {"compute", "--q", dir.file("q.npy"), "--k", dir.file("k.npy"), "--v",
+                                   dir.file("v.npy"), "--out", dir.file("o.npy"), "--meta", dir.file("meta.json"),
+                                   "--dout", dir.file("dout.npy"), "--dq", dir.file("dq.npy"), "--dk",
+                                   dir.file("dk.npy"), "--dv", dir.file("dv.npy"), "--backend", "cpu", "--threads", "1"};
   args.insert(args.end(), c.flags.begin(), c.flags.end());
   if (c.grad_dtype) args.insert(args.end(), {"--grad-dtype", dtype_name(*c.grad_dtype)});
   const RunResult run = testing::run_plsh(args, dir);
@@ -96,11 +96,11 @@ TEST_P(ComputeBackward, MatchesInProcessForwardBackward) {
   ASSERT_TRUE(run_attention(**backend, alone.params, limits, ExecContext{}).ok());
   EXPECT_EQ(with.out, alone.out) << "the forward of a forward+backward differs from a forward alone";
 
-  EXPECT_EQ(testing::read_npy_ok(dir.path("o.npy")).data, with.out);
+  EXPECT_EQ(testing::read_npy_ok(dir.file("o.npy")).data, with.out);
   const std::pair<const char*, const std::vector<uint8_t>*> grads_expected[] = {
       {"dq", &grads.dq}, {"dk", &grads.dk}, {"dv", &grads.dv}};
   for (const auto& [name, want] : grads_expected) {
-    const NpyArray got = testing::read_npy_ok(dir.path(std::string(name) + ".npy"));
+    const NpyArray got = testing::read_npy_ok(dir.file(std::string(name) + ".npy"));
     EXPECT_EQ(got.dtype, grad_dtype) << name;
     EXPECT_EQ(got.shape, std::string(name) == "dq" ? testing::npy_shape(o, c.batched, o.q_len, o.heads)
                                                    : testing::npy_shape(o, c.batched, o.kv_len, kv_heads))
@@ -108,7 +108,7 @@ TEST_P(ComputeBackward, MatchesInProcessForwardBackward) {
     EXPECT_TRUE(got.data == *want) << name << " differs from the in-process run";
   }
 
-  const nlohmann::json meta = nlohmann::json::parse(testing::read_file(dir.path("meta.json")));
+  const nlohmann::json meta = nlohmann::json::parse(testing::read_file(dir.file("meta.json")));
   ASSERT_TRUE(meta.contains("backward")) << meta.dump(2);
   const nlohmann::json& b = meta["backward"];
   for (const char* key : {"backend", "device", "grad_dtype", "flops", "dense_flops", "host_workspace_bytes",
@@ -130,27 +130,27 @@ INSTANTIATE_TEST_SUITE_P(Cases, ComputeBackward, ::testing::ValuesIn(cases()),
 TEST(ComputeBackwardErrors, EachBadCombinationExitsWithOneLineNamingTheProblem) {
   ScratchDir dir;
   const std::vector<float> q(1 * 8 * 4 * 4, 0.5f), kv(1 * 8 * 2 * 4, 0.25f);
-  ASSERT_TRUE(write_npy(dir.path("q.npy"), DType::kF32, {1, 8, 4, 4}, q.data()).ok());
-  ASSERT_TRUE(write_npy(dir.path("k.npy"), DType::kF32, {1, 8, 2, 4}, kv.data()).ok());
-  ASSERT_TRUE(write_npy(dir.path("v.npy"), DType::kF32, {1, 8, 2, 4}, kv.data()).ok());
-  ASSERT_TRUE(write_npy(dir.path("dout.npy"), DType::kF32, {1, 8, 4, 4}, q.data()).ok());
-  ASSERT_TRUE(write_npy(dir.path("dout_short.npy"), DType::kF32, {1, 7, 4, 4}, q.data()).ok());
+  ASSERT_TRUE(write_npy(dir.file("q.npy"), DType::kF32, {1, 8, 4, 4}, q.data()).ok());
+  ASSERT_TRUE(write_npy(dir.file("k.npy"), DType::kF32, {1, 8, 2, 4}, kv.data()).ok());
+  ASSERT_TRUE(write_npy(dir.file("v.npy"), DType::kF32, {1, 8, 2, 4}, kv.data()).ok());
+  ASSERT_TRUE(write_npy(dir.file("dout.npy"), DType::kF32, {1, 8, 4, 4}, q.data()).ok());
+  ASSERT_TRUE(write_npy(dir.file("dout_short.npy"), DType::kF32, {1, 7, 4, 4}, q.data()).ok());
   const std::vector<uint16_t> half(q.size(), 0x3800);
-  ASSERT_TRUE(write_npy(dir.path("dout_f16.npy"), DType::kF16, {1, 8, 4, 4}, half.data()).ok());
+  ASSERT_TRUE(write_npy(dir.file("dout_f16.npy"), DType::kF16, {1, 8, 4, 4}, half.data()).ok());
   std::vector<float> nan_dout = q;
   nan_dout[(2 * 4 + 3) * 4 + 1] = std::numeric_limits<float>::quiet_NaN();  // [b=0, n=2, h=3, d=1]
-  ASSERT_TRUE(write_npy(dir.path("dout_nan.npy"), DType::kF32, {1, 8, 4, 4}, nan_dout.data()).ok());
+  ASSERT_TRUE(write_npy(dir.file("dout_nan.npy"), DType::kF32, {1, 8, 4, 4}, nan_dout.data()).ok());
 
-  const std::vector<std::string> base = {"compute", "--q", dir.path("q.npy"), "--k", dir.path("k.npy"),
-                                         "--v", dir.path("v.npy"), "--out", dir.path("o.npy")};
+  const std::vector<std::string> base = {"compute", "--q", dir.file("q.npy"), "--k", dir.file("k.npy"),
+                                         "--v", dir.file("v.npy"), "--out", dir.file("o.npy")};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = base;
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
   auto all = [&](const std::string& dout, std::vector<std::string> extra = {}) {
-    std::vector<std::string> a = with({"--dout", dir.path(dout), "--dq", dir.path("dq.npy"), "--dk", dir.path("dk.npy"),
-                                       "--dv", dir.path("dv.npy")});
+    std::vector<std::string> a = with({"--dout", dir.file(dout), "--dq", dir.file("dq.npy"), "--dk", dir.file("dk.npy"),
+                                       "--dv", dir.file("dv.npy")});
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
@@ -160,9 +160,9 @@ TEST(ComputeBackwardErrors, EachBadCombinationExitsWithOneLineNamingTheProblem) 
     std::string expected;
   };
   const std::vector<Bad> cases = {
-      {"dout alone", with({"--dout", dir.path("dout.npy")}),
+      {"dout alone", with({"--dout", dir.file("dout.npy")}),
        "the backward needs --dout, --dq, --dk and --dv together: --dout given, --dq, --dk, --dv missing"},
-      {"gradients without dout", with({"--dq", dir.path("dq.npy"), "--dk", dir.path("dk.npy"), "--dv", dir.path("dv.npy")}),
+      {"gradients without dout", with({"--dq", dir.file("dq.npy"), "--dk", dir.file("dk.npy"), "--dv", dir.file("dv.npy")}),
        "--dq, --dk, --dv given, --dout missing"},
       {"grad dtype alone", with({"--grad-dtype", "f32"}), "--grad-dtype = 'f32' without the backward"},
       {"bad grad dtype", all("dout.npy", {"--grad-dtype", "f64"}), "grad_dtype = 'f64', expected f32, f16 or bf16"},
@@ -171,19 +171,19 @@ TEST(ComputeBackwardErrors, EachBadCombinationExitsWithOneLineNamingTheProblem) 
       {"dout dtype", all("dout_f16.npy"), "dout dtype f16, expected the dtype of out (f32)"},
       {"dout not finite", all("dout_nan.npy"), "dout has a non-finite value (nan) at [b=0, n=2, h=3, d=1]"},
       {"dq directory missing",
-       with({"--dout", dir.path("dout.npy"), "--dq", dir.path("no/dq.npy"), "--dk", dir.path("dk.npy"), "--dv",
-             dir.path("dv.npy")}),
-       "dq = '" + dir.path("no/dq.npy") + "': directory '" + dir.path("no") + "' does not exist"},
+       with({"--dout", dir.file("dout.npy"), "--dq", dir.file("no/dq.npy"), "--dk", dir.file("dk.npy"), "--dv",
+             dir.file("dv.npy")}),
+       "dq = '" + dir.file("no/dq.npy") + "': directory '" + dir.file("no") + "' does not exist"},
   };
   for (const Bad& c : cases) {
-    for (const char* f : {"o.npy", "dq.npy", "dk.npy", "dv.npy"}) std::remove(dir.path(f).c_str());
+    for (const char* f : {"o.npy", "dq.npy", "dk.npy", "dv.npy"}) std::remove(dir.file(f).c_str());
     const RunResult r = testing::run_plsh(c.args, dir);
     EXPECT_EQ(r.exit_code, 2) << c.what << ": " << r.err;
     ASSERT_FALSE(r.err.empty()) << c.what;
     EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << c.what << ": not one line: " << r.err;
     EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.what << ": " << r.err;
     for (const char* f : {"o.npy", "dq.npy", "dk.npy", "dv.npy"})
-      EXPECT_FALSE(testing::file_exists(dir.path(f))) << c.what << ": wrote " << f << " anyway";
+      EXPECT_FALSE(testing::file_exists(dir.file(f))) << c.what << ": wrote " << f << " anyway";
   }
 }
 

@@ -64,7 +64,7 @@ TEST(Npy, RoundTripsEveryDtypeAndRank) {
       for (int64_t d : shape) n *= d;
       std::vector<uint8_t> data(static_cast<size_t>(n) * dtype_bytes(t));
       for (int64_t i = 0; i < n; ++i) store_element(data.data(), t, i, static_cast<float>(i) * 0.37f - 3.0f);
-      const std::string path = dir.path("a.npy");
+      const std::string path = dir.file("a.npy");
       ASSERT_TRUE(write_npy(path, t, shape, data.data()).ok());
       auto back = read_npy(path, NpyReadOptions{true});
       ASSERT_TRUE(back.ok()) << back.status().to_string();
@@ -161,16 +161,16 @@ TEST(Npy, BadFilesGiveOneLineNamingFileAndProblem) {
 
 TEST(Npy, ReadFileErrorsNameThePath) {
   testing::ScratchDir dir;
-  auto missing = read_npy(dir.path("missing.npy"));
+  auto missing = read_npy(dir.file("missing.npy"));
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("missing.npy: no such file"), std::string::npos);
-  auto directory = read_npy(dir.path(""));
+  auto directory = read_npy(dir.file(""));
   ASSERT_FALSE(directory.ok());
   EXPECT_NE(directory.status().message().find("is a directory"), std::string::npos);
   // The file on disk goes through the same checks as bytes in memory.
   const std::string good = npy_bytes(DType::kF32, {4}, std::vector<float>(4, 1.0f).data());
-  testing::write_file(dir.path("short.npy"), good.substr(0, good.size() - 3));
-  auto shortened = read_npy(dir.path("short.npy"));
+  testing::write_file(dir.file("short.npy"), good.substr(0, good.size() - 3));
+  auto shortened = read_npy(dir.file("short.npy"));
   ASSERT_FALSE(shortened.ok());
   EXPECT_NE(shortened.status().message().find("truncated"), std::string::npos) << shortened.status().message();
 }

@@ -73,16 +73,24 @@ std::string full_stream(const v1::AttendHeader& h, int pieces) {
   return s + end_record();
 }
 
-void header_seeds() {
+// Calls f for every mode with every dtype: the mode's index m (0 exact, 1
+// window, 2 lsh), causal on every other pair, and the seed name
+// "ok_MODE_DTYPE".
+template <class F>
+void each_mode_and_dtype(F&& f) {
   const v1::DType dtypes[] = {v1::DTYPE_F32, v1::DTYPE_F16, v1::DTYPE_BF16};
   const v1::Mode modes[] = {v1::MODE_EXACT, v1::MODE_WINDOW, v1::MODE_LSH};
   const char* mode_names[] = {"exact", "window", "lsh"};
   const char* dtype_names[] = {"f32", "f16", "bf16"};
   for (int m = 0; m < 3; ++m)
-    for (int d = 0; d < 3; ++d) {
-      v1::AttendHeader h = header(modes[m], dtypes[d], 16, 2, 8, (m + d) % 2 == 0);
-      write("header", std::string("ok_") + mode_names[m] + "_" + dtype_names[d], h.SerializeAsString());
-    }
+    for (int d = 0; d < 3; ++d)
+      f(modes[m], dtypes[d], m, (m + d) % 2 == 0, std::string("ok_") + mode_names[m] + "_" + dtype_names[d]);
+}
+
+void header_seeds() {
+  each_mode_and_dtype([](v1::Mode mode, v1::DType dtype, int, bool causal, const std::string& name) {
+    write("header", name, header(mode, dtype, 16, 2, 8, causal).SerializeAsString());
+  });
   v1::AttendHeader h = header(v1::MODE_LSH, v1::DTYPE_F32, 33, 4, 8, true);
   h.set_batch(2);
   h.set_kv_heads(2);
@@ -135,15 +143,10 @@ void header_seeds() {
 }
 
 void stream_seeds() {
-  const v1::DType dtypes[] = {v1::DTYPE_F32, v1::DTYPE_F16, v1::DTYPE_BF16};
-  const v1::Mode modes[] = {v1::MODE_EXACT, v1::MODE_WINDOW, v1::MODE_LSH};
-  const char* mode_names[] = {"exact", "window", "lsh"};
-  const char* dtype_names[] = {"f32", "f16", "bf16"};
-  for (int m = 0; m < 3; ++m)
-    for (int d = 0; d < 3; ++d) {
-      const v1::AttendHeader h = header(modes[m], dtypes[d], 8, 2, 4, (m + d) % 2 == 0);
-      write("stream", std::string("ok_") + mode_names[m] + "_" + dtype_names[d], full_stream(h, 1 + m));
-    }
+  // 1, 2 or 3 chunks a tensor, by mode.
+  each_mode_and_dtype([](v1::Mode mode, v1::DType dtype, int m, bool causal, const std::string& name) {
+    write("stream", name, full_stream(header(mode, dtype, 8, 2, 4, causal), 1 + m));
+  });
   v1::AttendHeader g = header(v1::MODE_LSH, v1::DTYPE_F32, 6, 4, 4, true);
   g.set_batch(2);
   g.set_kv_heads(2);

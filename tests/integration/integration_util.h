@@ -1,7 +1,10 @@
 // What the integration suites share beside the server process: the names
-// they all use, polling, a /metrics scrape, a call over tensors the test
-// owns, and the small odd-sized GQA request they check end to end.
+// they all use, polling, a /metrics scrape, a fixture for a suite's one
+// server, a call over tensors the test owns, and the small odd-sized GQA
+// request they check end to end.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <functional>
@@ -43,6 +46,24 @@ inline std::map<std::string, double> scrape(const ServerProcess& s) {
   return parse_metrics(http_get(s.metrics_address(), "/metrics"));
 }
 
+// A suite whose tests share one server: started before the first test with
+// Suite::server_flags(), and required to exit 0 after the last. A template
+// on the suite (CRTP), so that each suite has a server of its own.
+template <class Suite>
+class SharedServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new ServerProcess(Suite::server_flags());
+    ASSERT_TRUE(server_->started()) << server_->log();
+  }
+  static void TearDownTestSuite() {
+    EXPECT_EQ(server_->terminate(), 0) << server_->log();
+    delete server_;
+    server_ = nullptr;
+  }
+  static inline ServerProcess* server_ = nullptr;
+};
+
 // A call over host tensors q, k, v (float or raw bytes) that outlive it.
 template <class T>
 AttendCall attend_call(const AttentionOptions& o, const std::vector<T>& q, const std::vector<T>& k,
@@ -59,18 +80,8 @@ AttendCall attend_call(const AttentionOptions& o, const std::vector<T>& q, const
 // B = 2, 97 queries over 130 keys, 4 heads on 2 kv heads, D = 40, 16
 // samples: odd sizes and GQA in a request that takes milliseconds.
 inline AttentionOptions odd_gqa_options(Mode mode, bool causal) {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 97;
-  o.kv_len = 130;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.head_dim = 40;
-  o.mode = mode;
-  o.samples = 16;
-  o.seed = 7;
-  o.causal = causal;
-  return o;
+  return {.batch = 2, .q_len = 97, .kv_len = 130, .heads = 4, .kv_heads = 2, .head_dim = 40, .causal = causal,
+          .mode = mode, .samples = 16, .seed = 7};
 }
 
 // Values ~ N(0, 1) from a fixed seed, one tensor after another, stored in
@@ -84,6 +95,13 @@ class Gaussian {
     for (float& x : row) x = normal_(rng_);
     store_row(t.data(), dtype, 0, n, row.data());
     return t;
+  }
+  // q, k and v of o in o.dtype, drawn in that order.
+  void qkv(const AttentionOptions& o, std::vector<uint8_t>* q, std::vector<uint8_t>* k, std::vector<uint8_t>* v) {
+    const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
+    *q = tensor(o.batch * o.q_len * o.heads * o.head_dim, o.dtype);
+    *k = tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
+    *v = tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
   }
 
  private:

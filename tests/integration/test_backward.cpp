@@ -49,11 +49,8 @@ struct Problem {
 Problem make_problem(const AttentionOptions& o, uint64_t seed) {
   Problem p;
   p.options = o;
-  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   testing::Gaussian normal(seed);
-  p.q = normal.tensor(o.batch * o.q_len * o.heads * o.head_dim, o.dtype);
-  p.k = normal.tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
-  p.v = normal.tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
+  normal.qkv(o, &p.q, &p.k, &p.v);
   p.dout = normal.tensor(o.batch * o.q_len * o.heads * o.head_dim, o.out_dtype.value_or(o.dtype));
   return p;
 }
@@ -130,26 +127,20 @@ testing::ReferenceGradients reference_gradients(const Problem& p) {
   return testing::reference_backward(*params, testing::dense_inputs(*params), testing::reference_weights(*params), dout);
 }
 
-class BackwardTest : public ::testing::Test {
+class BackwardTest : public testing::SharedServerTest<BackwardTest> {
+ public:
+  // One CPU thread per request: the in-process comparison is bit for bit.
+  static std::vector<std::string> server_flags() {
+    return {"--max-samples", "256", "--threads", "1", "--context-ttl", "60"};
+  }
+
  protected:
-  static void SetUpTestSuite() {
-    // One CPU thread per request: the in-process comparison is bit for bit.
-    server_ = new ServerProcess({"--max-samples", "256", "--threads", "1", "--context-ttl", "60"});
-    ASSERT_TRUE(server_->started()) << server_->log();
-  }
-  static void TearDownTestSuite() {
-    EXPECT_EQ(server_->terminate(), 0) << server_->log();
-    delete server_;
-    server_ = nullptr;
-  }
   void TearDown() override {
     // Every test leaves the store empty and the budget whole.
     EXPECT_TRUE(eventually([] { return gauge(*server_, "plsh_contexts") == 0; })) << "contexts left behind";
     EXPECT_TRUE(eventually([] { return gauge(*server_, "plsh_memory_reserved_bytes", {"space=\"host\""}) == 0; }));
   }
-  static ServerProcess* server_;
 };
-ServerProcess* BackwardTest::server_ = nullptr;
 
 // --------------------------------------------------- gradients
 

@@ -43,6 +43,15 @@ Request make_request(Mode mode, int64_t n, int64_t heads, DType dtype = DType::k
   return r;
 }
 
+// Waits (up to 30 s) until the server has received all of r's q, k and v:
+// the request is then whole and on its way to a worker. No assertion here:
+// each test checks what it expects to follow.
+void wait_until_received(const ServerProcess& server, const Request& r) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * r.q.size())
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+}
+
 // Sends a whole request on a raw stream under ctx and waits for the end;
 // the caller cancels ctx from another thread when it wants to.
 grpc::Status stream_request(const std::string& target, const Request& r, grpc::ClientContext* ctx) {
@@ -121,10 +130,7 @@ TEST(ServiceLifecycle, CancelMidRequestFreesTheWorker) {
   grpc::ClientContext ctx;
   grpc::Status big_status;
   std::thread caller([&] { big_status = stream_request(server.grpc_address(), big, &ctx); });
-  // Wait until the big request is on the worker.
-  const auto t0 = std::chrono::steady_clock::now();
-  while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * big.q.size())
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  wait_until_received(server, big);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   ctx.TryCancel();
   caller.join();
@@ -203,9 +209,7 @@ TEST(ServiceLifecycle, SigtermFinishesTheRequestInFlightAndExitsZero) {
     status = Client(server.grpc_address()).attend(r.call(), &reply);
     done = true;
   });
-  const auto t0 = std::chrono::steady_clock::now();
-  while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * r.q.size())
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  wait_until_received(server, r);
   kill(server.pid(), SIGTERM);
 
   // While draining: NOT_SERVING, and new requests are UNAVAILABLE.
@@ -244,9 +248,7 @@ TEST(ServiceLifecycle, FullQueueAndTooManyStreamsAreResourceExhausted) {
   grpc::ClientContext big_ctx;
   grpc::Status big_status;
   std::thread caller([&] { big_status = stream_request(server.grpc_address(), big, &big_ctx); });
-  const auto t0 = std::chrono::steady_clock::now();
-  while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * big.q.size())
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  wait_until_received(server, big);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the end message reaches the worker
 
   Client c(server.grpc_address());

@@ -26,11 +26,7 @@ struct Inputs {
 Inputs make_inputs(const AttentionOptions& o, uint64_t seed) {
   Inputs in;
   in.options = o;
-  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  testing::Gaussian normal(seed);
-  in.q = normal.tensor(o.batch * o.q_len * o.heads * o.head_dim, o.dtype);
-  in.k = normal.tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
-  in.v = normal.tensor(o.batch * o.kv_len * kv_heads * o.head_dim, o.dtype);
+  testing::Gaussian(seed).qkv(o, &in.q, &in.k, &in.v);
   return in;
 }
 
@@ -79,20 +75,12 @@ double rel_diff(const float* a, const float* b, size_t n) {
   return scale > 0 ? diff / scale : diff;
 }
 
-class ServiceTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    server_ = new ServerProcess({"--max-samples", "256", "--max-tokens", "100000", "--threads", "2"});
-    ASSERT_TRUE(server_->started()) << server_->log();
+class ServiceTest : public testing::SharedServerTest<ServiceTest> {
+ public:
+  static std::vector<std::string> server_flags() {
+    return {"--max-samples", "256", "--max-tokens", "100000", "--threads", "2"};
   }
-  static void TearDownTestSuite() {
-    EXPECT_EQ(server_->terminate(), 0) << server_->log();
-    delete server_;
-    server_ = nullptr;
-  }
-  static ServerProcess* server_;
 };
-ServerProcess* ServiceTest::server_ = nullptr;
 
 AttentionOptions small_options(Mode mode) { return testing::odd_gqa_options(mode, true); }
 
@@ -130,25 +118,28 @@ TEST_F(ServiceTest, EveryModeEqualsInProcessStreamedAndUnary) {
 }
 
 // A case of the bad-input table: a way to send a request, and what must come back.
+using Send = std::function<grpc::Status(const std::string& target)>;
 struct BadCase {
   std::string name;
-  std::function<grpc::Status(const std::string& target)> send;
+  Send send;
   grpc::StatusCode code;
   std::string must_mention;
 };
 
-grpc::Status attend_with(const std::string& target, const std::function<void(AttentionOptions&)>& edit,
-                         const std::function<void(Inputs&)>& edit_inputs = nullptr) {
-  AttentionOptions o = small_options(Mode::kLsh);
-  o.q_len = 8;
-  o.kv_len = 8;
-  // Inputs come from a valid shape; the edit then breaks the header.
-  Inputs in = make_inputs(o, 3);
-  if (edit_inputs) edit_inputs(in);
-  AttendCall call = call_for(in);
-  edit(call.options);
-  AttendReply reply;
-  return Client(target).attend(call, &reply);
+// A call through the client library whose options (or inputs) the edits break.
+Send attend_with(std::function<void(AttentionOptions&)> edit, std::function<void(Inputs&)> edit_inputs = nullptr) {
+  return [edit = std::move(edit), edit_inputs = std::move(edit_inputs)](const std::string& target) {
+    AttentionOptions o = small_options(Mode::kLsh);
+    o.q_len = 8;
+    o.kv_len = 8;
+    // Inputs come from a valid shape; the edit then breaks the header.
+    Inputs in = make_inputs(o, 3);
+    if (edit_inputs) edit_inputs(in);
+    AttendCall call = call_for(in);
+    edit(call.options);
+    AttendReply reply;
+    return Client(target).attend(call, &reply);
+  };
 }
 
 // Raw messages, for breaking the protocol itself.
@@ -199,6 +190,18 @@ std::vector<v1::AttendRequest> full_input(int64_t rows = 4) {
   return {chunk_msg(v1::TENSOR_Q, 0, rows), chunk_msg(v1::TENSOR_K, 0, rows), chunk_msg(v1::TENSOR_V, 0, rows)};
 }
 
+// Writes these raw messages.
+Send stream_of(std::vector<v1::AttendRequest> messages) {
+  return [messages = std::move(messages)](const std::string& target) { return raw_stream(target, messages); };
+}
+
+// One header, edited the way the client library never would.
+Send header_with(const std::function<void(v1::AttendHeader&)>& edit) {
+  v1::AttendRequest m = header_msg();
+  edit(*m.mutable_header());
+  return stream_of({m});
+}
+
 std::vector<v1::AttendRequest> concat(std::vector<v1::AttendRequest> a, const std::vector<v1::AttendRequest>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
@@ -209,89 +212,47 @@ TEST_F(ServiceTest, BadInputTableGetsTheRightCodeAndNamesTheField) {
   const auto INV = SC::INVALID_ARGUMENT;
   const auto RES = SC::RESOURCE_EXHAUSTED;
   std::vector<BadCase> cases = {
-      {"heads 0", [](auto& t) { return attend_with(t, [](auto& o) { o.heads = 0; }); }, INV, "heads"},
-      {"H % Hkv != 0", [](auto& t) { return attend_with(t, [](auto& o) { o.kv_heads = 3; }); }, INV, "kv_heads"},
-      {"head_dim over 1024", [](auto& t) { return attend_with(t, [](auto& o) { o.head_dim = 2000; }); }, INV, "head_dim"},
-      {"q_len 0", [](auto& t) { return attend_with(t, [](auto& o) { o.q_len = 0; }); }, INV, "q_len"},
-      {"negative slope", [](auto& t) { return attend_with(t, [](auto& o) { o.slopes = {0.5, -0.1, 0.2, 0.1}; }); }, INV, "slopes[1]"},
-      {"slopes count", [](auto& t) { return attend_with(t, [](auto& o) { o.slopes = {0.5}; }); }, INV, "slopes"},
-      {"samples 0", [](auto& t) { return attend_with(t, [](auto& o) { o.samples = 0; }); }, INV, "samples"},
-      {"samples over --max-samples", [](auto& t) { return attend_with(t, [](auto& o) { o.samples = 257; }); }, RES, "samples"},
-      {"N over --max-tokens", [](auto& t) { return attend_with(t, [](auto& o) { o.kv_len = 200000; }); }, RES, "max-tokens"},
-      {"negative scale", [](auto& t) { return attend_with(t, [](auto& o) { o.scale = -1.0; }); }, INV, "scale"},
-      {"causal with no key for row 0", [](auto& t) { return attend_with(t, [](auto& o) { o.q_pos0 = -5; }); }, INV, "q_pos0"},
-      {"window_eps out of (0, 1)",
-       [](auto& t) { return attend_with(t, [](auto& o) { o.mode = Mode::kWindow; o.window_eps = 2; }); }, INV, "window_eps"},
+      {"heads 0", attend_with([](auto& o) { o.heads = 0; }), INV, "heads"},
+      {"H % Hkv != 0", attend_with([](auto& o) { o.kv_heads = 3; }), INV, "kv_heads"},
+      {"head_dim over 1024", attend_with([](auto& o) { o.head_dim = 2000; }), INV, "head_dim"},
+      {"q_len 0", attend_with([](auto& o) { o.q_len = 0; }), INV, "q_len"},
+      {"negative slope", attend_with([](auto& o) { o.slopes = {0.5, -0.1, 0.2, 0.1}; }), INV, "slopes[1]"},
+      {"slopes count", attend_with([](auto& o) { o.slopes = {0.5}; }), INV, "slopes"},
+      {"samples 0", attend_with([](auto& o) { o.samples = 0; }), INV, "samples"},
+      {"samples over --max-samples", attend_with([](auto& o) { o.samples = 257; }), RES, "samples"},
+      {"N over --max-tokens", attend_with([](auto& o) { o.kv_len = 200000; }), RES, "max-tokens"},
+      {"negative scale", attend_with([](auto& o) { o.scale = -1.0; }), INV, "scale"},
+      {"causal with no key for row 0", attend_with([](auto& o) { o.q_pos0 = -5; }), INV, "q_pos0"},
+      {"window_eps out of (0, 1)", attend_with([](auto& o) { o.mode = Mode::kWindow; o.window_eps = 2; }), INV,
+       "window_eps"},
       {"NaN in q",
-       [](auto& t) {
-         return attend_with(t, [](auto&) {}, [](Inputs& in) {
-           const float nan = std::nanf("");
-           std::memcpy(in.q.data() + 4 * 45, &nan, 4);
-         });
-       },
+       attend_with([](auto&) {},
+                   [](Inputs& in) {
+                     const float nan = std::nanf("");
+                     std::memcpy(in.q.data() + 4 * 45, &nan, 4);
+                   }),
        INV, "q has a non-finite value"},
-      {"unknown dtype",
-       [](auto& t) {
-         v1::AttendRequest h = header_msg();
-         h.mutable_header()->set_dtype(static_cast<v1::DType>(9));
-         return raw_stream(t, {h});
-       },
-       INV, "dtype"},
-      {"dtype unspecified",
-       [](auto& t) {
-         v1::AttendRequest h = header_msg();
-         h.mutable_header()->clear_dtype();
-         return raw_stream(t, {h});
-       },
-       INV, "dtype"},
-      {"unknown mode",
-       [](auto& t) {
-         v1::AttendRequest h = header_msg();
-         h.mutable_header()->set_mode(static_cast<v1::Mode>(7));
-         return raw_stream(t, {h});
-       },
-       INV, "mode"},
-      {"unknown backend",
-       [](auto& t) {
-         v1::AttendRequest h = header_msg();
-         h.mutable_header()->set_backend("tpu");
-         return raw_stream(t, {h});
-       },
-       INV, "backend"},
-      {"request_id too long",
-       [](auto& t) {
-         v1::AttendRequest h = header_msg();
-         h.mutable_header()->set_request_id(std::string(200, 'x'));
-         return raw_stream(t, {h});
-       },
-       INV, "request_id"},
-      {"data before header", [](auto& t) { return raw_stream(t, full_input()); }, INV, "header"},
-      {"end before header", [](auto& t) { return raw_stream(t, {end_msg()}); }, INV, "header"},
-      {"header twice", [](auto& t) { return raw_stream(t, {header_msg(), header_msg()}); }, INV, "header"},
-      {"chunk out of range",
-       [](auto& t) { return raw_stream(t, {header_msg(), chunk_msg(v1::TENSOR_Q, 3, 2)}); }, INV, "row_count"},
-      {"chunk row_start past the end",
-       [](auto& t) { return raw_stream(t, {header_msg(), chunk_msg(v1::TENSOR_K, 4, 1)}); }, INV, "row_start"},
+      {"unknown dtype", header_with([](auto& h) { h.set_dtype(static_cast<v1::DType>(9)); }), INV, "dtype"},
+      {"dtype unspecified", header_with([](auto& h) { h.clear_dtype(); }), INV, "dtype"},
+      {"unknown mode", header_with([](auto& h) { h.set_mode(static_cast<v1::Mode>(7)); }), INV, "mode"},
+      {"unknown backend", header_with([](auto& h) { h.set_backend("tpu"); }), INV, "backend"},
+      {"request_id too long", header_with([](auto& h) { h.set_request_id(std::string(200, 'x')); }), INV, "request_id"},
+      {"data before header", stream_of(full_input()), INV, "header"},
+      {"end before header", stream_of({end_msg()}), INV, "header"},
+      {"header twice", stream_of({header_msg(), header_msg()}), INV, "header"},
+      {"chunk out of range", stream_of({header_msg(), chunk_msg(v1::TENSOR_Q, 3, 2)}), INV, "row_count"},
+      {"chunk row_start past the end", stream_of({header_msg(), chunk_msg(v1::TENSOR_K, 4, 1)}), INV, "row_start"},
       {"overlapping chunks",
-       [](auto& t) {
-         return raw_stream(t, {header_msg(), chunk_msg(v1::TENSOR_V, 0, 3), chunk_msg(v1::TENSOR_V, 2, 2)});
-       },
-       INV, "overlap"},
-      {"wrong byte count",
-       [](auto& t) { return raw_stream(t, {header_msg(), chunk_msg(v1::TENSOR_Q, 0, 2, 60)}); }, INV, "data"},
-      {"chunk of no tensor",
-       [](auto& t) { return raw_stream(t, {header_msg(), chunk_msg(v1::TENSOR_UNSPECIFIED, 0, 1)}); }, INV, "chunk.tensor"},
-      {"chunk of an output tensor",
-       [](auto& t) { return raw_stream(t, {header_msg(), chunk_msg(v1::TENSOR_OUT, 0, 1)}); }, INV, "chunk.tensor"},
+       stream_of({header_msg(), chunk_msg(v1::TENSOR_V, 0, 3), chunk_msg(v1::TENSOR_V, 2, 2)}), INV, "overlap"},
+      {"wrong byte count", stream_of({header_msg(), chunk_msg(v1::TENSOR_Q, 0, 2, 60)}), INV, "data"},
+      {"chunk of no tensor", stream_of({header_msg(), chunk_msg(v1::TENSOR_UNSPECIFIED, 0, 1)}), INV, "chunk.tensor"},
+      {"chunk of an output tensor", stream_of({header_msg(), chunk_msg(v1::TENSOR_OUT, 0, 1)}), INV, "chunk.tensor"},
       {"rows missing at end",
-       [](auto& t) {
-         return raw_stream(t, {header_msg(), chunk_msg(v1::TENSOR_Q, 0, 4), chunk_msg(v1::TENSOR_K, 0, 4),
-                               chunk_msg(v1::TENSOR_V, 0, 2), end_msg()});
-       },
+       stream_of({header_msg(), chunk_msg(v1::TENSOR_Q, 0, 4), chunk_msg(v1::TENSOR_K, 0, 4),
+                  chunk_msg(v1::TENSOR_V, 0, 2), end_msg()}),
        INV, "missing"},
-      {"stream ended early (no end)",
-       [](auto& t) { return raw_stream(t, concat({header_msg()}, full_input())); }, INV, "end"},
-      {"message with nothing set", [](auto& t) { return raw_stream(t, {v1::AttendRequest{}}); }, INV, "kind"},
+      {"stream ended early (no end)", stream_of(concat({header_msg()}, full_input())), INV, "end"},
+      {"message with nothing set", stream_of({v1::AttendRequest{}}), INV, "kind"},
       {"unary q of the wrong size",
        [](auto& t) {
          auto stub = v1::Attention::NewStub(grpc::CreateChannel(t, grpc::InsecureChannelCredentials()));

@@ -15,21 +15,9 @@ namespace plsh::client {
 namespace {
 
 AttentionOptions base_options(Mode mode, bool causal) {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 1000;
-  o.kv_len = 2600;
-  o.heads = 6;
-  o.kv_heads = 3;
-  o.head_dim = 40;
-  o.mode = mode;
-  o.causal = causal;
-  o.k_pos0 = 5000;
-  o.q_pos0 = 5000 + 1200;
-  o.slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125};
-  o.samples = 8;
-  o.seed = 11;
-  return o;
+  return {.batch = 2, .q_len = 1000, .kv_len = 2600, .heads = 6, .kv_heads = 3, .head_dim = 40, .causal = causal,
+          .slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125}, .q_pos0 = 5000 + 1200, .k_pos0 = 5000, .mode = mode,
+          .samples = 8, .seed = 11};
 }
 
 bool same_draw(const Draw& a, const Draw& b) {

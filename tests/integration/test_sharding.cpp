@@ -167,21 +167,9 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 // standard slopes of H = 6 (which a 2-head shard must be sent explicitly);
 // sequence shards steep slopes, so that windows and blocks cut the keys.
 AttentionOptions case_options(const Case& c) {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 768;
-  o.kv_len = 2048;
-  o.heads = 6;
-  o.kv_heads = 3;
-  o.head_dim = 40;
-  o.k_pos0 = 5000;
-  o.q_pos0 = 6000;
-  o.mode = c.mode;
-  o.lsh_algorithm = c.algorithm;
-  o.causal = c.causal;
-  o.samples = 8;
-  o.seed = 3;
-  o.sampling = c.sampling;
+  AttentionOptions o{.batch = 2, .q_len = 768, .kv_len = 2048, .heads = 6, .kv_heads = 3, .head_dim = 40,
+                     .causal = c.causal, .q_pos0 = 6000, .k_pos0 = 5000, .mode = c.mode, .samples = 8, .seed = 3,
+                     .lsh_algorithm = c.algorithm, .sampling = c.sampling};
   if (c.by == ShardBy::kSequence) o.slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125};
   return o;
 }
@@ -270,15 +258,8 @@ INSTANTIATE_TEST_SUITE_P(
 // One batch item, float16, default positions, the standard slopes: sequence
 // shards are sent straight from the caller's tensors (no copies).
 TEST_F(Sharding, HalfPrecisionSequenceShardsOfOneItem) {
-  AttentionOptions o;
-  o.q_len = o.kv_len = 1000;
-  o.heads = 4;
-  o.kv_heads = 1;
-  o.head_dim = 64;
-  o.dtype = DType::kF16;
-  o.mode = Mode::kWindow;
-  o.window_width = 100;
-  o.causal = true;
+  const AttentionOptions o{.q_len = 1000, .kv_len = 1000, .heads = 4, .kv_heads = 1, .head_dim = 64,
+                           .dtype = DType::kF16, .causal = true, .mode = Mode::kWindow, .window_width = 100};
   const Inputs in = random_inputs(o, 5);
   const AttendCall call = call_of(o, in);
   const AttendReply reference = whole(call);

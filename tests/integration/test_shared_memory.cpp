@@ -26,18 +26,8 @@ using client::SharedMemoryFile;
 using testing::TempDir;
 
 AttentionOptions options() {
-  AttentionOptions o;
-  o.batch = 2;
-  o.q_len = 33;
-  o.kv_len = 40;
-  o.heads = 4;
-  o.kv_heads = 2;
-  o.head_dim = 16;
-  o.mode = Mode::kLsh;
-  o.samples = 8;
-  o.seed = 3;
-  o.causal = true;
-  return o;
+  return {.batch = 2, .q_len = 33, .kv_len = 40, .heads = 4, .kv_heads = 2, .head_dim = 16, .causal = true,
+          .mode = Mode::kLsh, .samples = 8, .seed = 3};
 }
 
 struct Sizes {
@@ -110,6 +100,14 @@ class SharedMemoryTest : public ::testing::Test {
     return ::testing::AssertionSuccess();
   }
 
+  // A file of `bytes` in the server's directory, plsh-NAME, registered whole
+  // as region NAME. Call under ASSERT_NO_FATAL_FAILURE.
+  static void register_file(Client& c, const std::string& name, int64_t bytes,
+                            std::unique_ptr<SharedMemoryFile>* file) {
+    ASSERT_TRUE(SharedMemoryFile::create(dir_->path(), "plsh-" + name, bytes, file).ok());
+    ASSERT_TRUE(c.register_shared_memory(name, (*file)->key(), 0, bytes).ok());
+  }
+
   static TempDir* dir_;
   static ServerProcess* server_;
 };
@@ -124,11 +122,7 @@ TEST_F(SharedMemoryTest, EqualsTheStreamedResultBitForBit) {
   const AttentionOptions o = options();
   const Sizes z = sizes(o);
   const std::vector<float> q = gaussian(z.q, 1), k = gaussian(z.kv, 2), v = gaussian(z.kv, 3);
-  AttendCall call;
-  call.options = o;
-  call.q = q.data();
-  call.k = k.data();
-  call.v = v.data();
+  AttendCall call = testing::attend_call(o, q, k, v, /*deadline_seconds=*/0);  // 0: none
   call.return_lse = true;
   call.chunk_bytes = 1000;
   AttendReply streamed;
@@ -247,8 +241,7 @@ TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
   const Sizes z = sizes(o);
   const Layout at(z);
   std::unique_ptr<SharedMemoryFile> file;
-  ASSERT_TRUE(SharedMemoryFile::create(dir_->path(), "plsh-refs", at.total, &file).ok());
-  ASSERT_TRUE(c.register_shared_memory("refs", file->key(), 0, at.total).ok());
+  ASSERT_NO_FATAL_FAILURE(register_file(c, "refs", at.total, &file));
   const std::vector<float> q = gaussian(z.q, 1), k = gaussian(z.kv, 2), v = gaussian(z.kv, 3);
   auto attend = [&](const std::function<void(AttendCall&)>& edit) {
     AttendCall call = testing::attend_call(o, q, k, v, 30);
@@ -274,23 +267,23 @@ TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
   // the right one: a raw header).
   {
     auto stub = v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
-    AttendCall call;
-    call.options = o;
-    v1::AttendRequest header;
-    *header.mutable_header() = client::make_header(call);
-    header.mutable_header()->mutable_q_shm()->set_region("refs");
-    header.mutable_header()->mutable_q_shm()->set_byte_size(z.q - 4);
+    // A header that places q at offset 0 of the region, byte_size bytes long.
+    auto q_in_refs = [&](int64_t byte_size) {
+      AttendCall call;
+      call.options = o;
+      v1::AttendRequest header;
+      *header.mutable_header() = client::make_header(call);
+      header.mutable_header()->mutable_q_shm()->set_region("refs");
+      header.mutable_header()->mutable_q_shm()->set_byte_size(byte_size);
+      return header;
+    };
     grpc::ClientContext ctx;
     auto stream = stub->Attend(&ctx);
-    stream->Write(header);
+    stream->Write(q_in_refs(z.q - 4));
     // And a chunk of a tensor the header placed in shared memory.
-    v1::AttendRequest header2;
-    *header2.mutable_header() = client::make_header(call);
-    header2.mutable_header()->mutable_q_shm()->set_region("refs");
-    header2.mutable_header()->mutable_q_shm()->set_byte_size(z.q);
     grpc::ClientContext ctx2;
     auto stream2 = stub->Attend(&ctx2);
-    stream2->Write(header2);
+    stream2->Write(q_in_refs(z.q));
     v1::AttendRequest chunk;
     chunk.mutable_chunk()->set_tensor(v1::TENSOR_Q);
     chunk.mutable_chunk()->set_row_count(1);
@@ -318,8 +311,7 @@ TEST_F(SharedMemoryTest, ARegionInUseCannotBeUnregistered) {
   const AttentionOptions o = options();
   const Sizes z = sizes(o);
   std::unique_ptr<SharedMemoryFile> file;
-  ASSERT_TRUE(SharedMemoryFile::create(dir_->path(), "plsh-busy", z.q, &file).ok());
-  ASSERT_TRUE(c.register_shared_memory("busy", file->key(), 0, z.q).ok());
+  ASSERT_NO_FATAL_FAILURE(register_file(c, "busy", z.q, &file));
   // A request that holds it: header, ack, and then nothing.
   auto stub = v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
   auto ctx = std::make_unique<grpc::ClientContext>();

@@ -46,42 +46,27 @@ TEST_F(Trust, TlsServesTheClientLibraryAndRefusesPlaintextAndUntrustedServers) {
 // connection closes before any call starts; there is no status from the
 // server to carry another code): that is what these tests assert.
 TEST_F(Trust, ClientCertificatesRequired) {
-  std::vector<std::string> flags = tls_flags();
-  flags.insert(flags.end(), {"--tls-client-ca", pki("ca.crt"), "--tls-client-auth", "require"});
-  ServerProcess server(flags);
+  ServerProcess server(mtls_flags("require"));
   ASSERT_TRUE(server.started()) << server.log();
   EXPECT_EQ(field(server.log(), "tls"), "mtls-require");
   const std::string addr = server.grpc_address();
 
   EXPECT_EQ(info(*connect(addr, tls())).error_code(), grpc::StatusCode::UNAVAILABLE);
-  ChannelOptions mine = tls();
-  mine.tls_cert = pki("client.crt");
-  mine.tls_key = pki("client.key");
-  std::unique_ptr<Client> c = connect(addr, mine);
+  std::unique_ptr<Client> c = connect(addr, tls_as("client"));
   EXPECT_TRUE(info(*c).ok()) << client::status_string(info(*c));
   EXPECT_TRUE(attend(*c).ok());
-  ChannelOptions foreign = tls();
-  foreign.tls_cert = pki("other-client.crt");
-  foreign.tls_key = pki("other-client.key");
-  EXPECT_EQ(info(*connect(addr, foreign)).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(info(*connect(addr, tls_as("other-client"))).error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
 TEST_F(Trust, ClientCertificatesOptional) {
-  std::vector<std::string> flags = tls_flags();
-  flags.insert(flags.end(), {"--tls-client-ca", pki("ca.crt"), "--tls-client-auth", "optional"});
-  ServerProcess server(flags);
+  ServerProcess server(mtls_flags("optional"));
   ASSERT_TRUE(server.started()) << server.log();
   const std::string addr = server.grpc_address();
   EXPECT_TRUE(info(*connect(addr, tls())).ok());  // no certificate: let in
-  ChannelOptions mine = tls();
-  mine.tls_cert = pki("client.crt");
-  mine.tls_key = pki("client.key");
-  EXPECT_TRUE(info(*connect(addr, mine)).ok());
-  ChannelOptions foreign = tls();
-  foreign.tls_cert = pki("other-client.crt");
-  foreign.tls_key = pki("other-client.key");
-  EXPECT_EQ(info(*connect(addr, foreign)).error_code(), grpc::StatusCode::UNAVAILABLE);  // one sent must verify
+  EXPECT_TRUE(info(*connect(addr, tls_as("client"))).ok());
+  // One sent must verify.
+  EXPECT_EQ(info(*connect(addr, tls_as("other-client"))).error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
@@ -89,13 +74,9 @@ TEST_F(Trust, ClientCertificatesOptional) {
 // --------------------------------------------------- health-only port
 
 TEST_F(Trust, HealthOnlyListenerServesProbesWithoutCredentialsAndNothingElse) {
-  TempDir dir;
   const std::string token = testing::random_token();
-  testing::write_file_atomically(dir.file("tokens.json"), token_file_text({client_entry("trainer", {token})}));
-  std::vector<std::string> flags = tls_flags();
-  flags.insert(flags.end(), {"--tls-client-ca", pki("ca.crt"), "--tls-client-auth", "require", "--token-file",
-                             dir.file("tokens.json"), "--health-listen", "127.0.0.1:0"});
-  ServerProcess server(flags);
+  const TokenFile tokens({client_entry("trainer", {token})});
+  ServerProcess server(mtls_flags("require", {"--token-file", tokens.path(), "--health-listen", "127.0.0.1:0"}));
   ASSERT_TRUE(server.started()) << server.log();
   const std::string health_addr = field(server.log(), "health");
   ASSERT_NE(health_addr, "");
@@ -112,10 +93,7 @@ TEST_F(Trust, HealthOnlyListenerServesProbesWithoutCredentialsAndNothingElse) {
   // The main port takes neither plaintext nor a client without a certificate.
   Client plaintext(server.grpc_address());
   EXPECT_NE(health(plaintext), "SERVING");
-  ChannelOptions o = tls(token);
-  o.tls_cert = pki("client.crt");
-  o.tls_key = pki("client.key");
-  std::unique_ptr<Client> c = connect(server.grpc_address(), o);
+  std::unique_ptr<Client> c = connect(server.grpc_address(), tls_as("client", token));
   EXPECT_TRUE(attend(*c).ok());
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }

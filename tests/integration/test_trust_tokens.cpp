@@ -14,13 +14,10 @@ namespace {
 // ------------------------------------------------------------- tokens
 
 TEST_F(Trust, BearerTokensOnAPlaintextListener) {
-  TempDir dir;
   const std::string full = testing::random_token(), getinfo = testing::random_token(), unary = testing::random_token();
-  testing::write_file_atomically(
-      dir.file("tokens.json"),
-      token_file_text({client_entry("full", {full}), client_entry("monitor", {getinfo}, {{"methods", {"GetInfo"}}}),
-                       client_entry("unary", {unary}, {{"methods", {"AttendUnary", "GetInfo"}}})}));
-  ServerProcess server({"--token-file", dir.file("tokens.json")});
+  const TokenFile tokens({client_entry("full", {full}), client_entry("monitor", {getinfo}, {{"methods", {"GetInfo"}}}),
+                          client_entry("unary", {unary}, {{"methods", {"AttendUnary", "GetInfo"}}})});
+  ServerProcess server({"--token-file", tokens.path()});
   ASSERT_TRUE(server.started()) << server.log();
   EXPECT_NE(server.log().find("tokens=\"3 clients\""), std::string::npos) << server.log();
   const std::string addr = server.grpc_address();
@@ -77,17 +74,11 @@ TEST_F(Trust, BearerTokensOnAPlaintextListener) {
 }
 
 TEST_F(Trust, BearerTokensWithClientCertificates) {
-  TempDir dir;
   const std::string token = testing::random_token();
-  testing::write_file_atomically(dir.file("tokens.json"), token_file_text({client_entry("trainer", {token})}));
-  std::vector<std::string> flags = tls_flags();
-  flags.insert(flags.end(), {"--tls-client-ca", pki("ca.crt"), "--tls-client-auth", "require", "--token-file",
-                             dir.file("tokens.json")});
-  ServerProcess server(flags);
+  const TokenFile tokens({client_entry("trainer", {token})});
+  ServerProcess server(mtls_flags("require", {"--token-file", tokens.path()}));
   ASSERT_TRUE(server.started()) << server.log();
-  ChannelOptions o = tls();
-  o.tls_cert = pki("client.crt");
-  o.tls_key = pki("client.key");
+  ChannelOptions o = tls_as("client");
   EXPECT_EQ(info(*connect(server.grpc_address(), o)).error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(health(*connect(server.grpc_address(), o)), "SERVING");
   o.token = token;
@@ -98,11 +89,9 @@ TEST_F(Trust, BearerTokensWithClientCertificates) {
 }
 
 TEST_F(Trust, TokenFileReloadsWithoutRestart) {
-  TempDir dir;
-  const std::string path = dir.file("tokens.json");
   const std::string a = testing::random_token(), b = testing::random_token();
-  testing::write_file_atomically(path, token_file_text({client_entry("a", {a})}));
-  ServerProcess server({"--token-file", path, "--token-reload-interval", "0.2"});
+  const TokenFile tokens({client_entry("a", {a})});
+  ServerProcess server({"--token-file", tokens.path(), "--token-reload-interval", "0.2"});
   ASSERT_TRUE(server.started()) << server.log();
   std::unique_ptr<Client> ca = connect(server.grpc_address(), plain(a));
   std::unique_ptr<Client> cb = connect(server.grpc_address(), plain(b));
@@ -110,22 +99,22 @@ TEST_F(Trust, TokenFileReloadsWithoutRestart) {
   EXPECT_EQ(info(*cb).error_code(), grpc::StatusCode::UNAUTHENTICATED);
 
   // Add b.
-  testing::write_file_atomically(path, token_file_text({client_entry("a", {a}), client_entry("b", {b})}));
+  tokens.write({client_entry("a", {a}), client_entry("b", {b})});
   EXPECT_TRUE(eventually([&] { return info(*cb).ok(); })) << server.log();
   EXPECT_TRUE(info(*ca).ok());
   // Remove a.
-  testing::write_file_atomically(path, token_file_text({client_entry("b", {b})}));
+  tokens.write({client_entry("b", {b})});
   EXPECT_TRUE(eventually([&] { return info(*ca).error_code() == grpc::StatusCode::UNAUTHENTICATED; })) << server.log();
   EXPECT_TRUE(attend(*cb).ok());
   // A file that no longer parses changes nothing, and says so.
-  testing::write_file_atomically(path, "{\"clients\": [");
+  testing::write_file_atomically(tokens.path(), "{\"clients\": [");
   EXPECT_TRUE(eventually([&] {
     return metric_sum(scrape(server), "plsh_token_file_reloads_total", {"result=\"error\""}) == 1;
   })) << server.log();
   EXPECT_TRUE(info(*cb).ok());
   EXPECT_EQ(info(*ca).error_code(), grpc::StatusCode::UNAUTHENTICATED);
   // In place (not renamed) works too.
-  { std::ofstream(path, std::ios::trunc) << token_file_text({client_entry("a", {a})}); }
+  { std::ofstream(tokens.path(), std::ios::trunc) << token_file_text({client_entry("a", {a})}); }
   EXPECT_TRUE(eventually([&] { return info(*ca).ok(); })) << server.log();
   EXPECT_EQ(info(*cb).error_code(), grpc::StatusCode::UNAUTHENTICATED);
 
@@ -135,14 +124,12 @@ TEST_F(Trust, TokenFileReloadsWithoutRestart) {
 }
 
 TEST_F(Trust, TokenFileReloadsOnSighup) {
-  TempDir dir;
-  const std::string path = dir.file("tokens.json");
   const std::string a = testing::random_token(), b = testing::random_token();
-  testing::write_file_atomically(path, token_file_text({client_entry("a", {a})}));
-  ServerProcess server({"--token-file", path, "--token-reload-interval", "0"});  // SIGHUP only
+  const TokenFile tokens({client_entry("a", {a})});
+  ServerProcess server({"--token-file", tokens.path(), "--token-reload-interval", "0"});  // SIGHUP only
   ASSERT_TRUE(server.started()) << server.log();
   std::unique_ptr<Client> cb = connect(server.grpc_address(), plain(b));
-  testing::write_file_atomically(path, token_file_text({client_entry("a", {a}), client_entry("b", {b})}));
+  tokens.write({client_entry("a", {a}), client_entry("b", {b})});
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   EXPECT_EQ(info(*cb).error_code(), grpc::StatusCode::UNAUTHENTICATED);  // no polling
   ASSERT_EQ(kill(server.pid(), SIGHUP), 0);
@@ -156,11 +143,9 @@ TEST_F(Trust, TokenFileReloadsOnSighup) {
 
 
 TEST_F(Trust, PerClientStreamLimitLeavesOtherClientsServed) {
-  TempDir dir;
   const std::string a = testing::random_token(), b = testing::random_token();
-  testing::write_file_atomically(dir.file("tokens.json"),
-                                 token_file_text({client_entry("a", {a}, {{"max_streams", 1}}), client_entry("b", {b})}));
-  ServerProcess server({"--token-file", dir.file("tokens.json"), "--workers", "2"});
+  const TokenFile tokens({client_entry("a", {a}, {{"max_streams", 1}}), client_entry("b", {b})});
+  ServerProcess server({"--token-file", tokens.path(), "--workers", "2"});
   ASSERT_TRUE(server.started()) << server.log();
   auto stub = v1::Attention::NewStub(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
   HeldStream held;
@@ -188,11 +173,9 @@ TEST_F(Trust, PerClientStreamLimitLeavesOtherClientsServed) {
 }
 
 TEST_F(Trust, PerClientReservedBytesLimitLeavesOtherClientsServed) {
-  TempDir dir;
-  const std::string path = dir.file("tokens.json");
   const std::string a = testing::random_token(), b = testing::random_token();
-  testing::write_file_atomically(path, token_file_text({client_entry("a", {a}), client_entry("b", {b})}));
-  ServerProcess server({"--token-file", path, "--token-reload-interval", "0.1", "--workers", "2"});
+  const TokenFile tokens({client_entry("a", {a}), client_entry("b", {b})});
+  ServerProcess server({"--token-file", tokens.path(), "--token-reload-interval", "0.1", "--workers", "2"});
   ASSERT_TRUE(server.started()) << server.log();
   auto stub = v1::Attention::NewStub(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
   const Request request(2048);
@@ -204,8 +187,7 @@ TEST_F(Trust, PerClientReservedBytesLimitLeavesOtherClientsServed) {
   ASSERT_GT(charge, 0);
   // Room for one and a half: a second one of a's does not fit, b's do.
   const auto limit = static_cast<int64_t>(charge * 1.5);
-  testing::write_file_atomically(
-      path, token_file_text({client_entry("a", {a}, {{"max_reserved_bytes", limit}}), client_entry("b", {b})}));
+  tokens.write({client_entry("a", {a}, {{"max_reserved_bytes", limit}}), client_entry("b", {b})});
   ASSERT_TRUE(eventually([&] {
     return metric_sum(scrape(server), "plsh_token_file_reloads_total", {"result=\"ok\""}) == 2;
   })) << server.log();
@@ -234,14 +216,12 @@ TEST_F(Trust, PerClientReservedBytesLimitLeavesOtherClientsServed) {
 // ------------------------------------------------------------ secrets
 
 TEST_F(Trust, SecretsNeverInLogsMetricsOrMessages) {
-  TempDir dir;
   const std::string token = testing::random_token(), getinfo = testing::random_token();
   const std::string near_miss = token.substr(0, 63) + (token[63] == '0' ? "1" : "0");
-  testing::write_file_atomically(dir.file("tokens.json"),
-                                 token_file_text({client_entry("trainer", {token}, {{"max_streams", 1}}),
-                                                  client_entry("monitor", {getinfo}, {{"methods", {"GetInfo"}}})}));
+  const TokenFile tokens({client_entry("trainer", {token}, {{"max_streams", 1}}),
+                          client_entry("monitor", {getinfo}, {{"methods", {"GetInfo"}}})});
   std::vector<std::string> flags = tls_flags();
-  flags.insert(flags.end(), {"--token-file", dir.file("tokens.json"), "--log-level", "debug"});
+  flags.insert(flags.end(), {"--token-file", tokens.path(), "--log-level", "debug"});
   ServerProcess server(flags);
   ASSERT_TRUE(server.started()) << server.log();
   const std::string addr = server.grpc_address();
@@ -268,7 +248,7 @@ TEST_F(Trust, SecretsNeverInLogsMetricsOrMessages) {
   statuses.push_back(attend(*connect(addr, tls(token))));
   held.release();
   // A refused reload's message, with a raw token where a digest belongs.
-  testing::write_file_atomically(dir.file("tokens.json"), "{\"clients\": [{\"name\": \"x\", \"token\": \"" + token + "\"}]}");
+  testing::write_file_atomically(tokens.path(), "{\"clients\": [{\"name\": \"x\", \"token\": \"" + token + "\"}]}");
   ASSERT_EQ(kill(server.pid(), SIGHUP), 0);
   ASSERT_TRUE(eventually([&] { return server.log().find("token_file_reload_failed") != std::string::npos; }));
 

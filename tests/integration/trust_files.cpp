@@ -6,24 +6,26 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <stdexcept>
 
 namespace plsh::testing {
 
-TempDir::TempDir() {
-  std::string pattern = (std::filesystem::temp_directory_path() / "plsh-trust-XXXXXX").string();
-  if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-  path_ = pattern;
+namespace {
+
+// Lowercase hex, two digits a byte.
+std::string hex(const unsigned char* bytes, size_t n) {
+  static const char* const kHex = "0123456789abcdef";
+  std::string text;
+  for (size_t i = 0; i < n; ++i) {
+    text += kHex[bytes[i] >> 4];
+    text += kHex[bytes[i] & 15];
+  }
+  return text;
 }
 
-TempDir::~TempDir() {
-  std::error_code ec;
-  std::filesystem::remove_all(path_, ec);
-}
+}  // namespace
 
 int run_command(const std::string& command, std::string* output) {
   FILE* pipe = popen(("(" + command + ") 2>&1").c_str(), "r");
@@ -67,26 +69,14 @@ std::string make_pki(const std::string& dir) {
 std::string random_token() {
   unsigned char bytes[32];
   if (RAND_bytes(bytes, sizeof bytes) != 1) throw std::runtime_error("RAND_bytes failed");
-  static const char* const kHex = "0123456789abcdef";
-  std::string token;
-  for (unsigned char b : bytes) {
-    token += kHex[b >> 4];
-    token += kHex[b & 15];
-  }
-  return token;
+  return hex(bytes, sizeof bytes);
 }
 
 std::string sha256_hex(const std::string& text) {
   unsigned char digest[32];
   unsigned int length = 0;
   EVP_Digest(text.data(), text.size(), digest, &length, EVP_sha256(), nullptr);
-  static const char* const kHex = "0123456789abcdef";
-  std::string hex;
-  for (unsigned char b : digest) {
-    hex += kHex[b >> 4];
-    hex += kHex[b & 15];
-  }
-  return hex;
+  return hex(digest, sizeof digest);
 }
 
 void write_file_atomically(const std::string& path, const std::string& text) {
@@ -96,13 +86,6 @@ void write_file_atomically(const std::string& path, const std::string& text) {
     out << text;
   }
   std::filesystem::rename(tmp, path);
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
 }
 
 }  // namespace plsh::testing

@@ -6,21 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "temp_dir.h"  // TempDir, read_file
+
 namespace plsh::testing {
-
-// A temporary directory, removed with everything in it when destroyed.
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 // Two CAs and what they signed, as PEM files in dir:
 //   ca.crt/ca.key                 the CA the server trusts for client certificates, and that signs server.crt
@@ -39,7 +27,6 @@ std::string sha256_hex(const std::string& text);
 // Writes text to path through a temporary file and a rename, as an
 // operator's tool (or Kubernetes' Secret volume) would.
 void write_file_atomically(const std::string& path, const std::string& text);
-std::string read_file(const std::string& path);
 
 // Runs a command through sh; returns its exit status and puts stdout and
 // stderr together in *output.

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -86,6 +87,24 @@ inline std::string token_file_text(const std::vector<nlohmann::json>& clients) {
   return nlohmann::json{{"version", 1}, {"clients", clients}}.dump(2);
 }
 
+// A token file in a directory of its own. write() replaces it atomically
+// (a rename, as a deploy would), so a server that reloads it never reads
+// half a file.
+class TokenFile {
+ public:
+  // An initializer list, not a vector: TokenFile({one_client}) would
+  // otherwise also read as a copy from a json (which converts to anything).
+  explicit TokenFile(std::initializer_list<nlohmann::json> clients) { write(clients); }
+  void write(const std::vector<nlohmann::json>& clients) const {
+    testing::write_file_atomically(path_, token_file_text(clients));
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  TempDir dir_;
+  std::string path_ = dir_.file("tokens.json");
+};
+
 class Trust : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -100,6 +119,15 @@ class Trust : public ::testing::Test {
 
   static std::string pki(const std::string& name) { return pki_->file(name); }
   static std::vector<std::string> tls_flags() { return {"--tls-cert", pki("server.crt"), "--tls-key", pki("server.key")}; }
+  // tls_flags() and client certificates checked against the test CA
+  // (client_auth "require" or "optional"), then `more`.
+  static std::vector<std::string> mtls_flags(const std::string& client_auth,
+                                             std::initializer_list<std::string> more = {}) {
+    std::vector<std::string> flags = tls_flags();
+    flags.insert(flags.end(), {"--tls-client-ca", pki("ca.crt"), "--tls-client-auth", client_auth});
+    flags.insert(flags.end(), more);
+    return flags;
+  }
 
   // A client of addr with these options (files read now).
   static std::unique_ptr<Client> connect(const std::string& addr, const ChannelOptions& o) {
@@ -112,6 +140,14 @@ class Trust : public ::testing::Test {
     ChannelOptions o;
     o.tls_ca = pki("ca.crt");
     o.token = token;
+    return o;
+  }
+  // tls() presenting the certificate pki(name + ".crt") and its key:
+  // "client" is signed by the test CA, "other-client" by another one.
+  static ChannelOptions tls_as(const std::string& name, const std::string& token = "") {
+    ChannelOptions o = tls(token);
+    o.tls_cert = pki(name + ".crt");
+    o.tls_key = pki(name + ".key");
     return o;
   }
   static ChannelOptions plain(const std::string& token = "") {

@@ -440,21 +440,10 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
   };
   for (const Types types : {Types{DType::kF32, DType::kF32}, Types{DType::kF16, DType::kBF16}}) {
     for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
-      AttentionOptions o;
-      o.batch = 2;
-      o.q_len = 40;
-      o.kv_len = 70;
-      o.heads = 4;
-      o.kv_heads = 2;
-      o.head_dim = 24;
-      o.dtype = types.in;
-      o.out_dtype = types.out;
-      o.causal = true;
-      o.mode = mode;
-      o.samples = 8;
-      o.window_eps = 0.02;
-      o.slopes = {0.5, 0.1, 0.02, 0.0};
-      o.probe_rows = 80;  // = batch * q_len
+      const AttentionOptions o{.batch = 2, .q_len = 40, .kv_len = 70, .heads = 4, .kv_heads = 2, .head_dim = 24,
+                               .dtype = types.in, .out_dtype = types.out, .causal = true,
+                               .slopes = {0.5, 0.1, 0.02, 0.0}, .mode = mode, .samples = 8, .window_eps = 0.02,
+                               .probe_rows = 80};  // = batch * q_len
       const auto pr = make_problem(o, 5);
       fill_output_with_reference(pr.get());
       const testing::ReferenceOutput exact = reference_attention(as_exact(pr->params));
@@ -479,17 +468,8 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
 TEST(Estimates, BoundHoldsForEveryRow) {
   for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
     for (const bool causal : {false, true}) {
-      AttentionOptions o;
-      o.batch = 2;
-      o.q_len = 60;
-      o.kv_len = 90;
-      o.heads = 3;
-      o.head_dim = 16;
-      o.causal = causal;
-      o.mode = mode;
-      o.samples = 4;
-      o.window_eps = 0.1;
-      o.slopes = {1.0, 0.1, 0.01};
+      const AttentionOptions o{.batch = 2, .q_len = 60, .kv_len = 90, .heads = 3, .head_dim = 16, .causal = causal,
+                               .slopes = {1.0, 0.1, 0.01}, .mode = mode, .samples = 4, .window_eps = 0.1};
       const auto pr = make_problem(o, 11);
       fill_output_with_reference(pr.get());
       const AttentionParams& p = pr->params;
@@ -525,17 +505,8 @@ TEST(Estimates, BoundHoldsForEveryRow) {
 // row at a time.
 TEST(Estimates, ProbeRowsInOnePassMatchOneRowAtATime) {
   for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
-    AttentionOptions o;
-    o.batch = 2;
-    o.q_len = 300;
-    o.kv_len = 300;
-    o.heads = 2;
-    o.kv_heads = 1;
-    o.head_dim = 40;
-    o.causal = true;
-    o.mode = mode;
-    o.samples = 5;
-    o.slopes = {0.3, 0.01};
+    const AttentionOptions o{.batch = 2, .q_len = 300, .kv_len = 300, .heads = 2, .kv_heads = 1, .head_dim = 40,
+                             .causal = true, .slopes = {0.3, 0.01}, .mode = mode, .samples = 5};
     const auto pr = make_problem(o, 21);
     fill_output_with_reference(pr.get());
     const AttentionParams& p = pr->params;

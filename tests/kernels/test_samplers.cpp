@@ -277,12 +277,7 @@ TEST(Samplers, VarianceBelowIid) {
 
 // plan_draws, the one place a request's draws are made, follows p.sampling.
 TEST(Samplers, PlanDrawsFollowTheSampler) {
-  AttentionOptions o;
-  o.q_len = o.kv_len = 64;
-  o.heads = 3;
-  o.head_dim = 8;
-  o.samples = 12;
-  o.seed = 17;
+  AttentionOptions o{.q_len = 64, .kv_len = 64, .heads = 3, .head_dim = 8, .samples = 12, .seed = 17};
   for (Sampling sampling : {Sampling::kIid, Sampling::kStratified, Sampling::kAsh}) {
     o.sampling = sampling;
     StatusOr<AttentionParams> p = resolve_params(o);

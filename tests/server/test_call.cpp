@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "server/call.h"
+#include "request_test_util.h"
 #include "server/logging.h"
 #include "server_test_util.h"
 #include "sync_util.h"
@@ -53,25 +54,11 @@ class CallCancelTest : public ::testing::Test {
     s_.config = &config_;
     s_.metrics = &metrics_;
     s_.scheduler = &scheduler_;
-    s_.limits.max_tokens = int64_t{1} << 20;
-    s_.limits.max_request_bytes = int64_t{1} << 30;
-    s_.limits.max_samples = 4096;
-    s_.limits.max_message_bytes = int64_t{4} << 20;
-    s_.limits.default_backend = "cpu";
-    s_.limits.threads = 1;
+    s_.limits = testing::roomy_limits();
   }
   void TearDown() override { release_.open(); }
 
-  static v1::AttendHeader header() {
-    v1::AttendHeader h;
-    h.set_q_len(8);
-    h.set_kv_len(8);
-    h.set_heads(2);
-    h.set_head_dim(4);
-    h.set_dtype(v1::DTYPE_F32);
-    h.set_mode(v1::MODE_EXACT);
-    return h;
-  }
+  static v1::AttendHeader header() { return testing::f32_header(8, 2, 4, v1::MODE_EXACT); }
 
   // Admits a call up to the point where it would be queued.
   void admit(TestCall& call) {

@@ -8,14 +8,17 @@
 #include <string>
 
 #include "plsh/backend.h"
+#include "request_test_util.h"
 #include "server/request.h"
 #include "server_test_util.h"
 
 namespace plsh::server {
 namespace {
 
+using testing::f32_header;
 using testing::has_error;
 using testing::is_ok;
+using testing::roomy_limits;
 
 constexpr StatusCode kInvalid = StatusCode::kInvalidArgument;
 constexpr StatusCode kExhausted = StatusCode::kResourceExhausted;
@@ -24,28 +27,7 @@ constexpr StatusCode kExhausted = StatusCode::kResourceExhausted;
 constexpr int64_t kTensorBytes = 16 * 2 * 8 * 4;
 constexpr int64_t kLseBytes = 16 * 2 * 4;
 
-v1::AttendHeader small_header(v1::Mode mode = v1::MODE_EXACT) {
-  v1::AttendHeader h;
-  h.set_q_len(16);
-  h.set_kv_len(16);
-  h.set_heads(2);
-  h.set_head_dim(8);
-  h.set_dtype(v1::DTYPE_F32);
-  h.set_mode(mode);
-  return h;
-}
-
-// Roomy limits, so a test tightens only the one it is about.
-RequestLimits roomy_limits() {
-  RequestLimits l;
-  l.max_tokens = int64_t{1} << 20;
-  l.max_request_bytes = int64_t{1} << 30;
-  l.max_samples = 4096;
-  l.max_message_bytes = int64_t{4} << 20;
-  l.default_backend = "cpu";
-  l.threads = 1;
-  return l;
-}
+v1::AttendHeader small_header(v1::Mode mode = v1::MODE_EXACT) { return f32_header(16, 2, 8, mode); }
 
 bool cuda_available() { return BackendRegistry::global().find("cuda").ok(); }
 

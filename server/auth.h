@@ -61,14 +61,14 @@ namespace plsh::server {
 
 // The calls a token may be allowed, as bits.
 enum class Method : uint8_t {
-  kAttend = 1,
-  kAttendUnary = 2,
-  kGetInfo = 4,
-  kRegisterSharedMemory = 8,
-  kUnregisterSharedMemory = 16,
-  kListSharedMemory = 32,
-  kAttendBackward = 64,
-  kReleaseContext = 128,
+  kAttend = 1 << 0,
+  kAttendUnary = 1 << 1,
+  kGetInfo = 1 << 2,
+  kRegisterSharedMemory = 1 << 3,
+  kUnregisterSharedMemory = 1 << 4,
+  kListSharedMemory = 1 << 5,
+  kAttendBackward = 1 << 6,
+  kReleaseContext = 1 << 7,
 };
 constexpr uint8_t kAllMethods = 255;
 inline constexpr Method kMethods[] = {Method::kAttend,         Method::kAttendUnary,

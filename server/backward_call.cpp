@@ -150,10 +150,7 @@ namespace {
 
 class BackwardReactor final : public StreamedCall<v1::BackwardRequest, v1::BackwardResponse> {
  public:
-  BackwardReactor(ServiceContext& s, grpc::CallbackServerContext* ctx)
-      : StreamedCall(s, ctx, "AttendBackward", "BackwardRequest") {
-    start();
-  }
+  using StreamedCall::StreamedCall;
 
  private:
   Status handle_message() override {
@@ -294,7 +291,7 @@ class BackwardReactor final : public StreamedCall<v1::BackwardRequest, v1::Backw
 
 grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* start_attend_backward(
     ServiceContext& s, grpc::CallbackServerContext* ctx) {
-  return new BackwardReactor(s, ctx);
+  return BackwardReactor::start<BackwardReactor>(s, ctx, "AttendBackward", "BackwardRequest");
 }
 
 // ------------------------------------------------------- ReleaseContext

@@ -44,10 +44,7 @@ void release_block(void* arg) { delete static_cast<std::shared_ptr<uint8_t>*>(ar
 
 class AttendReactor final : public StreamedCall<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  AttendReactor(ServiceContext& s, grpc::CallbackServerContext* ctx)
-      : StreamedCall(s, ctx, "Attend", "AttendRequest") {
-    start();
-  }
+  using StreamedCall::StreamedCall;
 
  private:
   // One received message. Chunks, the bulk of a stream, are read from the
@@ -253,7 +250,7 @@ void AttentionService::begin_drain() {
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::Attend(
     grpc::CallbackServerContext* ctx) {
-  return new AttendReactor(shared_, ctx);
+  return AttendReactor::start<AttendReactor>(shared_, ctx, "Attend", "AttendRequest");
 }
 
 grpc::ServerUnaryReactor* AttentionService::AttendUnary(grpc::CallbackServerContext* ctx,

@@ -50,6 +50,26 @@ inline size_t message_bytes(const google::protobuf::Message& m) { return m.ByteS
 template <class Request, class Response>
 class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protected CallBase {
  public:
+  // method: Attend or AttendBackward; request_type: the message's name
+  // (AttendRequest), for errors. Calls are made by start(), not directly.
+  StreamedCall(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method, const char* request_type)
+      : CallBase(s, ctx, method), request_type_(request_type) {}
+
+  // A new call of type Call, started: open, then the first read (which may
+  // complete at once, on another thread, so only once it is constructed).
+  template <class Call>
+  static Call* start(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method,
+                     const char* request_type) {
+    Call* call = new Call(s, ctx, method, request_type);
+    const Status opened = call->open(/*watched=*/true);
+    if (!opened.ok()) {
+      call->fail(opened);  // may finish the call: gRPC deletes it once it is done
+    } else {
+      call->StartRead(&call->request_);
+    }
+    return call;
+  }
+
   void OnReadDone(bool ok) override {
     if (!ok) {
       if (cancel_.load() || ctx_->IsCancelled()) {
@@ -120,20 +140,6 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
  protected:
   enum class Stage { kReading, kComputing, kSending, kFailed };
 
-  // request_type: the message's name (AttendRequest), for errors.
-  StreamedCall(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method, const char* request_type)
-      : CallBase(s, ctx, method), request_type_(request_type) {}
-
-  // The derived constructor's last step (the first read may complete at
-  // once, on another thread).
-  void start() {
-    const Status opened = open(/*watched=*/true);
-    if (!opened.ok()) {
-      fail(opened);
-      return;
-    }
-    this->StartRead(&request_);
-  }
 
   // One message, in request_.
   virtual Status handle_message() = 0;

@@ -14,6 +14,8 @@
 #include <regex>
 #include <sstream>
 
+#include "bench/server_metrics.h"
+
 #ifndef PLSH_SERVER_BIN
 #error "PLSH_SERVER_BIN must name the plsh-server binary"
 #endif
@@ -141,18 +143,8 @@ std::string http_get(const std::string& addr, const std::string& path) {
   return body == std::string::npos ? "" : response.substr(0, body).find(" 200 ") == std::string::npos ? "" : response.substr(body + 4);
 }
 
-std::map<std::string, double> parse_metrics(const std::string& text) {
-  std::map<std::string, double> m;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    const size_t space = line.rfind(' ');
-    if (space == std::string::npos) continue;
-    m[line.substr(0, space)] = std::stod(line.substr(space + 1));
-  }
-  return m;
-}
+// The load tool's parser (client/bench): what plsh bench reads, the tests read.
+std::map<std::string, double> parse_metrics(const std::string& text) { return plsh::bench::parse_prometheus(text); }
 
 double metric_sum(const std::map<std::string, double>& m, const std::string& name, const std::vector<std::string>& labels) {
   double sum = 0;

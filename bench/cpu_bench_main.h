@@ -13,13 +13,14 @@
 #include <string>
 
 #include "cpu/cpu_backend.h"
+#include "plsh/params.h"
 
 namespace plsh::bench {
 
 struct RunFlags {
   int runs = 3;
   int threads = 0;
-  int64_t samples = 16;
+  int64_t samples = AttentionOptions().samples;  // the library's default
 };
 
 // --runs, --threads, --samples.

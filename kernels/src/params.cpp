@@ -235,14 +235,20 @@ Status bind_tensors(AttentionParams* p, const TensorRefs& t) {
   if (t.k == nullptr) return invalid_argument("k = null, expected a tensor [B, Nk, Hkv, D]");
   if (t.v == nullptr) return invalid_argument("v = null, expected a tensor [B, Nk, Hkv, D]");
   if (t.out == nullptr) return invalid_argument("out = null, expected a tensor [B, Nq, H, D]");
+  set_tensors(p, t);
+  if (p->check_finite && p->memory == MemorySpace::kHost) RETURN_IF_ERROR(check_finite_inputs(*p));
+  return Status::Ok();
+}
+
+TensorRefs tensors_of(const AttentionParams& p) { return {p.q, p.k, p.v, p.out, p.lse, p.memory}; }
+
+void set_tensors(AttentionParams* p, const TensorRefs& t) {
   p->q = t.q;
   p->k = t.k;
   p->v = t.v;
   p->out = t.out;
   p->lse = t.lse;
   p->memory = t.memory;
-  if (p->check_finite && p->memory == MemorySpace::kHost) RETURN_IF_ERROR(check_finite_inputs(*p));
-  return Status::Ok();
 }
 
 StatusOr<AttentionParams> make_params(const AttentionOptions& o, const TensorRefs& t) {

@@ -175,6 +175,11 @@ StatusOr<AttentionParams> resolve_params(const AttentionOptions& options);
 // Points p at the tensors (dense, in the layout above) after checking them,
 // and with p->check_finite their values (host memory).
 Status bind_tensors(AttentionParams* p, const TensorRefs& tensors);
+// The tensors p points at, and pointing p at them unchecked: for params
+// made from ones already bound (a targeted plan's attempts). The one place
+// that pairs TensorRefs' fields with AttentionParams'.
+TensorRefs tensors_of(const AttentionParams& p);
+void set_tensors(AttentionParams* p, const TensorRefs& tensors);
 
 // Validates options alone (no tensors yet): what the server does on a header.
 Status validate_options(const AttentionOptions& options);

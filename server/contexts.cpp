@@ -3,32 +3,33 @@
 #include <openssl/rand.h>
 
 #include <algorithm>
-#include <cstdio>
+#include <iterator>
 #include <stdexcept>
+
+#include "plsh/text.h"
 
 namespace plsh::server {
 
 namespace {
 
-std::string seconds_text(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.3g", s);
-  return buf;
+constexpr EnumName<ContextEnd> kContextEndNames[] = {
+    {ContextEnd::kExpired, "expired"},     {ContextEnd::kEvicted, "evicted"},
+    {ContextEnd::kReleased, "released"},   {ContextEnd::kConsumed, "consumed"},
+    {ContextEnd::kCancelled, "cancelled"}, {ContextEnd::kDrained, "drained"}};
+
+// kContextEnds (contexts.h, for the metrics' labels) lists the same values
+// in the same order; a value added to one and not the other fails here.
+constexpr bool same_ends() {
+  if (std::size(kContextEnds) != std::size(kContextEndNames)) return false;
+  for (size_t i = 0; i < std::size(kContextEnds); ++i)
+    if (kContextEnds[i] != kContextEndNames[i].value) return false;
+  return true;
 }
+static_assert(same_ends(), "kContextEnds and kContextEndNames disagree");
 
 }  // namespace
 
-const char* context_end_name(ContextEnd end) {
-  switch (end) {
-    case ContextEnd::kExpired: return "expired";
-    case ContextEnd::kEvicted: return "evicted";
-    case ContextEnd::kReleased: return "released";
-    case ContextEnd::kConsumed: return "consumed";
-    case ContextEnd::kCancelled: return "cancelled";
-    case ContextEnd::kDrained: return "drained";
-  }
-  return "unknown";
-}
+const char* context_end_name(ContextEnd end) { return name_of(kContextEndNames, end, "unknown"); }
 
 std::string new_context_id() {
   unsigned char bytes[16];
@@ -186,7 +187,7 @@ Status ContextStore::gone_status_locked(const std::string& id, const std::string
                                " gone contexts it remembers); run the forward with keep_context");
   if (g->second.owner != owner) return not_found(name + ": no such context for this client");
   const double ago = std::chrono::duration<double>(Clock::now() - g->second.when).count();
-  return failed_precondition(name + ": " + context_end_name(g->second.why) + " " + seconds_text(ago) + " s ago: " +
+  return failed_precondition(name + ": " + context_end_name(g->second.why) + " " + g_text(ago, 3) + " s ago: " +
                              g->second.detail);
 }
 
@@ -322,7 +323,7 @@ void ContextStore::sweep() {
     auto next = std::next(it);
     if (it->second.state == State::kIdle && now - it->second.last_used >= ttl)
       dropped.push_back(remove_locked(it, ContextEnd::kExpired,
-                                      "unused for --context-ttl = " + seconds_text(options_.ttl_seconds) +
+                                      "unused for --context-ttl = " + g_text(options_.ttl_seconds, 3) +
                                           " s; run the forward again with keep_context"));
     it = next;
   }

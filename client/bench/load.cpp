@@ -72,37 +72,48 @@ struct WorkerTally {
     }
   }
 
-  void merge(const WorkerTally& w) {
-    ok += w.ok;
-    failed += w.failed;
-    warmup_ok += w.warmup_ok;
-    warmup_failed += w.warmup_failed;
-    for (const auto& [code, n] : w.codes) codes[code] += n;
-    for (const auto& [code, message] : w.first_error) first_error.emplace(code, message);
-    latency.merge(w.latency);
-    queued.merge(w.queued);
-    receiving.merge(w.receiving);
-    computing.merge(w.computing);
-    sending.merge(w.sending);
-    forward.merge(w.forward);
-    backward.merge(w.backward);
-    rpcs += w.rpcs;
-    ok_rpcs += w.ok_rpcs;
-    lag.merge(w.lag);
-    late_starts += w.late_starts;
-    tokens += w.tokens;
-    bytes_up += w.bytes_up;
-    bytes_down += w.bytes_down;
-    verified += w.verified;
-    mismatches += w.mismatches;
-    max_verify_error = std::max(max_verify_error, w.max_verify_error);
-    started += w.started;
-    first_start = std::min(first_start, w.first_start);
-    last_start = std::max(last_start, w.last_start);
-    last_end = std::max(last_end, w.last_end);
-    thread_cpu = std::max(thread_cpu, w.thread_cpu);
-  }
+  void merge(const WorkerTally& w);
 };
+
+// A tally field that LevelResult reports, and its place there.
+template <typename Tally, typename Result>
+struct Reported {
+  Tally WorkerTally::*tally;
+  Result LevelResult::*result;
+};
+// The distributions and the counts reported as they are: the one list that
+// merge() sums and run_level() copies, so that one added is added to both.
+constexpr Reported<Samples, Summary> kDistributions[] = {
+    {&WorkerTally::latency, &LevelResult::latency},     {&WorkerTally::queued, &LevelResult::queued},
+    {&WorkerTally::receiving, &LevelResult::receiving}, {&WorkerTally::computing, &LevelResult::computing},
+    {&WorkerTally::sending, &LevelResult::sending},     {&WorkerTally::forward, &LevelResult::forward},
+    {&WorkerTally::backward, &LevelResult::backward},   {&WorkerTally::lag, &LevelResult::lag}};
+constexpr Reported<int64_t, int64_t> kCounts[] = {
+    {&WorkerTally::ok, &LevelResult::ok},
+    {&WorkerTally::failed, &LevelResult::failed},
+    {&WorkerTally::warmup_ok, &LevelResult::warmup_ok},
+    {&WorkerTally::warmup_failed, &LevelResult::warmup_failed},
+    {&WorkerTally::rpcs, &LevelResult::rpcs},
+    {&WorkerTally::ok_rpcs, &LevelResult::ok_rpcs},
+    {&WorkerTally::late_starts, &LevelResult::late_starts},
+    {&WorkerTally::verified, &LevelResult::verified},
+    {&WorkerTally::mismatches, &LevelResult::mismatches}};
+
+void WorkerTally::merge(const WorkerTally& w) {
+  for (const auto& d : kDistributions) (this->*d.tally).merge(w.*d.tally);
+  for (const auto& c : kCounts) this->*c.tally += w.*c.tally;
+  for (const auto& [code, n] : w.codes) codes[code] += n;
+  for (const auto& [code, message] : w.first_error) first_error.emplace(code, message);
+  tokens += w.tokens;
+  bytes_up += w.bytes_up;
+  bytes_down += w.bytes_down;
+  max_verify_error = std::max(max_verify_error, w.max_verify_error);
+  started += w.started;
+  first_start = std::min(first_start, w.first_start);
+  last_start = std::max(last_start, w.last_start);
+  last_end = std::max(last_end, w.last_end);
+  thread_cpu = std::max(thread_cpu, w.thread_cpu);
+}
 
 }  // namespace
 
@@ -215,12 +226,10 @@ LevelResult run_level(const LevelSpec& spec, const RequestFn& request, const Pro
 
   LevelResult r;
   r.spec = spec;
-  r.ok = all.ok;
-  r.failed = all.failed;
+  for (const auto& d : kDistributions) r.*d.result = (all.*d.tally).summary();
+  for (const auto& c : kCounts) r.*c.result = all.*c.tally;
   r.codes = all.codes;
   r.first_error = all.first_error;
-  r.warmup_ok = all.warmup_ok;
-  r.warmup_failed = all.warmup_failed;
   // The window opens when measuring starts (the first measured start when
   // a count-limited run begins after the warmup) and closes at the last
   // measured completion.
@@ -235,19 +244,6 @@ LevelResult run_level(const LevelSpec& spec, const RequestFn& request, const Pro
   }
   if (all.started > 1 && all.last_start > all.first_start)
     r.started_per_second = static_cast<double>(all.started - 1) / (all.last_start - all.first_start);
-  r.latency = all.latency.summary();
-  r.queued = all.queued.summary();
-  r.receiving = all.receiving.summary();
-  r.computing = all.computing.summary();
-  r.sending = all.sending.summary();
-  r.rpcs = all.rpcs;
-  r.ok_rpcs = all.ok_rpcs;
-  r.forward = all.forward.summary();
-  r.backward = all.backward.summary();
-  r.lag = all.lag.summary();
-  r.late_starts = all.late_starts;
-  r.verified = all.verified;
-  r.mismatches = all.mismatches;
   r.max_verify_error = all.max_verify_error;
   r.cpu = cpu_usage(cpu_begin, cpu_end, all.thread_cpu);
   return r;

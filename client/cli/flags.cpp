@@ -6,12 +6,12 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
 #include "plsh/backend.h"
+#include "plsh/text.h"
 
 namespace plsh::cli {
 
@@ -51,22 +51,7 @@ CLI::Validator decimal_integer(bool allow_negative) {
       "");
 }
 
-namespace {
-
-std::string str(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
-
-}  // namespace
-
-std::string backend_names_text() {
-  const size_t n = std::size(kBackendNames);
-  std::string text;
-  for (size_t i = 0; i < n; ++i) text += (i == 0 ? "" : i + 1 == n ? " or " : ", ") + std::string(kBackendNames[i]);
-  return text;
-}
+std::string backend_names_text() { return names_text(kBackendNames); }
 
 void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_option("--q", a.q_path, "queries, .npy [B, Nq, H, D] or [Nq, H, D], float32 or float16")->required();
@@ -178,7 +163,7 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
   ASSIGN_OR_RETURN(o.lsh_algorithm, parse_lsh_algorithm(a.lsh_algorithm));
   ASSIGN_OR_RETURN(o.sampling, parse_sampling(a.sampling));
   if (!std::isfinite(a.target_error))
-    return invalid_argument("target_rel_err = " + str(a.target_error) + ", expected in (0, 1] (0: no target)");
+    return invalid_argument("target_rel_err = " + g_text(a.target_error, 17) + ", expected in (0, 1] (0: no target)");
   o.target_rel_err = a.target_error;
   if (o.target_rel_err > 0 && !a.mode_given) o.mode = kDefaultTargetMode;
   o.samples = a.samples;
@@ -204,7 +189,7 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
   RETURN_IF_ERROR(check_backend_name(a.backend));
   if (a.threads < 0) return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
   if (!std::isfinite(a.window_eps))
-    return invalid_argument("window_eps = " + str(a.window_eps) + ", expected in (0, 1)");
+    return invalid_argument("window_eps = " + g_text(a.window_eps, 17) + ", expected in (0, 1)");
   return o;
 }
 

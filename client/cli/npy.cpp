@@ -190,14 +190,9 @@ uint32_t read_le(std::string_view bytes, size_t offset, size_t n) {
   return v;
 }
 
-const char* descr_of(DType t) {
-  switch (t) {
-    case DType::kF32: return "<f4";
-    case DType::kF16: return "<f2";
-    case DType::kBF16: return "<u2";
-  }
-  return "?";
-}
+// The .npy descr of each dtype, the one list that the reader and the writer
+// read: bfloat16, which numpy lacks, travels as its bit patterns, '<u2'.
+constexpr EnumName<DType> kNpyDescrs[] = {{DType::kF32, "<f4"}, {DType::kF16, "<f2"}, {DType::kBF16, "<u2"}};
 
 }  // namespace
 
@@ -243,17 +238,12 @@ StatusOr<size_t> parse_header(std::string_view dict, const std::string& name, co
   if (fortran->kind != HeaderValue::kBool) return bad(name, "malformed .npy header: fortran_order is not True/False");
   if (shape->kind != HeaderValue::kTuple) return bad(name, "malformed .npy header: shape is not a tuple");
 
-  if (descr->text == "<f4") {
-    a->dtype = DType::kF32;
-  } else if (descr->text == "<f2") {
-    a->dtype = DType::kF16;
-  } else if (descr->text == "<u2" && options.u2_as_bf16) {
-    a->dtype = DType::kBF16;
-  } else if (descr->text == "<u2") {
-    return bad(name, "dtype '<u2', expected '<f4' or '<f2' (pass --bf16-bits to read uint16 as bfloat16 bit patterns)");
-  } else {
+  const std::optional<DType> dtype = value_named(kNpyDescrs, descr->text);
+  if (!dtype)
     return bad(name, "dtype '" + descr->text + "', expected '<f4' (float32) or '<f2' (float16), little-endian");
-  }
+  if (*dtype == DType::kBF16 && !options.u2_as_bf16)
+    return bad(name, "dtype '<u2', expected '<f4' or '<f2' (pass --bf16-bits to read uint16 as bfloat16 bit patterns)");
+  a->dtype = *dtype;
   if (fortran->flag) return bad(name, "fortran_order = True, expected C order (use numpy.ascontiguousarray)");
 
   a->shape = shape->ints;
@@ -325,7 +315,7 @@ StatusOr<NpyArray> read_npy(const std::string& path, const NpyReadOptions& optio
 }
 
 std::string npy_header(DType dtype, const std::vector<int64_t>& shape) {
-  std::string dict = std::string("{'descr': '") + descr_of(dtype) + "', 'fortran_order': False, 'shape': (";
+  std::string dict = std::string("{'descr': '") + name_of(kNpyDescrs, dtype) + "', 'fortran_order': False, 'shape': (";
   for (size_t i = 0; i < shape.size(); ++i) dict += (i ? ", " : "") + std::to_string(shape[i]);
   if (shape.size() == 1) dict += ",";
   dict += "), }";

@@ -219,29 +219,11 @@ std::vector<ShardSpec> sequence_shards(const AttentionParams& p, const RowBytes&
 
 }  // namespace
 
-const char* shard_by_name(ShardBy by) {
-  switch (by) {
-    case ShardBy::kAuto: return "auto";
-    case ShardBy::kHeads: return "heads";
-    case ShardBy::kSequence: return "sequence";
-  }
-  return "?";
-}
-
-const char* shard_kind_name(ShardKind kind) {
-  switch (kind) {
-    case ShardKind::kSingle: return "single";
-    case ShardKind::kHeads: return "heads";
-    case ShardKind::kSequence: return "sequence";
-  }
-  return "?";
-}
+const char* shard_by_name(ShardBy by) { return name_of(kShardByNames, by); }
+const char* shard_kind_name(ShardKind kind) { return name_of(kShardKindNames, kind); }
 
 StatusOr<ShardBy> parse_shard_by(const std::string& text) {
-  if (text == "auto") return ShardBy::kAuto;
-  if (text == "heads") return ShardBy::kHeads;
-  if (text == "sequence") return ShardBy::kSequence;
-  return invalid_argument("shard_by = '" + echo_value(text) + "', expected auto, heads or sequence");
+  return parse_named(kShardByNames, text, "shard_by", echo_value(text));
 }
 
 uint64_t head_shard_seed(uint64_t seed, int64_t head_begin) {

@@ -39,14 +39,7 @@ std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t
   return draws;
 }
 
-const char* sampling_name(Sampling s) {
-  switch (s) {
-    case Sampling::kIid: return "iid";
-    case Sampling::kStratified: return "stratified";
-    case Sampling::kAsh: return "ash";
-  }
-  return "?";
-}
+const char* sampling_name(Sampling s) { return name_of(kSamplingNames, s); }
 
 int64_t ash_shifts_per_pitch(int64_t samples) {
   if (samples <= 1) return 1;

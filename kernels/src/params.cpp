@@ -9,62 +9,25 @@
 
 namespace plsh {
 
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
-  }
-  return "?";
-}
-
-const char* mode_name(Mode m) {
-  switch (m) {
-    case Mode::kExact: return "exact";
-    case Mode::kLsh: return "lsh";
-    case Mode::kWindow: return "window";
-  }
-  return "?";
-}
-
-const char* lsh_algorithm_name(LshAlgorithm a) {
-  switch (a) {
-    case LshAlgorithm::kAuto: return "auto";
-    case LshAlgorithm::kPerSample: return "per_sample";
-    case LshAlgorithm::kBanded: return "banded";
-  }
-  return "?";
-}
+const char* dtype_name(DType t) { return name_of(kDTypeNames, t); }
+const char* mode_name(Mode m) { return name_of(kModeNames, m); }
+const char* lsh_algorithm_name(LshAlgorithm a) { return name_of(kLshAlgorithmNames, a); }
 
 size_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 StatusOr<DType> parse_dtype(const std::string& s) {
-  if (s == "f32" || s == "float32" || s == "fp32") return DType::kF32;
-  if (s == "f16" || s == "float16" || s == "fp16") return DType::kF16;
-  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
-  return invalid_argument("dtype = '" + s + "', expected f32, f16 or bf16");
+  if (std::optional<DType> t = value_named(kDTypeAliases, s)) return *t;
+  return parse_named(kDTypeNames, s, "dtype");
 }
 
-StatusOr<Mode> parse_mode(const std::string& s) {
-  if (s == "exact") return Mode::kExact;
-  if (s == "lsh") return Mode::kLsh;
-  if (s == "window") return Mode::kWindow;
-  return invalid_argument("mode = '" + s + "', expected exact, lsh or window");
-}
+StatusOr<Mode> parse_mode(const std::string& s) { return parse_named(kModeNames, s, "mode"); }
 
 StatusOr<LshAlgorithm> parse_lsh_algorithm(const std::string& s) {
-  if (s == "auto") return LshAlgorithm::kAuto;
-  if (s == "per_sample" || s == "per-sample") return LshAlgorithm::kPerSample;
-  if (s == "banded") return LshAlgorithm::kBanded;
-  return invalid_argument("lsh_algorithm = '" + s + "', expected auto, per_sample or banded");
+  if (std::optional<LshAlgorithm> a = value_named(kLshAlgorithmAliases, s)) return *a;
+  return parse_named(kLshAlgorithmNames, s, "lsh_algorithm");
 }
 
-StatusOr<Sampling> parse_sampling(const std::string& s) {
-  if (s == "iid") return Sampling::kIid;
-  if (s == "stratified") return Sampling::kStratified;
-  if (s == "ash") return Sampling::kAsh;
-  return invalid_argument("sampling = '" + s + "', expected iid, stratified or ash");
-}
+StatusOr<Sampling> parse_sampling(const std::string& s) { return parse_named(kSamplingNames, s, "sampling"); }
 
 double AttentionParams::sigma(int64_t h) const {
   const double m = slopes[static_cast<size_t>(h)];
@@ -272,14 +235,20 @@ Status bind_tensors(AttentionParams* p, const TensorRefs& t) {
   if (t.k == nullptr) return invalid_argument("k = null, expected a tensor [B, Nk, Hkv, D]");
   if (t.v == nullptr) return invalid_argument("v = null, expected a tensor [B, Nk, Hkv, D]");
   if (t.out == nullptr) return invalid_argument("out = null, expected a tensor [B, Nq, H, D]");
+  set_tensors(p, t);
+  if (p->check_finite && p->memory == MemorySpace::kHost) RETURN_IF_ERROR(check_finite_inputs(*p));
+  return Status::Ok();
+}
+
+TensorRefs tensors_of(const AttentionParams& p) { return {p.q, p.k, p.v, p.out, p.lse, p.memory}; }
+
+void set_tensors(AttentionParams* p, const TensorRefs& t) {
   p->q = t.q;
   p->k = t.k;
   p->v = t.v;
   p->out = t.out;
   p->lse = t.lse;
   p->memory = t.memory;
-  if (p->check_finite && p->memory == MemorySpace::kHost) RETURN_IF_ERROR(check_finite_inputs(*p));
-  return Status::Ok();
 }
 
 StatusOr<AttentionParams> make_params(const AttentionOptions& o, const TensorRefs& t) {

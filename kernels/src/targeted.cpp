@@ -151,12 +151,8 @@ StatusOr<AttentionResult> run_targeted(Backend& backend, const Plan& plan, const
     RETURN_IF_ERROR(ctx.check_stop());
     Plan attempt = plan.attempts[i];
     AttentionParams& a = attempt.params;
-    a.q = top.q;
-    a.k = top.k;
-    a.v = top.v;
-    a.out = top.out;
-    a.lse = top.lse;
-    a.memory = top.memory;
+    // top's tensors were checked when they were bound.
+    set_tensors(&a, tensors_of(top));
     const auto t0 = std::chrono::steady_clock::now();
     ASSIGN_OR_RETURN(AttentionResult result, run_attention(backend, attempt, ctx));
     TargetAttempt t;

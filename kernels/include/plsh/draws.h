@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "plsh/text.h"
+
 namespace plsh {
 
 struct Draw {
@@ -28,6 +30,9 @@ struct Draw {
 // The exact rules are draw_hashes' comment in draws.cpp, the proto's
 // `sampling` field and the README.
 enum class Sampling : int { kIid = 0, kStratified = 1, kAsh = 2 };
+// What sampling_name prints and parse_sampling (plsh/params.h) reads.
+inline constexpr EnumName<Sampling> kSamplingNames[] = {
+    {Sampling::kIid, "iid"}, {Sampling::kStratified, "stratified"}, {Sampling::kAsh, "ash"}};
 const char* sampling_name(Sampling s);  // "iid", "stratified", "ash"
 
 uint64_t mix64(uint64_t z);

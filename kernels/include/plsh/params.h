@@ -15,6 +15,7 @@
 
 #include "plsh/draws.h"
 #include "plsh/status.h"
+#include "plsh/text.h"
 
 namespace plsh {
 
@@ -24,11 +25,22 @@ enum class Mode : int { kExact = 0, kLsh = 1, kWindow = 2 };
 enum class LshAlgorithm : int { kAuto = 0, kPerSample = 1, kBanded = 2 };
 enum class MemorySpace : int { kHost = 0, kDevice = 1 };
 
+// The names that the name functions print and the parsers read.
+inline constexpr EnumName<DType> kDTypeNames[] = {{DType::kF32, "f32"}, {DType::kF16, "f16"}, {DType::kBF16, "bf16"}};
+// Other spellings parse_dtype accepts (numpy's and torch's); never printed.
+inline constexpr EnumName<DType> kDTypeAliases[] = {{DType::kF32, "float32"},  {DType::kF32, "fp32"},
+                                                    {DType::kF16, "float16"},  {DType::kF16, "fp16"},
+                                                    {DType::kBF16, "bfloat16"}};
+inline constexpr EnumName<Mode> kModeNames[] = {{Mode::kExact, "exact"}, {Mode::kLsh, "lsh"}, {Mode::kWindow, "window"}};
+inline constexpr EnumName<LshAlgorithm> kLshAlgorithmNames[] = {
+    {LshAlgorithm::kAuto, "auto"}, {LshAlgorithm::kPerSample, "per_sample"}, {LshAlgorithm::kBanded, "banded"}};
+inline constexpr EnumName<LshAlgorithm> kLshAlgorithmAliases[] = {{LshAlgorithm::kPerSample, "per-sample"}};
+
 const char* dtype_name(DType t);       // "f32", "f16", "bf16"
 const char* mode_name(Mode m);         // "exact", "lsh", "window"
 const char* lsh_algorithm_name(LshAlgorithm a);  // "auto", "per_sample", "banded"
 size_t dtype_bytes(DType t);
-StatusOr<DType> parse_dtype(const std::string& s);   // f32|float32|f16|float16|bf16|bfloat16
+StatusOr<DType> parse_dtype(const std::string& s);   // f32|float32|fp32|f16|float16|fp16|bf16|bfloat16
 StatusOr<Mode> parse_mode(const std::string& s);
 StatusOr<LshAlgorithm> parse_lsh_algorithm(const std::string& s);
 StatusOr<Sampling> parse_sampling(const std::string& s);  // iid | stratified | ash (plsh/draws.h)
@@ -163,6 +175,11 @@ StatusOr<AttentionParams> resolve_params(const AttentionOptions& options);
 // Points p at the tensors (dense, in the layout above) after checking them,
 // and with p->check_finite their values (host memory).
 Status bind_tensors(AttentionParams* p, const TensorRefs& tensors);
+// The tensors p points at, and pointing p at them unchecked: for params
+// made from ones already bound (a targeted plan's attempts). The one place
+// that pairs TensorRefs' fields with AttentionParams'.
+TensorRefs tensors_of(const AttentionParams& p);
+void set_tensors(AttentionParams* p, const TensorRefs& tensors);
 
 // Validates options alone (no tensors yet): what the server does on a header.
 Status validate_options(const AttentionOptions& options);

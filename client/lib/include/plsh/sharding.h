@@ -44,6 +44,7 @@
 #include "plsh/params.h"
 #include "plsh/result.h"
 #include "plsh/status.h"
+#include "plsh/text.h"
 
 namespace plsh::client {
 
@@ -65,6 +66,11 @@ inline constexpr int64_t kDefaultMinShardBytes = int64_t{4} << 20;
 enum class ShardBy { kAuto, kHeads, kSequence };
 // How a plan cut the request: kSingle sends it unchanged to one replica.
 enum class ShardKind { kSingle, kHeads, kSequence };
+// What the name functions print and parse_shard_by reads.
+inline constexpr EnumName<ShardBy> kShardByNames[] = {
+    {ShardBy::kAuto, "auto"}, {ShardBy::kHeads, "heads"}, {ShardBy::kSequence, "sequence"}};
+inline constexpr EnumName<ShardKind> kShardKindNames[] = {
+    {ShardKind::kSingle, "single"}, {ShardKind::kHeads, "heads"}, {ShardKind::kSequence, "sequence"}};
 
 const char* shard_by_name(ShardBy by);        // "auto", "heads", "sequence"
 const char* shard_kind_name(ShardKind kind);  // "single", "heads", "sequence"

@@ -100,6 +100,73 @@ const char* mode_label(v1::Mode m) {
   return mode.ok() ? mode_name(*mode) : "unknown";
 }
 
+void options_to_header(const AttentionOptions& o, v1::AttendHeader* h) {
+  h->set_batch(o.batch);
+  h->set_q_len(o.q_len);
+  h->set_kv_len(o.kv_len);
+  h->set_heads(o.heads);
+  h->set_kv_heads(o.kv_heads);
+  h->set_head_dim(o.head_dim);
+  h->set_dtype(to_wire(o.dtype));
+  if (o.out_dtype) h->set_out_dtype(to_wire(*o.out_dtype));
+  if (o.scale) h->set_scale(*o.scale);
+  h->set_causal(o.causal);
+  for (double s : o.slopes) h->add_slopes(s);
+  if (o.q_pos0) h->set_q_pos0(*o.q_pos0);
+  h->set_k_pos0(o.k_pos0);
+  h->set_mode(to_wire(o.mode));
+  h->set_samples(o.samples);
+  h->set_seed(o.seed);
+  h->set_lsh_algorithm(to_wire(o.lsh_algorithm));
+  h->set_sampling(to_wire(o.sampling));
+  if (o.target_rel_err > 0) h->set_target_rel_err(o.target_rel_err);
+  h->set_window_eps(o.window_eps);
+  h->set_window_width(o.window_width);
+  h->set_estimates(o.estimates);
+  h->set_probe_rows(o.probe_rows);
+  h->set_mask_row_budget(o.mask_row_budget);
+  h->set_return_draws(o.return_draws);
+  h->set_check_finite(o.check_finite);
+}
+
+StatusOr<AttentionOptions> options_from_header(const v1::AttendHeader& h) {
+  AttentionOptions o;
+  o.batch = h.batch() == 0 ? 1 : h.batch();
+  o.q_len = h.q_len();
+  o.kv_len = h.kv_len();
+  o.heads = h.heads();
+  o.kv_heads = h.kv_heads();
+  o.head_dim = h.head_dim();
+  ASSIGN_OR_RETURN(o.dtype, dtype_from_wire("dtype", h.dtype(), std::nullopt));
+  ASSIGN_OR_RETURN(DType out_dtype, dtype_from_wire("out_dtype", h.out_dtype(), o.dtype));
+  o.out_dtype = out_dtype;
+  if (h.has_scale()) o.scale = h.scale();
+  o.causal = h.causal();
+  o.slopes.assign(h.slopes().begin(), h.slopes().end());
+  if (h.has_q_pos0()) o.q_pos0 = h.q_pos0();
+  o.k_pos0 = h.k_pos0();
+  ASSIGN_OR_RETURN(o.mode, mode_from_wire(h.mode()));
+  if (h.has_samples()) o.samples = h.samples();
+  o.seed = h.seed();
+  ASSIGN_OR_RETURN(o.lsh_algorithm, lsh_algorithm_from_wire(h.lsh_algorithm()));
+  ASSIGN_OR_RETURN(o.sampling, sampling_from_wire(h.sampling()));
+  if (h.has_target_rel_err()) {
+    o.target_rel_err = h.target_rel_err();
+    // 0 is "no target" in the library; on the wire an unset field says that.
+    if (!(o.target_rel_err > 0))
+      return invalid_argument("target_rel_err = " + std::to_string(o.target_rel_err) + ", expected in (0, 1]");
+    if (h.mode() == v1::MODE_UNSPECIFIED) o.mode = kDefaultTargetMode;
+  }
+  if (h.has_window_eps()) o.window_eps = h.window_eps();
+  o.window_width = h.window_width();
+  if (h.has_estimates()) o.estimates = h.estimates();
+  if (h.has_probe_rows()) o.probe_rows = h.probe_rows();
+  if (h.has_mask_row_budget()) o.mask_row_budget = h.mask_row_budget();
+  o.return_draws = h.return_draws();
+  if (h.has_check_finite()) o.check_finite = h.check_finite();
+  return o;
+}
+
 void result_to_summary(const AttentionResult& r, v1::Summary* s) {
   s->set_backend(r.backend);
   s->set_device(r.device);

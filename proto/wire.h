@@ -39,6 +39,17 @@ StatusOr<Sampling> sampling_from_wire(int value);
 // "exact", "lsh", "window", "unknown": a metrics label for any wire value.
 const char* mode_label(v1::Mode m);
 
+// A header's attention options (shape, dtypes, positions, mode and its
+// settings, estimates): what the client sends and the server reads. Not the
+// request id, tensors in shared memory, lse, chunk size, backend or
+// keep_context, which belong to the call. Unset fields read as the
+// library's defaults (out_dtype: the dtype, so it is always set);
+// INVALID_ARGUMENT for enum values outside plsh.v1 and
+// for a target_rel_err that is set but not > 0 (its range and the rest:
+// plsh::validate_options).
+void options_to_header(const AttentionOptions& options, v1::AttendHeader* header);
+StatusOr<AttentionOptions> options_from_header(const v1::AttendHeader& header);
+
 // The result's estimates, FLOPs and backend timings (not the request id or
 // the output dtype, which belong to the request).
 void result_to_summary(const AttentionResult& result, v1::Summary* summary);

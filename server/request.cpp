@@ -45,40 +45,8 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   RETURN_IF_ERROR(check_request_id(h.request_id()));
   plan.id = h.request_id().empty() ? next_request_id() : h.request_id();
 
-  AttentionOptions& o = plan.options;
-  o.batch = h.batch() == 0 ? 1 : h.batch();
-  o.q_len = h.q_len();
-  o.kv_len = h.kv_len();
-  o.heads = h.heads();
-  o.kv_heads = h.kv_heads();
-  o.head_dim = h.head_dim();
-  ASSIGN_OR_RETURN(o.dtype, wire::dtype_from_wire("dtype", h.dtype(), std::nullopt));
-  ASSIGN_OR_RETURN(DType out_dtype, wire::dtype_from_wire("out_dtype", h.out_dtype(), o.dtype));
-  o.out_dtype = out_dtype;
-  if (h.has_scale()) o.scale = h.scale();
-  o.causal = h.causal();
-  o.slopes.assign(h.slopes().begin(), h.slopes().end());
-  if (h.has_q_pos0()) o.q_pos0 = h.q_pos0();
-  o.k_pos0 = h.k_pos0();
-  ASSIGN_OR_RETURN(o.mode, wire::mode_from_wire(h.mode()));
-  if (h.has_samples()) o.samples = h.samples();
-  o.seed = h.seed();
-  ASSIGN_OR_RETURN(o.lsh_algorithm, wire::lsh_algorithm_from_wire(h.lsh_algorithm()));
-  ASSIGN_OR_RETURN(o.sampling, wire::sampling_from_wire(h.sampling()));
-  if (h.has_target_rel_err()) {
-    o.target_rel_err = h.target_rel_err();
-    // 0 is "no target" in the library; on the wire an unset field says that.
-    if (!(o.target_rel_err > 0))
-      return invalid_argument("target_rel_err = " + std::to_string(o.target_rel_err) + ", expected in (0, 1]");
-    if (h.mode() == v1::MODE_UNSPECIFIED) o.mode = kDefaultTargetMode;
-  }
-  if (h.has_window_eps()) o.window_eps = h.window_eps();
-  o.window_width = h.window_width();
-  if (h.has_estimates()) o.estimates = h.estimates();
-  if (h.has_probe_rows()) o.probe_rows = h.probe_rows();
-  if (h.has_mask_row_budget()) o.mask_row_budget = h.mask_row_budget();
-  o.return_draws = h.return_draws();
-  if (h.has_check_finite()) o.check_finite = h.check_finite();
+  ASSIGN_OR_RETURN(plan.options, wire::options_from_header(h));
+  const AttentionOptions& o = plan.options;
   plan.in_shm = {h.has_q_shm(), h.has_k_shm(), h.has_v_shm(), h.has_out_shm(), h.has_lse_shm()};
   plan.return_lse = h.return_lse() || h.has_lse_shm();  // lse_shm implies return_lse
   plan.keep_context = h.keep_context();
@@ -121,7 +89,7 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   plan.kv_rows = o.batch * o.kv_len;
   plan.q_row_bytes = o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype));
   plan.kv_row_bytes = kv_heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype));
-  plan.out_row_bytes = o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(out_dtype));
+  plan.out_row_bytes = o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(*o.out_dtype));
   plan.lse_row_bytes = o.heads * static_cast<int64_t>(sizeof(float));
   plan.total_bytes =
       plan.q_bytes() + 2 * plan.kv_bytes() + plan.out_bytes() + plan.held_lse_bytes();

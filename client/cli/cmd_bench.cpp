@@ -208,12 +208,7 @@ Status bench(const BenchArgs& a, int* exit_code) {
   AttentionOptions& o = config.options;
   RETURN_IF_ERROR(apply_shape(a.shape, &o));
   ASSIGN_OR_RETURN(o.dtype, parse_dtype(a.wire_dtype));
-  ASSIGN_OR_RETURN(o.mode, parse_mode(a.mode));
-  ASSIGN_OR_RETURN(o.sampling, parse_sampling(a.sampling));
-  if (!(a.target_error >= 0 && a.target_error <= 1))
-    return invalid_argument("target_rel_err = " + std::to_string(a.target_error) + ", expected in (0, 1] (0: no target)");
-  o.target_rel_err = a.target_error;
-  if (o.target_rel_err > 0 && !a.mode_given) o.mode = kDefaultTargetMode;
+  RETURN_IF_ERROR(apply_mode_flags(a.mode, a.mode_given, a.sampling, a.target_error, &o));
   o.samples = a.samples;
   o.seed = a.seed;
   o.causal = a.causal;

@@ -63,12 +63,12 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_option("--mode", a.mode, "exact, lsh or window (with --target-error and no --mode: window)")
       ->capture_default_str()
       ->each([&a](const std::string&) { a.mode_given = true; });
-  app.add_option("--samples", a.samples, "lsh: hashes per head (s)")->capture_default_str()->transform(decimal_integer(true));
-  app.add_option("--seed", a.seed, "lsh: seed of the hash draws (uint64)")->capture_default_str()->transform(decimal_integer(false));
-  app.add_flag("--causal", a.causal, "mask keys after the query's position");
+  app.add_option("--samples", a.options.samples, "lsh: hashes per head (s)")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--seed", a.options.seed, "lsh: seed of the hash draws (uint64)")->capture_default_str()->transform(decimal_integer(false));
+  app.add_flag("--causal", a.options.causal, "mask keys after the query's position");
   app.add_option("--slopes", a.slopes, "ALiBi slope per query head, comma-separated (default: the standard slopes)");
   app.add_option_function<double>(
-      "--scale", [&a](const double& v) { a.scale = v; }, "softmax scale (default 1/sqrt(D))");
+      "--scale", [&a](const double& v) { a.options.scale = v; }, "softmax scale (default 1/sqrt(D))");
   app.add_option("--lsh-algorithm", a.lsh_algorithm, "auto, per_sample or banded")->capture_default_str();
   app.add_option("--sampling", a.sampling,
                  "lsh: how a head's hashes depend on each other: iid, stratified or ash (SPEC 5; README)")
@@ -77,21 +77,21 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
                  "relative L2 error to promise (0: off): the cheapest configuration of --mode (window widths, "
                  "lsh samples) whose probe upper bound is under it, else exact")
       ->capture_default_str();
-  app.add_option("--window-eps", a.window_eps, "window: W_h = ceil(sigma_h ln(1/eps))")->capture_default_str();
-  app.add_option("--window-width", a.window_width, "window: one width W for every head (0: from --window-eps)")
+  app.add_option("--window-eps", a.options.window_eps, "window: W_h = ceil(sigma_h ln(1/eps))")->capture_default_str();
+  app.add_option("--window-width", a.options.window_width, "window: one width W for every head (0: from --window-eps)")
       ->capture_default_str()
       ->transform(decimal_integer(true));
   app.add_option_function<int64_t>(
-         "--q-pos0", [&a](const int64_t& v) { a.q_pos0 = v; }, "absolute position of query row 0 (default Nk - Nq)")
+         "--q-pos0", [&a](const int64_t& v) { a.options.q_pos0 = v; }, "absolute position of query row 0 (default Nk - Nq)")
       ->transform(decimal_integer(true));
-  app.add_option("--k-pos0", a.k_pos0, "absolute position of key row 0")->capture_default_str()->transform(decimal_integer(true));
-  app.add_option("--probe-rows", a.probe_rows, "rows per head computed exactly for the probe estimate (0: none)")
+  app.add_option("--k-pos0", a.options.k_pos0, "absolute position of key row 0")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--probe-rows", a.options.probe_rows, "rows per head computed exactly for the probe estimate (0: none)")
       ->capture_default_str()
       ->transform(decimal_integer(true));
   app.add_flag("--no-estimates", a.no_estimates, "skip the error estimates (lsh and window)");
-  app.add_flag("--return-draws", a.return_draws, "put every head's draws (pitch, shift) into the metadata");
+  app.add_flag("--return-draws", a.options.return_draws, "put every head's draws (pitch, shift) into the metadata");
   // The old name, hidden from --help (an empty group) but still accepted.
-  app.add_flag("--return-hashes", a.return_draws, "the former name of --return-draws")->group("");
+  app.add_flag("--return-hashes", a.options.return_draws, "the former name of --return-draws")->group("");
   app.add_option("--out-dtype", a.out_dtype, "f32, f16 or bf16 (default: the inputs' dtype)");
   app.add_option("--backend", a.backend, backend_names_text())->capture_default_str();
   app.add_option("--threads", a.threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));
@@ -157,29 +157,25 @@ StatusOr<std::vector<double>> parse_slopes(const std::string& text) {
   return slopes;
 }
 
+Status apply_mode_flags(const std::string& mode, bool mode_given, const std::string& sampling, double target_error,
+                        AttentionOptions* o) {
+  ASSIGN_OR_RETURN(o->mode, parse_mode(mode));
+  ASSIGN_OR_RETURN(o->sampling, parse_sampling(sampling));
+  if (!(target_error >= 0 && target_error <= 1))
+    return invalid_argument("target_rel_err = " + g_text(target_error, 17) + ", expected in (0, 1] (0: no target)");
+  o->target_rel_err = target_error;
+  if (o->target_rel_err > 0 && !mode_given) o->mode = kDefaultTargetMode;
+  return Status::Ok();
+}
+
 StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
-  AttentionOptions o;
-  ASSIGN_OR_RETURN(o.mode, parse_mode(a.mode));
+  AttentionOptions o = a.options;
+  RETURN_IF_ERROR(apply_mode_flags(a.mode, a.mode_given, a.sampling, a.target_error, &o));
   ASSIGN_OR_RETURN(o.lsh_algorithm, parse_lsh_algorithm(a.lsh_algorithm));
-  ASSIGN_OR_RETURN(o.sampling, parse_sampling(a.sampling));
-  if (!std::isfinite(a.target_error))
-    return invalid_argument("target_rel_err = " + g_text(a.target_error, 17) + ", expected in (0, 1] (0: no target)");
-  o.target_rel_err = a.target_error;
-  if (o.target_rel_err > 0 && !a.mode_given) o.mode = kDefaultTargetMode;
-  o.samples = a.samples;
-  o.seed = a.seed;
-  o.causal = a.causal;
   if (!a.slopes.empty()) {
     ASSIGN_OR_RETURN(o.slopes, parse_slopes(a.slopes));
   }
-  o.scale = a.scale;
-  o.window_eps = a.window_eps;
-  o.window_width = a.window_width;
-  o.q_pos0 = a.q_pos0;
-  o.k_pos0 = a.k_pos0;
-  o.probe_rows = a.probe_rows;
   o.estimates = !a.no_estimates;
-  o.return_draws = a.return_draws;
   if (!a.out_dtype.empty()) {
     ASSIGN_OR_RETURN(DType out, parse_dtype(a.out_dtype));
     if (out == DType::kBF16 && !a.bf16_bits)
@@ -188,8 +184,8 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
   }
   RETURN_IF_ERROR(check_backend_name(a.backend));
   if (a.threads < 0) return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
-  if (!std::isfinite(a.window_eps))
-    return invalid_argument("window_eps = " + g_text(a.window_eps, 17) + ", expected in (0, 1)");
+  if (!std::isfinite(o.window_eps))
+    return invalid_argument("window_eps = " + g_text(o.window_eps, 17) + ", expected in (0, 1)");
   return o;
 }
 

@@ -22,24 +22,19 @@ namespace plsh::cli {
 struct AttentionCliArgs {
   std::string q_path, k_path, v_path;   // .npy: [B, N, H, D] or [N, H, D]
   bool bf16_bits = false;               // read/write '<u2' arrays as bfloat16 bit patterns
-  // Defaults are AttentionOptions' (plsh/params.h), not restated here.
+  // The flags that set an option as it is (--samples, --seed, --causal,
+  // --scale, --window-eps, --window-width, --q-pos0, --k-pos0, --probe-rows,
+  // --return-draws) are bound to it directly, with the library's defaults;
+  // the rest stay strings here. Defaults are AttentionOptions' (plsh/params.h),
+  // not restated here.
+  AttentionOptions options;
   std::string mode = mode_name(AttentionOptions{}.mode);  // exact | lsh | window
-  int64_t samples = kDefaultSamples;    // lsh: hashes per head
-  uint64_t seed = 0;                    // lsh: draws seed
-  bool causal = false;
   std::string slopes;                   // "a,b,..." one per query head; empty: standard ALiBi slopes
-  std::optional<double> scale;          // default 1/sqrt(D)
   std::string lsh_algorithm = lsh_algorithm_name(AttentionOptions{}.lsh_algorithm);  // auto | per_sample | banded
   std::string sampling = sampling_name(kDefaultSampling);  // lsh: iid | stratified | ash
   double target_error = 0;              // > 0: error-targeted request (target_rel_err)
   bool mode_given = false;              // --mode was on the command line (a target without it searches windows)
-  double window_eps = kDefaultWindowEps;  // window: W_h = ceil(sigma_h ln(1/eps))
-  int64_t window_width = 0;             // window: one W for all heads; 0: from window_eps
-  std::optional<int64_t> q_pos0;        // default Nk - Nq
-  int64_t k_pos0 = 0;
-  int64_t probe_rows = kDefaultProbeRows;  // exact rows per head for the probe estimate
   bool no_estimates = false;
-  bool return_draws = false;            // put the draws into the metadata (--return-draws)
   std::string out_dtype;                // f32 | f16 | bf16; empty: the inputs' dtype
   std::string backend = "auto";         // one of plsh::kBackendNames
   int64_t threads = 0;                  // CPU threads; 0: all cores
@@ -93,6 +88,12 @@ StatusOr<std::vector<double>> parse_slopes(const std::string& text);
 // Everything the flags alone determine, checked before any file is read;
 // the shape fields are left for apply_shapes().
 StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& args);
+// --mode, --sampling and --target-error (plsh compute, attend and bench):
+// a target without --mode searches windows (kDefaultTargetMode). A target
+// outside [0, 1] (or not a number) is INVALID_ARGUMENT here, because a
+// client sends none when it is 0 or less.
+Status apply_mode_flags(const std::string& mode, bool mode_given, const std::string& sampling, double target_error,
+                        AttentionOptions* o);
 
 // The output and lse directories exist and are writable, so that a long
 // computation is not lost to a typo in --out.

@@ -32,23 +32,23 @@ AttentionCliArgs parse(std::vector<std::string> argv) {
 }
 
 TEST(Flags, IntegersAreDecimalAndSeedsTakeHex) {
-  EXPECT_EQ(parse({"--samples", "010"}).samples, 10);
-  EXPECT_EQ(parse({"--seed", "18446744073709551615"}).seed, 18446744073709551615ULL);
-  EXPECT_EQ(parse({"--seed", "0x10"}).seed, 16u);
-  EXPECT_EQ(parse({"--q-pos0", "-5"}).q_pos0, -5);
+  EXPECT_EQ(parse({"--samples", "010"}).options.samples, 10);
+  EXPECT_EQ(parse({"--seed", "18446744073709551615"}).options.seed, 18446744073709551615ULL);
+  EXPECT_EQ(parse({"--seed", "0x10"}).options.seed, 16u);
+  EXPECT_EQ(parse({"--q-pos0", "-5"}).options.q_pos0, -5);
   EXPECT_THROW(parse({"--seed", "-1"}), CLI::ValidationError);
   EXPECT_THROW(parse({"--samples", "1e3"}), CLI::ValidationError);
   EXPECT_THROW(parse({"--samples", "0x10"}), CLI::ValidationError);
   EXPECT_THROW(parse({"--samples", ""}), CLI::ValidationError);
   EXPECT_THROW(parse({"--samples", "+"}), CLI::ValidationError);
-  EXPECT_EQ(parse({"--samples", "+7"}).samples, 7);
-  EXPECT_EQ(parse({"--k-pos0", "-0009"}).k_pos0, -9);
+  EXPECT_EQ(parse({"--samples", "+7"}).options.samples, 7);
+  EXPECT_EQ(parse({"--k-pos0", "-0009"}).options.k_pos0, -9);
   // Out of range is an error, not the type's maximum.
   EXPECT_THROW(parse({"--seed", "18446744073709551616"}), CLI::ValidationError);
   EXPECT_THROW(parse({"--seed", "0x10000000000000000"}), CLI::ValidationError);
-  EXPECT_EQ(parse({"--seed", "0xFFFFFFFFFFFFFFFF"}).seed, 18446744073709551615ULL);
+  EXPECT_EQ(parse({"--seed", "0xFFFFFFFFFFFFFFFF"}).options.seed, 18446744073709551615ULL);
   EXPECT_THROW(parse({"--samples", "9223372036854775808"}), CLI::ValidationError);
-  EXPECT_EQ(parse({"--k-pos0", "-9223372036854775808"}).k_pos0, INT64_MIN);
+  EXPECT_EQ(parse({"--k-pos0", "-9223372036854775808"}).options.k_pos0, INT64_MIN);
 }
 
 TEST(Flags, OptionsFromArgs) {
@@ -121,9 +121,9 @@ TEST(Flags, DefaultsAreTheLibrarys) {
 // --return-draws, and its former name --return-hashes, accepted but not
 // shown by --help.
 TEST(Flags, ReturnDrawsAndItsHiddenAlias) {
-  EXPECT_TRUE(parse({"--return-draws"}).return_draws);
-  EXPECT_TRUE(parse({"--return-hashes"}).return_draws);
-  EXPECT_FALSE(parse({}).return_draws);
+  EXPECT_TRUE(parse({"--return-draws"}).options.return_draws);
+  EXPECT_TRUE(parse({"--return-hashes"}).options.return_draws);
+  EXPECT_FALSE(parse({}).options.return_draws);
   CLI::App app;
   AttentionCliArgs args;
   add_attention_flags(app, args);

@@ -48,16 +48,16 @@ StatusOr<Plan> plan_attention(const Backend& backend, const AttentionParams& p, 
 StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, const ExecContext& ctx) {
   if (!plan.attempts.empty()) return run_targeted(backend, plan, ctx);
   const AttentionParams& p = plan.params;
-  AttentionResult result;
-  result.backend = backend.name();
-  result.device = backend.device();
-  result.mode = p.mode;
-  result.samples = p.samples;
-  result.seed = p.seed;
-  result.sampling = p.sampling;
-  result.scale = p.scale;
-  result.q_pos0 = p.q_pos0;
-  result.k_pos0 = p.k_pos0;
+  // What runs, as resolved (the estimates, FLOPs and timings follow).
+  AttentionResult result{.backend = backend.name(),
+                         .device = backend.device(),
+                         .mode = p.mode,
+                         .samples = p.samples,
+                         .seed = p.seed,
+                         .sampling = p.sampling,
+                         .scale = p.scale,
+                         .q_pos0 = p.q_pos0,
+                         .k_pos0 = p.k_pos0};
 
   ForwardStats stats;
   const auto t0 = std::chrono::steady_clock::now();

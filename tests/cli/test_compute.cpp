@@ -145,7 +145,9 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   expect_keys(meta["summary"], {"mask_max_err", "mask_spectral_err", "probe"}, "summary");
   expect_keys(meta["shape"], {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "dtype", "out_dtype"}, "shape");
   EXPECT_EQ(meta["mode"], mode_name(expected->mode));  // a targeted request's: the kept attempt's
-  if (o.target_rel_err == 0) EXPECT_EQ(expected->mode, o.mode);
+  if (o.target_rel_err == 0) {
+    EXPECT_EQ(expected->mode, o.mode);
+  }
   EXPECT_EQ(meta["seed"].get<uint64_t>(), expected->seed);
   EXPECT_EQ(meta["samples"].get<int64_t>(), expected->samples);
   EXPECT_EQ(meta["backend"], "cpu");

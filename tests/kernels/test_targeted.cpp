@@ -271,7 +271,9 @@ TEST(Targeted, TrueErrorUnderTheTargetInAtLeast95PercentOfRequests) {
     EXPECT_TRUE(t.met);
     EXPECT_TRUE(kept.met);
     EXPECT_EQ(res->mode, kept.mode);
-    if (kept.mode != Mode::kExact) EXPECT_LE(kept.rel_err_upper, r.target);
+    if (kept.mode != Mode::kExact) {
+      EXPECT_LE(kept.rel_err_upper, r.target);
+    }
     double flops = 0;
     for (const TargetAttempt& a : t.attempts) flops += a.flops;
     EXPECT_NEAR(res->flops, flops, 1e-9 * flops);

@@ -61,6 +61,8 @@ struct HeadEstimate {
   std::vector<Draw> draws;      // only with return_draws
 };
 
+// Every member a designated initializer may leave out has an initializer
+// (run_attention names only what runs), or -Wextra warns.
 struct AttentionResult {
   std::string backend;
   std::string device;
@@ -74,15 +76,15 @@ struct AttentionResult {
   double scale = 0;                 // softmax scale: options.scale or 1/sqrt(D)
   int64_t q_pos0 = 0;               // absolute position of query row 0: options.q_pos0 or Nk - Nq
   int64_t k_pos0 = 0;               // absolute position of key row 0
-  std::vector<HeadEstimate> heads;  // empty for exact
+  std::vector<HeadEstimate> heads{};  // empty for exact
   double flops = 0;                 // done
   double dense_flops = 0;           // exact attention over the allowed pairs
   // Summary over heads: max mask errors, probe error pooled over heads.
   double mask_max_err = 0;
   double mask_spectral_err = 0;
-  ProbeEstimate probe;
-  std::map<std::string, double> timings;  // seconds: "compute", "estimates", ...
-  TargetReport target;              // error-targeted requests: the attempts; flops above counts them all
+  ProbeEstimate probe{};
+  std::map<std::string, double> timings{};  // seconds: "compute", "estimates", ...
+  TargetReport target{};            // error-targeted requests: the attempts; flops above counts them all
 };
 
 // What a backward pass returns besides dq, dk, dv.

@@ -45,9 +45,7 @@ import math
 import os
 import random
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -57,6 +55,9 @@ import grpc
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.join(ROOT, "tests", "deploy"))
+import plsh_proc  # noqa: E402  (the plsh-server launcher the tests use too)
+
 MIB = 1 << 20
 MAX_MESSAGE_BYTES = 1 * MIB
 IDLE_TIMEOUT_S = 2
@@ -114,33 +115,13 @@ def reference(q, k, v, *, mode, causal, slopes, draws=None, eps=1e-4):
 
 # ---------------------------------------------------------------- the server
 
-class Server:
+class Server(plsh_proc.Server):
     def __init__(self, binary, extra):
         flags = ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--backend", "cpu",
                  "--stream-idle-timeout", str(IDLE_TIMEOUT_S), "--max-message-bytes", str(MAX_MESSAGE_BYTES),
                  "--workers", "2", "--threads", "1", "--queue-depth", "64", "--max-concurrent", "64", *extra]
-        self.command = [binary, *flags]
-        self.proc = subprocess.Popen(self.command, stderr=subprocess.PIPE, text=True)
-        self.log_tail = collections.deque(maxlen=200)
-        self.lines = 0
-        self.grpc = self.metrics = None
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stderr:
-                self.lines += 1
-                self.log_tail.append(line)
-                if " serving " in line:
-                    self.grpc = re.search(r" grpc=(\S+)", line).group(1)
-                    self.metrics = re.search(r" metrics=(\S+)", line).group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait(30)
-        if self.grpc is None:
-            self.proc.kill()
-            raise RuntimeError("plsh-server did not start:\n" + "".join(self.log_tail))
+        # The log grows by a line per request: keep the last 200 for the report.
+        super().__init__(binary, flags, startup_timeout=30, tail=200)
 
     def rss_kib(self):
         try:
@@ -160,14 +141,6 @@ class Server:
                 name, _, value = line.rpartition(" ")
                 samples[name] = float(value)
         return samples
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
 
 
 # ---------------------------------------------------------------- requests
@@ -452,7 +425,7 @@ def main():
         out, _ = c.attend(q, q, q, mode="exact", deadline=30)
         checks["serves_after_load"] = bool(np.allclose(out, 1.0))
     idle_rss = server.rss_kib()
-    exit_code = server.stop()
+    exit_code = server.stop(timeout=60)
     checks["exit_0_on_sigterm"] = exit_code == 0
     rss_summary = summarize_rss(rss, args.duration)
     if not args.no_rss_check:
@@ -462,7 +435,7 @@ def main():
     failed = len(soak.failures) + sum(1 for ok in checks.values() if not ok)
     print(f"soak: plsh-server {' '.join(server.command[1:])}")
     print(f"started {started}, {elapsed:.0f} s of load, concurrency {args.concurrency}, {total} requests "
-          f"({total / elapsed:.1f}/s), server log {server.lines} lines")
+          f"({total / elapsed:.1f}/s), server log {server.line_count} lines")
     print(f"{'kind':28} {'requests':>8}  codes{'':20} {'verified':>8} {'max err':>9} {'p50 s':>7} {'p99 s':>7}")
     for kind in sorted(soak.counts):
         codes = ", ".join(f"{c} {n}" for c, n in soak.counts[kind].most_common())
@@ -500,7 +473,7 @@ def main():
                        "rss_series_kib": rss, "rss": rss_summary, "idle_rss_kib": idle_rss, "checks": checks,
                        "failures": soak.failures}, f, indent=1)
     if failed:
-        print("server log, last lines:\n" + "".join(list(server.log_tail)[-20:]))
+        print("server log, last lines:\n" + server.log(20))
     print(f"soak: {total - len(soak.failures)} passed, {failed} failed")
     return 0 if failed == 0 else 1
 

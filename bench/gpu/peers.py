@@ -118,26 +118,22 @@ def draw_hash(seed, head, sample, sigma):
 
 
 # ---- ALiBi slopes, bit for bit as kernels/src/params.cpp standard_slopes ----
+# As the C++: start = 2^(-8/n), then a running product (start * start * ...),
+# not start ** (i + 1), which differs by one ulp in 8 of 32 heads. The client's
+# copy is the one: this machine has no grpc, so not `import plsh_client` (its
+# __init__ imports grpc) but its dependency-free file, loaded by path.
 
-def standard_slopes(heads):
-    """As the C++: start = 2^(-8/n), then a running product (start * start *
-    ...), not start ** (i + 1), which differs by one ulp in 8 of 32 heads."""
-    def power_of_two_slopes(n):
-        start = 2.0 ** (-8.0 / n)
-        out, value = [], start
-        for _ in range(n):
-            out.append(value)
-            value *= start
-        return out
-    if heads <= 0:
-        return []
-    p = 1
-    while p * 2 <= heads:
-        p *= 2
-    slopes = power_of_two_slopes(p)
-    if p < heads:
-        slopes += power_of_two_slopes(2 * p)[0::2][: heads - p]
-    return slopes
+def _load_client_slopes():
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                        "client", "python", "plsh_client", "_slopes.py")
+    spec = importlib.util.spec_from_file_location("plsh_client_slopes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.standard_slopes
+
+
+standard_slopes = _load_client_slopes()
 
 
 # plsh::standard_slopes(H) printed with %a by a C++ one-liner linked against

@@ -5,46 +5,30 @@ plsh tool), PLSH_PYTHON_STUBS (generated stubs); PYTHONPATH holds
 client/python."""
 
 import os
-import re
-import signal
-import subprocess
-import threading
-import time
+import sys
 
 import pytest
 
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "deploy"))
+import plsh_proc  # noqa: E402  (the launcher the deploy tests and bench/soak.py use too)
 
-class Server:
+
+class Server(plsh_proc.Server):
+    """plsh-server with these flags on free loopback ports: `address` is its
+    grpc address, `log` its stderr lines so far (each ending in a newline)."""
+
     def __init__(self, *flags):
-        self.proc = subprocess.Popen(
-            [os.environ["PLSH_SERVER"], "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", *flags],
-            stderr=subprocess.PIPE, text=True)
-        self.log = []
-        self.address = None
-        ready = threading.Event()
+        super().__init__(os.environ["PLSH_SERVER"],
+                         ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", *flags],
+                         startup_timeout=20)
 
-        def read():
-            for line in self.proc.stderr:
-                self.log.append(line)
-                m = re.search(r" serving .*grpc=(\S+)", line)
-                if m:
-                    self.address = m.group(1)
-                    ready.set()
-            ready.set()
+    @property
+    def address(self):
+        return self.grpc
 
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait(20)
-        if self.address is None:
-            self.proc.kill()
-            raise RuntimeError("plsh-server did not start:\n" + "".join(self.log))
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
+    @property
+    def log(self):
+        return [line + "\n" for line in self.lines]
 
 
 @pytest.fixture(scope="session")

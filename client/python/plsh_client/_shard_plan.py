@@ -5,6 +5,8 @@ ShardedClient (sharding.py) sends the shards and stitches the output."""
 
 import math
 
+from ._slopes import standard_slopes
+
 SHARD_ROW_ALIGN = 128               # the CPU backend's largest row tile (kernels/cpu/tiles.h); its lsh tile, 64, divides it
 DEFAULT_MIN_SHARD_BYTES = 4 << 20   # automatic shard count: each shard at least this many bytes in and out
 
@@ -87,26 +89,6 @@ def block_begin(pos, d):
     while s - 1 >= _INT64_MIN // 2 and _bin(s - 1, d) == b:
         s -= 1
     return s
-
-
-def standard_slopes(heads):
-    """ALiBi's slopes for `heads` heads (BLOOM's rule when not a power of two), as plsh_core's."""
-    def powers(n):
-        start = 2.0 ** (-8.0 / n)
-        out, value = [], start
-        for _ in range(n):
-            out.append(value)
-            value *= start
-        return out
-    p = 1
-    while p * 2 <= heads:
-        p *= 2
-    slopes = powers(p)
-    extra, i = powers(2 * p), 0
-    while len(slopes) < heads:
-        slopes.append(extra[i])
-        i += 2
-    return slopes
 
 
 # --- plans ---

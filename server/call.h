@@ -3,8 +3,8 @@
 //   open -> admit (plan_request: limits, backend, plan) -> reserve (host and
 //   device budgets) -> allocate -> ... -> compute on a worker -> close
 // and one record that becomes the request's log line and metrics, with one
-// timings fill for the summary. The reactors in service.cpp only move
-// messages.
+// timings fill for the summary. The reactors (service.cpp, backward_call.cpp;
+// the two streamed calls over streamed_call.h) only move messages.
 #pragma once
 
 #include <grpcpp/grpcpp.h>

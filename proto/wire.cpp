@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "plsh/text.h"
+
 namespace plsh::wire {
 
 namespace {
@@ -39,9 +41,7 @@ StatusOr<Value> value_of(const EnumPair<Value, Wire> (&table)[N], int wire, cons
   for (const auto& p : table)
     if (static_cast<int>(p.wire) == wire) return p.value;
   const google::protobuf::EnumDescriptor* names = google::protobuf::GetEnumDescriptor<Wire>();
-  std::string expected;
-  for (size_t i = 0; i < N; ++i)
-    expected += (i == 0 ? "" : i + 1 == N ? " or " : ", ") + names->FindValueByNumber(table[i].wire)->name();
+  const std::string expected = or_list(N, [&](size_t i) { return names->FindValueByNumber(table[i].wire)->name(); });
   return invalid_argument(std::string(field) + " = " + shown + ", expected " + expected);
 }
 

@@ -1,8 +1,6 @@
 #include "server/backward_call.h"
 
 #include <algorithm>
-#include <exception>
-#include <mutex>
 #include <new>
 
 #include "plsh/backend.h"

@@ -2,7 +2,6 @@
 
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <optional>
 
 #include "plsh/backend.h"
@@ -11,9 +10,9 @@
 #include "server/assembler.h"
 #include "server/backward_call.h"
 #include "server/call.h"
-#include "server/streamed_call.h"
 #include "server/logging.h"
 #include "server/status_map.h"
+#include "server/streamed_call.h"
 
 #ifndef PLSH_VERSION
 #define PLSH_VERSION "unknown"
@@ -23,17 +22,11 @@ namespace plsh::server {
 
 namespace {
 
-// A protobuf message <-> gRPC's ByteBuffer, for the raw Attend method's
-// small messages (header, end, ack, summary).
+// gRPC's ByteBuffer -> a protobuf message, for the raw Attend method's
+// small messages (header, end); the other way: serialize_message
+// (streamed_call.h).
 bool parse_message(grpc::ByteBuffer* buffer, v1::AttendRequest* message) {
   return grpc::SerializationTraits<v1::AttendRequest>::Deserialize(buffer, message).ok();
-}
-
-grpc::ByteBuffer serialize_message(const google::protobuf::Message& message) {
-  grpc::ByteBuffer buffer;
-  bool own_buffer = false;
-  grpc::SerializationTraits<v1::AttendResponse>::Serialize(message, &buffer, &own_buffer);
-  return buffer;
 }
 
 // The keep-alive of an output chunk's slice: a reference to the request's

@@ -33,12 +33,17 @@ namespace plsh::server {
 
 // The ack as the response type carries it: serialized for the raw Attend,
 // a field of AttendBackward's response.
+// A message as the raw Attend method sends it (ack, summary).
+inline grpc::ByteBuffer serialize_message(const v1::AttendResponse& message) {
+  grpc::ByteBuffer buffer;
+  bool own_buffer = false;
+  grpc::SerializationTraits<v1::AttendResponse>::Serialize(message, &buffer, &own_buffer);
+  return buffer;
+}
 inline void set_ack_message(const v1::Ack& ack, grpc::ByteBuffer* response) {
   v1::AttendResponse message;
   *message.mutable_ack() = ack;
-  bool own_buffer = false;
-  response->Clear();
-  grpc::SerializationTraits<v1::AttendResponse>::Serialize(message, response, &own_buffer);
+  *response = serialize_message(message);
 }
 inline void set_ack_message(const v1::Ack& ack, v1::BackwardResponse* response) {
   response->Clear();

@@ -84,7 +84,11 @@ StatusOr<uint8_t*> Assembler::accept(int tensor, int64_t start, int64_t count, s
     }
   }
   t.ranges[merged_start] = merged_end;
-  return t.data + start * t.row_bytes;
+  // Memory follows data: the request's block is mapped but not faulted in
+  // (buffer_pool.h); its pages come in here, one call per chunk.
+  uint8_t* dst = t.data + start * t.row_bytes;
+  BufferPool::fault_in(dst, expected_bytes);
+  return dst;
 }
 
 Status Assembler::add(const v1::TensorChunk& chunk) {

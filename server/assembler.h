@@ -6,7 +6,8 @@
 // rows involved.
 //
 // accept() checks a chunk from its fields alone and says where its bytes
-// go, so that the service copies them there straight from the slices gRPC
+// go, with the pages there faulted in (buffer_pool.h: memory follows data),
+// so that the service copies them there straight from the slices gRPC
 // received (proto/chunk_codec.h); add() does both for a parsed message.
 #pragma once
 

@@ -178,14 +178,22 @@ void ContextStore::abandon(const std::string& id) {
   remove_locked(it, ContextEnd::kCancelled, "the forward that was to keep it did not finish OK (cancelled or failed)");
 }
 
+namespace {
+
+// An id that is not among the caller's contexts, live or gone: one code and
+// one message whether it never existed, is forgotten, or is another
+// client's (live or gone), so that no caller learns of another's ids.
+Status not_among_own(const std::string& id) {
+  return not_found("context_id = " + echo_value(id) +
+                   ": no such context for this client; run the forward with keep_context");
+}
+
+}  // namespace
+
 Status ContextStore::gone_status_locked(const std::string& id, const std::string& owner) const {
   const std::string name = "context_id = " + echo_value(id);
   auto g = gone_.find(id);
-  if (g == gone_.end())
-    return failed_precondition(name + ": never existed on this server (or is older than the " +
-                               std::to_string(options_.remembered) +
-                               " gone contexts it remembers); run the forward with keep_context");
-  if (g->second.owner != owner) return not_found(name + ": no such context for this client");
+  if (g == gone_.end() || g->second.owner != owner) return not_among_own(id);
   const double ago = std::chrono::duration<double>(Clock::now() - g->second.when).count();
   return failed_precondition(name + ": " + context_end_name(g->second.why) + " " + g_text(ago, 3) + " s ago: " +
                              g->second.detail);
@@ -198,7 +206,7 @@ StatusOr<std::shared_ptr<KeptContext>> ContextStore::check_out(const std::string
   if (it == entries_.end()) return gone_status_locked(id, owner);
   Entry& e = it->second;
   const std::string name = "context_id = " + echo_value(id);
-  if (e.owner != owner) return not_found(name + ": no such context for this client");
+  if (e.owner != owner) return not_among_own(id);
   if (e.state == State::kPending)
     return failed_precondition(name + ": its forward has not finished yet; expected the forward's summary first");
   if (e.state == State::kInUse)
@@ -239,7 +247,7 @@ StatusOr<int64_t> ContextStore::release(const std::string& id, const std::string
       return not_found(gone.message());
     }
     Entry& e = it->second;
-    if (e.owner != owner) return not_found(name + ": no such context for this client");
+    if (e.owner != owner) return not_among_own(id);
     if (e.state == State::kPending) return failed_precondition(name + ": its forward has not finished yet");
     if (e.state == State::kInUse)
       return failed_precondition(name + ": in use by backward request " + echo_value(e.user) +

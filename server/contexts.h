@@ -35,8 +35,10 @@
 //     leaves no context. A draining server drops every context at once, and
 //     checked-out ones when their backward ends.
 //   - Ids of gone contexts are remembered with why (the last 65536), so that
-//     a backward that finds its context gone is told: expired, evicted,
-//     released, consumed, cancelled, drained, or never existed.
+//     a backward that finds its own context gone is told: expired, evicted,
+//     released, consumed, cancelled or drained (FAILED_PRECONDITION). An id
+//     not among the caller's own (never made, forgotten, another client's)
+//     is NOT_FOUND with one message, whichever it is.
 // Gauges: plsh_contexts, plsh_context_bytes; removals by reason:
 // plsh_context_evictions_total{reason}.
 #pragma once

@@ -11,7 +11,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <climits>
 #include <condition_variable>
 #include <initializer_list>
@@ -27,6 +29,7 @@
 #include "server/buffer_pool.h"
 #include "server/config.h"
 #include "server/contexts.h"
+#include "server/host_memory.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -110,6 +113,29 @@ class DeviceMemorySampler {
   bool stop_ = false;
   std::thread thread_;
 };
+
+// The hard bound on stopping (--exit-timeout): once armed after the drain,
+// a detached thread waits that long and then ends the process with status 3,
+// naming the step main was in. It touches only these trivially destructible
+// globals and write(2), so that it still works while main's locals and the
+// libraries' statics are being destroyed (gRPC's grpc_shutdown() has been
+// seen to hang there: issue 24).
+std::atomic<const char*> g_exit_step{"starting"};
+
+void exit_step(const char* step) { g_exit_step.store(step); }
+
+void arm_exit_timeout(double seconds) {
+  std::thread([seconds] {
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    char line[512];
+    const int n = std::snprintf(line, sizeof line,
+                                "plsh-server: stopping took longer than --exit-timeout = %g s after the drain (still "
+                                "%s); exiting with status 3\n",
+                                seconds, g_exit_step.load());
+    if (n > 0) [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, line, static_cast<size_t>(std::min(n, 511)));
+    _exit(3);
+  }).detach();
+}
 
 // Blocks until the first SIGTERM or SIGINT; returns it.
 int wait_for_shutdown_signal() {
@@ -220,6 +246,7 @@ int main(int argc, char** argv) {
     metrics.memory_reserved("host", static_cast<double>(reserved.host_bytes));
     metrics.memory_reserved("device", static_cast<double>(reserved.device_bytes));
   });
+  scheduler.set_busy_listener([&metrics](int64_t busy) { metrics.busy_workers(static_cast<double>(busy)); });
   scheduler.release({});  // the reserved gauges start at 0, not absent
   // Streams waiting on their clients end after --stream-idle-timeout or below
   // --min-stream-rate (watchdog.h).
@@ -227,9 +254,15 @@ int main(int argc, char** argv) {
   // Requests' host tensors come from a pool of faulted-in blocks, bounded by
   // the host budget (buffer_pool.h); same-host clients may hand tensors over
   // in shared memory under --shm-dir (shm_registry.h).
-  plsh::server::BufferPool pool(budget.host_bytes);
-  plsh::StatusOr<std::unique_ptr<plsh::server::SharedMemoryRegistry>> shm =
-      plsh::server::SharedMemoryRegistry::open(config.shm_enabled() ? config.shm_dir : "off");
+  // Its pages come as data arrives; idle blocks keep at most
+  // --pool-keep-bytes resident. Regions map at most --max-shm-bytes together.
+  plsh::server::BufferPool pool(budget.host_bytes, config.pool_keep_bytes);
+  plsh::StatusOr<std::unique_ptr<plsh::server::SharedMemoryRegistry>> shm = plsh::server::SharedMemoryRegistry::open(
+      config.shm_enabled() ? config.shm_dir : "off", config.max_shm_bytes,
+      [&metrics, max = config.max_shm_bytes](const plsh::server::SharedMemoryRegistry::Totals& t) {
+        metrics.shared_memory(static_cast<double>(t.regions), static_cast<double>(t.mapped_bytes),
+                              static_cast<double>(max));
+      });
   if (!shm.ok()) {
     log_event(spdlog::level::err, "startup_failed", {{"error", shm.status().to_string()}});
     return 2;
@@ -309,7 +342,10 @@ int main(int argc, char** argv) {
              {"metrics", config.metrics_enabled() ? metrics.bound_address() : "off"},
              {"backend", (*chosen)->name()},
              {"version", PLSH_VERSION},
-             {"workers", config.workers}});
+             {"workers", config.workers},
+             {"memory_budget", config.memory_budget},
+             {"host_memory", plsh::server::host_memory().usable_bytes()},
+             {"host_memory_source", plsh::server::host_memory().source()}});
 
   const int signal_number = wait_for_shutdown_signal();
 
@@ -328,14 +364,19 @@ int main(int argc, char** argv) {
   const auto drain_until = std::chrono::steady_clock::now() + std::chrono::duration<double>(config.drain_timeout);
   while (service.open_requests() > 0 && std::chrono::steady_clock::now() < drain_until)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  // From here every step is bounded by --exit-timeout together.
+  arm_exit_timeout(config.exit_timeout);
+  exit_step("stopping gRPC (Server::Shutdown)");
   // A short grace for final statuses already on their way out. (Without a
   // deadline, Shutdown waits seconds on idle client connections.)
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  exit_step("stopping the workers (a computation that does not stop)");
   scheduler.stop();
   // Nothing held past the drain: tests read these.
   log_event(spdlog::level::info, "stopped", {{"contexts", contexts.held()},
                                             {"context_bytes", contexts.bytes()},
                                             {"reserved_host_bytes", scheduler.reserved().host_bytes}});
+  exit_step("releasing gRPC and the backends (destructors, grpc_shutdown)");
   return 0;
 }

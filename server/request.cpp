@@ -80,6 +80,11 @@ StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimi
   if (o.mode == Mode::kLsh && target_max_samples(o) > limits.max_samples)
     return resource_exhausted("target_rel_err with lsh tries up to samples = " + std::to_string(target_max_samples(o)) +
                               ", expected <= " + std::to_string(limits.max_samples) + " (the server's --max-samples)");
+  if (o.mode == Mode::kLsh && o.heads * target_max_samples(o) > limits.max_draws)
+    return resource_exhausted("heads * samples = " + std::to_string(o.heads) + " * " +
+                              std::to_string(target_max_samples(o)) + " draws, expected <= " +
+                              std::to_string(limits.max_draws) +
+                              " (the server's limit: the draws are made with the header, 16 bytes each)");
   // validate_options bounded every element count by 2^50, so these products fit.
   const int64_t tokens = o.batch * std::max(o.q_len, o.kv_len);
   if (tokens > limits.max_tokens)
@@ -169,10 +174,11 @@ Status use_shared_memory(const v1::AttendHeader& h, RequestPlan* plan, SharedMem
                  {in.v, "v_shm", h.v_shm(), plan->kv_bytes(), in_size, &plan->shared.v},
                  {in.out, "out_shm", h.out_shm(), plan->out_bytes(), out_size, &plan->shared.out},
                  {in.lse, "lse_shm", h.lse_shm(), plan->lse_bytes(), int64_t{sizeof(float)}, &plan->shared.lse}};
+  const uint64_t holder = SharedMemoryRegistry::new_holder();  // the request: counted once per region
   for (const auto& t : tensors) {
     if (!t.wanted) continue;
     ASSIGN_OR_RETURN(*t.use, registry->use(owner, t.field, t.ref.region(), t.ref.offset(), t.ref.byte_size(), t.bytes,
-                                           t.alignment));
+                                           t.alignment, holder));
   }
   // The outputs are written while the inputs are read: no byte may be both.
   const SharedMemoryRegistry::Use* inputs[] = {&plan->shared.q, &plan->shared.k, &plan->shared.v};

@@ -29,6 +29,10 @@ struct RequestLimits {
   int64_t max_tokens = 0;
   int64_t max_request_bytes = 0;
   int64_t max_samples = 0;
+  // lsh draws (heads x samples, every attempt's for a targeted request):
+  // they are made at the header, 16 bytes each, before any tensor byte, so
+  // that this bounds what a header alone holds (64 MiB).
+  int64_t max_draws = int64_t{1} << 22;
   int64_t max_message_bytes = 0;
   std::string default_backend = "auto";  // --backend: what a header's "" or "auto" means
   int threads = 0;                       // --threads: CPU threads per request (0: all cores)

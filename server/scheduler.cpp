@@ -86,8 +86,13 @@ void Scheduler::work() {
       job = std::move(queue_.front());
       queue_.pop_front();
       if (on_queue_change_) on_queue_change_(static_cast<int64_t>(queue_.size()));
+      ++busy_;
+      if (on_busy_change_) on_busy_change_(busy_);
     }
     job();
+    std::lock_guard<std::mutex> lock(mutex_);
+    --busy_;
+    if (on_busy_change_) on_busy_change_(busy_);
   }
 }
 

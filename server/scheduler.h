@@ -41,6 +41,9 @@ class Scheduler {
   // Called with the new totals whenever reservations change (under the
   // lock, so a gauge sees the changes in order). Set before serving.
   void set_memory_listener(std::function<void(const MemoryCharge&)> on_change) { on_memory_change_ = std::move(on_change); }
+  // Called with the number of workers running a job whenever it changes
+  // (under the lock). Set before serving.
+  void set_busy_listener(std::function<void(int64_t)> on_change) { on_busy_change_ = std::move(on_change); }
 
   // Queues a job for a worker, or RESOURCE_EXHAUSTED when --queue-depth jobs
   // already wait, or UNAVAILABLE once stopping.
@@ -56,10 +59,12 @@ class Scheduler {
   const MemoryCharge budget_;
   std::function<void(int64_t)> on_queue_change_;
   std::function<void(const MemoryCharge&)> on_memory_change_;
+  std::function<void(int64_t)> on_busy_change_;
   mutable std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<std::function<void()>> queue_;
   int64_t idle_ = 0;
+  int64_t busy_ = 0;
   MemoryCharge reserved_;
   bool stopping_ = false;
   std::vector<std::thread> workers_;

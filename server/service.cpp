@@ -67,8 +67,8 @@ class AttendReactor final : public StreamedCall<grpc::ByteBuffer, grpc::ByteBuff
     if (plan_) return invalid_argument("header received twice, expected exactly one header as the first message");
     RETURN_IF_ERROR(plan(header));
     RETURN_IF_ERROR(reserve_and_allocate());
-    // Mapping and faulting in a new pool block can take a while (hundreds of
-    // ms for GiBs): the server's time, not the client's idleness.
+    // Mapping a new pool block, or unmapping idle ones for room, can take a
+    // while for GiBs: the server's time, not the client's idleness.
     progress();
     assembler_ = std::make_unique<Assembler>(*plan_, &buffers_);
     publish_ack(plan_->id, *plan_->backend, plan_->out_chunk_bytes);
@@ -303,6 +303,7 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   l->set_max_request_bytes(c.max_request_bytes);
   l->set_memory_budget(c.memory_budget);
   l->set_max_samples(c.max_samples);
+  l->set_max_draws(shared_.limits.max_draws);
   l->set_max_message_bytes(c.max_message_bytes);
   l->set_max_concurrent(c.max_concurrent);
   l->set_queue_depth(c.queue_depth);
@@ -311,6 +312,7 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   const bool shm = shared_.shm != nullptr && shared_.shm->enabled();
   l->set_shared_memory(shm);
   l->set_max_shared_memory_regions(shm ? SharedMemoryRegistry::kMaxRegions : 0);
+  l->set_max_shared_memory_bytes(shm ? shared_.shm->max_mapped_bytes() : 0);
   l->set_context_ttl_seconds(shared_.contexts != nullptr ? shared_.contexts->options().ttl_seconds : 0);
   l->set_max_contexts(shared_.contexts != nullptr ? shared_.contexts->options().max_contexts : 0);
   const AttentionOptions defaults;

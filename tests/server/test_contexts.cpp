@@ -92,8 +92,32 @@ TEST(ContextStore, ContextsBelongToTheirOwner) {
   // Gone: its owner is told why, others only that it is not theirs.
   EXPECT_TRUE(has_error(f.store.check_out(id, "alice", "r2").status(), StatusCode::kFailedPrecondition, {"released"}));
   EXPECT_TRUE(has_error(f.store.check_out(id, "bob", "r2").status(), StatusCode::kNotFound, {"no such context"}));
-  EXPECT_TRUE(has_error(f.store.check_out("ctx-unknown", "alice", "r3").status(), StatusCode::kFailedPrecondition,
-                        {"never existed"}));
+  EXPECT_TRUE(has_error(f.store.check_out("ctx-unknown", "alice", "r3").status(), StatusCode::kNotFound,
+                        {"no such context for this client"}));
+}
+
+// D4 of issue 24: an id that is not the caller's says nothing more, whether
+// it never existed or is another client's, live or gone, through check_out
+// (AttendBackward) and release (ReleaseContext) alike.
+TEST(ContextStore, AnotherClientsContextLooksLikeOneThatNeverExisted) {
+  Fixture f;
+  const std::string live = f.keep(100, "alice");
+  const std::string gone = f.keep(100, "alice");
+  ASSERT_TRUE(f.store.release(gone, "alice").ok());
+  const std::string unknown = "ctx-" + std::string(32, '0');
+  auto seen = [](const Status& s, const std::string& id) {
+    std::string text = s.message();
+    for (size_t at = text.find(id); at != std::string::npos; at = text.find(id)) text.replace(at, id.size(), "ID");
+    return std::to_string(static_cast<int>(s.code())) + " " + text;
+  };
+  const std::string expected = seen(f.store.check_out(unknown, "bob", "r1").status(), unknown);
+  EXPECT_NE(expected.find("no such context for this client"), std::string::npos) << expected;
+  EXPECT_EQ(seen(f.store.check_out(live, "bob", "r1").status(), live), expected);
+  EXPECT_EQ(seen(f.store.check_out(gone, "bob", "r1").status(), gone), expected);
+  const std::string released = seen(f.store.release(unknown, "bob").status(), unknown);
+  EXPECT_EQ(seen(f.store.release(live, "bob").status(), live), released);
+  EXPECT_EQ(seen(f.store.release(gone, "bob").status(), gone), released);
+  EXPECT_EQ(released, expected);
 }
 
 TEST(ContextStore, APendingIdIsNotUsableAndAnAbandonedOneIsRemembered) {

@@ -148,6 +148,25 @@ TEST(PlanRequestLimits, MaxSamplesAppliesToLshOnly) {
   EXPECT_TRUE(is_ok(plan_request(h, limits).status()));
 }
 
+// The draws are made with the header: heads x samples is bounded, so that a
+// header alone holds little memory (issue 24, D2).
+TEST(PlanRequestLimits, DrawsPerRequestAreBounded) {
+  RequestLimits limits = roomy_limits();
+  limits.max_draws = 2 * 64;
+  v1::AttendHeader h = small_header(v1::MODE_LSH);  // 2 heads
+  h.set_samples(64);
+  EXPECT_TRUE(is_ok(plan_request(h, limits).status()));
+  h.set_samples(65);
+  EXPECT_TRUE(has_error(plan_request(h, limits).status(), kExhausted,
+                        {"heads * samples = 2 * 65 draws", "<= 128", "made with the header"}));
+  // A targeted request counts its largest attempt's samples.
+  h.set_samples(16);
+  h.set_target_rel_err(0.01);
+  EXPECT_TRUE(has_error(plan_request(h, limits).status(), kExhausted, {"heads * samples = 2 * 1024 draws"}));
+  h.set_mode(v1::MODE_WINDOW);  // no draws
+  EXPECT_TRUE(is_ok(plan_request(h, limits).status()));
+}
+
 TEST(PlanRequestLimits, MaxMessageBytesMustHoldOneRow) {
   RequestLimits limits = roomy_limits();
   const int64_t row = 2 * 8 * 4;

@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 
+#include "cpu/tiles.h"
 #include "plsh/backend.h"
 #include "proto/chunk_codec.h"
 #include "proto/wire.h"
@@ -312,6 +313,8 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   const bool shm = shared_.shm != nullptr && shared_.shm->enabled();
   l->set_shared_memory(shm);
   l->set_max_shared_memory_regions(shm ? SharedMemoryRegistry::kMaxRegions : 0);
+  l->set_max_heads(kMaxHeads);
+  l->set_max_head_dim(kMaxHeadDim);
   l->set_max_shared_memory_bytes(shm ? shared_.shm->max_mapped_bytes() : 0);
   l->set_context_ttl_seconds(shared_.contexts != nullptr ? shared_.contexts->options().ttl_seconds : 0);
   l->set_max_contexts(shared_.contexts != nullptr ? shared_.contexts->options().max_contexts : 0);
@@ -327,6 +330,13 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   d->set_check_finite(defaults.check_finite);
   d->set_out_chunk_bytes(c.max_message_bytes - kMessageHeadroom);
   d->set_backend(c.backend);
+  d->set_sampling(wire::to_wire(defaults.sampling));
+  d->set_lsh_algorithm(wire::to_wire(defaults.lsh_algorithm));
+  d->set_target_mode(wire::to_wire(kDefaultTargetMode));
+  // The CPU backend's row tiles decide where a sequence shard may start
+  // (GetInfoResponse.shard_row_align): its constant, not a copy.
+  response->set_shard_row_align(cpu::kMaxRowTile);
+  for (const char* name : kBackendNames) response->add_backend_names(name);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -122,11 +122,15 @@ StatusOr<BackwardComputation> compute_backward(BackwardPlan& plan, BackwardBuffe
   grads.dk = buffers.dk.get();
   grads.dv = buffers.dv.get();
   grads.grad_dtype = plan.grad_dtype;
+  // The workspace the charge counted (size_backward; the admission step is
+  // to hand it in).
+  const Workspace charged = plan.stateless ? plan.forward().kernel.workspace() : plan.forward().kernel.backward_workspace;
+  ASSIGN_OR_RETURN(const HostWorkspace workspace, HostWorkspace::allocate(charged.host_bytes));
   if (plan.stateless) {
     RequestPlan& f = *plan.stateless;
     RETURN_IF_ERROR(bind_tensors(&f.kernel.params, buffers.forward.refs()));
     if (plan.recompute_forward) {
-      ASSIGN_OR_RETURN(const AttentionResult forward, run_attention(*f.backend, f.kernel, ctx));
+      ASSIGN_OR_RETURN(const AttentionResult forward, run_attention(*f.backend, f.kernel, workspace.ref(), ctx));
       c.forward_flops = forward.flops;
       c.result.timings["forward"] = forward.timings.count("compute") ? forward.timings.at("compute") : 0.0;
     } else {
@@ -136,7 +140,7 @@ StatusOr<BackwardComputation> compute_backward(BackwardPlan& plan, BackwardBuffe
     }
   }
   const RequestPlan& f = plan.forward();
-  ASSIGN_OR_RETURN(BackwardResult result, run_backward(*f.backend, f.kernel, grads, ctx));
+  ASSIGN_OR_RETURN(BackwardResult result, run_backward(*f.backend, f.kernel, grads, workspace.ref(), ctx));
   for (const auto& [name, seconds] : c.result.timings) result.timings[name] = seconds;
   c.result = std::move(result);
   return c;
@@ -174,7 +178,8 @@ class BackwardReactor final : public StreamedCall<v1::BackwardRequest, v1::Backw
       // Planning allocates the draws: held against the budget meanwhile, as
       // for a forward (CallBase::plan).
       RequestPlan& f = *b.stateless;
-      const MemoryCharge planning{planning_bytes(f), 0};
+      ASSIGN_OR_RETURN(const int64_t planning_host, planning_bytes(f));
+      const MemoryCharge planning{planning_host, 0};
       RETURN_IF_ERROR(s_.contexts != nullptr ? s_.contexts->reserve(planning) : s_.scheduler->reserve(planning));
       const Status planned = plan_kernels(&f, s_.limits);
       s_.scheduler->release(planning);

@@ -122,7 +122,8 @@ Status CallBase::plan(const v1::AttendHeader& header) {
   // Planning allocates the draws (heads x samples of them) before the real
   // charge is known: hold their bound against the budget meanwhile, so
   // that concurrent headers cannot allocate past it.
-  const MemoryCharge planning{planning_bytes(plan), 0};
+  ASSIGN_OR_RETURN(const int64_t planning_host, planning_bytes(plan));
+  const MemoryCharge planning{planning_host, 0};
   RETURN_IF_ERROR(s_.contexts != nullptr ? s_.contexts->reserve(planning) : s_.scheduler->reserve(planning));
   const Status planned = plan_kernels(&plan, s_.limits);
   s_.scheduler->release(planning);

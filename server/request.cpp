@@ -33,11 +33,10 @@ StatusOr<RequestPlan> plan_request(const v1::AttendHeader& h, const RequestLimit
   return plan;
 }
 
-int64_t planning_bytes(const RequestPlan& plan) {
-  // Per head and sample: the draw (16 bytes) and what backends derive from
-  // it (a CUDA lane pass, 72 bytes), with room to spare.
-  const AttentionOptions& o = plan.options;
-  return o.heads * (o.mode == Mode::kLsh ? o.samples : 1) * 128;
+StatusOr<int64_t> planning_bytes(const RequestPlan& plan) {
+  ASSIGN_OR_RETURN(const AttentionParams params, resolve_params(plan.options));
+  ASSIGN_OR_RETURN(Backend* const backend, BackendRegistry::global().select(plan.backend_name, params, plan.backward));
+  return planning_host_bytes(*backend, params);
 }
 
 StatusOr<RequestPlan> check_request(const v1::AttendHeader& h, const RequestLimits& limits) {
@@ -140,7 +139,7 @@ Status plan_kernels(RequestPlan* request, const RequestLimits& limits) {
   plan_limits.backward = plan.backward;
   ASSIGN_OR_RETURN(plan.kernel, plan_attention(*plan.backend, params, plan_limits));
   const Workspace workspace = plan.kernel.workspace();
-  plan.charge.host_bytes = plan.host_tensor_bytes() + workspace.host_bytes;
+  plan.charge.host_bytes = plan.host_tensor_bytes() + plan.kernel.own_host_bytes + workspace.host_bytes;
   plan.charge.device_bytes = workspace.device_bytes;
   return Status::Ok();
 }
@@ -245,7 +244,9 @@ TensorRefs RequestBuffers::refs() const {
 StatusOr<AttentionResult> compute_request(RequestPlan& plan, const RequestBuffers& buffers, const ExecContext& ctx) {
   RETURN_IF_ERROR(ctx.check_stop());
   RETURN_IF_ERROR(bind_tensors(&plan.kernel.params, buffers.refs()));
-  return run_attention(*plan.backend, plan.kernel, ctx);
+  // The workspace the charge counted (the admission step is to hand it in).
+  ASSIGN_OR_RETURN(const HostWorkspace workspace, HostWorkspace::allocate(plan.kernel.workspace().host_bytes));
+  return run_attention(*plan.backend, plan.kernel, workspace.ref(), ctx);
 }
 
 void fill_summary(const AttentionResult& r, const RequestPlan& plan, v1::Summary* s) {

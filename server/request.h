@@ -120,9 +120,10 @@ Status use_shared_memory(const v1::AttendHeader& header, RequestPlan* plan, Shar
 // OK unless a region's file shrank while the request used it.
 Status check_shared_memory_intact(const RequestPlan& plan);
 // An upper bound of the host bytes plan_kernels allocates (the lsh draws of
-// every head and what backends derive from them): charged to the budget
-// while the plan is made, since the real charge is known only after.
-int64_t planning_bytes(const RequestPlan& plan);
+// every head and what the backend derives from them, as the backend that
+// will plan it says: plsh::planning_host_bytes): charged to the budget while
+// the plan is made, since the real charge is known only after.
+StatusOr<int64_t> planning_bytes(const RequestPlan& plan);
 
 // Where a tensor of a request lies (not owning): in the request's block or
 // in a shared-memory region.

@@ -40,13 +40,14 @@ inline StatusOr<server::RequestPlan> plan_like_server(const v1::AttendHeader& he
                                                      const server::RequestLimits& limits, int64_t budget_bytes) {
   ASSIGN_OR_RETURN(server::RequestPlan plan, server::check_request(header, limits));
   RETURN_IF_ERROR(server::use_shared_memory(header, &plan, nullptr, ""));
-  const int64_t bound = server::planning_bytes(plan);
+  ASSIGN_OR_RETURN(const int64_t bound, server::planning_bytes(plan));
   PLSH_FUZZ_CHECK(bound >= 0, "negative planning_bytes");
   if (bound > budget_bytes) return resource_exhausted("planning bound over the budget");
   RETURN_IF_ERROR(server::plan_kernels(&plan, limits));
   int64_t draw_bytes = 0;
   for (const auto& head : plan.kernel.draws) draw_bytes += static_cast<int64_t>(head.size() * sizeof(head[0]));
   PLSH_FUZZ_CHECK(draw_bytes <= bound, "plan_kernels made more draws than planning_bytes allows for");
+  PLSH_FUZZ_CHECK(plan.kernel.own_host_bytes <= bound, "the plan holds more than planning_bytes allows for");
   return plan;
 }
 

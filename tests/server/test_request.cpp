@@ -401,7 +401,10 @@ TEST(PlanRequestCharge, TensorsPlusHostWorkspaceAndNoDeviceOnCpu) {
     StatusOr<RequestPlan> plan = plan_request(h, roomy_limits());
     ASSERT_TRUE(is_ok(plan.status())) << v1::Mode_Name(mode);
     EXPECT_EQ(plan->total_bytes, 4 * kTensorBytes + kLseBytes) << v1::Mode_Name(mode);
-    EXPECT_EQ(plan->charge.host_bytes, plan->total_bytes + plan->kernel.workspace().host_bytes) << v1::Mode_Name(mode);
+    EXPECT_EQ(plan->charge.host_bytes,
+              plan->total_bytes + plan->kernel.own_host_bytes + plan->kernel.workspace().host_bytes)
+        << v1::Mode_Name(mode);
+    EXPECT_EQ(plan->kernel.own_host_bytes, draw_bytes(plan->kernel.params)) << v1::Mode_Name(mode);
     EXPECT_EQ(plan->charge.device_bytes, 0) << v1::Mode_Name(mode);
     EXPECT_EQ(plan->kernel.workspace().device_bytes, 0) << v1::Mode_Name(mode);
     // Not vacuous: the CPU backend's tiles make the two sides differ.

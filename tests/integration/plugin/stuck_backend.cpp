@@ -21,7 +21,8 @@ class StuckBackend : public plsh::Backend {
   plsh::StatusOr<plsh::Plan> plan(const plsh::AttentionParams& p, const plsh::PlanLimits& limits) const override {
     return plsh::start_plan(p, name(), limits);
   }
-  plsh::Status forward(const plsh::Plan&, const plsh::ExecContext&, plsh::ForwardStats*) override {
+  plsh::Status forward(const plsh::Plan&, const plsh::WorkspaceRef&, const plsh::ExecContext&,
+                       plsh::ForwardStats*) override {
     const char* env = std::getenv("PLSH_STUCK_SECONDS");
     std::this_thread::sleep_for(std::chrono::duration<double>(env != nullptr ? std::atof(env) : 3600.0));
     return plsh::internal_error("the stuck test backend woke up");

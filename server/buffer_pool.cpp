@@ -26,6 +26,12 @@ uint8_t* map_block(int64_t bytes) {
 
 }  // namespace
 
+std::shared_ptr<uint8_t> BufferPool::heap_block(int64_t bytes) {
+  const std::align_val_t alignment{kHeapAlignment};
+  auto* p = static_cast<uint8_t*>(::operator new[](static_cast<size_t>(std::max<int64_t>(bytes, 1)), alignment));
+  return std::shared_ptr<uint8_t>(p, [alignment](uint8_t* q) { ::operator delete[](q, alignment); });
+}
+
 void BufferPool::fault_in(void* p, int64_t bytes) {
   if (bytes <= 0) return;
   static const long page = sysconf(_SC_PAGESIZE);
@@ -85,9 +91,7 @@ BufferPool::BufferPool(int64_t limit_bytes, int64_t keep_resident_bytes)
 BufferPool::~BufferPool() = default;
 
 std::shared_ptr<uint8_t> BufferPool::acquire(int64_t bytes) {
-  if (bytes < kPooledFromBytes)
-    return std::shared_ptr<uint8_t>(new uint8_t[static_cast<size_t>(std::max<int64_t>(bytes, 1))],
-                                    std::default_delete<uint8_t[]>());
+  if (bytes < kPooledFromBytes) return heap_block(bytes);
   const int64_t size = round_up(bytes, kBlockGranule);
   std::shared_ptr<State> state = state_;
   auto hand_out = [&state](uint8_t* block, int64_t block_size) {

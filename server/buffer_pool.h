@@ -39,6 +39,9 @@ class BufferPool {
   static constexpr int64_t kPooledFromBytes = int64_t{1} << 20;
   // Pooled blocks are multiples of this (a transparent huge page).
   static constexpr int64_t kBlockGranule = int64_t{2} << 20;
+  // Every block starts at a multiple of this at least (pooled ones at a
+  // page): a workspace carved from one needs kWorkspaceAlignment (64).
+  static constexpr size_t kHeapAlignment = 64;
 
   BufferPool(int64_t limit_bytes, int64_t keep_resident_bytes);
   ~BufferPool();
@@ -56,6 +59,9 @@ class BufferPool {
   // of a copy there (any memory: pooled, heap or shared; pages already in
   // are left as they are).
   static void fault_in(void* p, int64_t bytes);
+  // `bytes` of plain heap memory (at least 1), aligned to kHeapAlignment:
+  // the unpooled blocks, and callers without a pool.
+  static std::shared_ptr<uint8_t> heap_block(int64_t bytes);
 
   struct Stats {
     int64_t in_use_bytes = 0;         // pooled blocks held by requests (or by gRPC, for output being sent)

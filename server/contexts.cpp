@@ -48,24 +48,30 @@ std::string new_context_id() {
 
 // ------------------------------------------------------------ KeptContext
 
-KeptContext::KeptContext(RequestPlan plan, RequestBuffers buffers, MemoryCharge charge, Scheduler* scheduler,
+KeptContext::KeptContext(Request request, RequestMemory memory, MemoryCharge charge, MemoryBudget* budget,
                          std::shared_ptr<ClientState> client)
-    : plan_(std::move(plan)),
-      buffers_(std::move(buffers)),
+    : request_(std::move(request)),
+      memory_(std::move(memory)),
       charge_(charge),
-      scheduler_(scheduler),
-      client_(std::move(client)) {}
+      budget_(budget),
+      client_(std::move(client)) {
+  // The forward's workspace is not part of a context (the backward brings
+  // its own, charged with it).
+  memory_.workspace_block.reset();
+  memory_.device.reset();
+  memory_.workspace = WorkspaceRef{};
+}
 
 KeptContext::~KeptContext() {
-  // The memory goes with the buffers right after this; give its charge back.
-  if (scheduler_ != nullptr) scheduler_->release(charge_);
+  // The memory goes with the block right after this; give its charge back.
+  if (budget_ != nullptr) budget_->release(charge_);
   if (client_) client_->release(charge_);
 }
 
 // ----------------------------------------------------------- ContextStore
 
-ContextStore::ContextStore(ContextStoreOptions options, Scheduler* scheduler, Metrics* metrics)
-    : options_(options), scheduler_(scheduler), metrics_(metrics) {
+ContextStore::ContextStore(ContextStoreOptions options, MemoryBudget* budget, Metrics* metrics)
+    : options_(options), budget_(budget), metrics_(metrics) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     publish_locked();
@@ -258,15 +264,15 @@ StatusOr<int64_t> ContextStore::release(const std::string& id, const std::string
 }
 
 Status ContextStore::reserve(const MemoryCharge& charge) {
-  Status status = scheduler_->reserve(charge);
+  Status status = budget_->reserve(charge);
   while (!status.ok() && status.code() == StatusCode::kResourceExhausted) {
     std::shared_ptr<KeptContext> victim;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       // Evict only when it can help: contexts hold host bytes alone, and all
       // the idle ones together must cover the shortfall.
-      const MemoryCharge budget = scheduler_->budget();
-      const MemoryCharge reserved = scheduler_->reserved();
+      const MemoryCharge budget = budget_->budget();
+      const MemoryCharge reserved = budget_->reserved();
       const bool device_fits = charge.device_bytes <= 0 || reserved.device_bytes + charge.device_bytes <= budget.device_bytes;
       const bool host_can_fit = reserved.host_bytes - idle_bytes_locked(nullptr) + charge.host_bytes <= budget.host_bytes;
       if (!device_fits || !host_can_fit) return status;
@@ -277,7 +283,7 @@ Status ContextStore::reserve(const MemoryCharge& charge) {
                              "used contexts go first)");
     }
     victim.reset();  // gives its charge back
-    status = scheduler_->reserve(charge);
+    status = budget_->reserve(charge);
   }
   return status;
 }

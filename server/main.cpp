@@ -25,12 +25,14 @@
 #include <vector>
 
 #include "plsh/backend.h"
+#include "server/admission.h"
 #include "server/auth.h"
 #include "server/buffer_pool.h"
 #include "server/config.h"
 #include "server/contexts.h"
 #include "server/host_memory.h"
 #include "server/logging.h"
+#include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/service.h"
@@ -238,16 +240,17 @@ int main(int argc, char** argv) {
   if (budget.device_bytes == 0)
     for (plsh::Backend* b : registry.backends())
       if (const std::optional<plsh::DeviceMemory> m = b->device_memory()) budget.device_bytes += m->budget_bytes;
-  plsh::server::Scheduler scheduler(config.workers, config.queue_depth, budget,
-                                    [&metrics](int64_t depth) { metrics.queue_depth(static_cast<double>(depth)); });
+  plsh::server::MemoryBudget memory(budget);
   metrics.memory_budget("host", static_cast<double>(budget.host_bytes));
   metrics.memory_budget("device", static_cast<double>(budget.device_bytes));
-  scheduler.set_memory_listener([&metrics](const plsh::server::MemoryCharge& reserved) {
+  memory.set_listener([&metrics](const plsh::server::MemoryCharge& reserved) {
     metrics.memory_reserved("host", static_cast<double>(reserved.host_bytes));
     metrics.memory_reserved("device", static_cast<double>(reserved.device_bytes));
   });
+  memory.release({});  // the reserved gauges start at 0, not absent
+  plsh::server::Scheduler scheduler(config.workers, config.queue_depth,
+                                    [&metrics](int64_t depth) { metrics.queue_depth(static_cast<double>(depth)); });
   scheduler.set_busy_listener([&metrics](int64_t busy) { metrics.busy_workers(static_cast<double>(busy)); });
-  scheduler.release({});  // the reserved gauges start at 0, not absent
   // Streams waiting on their clients end after --stream-idle-timeout or below
   // --min-stream-rate (watchdog.h).
   plsh::server::StreamWatchdog watchdog(config.stream_idle_timeout, config.min_stream_rate, &metrics);
@@ -268,9 +271,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   // Kept contexts for AttendBackward, charged to the same host budget.
-  plsh::server::ContextStore contexts({config.context_ttl, config.max_contexts}, &scheduler, &metrics);
-  plsh::server::AttentionService service(config, &metrics, &scheduler, &watchdog, auth.get(), &pool, shm->get(),
-                                         &contexts);
+  plsh::server::ContextStore contexts({config.context_ttl, config.max_contexts}, &memory, &metrics);
+  // The one owner of admission: tokens, limits, both budgets, the memory.
+  plsh::server::Admission admission({config.max_concurrent}, &memory, &contexts, auth.get(), &pool);
+  plsh::server::AttentionService service(config, &metrics, &scheduler, &admission, &watchdog, auth.get(), shm->get());
 
   // 6. Health checking (grpc.health.v1) and reflection. Neither needs a
   // token (they carry no data); with client certificates required, probes
@@ -354,7 +358,7 @@ int main(int argc, char** argv) {
   // cancels what is left) and the workers.
   log_event(spdlog::level::info, "draining", {{"signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT"},
                                              {"in_flight", service.open_requests()},
-                                             {"reserved_host_bytes", scheduler.reserved().host_bytes},
+                                             {"reserved_host_bytes", memory.reserved().host_bytes},
                                              {"drain_timeout_s", config.drain_timeout}});
   for (grpc::HealthCheckServiceInterface* h : health) {
     h->SetServingStatus(kServiceName, false);
@@ -376,7 +380,7 @@ int main(int argc, char** argv) {
   // Nothing held past the drain: tests read these.
   log_event(spdlog::level::info, "stopped", {{"contexts", contexts.held()},
                                             {"context_bytes", contexts.bytes()},
-                                            {"reserved_host_bytes", scheduler.reserved().host_bytes}});
+                                            {"reserved_host_bytes", memory.reserved().host_bytes}});
   exit_step("releasing gRPC and the backends (destructors, grpc_shutdown)");
   return 0;
 }

@@ -1,7 +1,7 @@
 // The kept-context store (server/contexts.h) on its own: ids, ownership,
 // checkout, the budget's charge moving with a context, least-recently-used
 // eviction for room, --max-contexts, the TTL sweeper and a drain. No
-// network: contexts here carry a RequestPlan of one small request and
+// network: contexts here carry a Request of one small request and
 // nothing else (the store never reads their tensors).
 #include <gtest/gtest.h>
 
@@ -20,21 +20,20 @@ using testing::is_ok;
 
 struct Fixture {
   explicit Fixture(int64_t budget_host = 1000, ContextStoreOptions options = {})
-      : scheduler(1, 4, MemoryCharge{budget_host, 0}, [](int64_t) {}), store(options, &scheduler, nullptr) {}
-  ~Fixture() { scheduler.stop(); }
+      : budget(MemoryCharge{budget_host, 0}), store(options, &budget, nullptr) {}
 
   // A forward that keeps a context of `bytes`: reserved as the forward's
   // charge, then moved to the store as CallBase::close does.
   std::string keep(int64_t bytes, const std::string& owner = "") {
-    EXPECT_TRUE(is_ok(scheduler.reserve({bytes, 0})));
+    EXPECT_TRUE(is_ok(budget.reserve({bytes, 0})));
     StatusOr<std::string> id = store.reserve_id(owner);
     EXPECT_TRUE(id.ok()) << id.status().to_string();
-    store.put(*id, std::make_shared<KeptContext>(RequestPlan{}, RequestBuffers{}, MemoryCharge{bytes, 0}, &scheduler,
+    store.put(*id, std::make_shared<KeptContext>(Request{}, RequestMemory{}, MemoryCharge{bytes, 0}, &budget,
                                                  nullptr));
     return *id;
   }
 
-  Scheduler scheduler;
+  MemoryBudget budget;
   ContextStore store;
 };
 
@@ -50,7 +49,7 @@ TEST(ContextStore, ChargeMovesWithTheContextAndReturnsWhenConsumed) {
   const std::string id = f.keep(300);
   EXPECT_EQ(f.store.held(), 1);
   EXPECT_EQ(f.store.bytes(), 300);
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 300);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 300);
   StatusOr<std::shared_ptr<KeptContext>> out = f.store.check_out(id, "", "r1");
   ASSERT_TRUE(out.ok()) << out.status().to_string();
   EXPECT_TRUE(has_error(f.store.check_out(id, "", "r2").status(), StatusCode::kFailedPrecondition,
@@ -59,9 +58,9 @@ TEST(ContextStore, ChargeMovesWithTheContextAndReturnsWhenConsumed) {
   f.store.check_in(id, /*consume=*/true, "r1");
   EXPECT_EQ(f.store.held(), 0);
   // The backward still holds it: the charge goes with the last reference.
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 300);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 300);
   out = Status::Ok();
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
   EXPECT_TRUE(has_error(f.store.check_out(id, "", "r3").status(), StatusCode::kFailedPrecondition,
                         {"consumed", "by backward request r1"}));
 }
@@ -77,7 +76,7 @@ TEST(ContextStore, ACheckInWithoutConsumingKeepsIt) {
   StatusOr<int64_t> released = f.store.release(id, "");
   ASSERT_TRUE(released.ok());
   EXPECT_EQ(*released, 100);
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
   EXPECT_TRUE(has_error(f.store.release(id, "").status(), StatusCode::kNotFound, {"released"}));
 }
 
@@ -147,12 +146,12 @@ TEST(ContextStore, RoomIsMadeLeastRecentlyUsedFirstAndOnlyWhenItHelps) {
   EXPECT_EQ(f.store.held(), 2);
   // A checked-out context is never evicted.
   ASSERT_TRUE(f.store.check_out(c, "", "r3").ok());
-  f.scheduler.release({350, 0});
+  f.budget.release({350, 0});
   EXPECT_TRUE(is_ok(f.store.reserve({650, 0})));  // evicts a, not c
   EXPECT_TRUE(has_error(f.store.check_out(a, "", "r4").status(), StatusCode::kFailedPrecondition, {"evicted"}));
   f.store.check_in(c, true, "r3");
-  f.scheduler.release({650, 0});
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  f.budget.release({650, 0});
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
 }
 
 TEST(ContextStore, OverMaxContextsTheLeastRecentlyUsedGoes) {
@@ -174,12 +173,12 @@ TEST(ContextStore, TheSweeperExpiresIdleContexts) {
   const std::string a = f.keep(100), b = f.keep(100);
   ASSERT_TRUE(f.store.check_out(b, "", "r1").ok());  // checked out: never expires meanwhile
   EXPECT_TRUE(eventually([&] { return f.store.held() == 1; }));
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 100);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 100);
   EXPECT_TRUE(has_error(f.store.check_out(a, "", "r2").status(), StatusCode::kFailedPrecondition,
                         {"expired", "--context-ttl = 0.1 s"}));
   f.store.check_in(b, false, "r1");  // back in: its TTL restarts
   EXPECT_TRUE(eventually([&] { return f.store.held() == 0; }));
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
 }
 
 TEST(ContextStore, ADrainDropsIdleContextsNowAndCheckedOutOnesAtCheckIn) {
@@ -195,11 +194,11 @@ TEST(ContextStore, ADrainDropsIdleContextsNowAndCheckedOutOnesAtCheckIn) {
   f.store.check_in(b, /*consume=*/false, "r1");
   EXPECT_EQ(f.store.held(), 0);
   // The forward that was still running: its context is dropped on arrival.
-  ASSERT_TRUE(is_ok(f.scheduler.reserve({50, 0})));
-  f.store.put(*pending, std::make_shared<KeptContext>(RequestPlan{}, RequestBuffers{}, MemoryCharge{50, 0},
-                                                      &f.scheduler, nullptr));
+  ASSERT_TRUE(is_ok(f.budget.reserve({50, 0})));
+  f.store.put(*pending, std::make_shared<KeptContext>(Request{}, RequestMemory{}, MemoryCharge{50, 0},
+                                                      &f.budget, nullptr));
   EXPECT_EQ(f.store.held(), 0);
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
 }
 
 }  // namespace

@@ -118,6 +118,16 @@ class Backend {
     (void)g, (void)workspace, (void)ctx, (void)stats;
     return supports_backward(plan.params);
   }
+  // Device memory for a plan's device workspace (Plan::workspace()
+  // .device_bytes), owned by the caller: a server's admission allocates it
+  // with the request, before the ack, and hands it to forward and backward
+  // as WorkspaceRef::device. Freed when the last copy goes. Null for 0
+  // bytes; backends without a device refuse more (FAILED_PRECONDITION).
+  virtual StatusOr<std::shared_ptr<void>> allocate_device(int64_t bytes) const {
+    if (bytes <= 0) return std::shared_ptr<void>();
+    return failed_precondition("the " + name() + " backend has no device memory to allocate " + std::to_string(bytes) +
+                               " bytes in");
+  }
   // The device's memory now; nullopt for backends without a device (CPU).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
 
@@ -174,8 +184,9 @@ class BackendRegistry {
 // are separate builds. 3: Backend::supports_backward and ::backward, the
 // plan's backward workspace; 4: AttentionParams' sampling and target; 5:
 // the caller's workspace (WorkspaceRef) in forward and backward,
-// Backend::planning_host_bytes, Plan::own_host_bytes.
-inline constexpr uint32_t kBackendApiVersion = 5;
+// Backend::planning_host_bytes, Plan::own_host_bytes; 6: Backend::
+// allocate_device (the caller owns the device workspace too).
+inline constexpr uint32_t kBackendApiVersion = 6;
 extern "C" {
 struct PlshBackendPlugin {
   uint32_t api_version;  // kBackendApiVersion of the library's build

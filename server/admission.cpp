@@ -2,6 +2,8 @@
 
 #include <new>
 
+#include "server/host_memory.h"
+
 namespace plsh::server {
 
 Admission::Admission(Options options, MemoryBudget* budget, ContextStore* contexts, const Authenticator* auth,
@@ -64,6 +66,7 @@ StatusOr<RequestMemory> Admission::Ticket::admit(const MemoryLayout& layout, int
   }
   RETURN_IF_ERROR(admission_->reserve(charge));
   reserved_ = charge;
+  large_ = charge.host_bytes >= kLargeCallBytes;
   RequestMemory memory;
   try {
     memory = RequestMemory::allocate(layout, admission_->pool_);
@@ -94,8 +97,9 @@ void Admission::Ticket::close() {
     if (client_stream_open_) client_->close_stream();
     client_stream_open_ = false;
   }
-  if (counted_) admission_->open_calls_.fetch_sub(1);
+  if (counted_ && admission_->open_calls_.fetch_sub(1) == 1 && large_) release_free_heap();
   counted_ = false;
+  large_ = false;
 }
 
 }  // namespace plsh::server

@@ -101,6 +101,7 @@ class Admission::Ticket {
   // context that holds them from now on (charged once throughout).
   MemoryCharge hand_over(int64_t host_bytes);
   // Gives everything back; the call is no longer counted. Idempotent.
+  // The last call to close after a large one returns the free heap.
   void close();
 
   // The token file's client (null without a token file, or before open,
@@ -118,6 +119,10 @@ class Admission::Ticket {
   Admission* admission_;
   bool counted_ = false;
   bool client_stream_open_ = false;
+  // Admitted with at least kLargeCallBytes of host memory: its close, when
+  // it leaves no call open, gives the free heap back (release_free_heap).
+  static constexpr int64_t kLargeCallBytes = int64_t{32} << 20;
+  bool large_ = false;
   std::shared_ptr<ClientState> client_;
   std::string label_;
   MemoryCharge reserved_;         // against the budgets

@@ -1,5 +1,7 @@
 #include "server/host_memory.h"
 
+#include <malloc.h>
+
 #include <sys/sysinfo.h>
 
 #include <algorithm>
@@ -77,5 +79,7 @@ HostMemory host_memory() {
   m.cgroup_bytes = cgroup_limit_bytes("/sys/fs/cgroup", text.str());
   return m;
 }
+
+void release_free_heap() { malloc_trim(0); }
 
 }  // namespace plsh::server

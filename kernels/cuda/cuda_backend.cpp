@@ -416,7 +416,8 @@ plsh::Backend* create_cuda_backend(char* why_not, size_t why_not_size) {
   return backend.release();
 }
 
-const plsh::PlshBackendPlugin kCudaPlugin = {plsh::kBackendApiVersion, "cuda", &create_cuda_backend};
+const plsh::PlshBackendPlugin kCudaPlugin = {plsh::kBackendApiVersion, plsh::backend_abi_fingerprint(), "cuda",
+                                             &create_cuda_backend};
 
 }  // namespace
 

@@ -175,22 +175,51 @@ class BackendRegistry {
   std::vector<std::string> notes_;
 };
 
-// The dlopen boundary of a backend library (libplsh_cuda.so), versioned like
-// ggml's GGML_BACKEND_API_VERSION: the library exports kBackendPluginSymbol,
-// a function returning this struct; the registry reads api_version first and
-// calls nothing else when it differs from kBackendApiVersion (a note, and the
-// CPU serves). Bump kBackendApiVersion whenever Backend, Plan, AttentionParams,
-// BackwardParams or ExecContext change layout: the library and the process
-// are separate builds. 3: Backend::supports_backward and ::backward, the
+// The dlopen boundary of a backend library (libplsh_cuda.so). It is a C++
+// boundary, not a C ABI, and says so: the library hands back a Backend (a
+// vtable), and Plan, AttentionParams, BackwardParams and ExecContext cross it
+// by reference with std::vector, std::string and std::function inside, so the
+// library and the process must come from one tree, one compiler and one C++
+// standard library. The entry point is extern "C" only so that dlsym finds it
+// by a plain name. Two checks, read before anything else of the library is
+// called (a mismatch is a note, and the CPU serves), versioned like ggml's
+// GGML_BACKEND_API_VERSION:
+//   api_version      kBackendApiVersion, bumped by hand whenever Backend or
+//                    the types above change meaning or layout;
+//   abi_fingerprint  backend_abi_fingerprint(), computed from the sizes of
+//                    the types that cross, the compiler's C++ ABI version and
+//                    libstdc++'s string ABI: a layout change nobody bumped
+//                    for, or a library from another toolchain, is caught too.
+// 3: Backend::supports_backward and ::backward, the
 // plan's backward workspace; 4: AttentionParams' sampling and target; 5:
 // the caller's workspace (WorkspaceRef) in forward and backward,
 // Backend::planning_host_bytes, Plan::own_host_bytes; 6: Backend::
-// allocate_device (the caller owns the device workspace too).
-inline constexpr uint32_t kBackendApiVersion = 6;
+// allocate_device (the caller owns the device workspace too); 7: the
+// plugin struct's abi_fingerprint.
+inline constexpr uint32_t kBackendApiVersion = 7;
+
+// What the library and the process must agree on beyond the version (above).
+constexpr uint64_t backend_abi_fingerprint() {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the values
+  const uint64_t values[] = {sizeof(Plan),         sizeof(AttentionParams), sizeof(BackwardParams), sizeof(ExecContext),
+                             sizeof(WorkspaceRef), sizeof(ForwardStats),    sizeof(BackwardStats),  sizeof(DeviceMemory),
+                             sizeof(std::string),  sizeof(std::function<void(double)>),
+#ifdef __GXX_ABI_VERSION
+                             __GXX_ABI_VERSION,
+#endif
+#ifdef _GLIBCXX_USE_CXX11_ABI
+                             _GLIBCXX_USE_CXX11_ABI + 1,
+#endif
+                             0};
+  for (uint64_t v : values) h = (h ^ v) * 1099511628211ull;
+  return h;
+}
+
 extern "C" {
 struct PlshBackendPlugin {
-  uint32_t api_version;  // kBackendApiVersion of the library's build
-  const char* name;      // "cuda"
+  uint32_t api_version;      // kBackendApiVersion of the library's build; read first, always here
+  uint64_t abi_fingerprint;  // backend_abi_fingerprint() of the library's build
+  const char* name;          // "cuda"
   // A new backend (owned by the caller), or null with the reason written to
   // why_not (NUL-terminated, at most why_not_size bytes).
   plsh::Backend* (*create)(char* why_not, size_t why_not_size);

@@ -31,7 +31,7 @@ class StuckBackend : public plsh::Backend {
 
 plsh::Backend* create(char*, size_t) { return new StuckBackend(); }
 
-const plsh::PlshBackendPlugin kPlugin = {plsh::kBackendApiVersion, "cuda", &create};
+const plsh::PlshBackendPlugin kPlugin = {plsh::kBackendApiVersion, plsh::backend_abi_fingerprint(), "cuda", &create};
 
 }  // namespace
 

@@ -186,6 +186,52 @@ Status open_error(int error) {
   }
 }
 
+// The file `name` of the directory, opened for reading and writing only
+// once it is known to be a regular file of the server's user, not writable
+// by others, with at least `end` bytes: opened without following links and
+// without opening what it is (O_PATH), checked, then reopened as the same
+// inode, so that neither a symbolic link nor a device or FIFO swapped in is
+// ever opened (no open side effects, no races).
+StatusOr<int> open_checked(int dir_fd, const std::string& name, int64_t end) {
+  const int path_fd = openat(dir_fd, name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
+  if (path_fd < 0) return open_error(errno);
+  struct stat st {};
+  if (fstat(path_fd, &st) != 0) {
+    const int error = errno;
+    close(path_fd);
+    return open_error(error);
+  }
+  Status checked = Status::Ok();
+  if (S_ISLNK(st.st_mode))
+    checked = invalid_argument("key: a symbolic link, expected a regular file (links are not followed)");
+  else if (!S_ISREG(st.st_mode))
+    checked = invalid_argument("key: not a regular file (a directory, FIFO, socket or device), expected a regular file");
+  else if (st.st_uid != geteuid())
+    checked = permission_denied("key: the file belongs to another user than the server's, expected the server's own");
+  else if (st.st_mode & S_IWOTH)
+    checked = permission_denied("key: the file is writable by every user, expected no write permission for others");
+  else if (st.st_size < end)
+    checked = invalid_argument("offset + byte_size = " + std::to_string(end) + ", expected <= the file's " +
+                               std::to_string(st.st_size) + " bytes");
+  if (!checked.ok()) {
+    close(path_fd);
+    return checked;
+  }
+  const std::string reopen = "/proc/self/fd/" + std::to_string(path_fd);
+  int fd = ::open(reopen.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0 && errno == ENOENT)  // no /proc: the file is known to be regular; open it by name, not following links
+    fd = openat(dir_fd, name.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  const int open_errno = errno;
+  close(path_fd);
+  if (fd < 0) return open_error(open_errno);
+  struct stat opened {};
+  if (fstat(fd, &opened) != 0 || opened.st_dev != st.st_dev || opened.st_ino != st.st_ino || !S_ISREG(opened.st_mode)) {
+    close(fd);
+    return invalid_argument("key: the file changed while it was being opened, expected it to stay put");
+  }
+  return fd;
+}
+
 }  // namespace
 
 Status SharedMemoryRegistry::register_region(const std::string& owner, const std::string& name, const std::string& key,
@@ -215,44 +261,9 @@ Status SharedMemoryRegistry::register_region(const std::string& owner, const std
   region->offset = offset;
   region->byte_size = byte_size;
 
-  // Opened without following links and without opening what it is, then
-  // checked, then reopened for reading and writing as the same inode.
-  const int path_fd = openat(dir_fd_, file.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
-  if (path_fd < 0) return open_error(errno);
-  struct stat st {};
-  const int stat_result = fstat(path_fd, &st);
-  if (stat_result != 0) {
-    const int error = errno;
-    close(path_fd);
-    return open_error(error);
-  }
-  Status checked = Status::Ok();
-  if (S_ISLNK(st.st_mode))
-    checked = invalid_argument("key: a symbolic link, expected a regular file (links are not followed)");
-  else if (!S_ISREG(st.st_mode))
-    checked = invalid_argument("key: not a regular file (a directory, FIFO, socket or device), expected a regular file");
-  else if (st.st_uid != geteuid())
-    checked = permission_denied("key: the file belongs to another user than the server's, expected the server's own");
-  else if (st.st_mode & S_IWOTH)
-    checked = permission_denied("key: the file is writable by every user, expected no write permission for others");
-  else if (st.st_size < end)
-    checked = invalid_argument("offset + byte_size = " + std::to_string(end) + ", expected <= the file's " +
-                               std::to_string(st.st_size) + " bytes");
-  if (!checked.ok()) {
-    close(path_fd);
-    return checked;
-  }
-  const std::string reopen = "/proc/self/fd/" + std::to_string(path_fd);
-  int fd = ::open(reopen.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY);
-  if (fd < 0 && errno == ENOENT)  // no /proc: the file is known to be regular; open it by name, not following links
-    fd = openat(dir_fd_, file.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
-  const int open_errno = errno;
-  close(path_fd);
-  if (fd < 0) return open_error(open_errno);
-  region->fd = fd;
+  ASSIGN_OR_RETURN(region->fd, open_checked(dir_fd_, file, end));
   struct stat opened {};
-  if (fstat(fd, &opened) != 0 || opened.st_dev != st.st_dev || opened.st_ino != st.st_ino || !S_ISREG(opened.st_mode))
-    return invalid_argument("key: the file changed while it was being opened, expected it to stay put");
+  fstat(region->fd, &opened);
   region->device = opened.st_dev;
   region->inode = opened.st_ino;
 
@@ -276,7 +287,7 @@ Status SharedMemoryRegistry::register_region(const std::string& owner, const std
     mapped_bytes_ -= map_bytes;
   };
   region->map_bytes = static_cast<size_t>(map_bytes);
-  void* base = mmap(nullptr, region->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, map_offset);
+  void* base = mmap(nullptr, region->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, region->fd, map_offset);
   if (base == MAP_FAILED) {
     const int map_errno = errno;
     unreserve();

@@ -48,7 +48,7 @@ Status Admission::Ticket::open(const std::multimap<grpc::string_ref, grpc::strin
 Status Admission::Ticket::plan(int64_t planning_bytes, const std::function<Status()>& make_plan) {
   const MemoryCharge planning{planning_bytes, 0};
   RETURN_IF_ERROR(admission_->reserve(planning));
-  const Status planned = make_plan();
+  Status planned = make_plan();
   admission_->budget_->release(planning);
   return planned;
 }

@@ -150,23 +150,11 @@ namespace {
 
 // ------------------------------------------------------- AttendBackward
 
-class BackwardReactor final : public StreamedCall {
+class BackwardReactor final : public TypedStreamedCall<v1::BackwardRequest, v1::BackwardResponse> {
  public:
-  using StreamedCall::StreamedCall;
+  using TypedStreamedCall::TypedStreamedCall;
 
  private:
-  Status handle_parsed() override {
-    v1::BackwardRequest request;
-    if (!parse_message(&message_, &request))
-      return invalid_argument(std::string("a message that is not a BackwardRequest, expected ") + expected_next());
-    return dispatch(request, [this](const v1::BackwardHeader& header) { return on_header(header); });
-  }
-
-  grpc::ByteBuffer ack_message(const v1::Ack& ack) const override {
-    v1::BackwardResponse message;
-    *message.mutable_ack() = ack;
-    return serialize_message(message);
-  }
 
   // The forward this backward differentiates: the context, checked out at
   // once (no other backward, eviction or expiry meanwhile), or the
@@ -187,7 +175,7 @@ class BackwardReactor final : public StreamedCall {
     return ticket_.plan(planning, [&] { return plan_request(&f, s_.limits); });
   }
 
-  Status on_header(const v1::BackwardHeader& header) {
+  Status on_header(const v1::BackwardHeader& header) override {
     if (grad_) return invalid_argument("header received twice, expected exactly one header as the first message");
     if (header.has_forward()) record_.mode = wire::mode_label(header.forward().mode());
     ASSIGN_OR_RETURN(grad_, check_backward_header(header, s_.limits));
@@ -235,23 +223,10 @@ class BackwardReactor final : public StreamedCall {
   // dq, then dk, then dv, in row order: slices of the granted block.
   bool next_output() override {
     const GradRequest& g = *grad_;
-    const struct {
-      v1::Tensor tensor;
-      const uint8_t* data;
-      const TensorShape& shape;
-      int64_t* next;
-    } grads[] = {{v1::TENSOR_DQ, memory_.dq, g.shape.dq, &next_[0]},
-                 {v1::TENSOR_DK, memory_.dk, g.shape.dk, &next_[1]},
-                 {v1::TENSOR_DV, memory_.dv, g.shape.dv, &next_[2]}};
-    for (const auto& d : grads) {
-      if (*d.next >= d.shape.rows) continue;
-      const int64_t rows = std::min(d.shape.rows - *d.next, std::max<int64_t>(1, g.out_chunk_bytes / d.shape.row_bytes));
-      set_output_chunk(d.tensor, *d.next, rows, d.data + *d.next * d.shape.row_bytes, rows * d.shape.row_bytes,
-                       memory_.block);
-      *d.next += rows;
-      return true;
-    }
-    return false;
+    return next_output_chunk({{true, v1::TENSOR_DQ, memory_.dq, g.shape.dq, &next_[0]},
+                              {true, v1::TENSOR_DK, memory_.dk, g.shape.dk, &next_[1]},
+                              {true, v1::TENSOR_DV, memory_.dv, g.shape.dv, &next_[2]}},
+                             g.out_chunk_bytes, memory_.block);
   }
 
   void set_summary() override {

@@ -89,7 +89,7 @@ CallBase::CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const ch
 Status CallBase::open(bool watched) {
   enter(Phase::kReading, 0);
   if (watched && s_.watchdog != nullptr) watch_ = s_.watchdog->watch(this);
-  const Status opened = ticket_.open(ctx_->client_metadata(), method_, record_.method);
+  Status opened = ticket_.open(ctx_->client_metadata(), method_, record_.method);
   if (s_.admission->tokens()) record_.client = ticket_.label();
   return opened;
 }

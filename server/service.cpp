@@ -25,25 +25,13 @@ namespace {
 
 // ---------------------------------------------------------------- Attend
 
-class AttendReactor final : public StreamedCall {
+class AttendReactor final : public TypedStreamedCall<v1::AttendRequest, v1::AttendResponse> {
  public:
-  using StreamedCall::StreamedCall;
+  using TypedStreamedCall::TypedStreamedCall;
 
  private:
-  Status handle_parsed() override {
-    v1::AttendRequest request;
-    if (!parse_message(&message_, &request))
-      return invalid_argument(std::string("a message that is not an AttendRequest, expected ") + expected_next());
-    return dispatch(request, [this](const v1::AttendHeader& header) { return on_header(header); });
-  }
 
-  grpc::ByteBuffer ack_message(const v1::Ack& ack) const override {
-    v1::AttendResponse message;
-    *message.mutable_ack() = ack;
-    return serialize_message(message);
-  }
-
-  Status on_header(const v1::AttendHeader& header) {
+  Status on_header(const v1::AttendHeader& header) override {
     if (request_) return invalid_argument("header received twice, expected exactly one header as the first message");
     RETURN_IF_ERROR(admit_header(header));
     // Mapping a new pool block, or unmapping idle ones for room, can take a
@@ -60,24 +48,10 @@ class AttendReactor final : public StreamedCall {
   // Tensors in shared memory are not sent: the worker wrote them there.
   bool next_output() override {
     const Request& r = *request_;
-    const struct {
-      bool sent;
-      v1::Tensor tensor;
-      const uint8_t* data;
-      const TensorShape& shape;
-      int64_t* next;
-    } outputs[] = {{!r.in_shm.out, v1::TENSOR_OUT, memory_.out, r.shape.out, &next_[0]},
-                   {r.return_lse && !r.in_shm.lse, v1::TENSOR_LSE, reinterpret_cast<const uint8_t*>(memory_.lse),
-                    r.shape.lse, &next_[1]}};
-    for (const auto& o : outputs) {
-      if (!o.sent || *o.next >= o.shape.rows) continue;
-      const int64_t rows = std::min(o.shape.rows - *o.next, std::max<int64_t>(1, r.out_chunk_bytes / o.shape.row_bytes));
-      set_output_chunk(o.tensor, *o.next, rows, o.data + *o.next * o.shape.row_bytes, rows * o.shape.row_bytes,
-                       memory_.block);
-      *o.next += rows;
-      return true;
-    }
-    return false;
+    return next_output_chunk({{!r.in_shm.out, v1::TENSOR_OUT, memory_.out, r.shape.out, &next_[0]},
+                              {r.return_lse && !r.in_shm.lse, v1::TENSOR_LSE,
+                               reinterpret_cast<const uint8_t*>(memory_.lse), r.shape.lse, &next_[1]}},
+                             r.out_chunk_bytes, memory_.block);
   }
 
   void set_summary() override {

@@ -21,12 +21,17 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "plsh/backend.h"
+#include "plsh/shape.h"
 #include "plsh/v1/plsh.grpc.pb.h"
 #include "proto/chunk_codec.h"
 #include "proto/wire.h"
@@ -79,10 +84,9 @@ class StreamedCall : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byte
         fail(cancelled("cancelled by the client"));
       } else {
         // A half-close, or bytes that do not parse as the request type.
-        fail(invalid_argument(std::string("the stream ended before the end message (closed by the client, or a "
-                                          "message that is not ") +
-                              (std::strchr("AEIOU", request_type_[0]) != nullptr ? "an " : "a ") + request_type_ +
-                              "), expected " + expected_next()));
+        fail(invalid_argument("the stream ended before the end message (closed by the client, or a message "
+                              "that is not " +
+                              request_type_article() + "), expected " + expected_next()));
       }
       return;
     }
@@ -161,6 +165,10 @@ class StreamedCall : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byte
   virtual void after_close() {}
 
   bool header_received() const { return assembler_ != nullptr; }
+  // "an AttendRequest", "a BackwardRequest".
+  std::string request_type_article() const {
+    return std::string(std::strchr("AEIOU", request_type_[0]) != nullptr ? "an " : "a ") + request_type_;
+  }
   const char* expected_next() const { return header_received() ? "chunks then end" : "header, chunks, then end"; }
 
   // A parsed message to its step: the header to on_header, a chunk into
@@ -276,6 +284,29 @@ class StreamedCall : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byte
   // An output chunk into response_ whose data is a slice of `block` (the
   // request's memory), not a copy: the slice holds the block until gRPC is
   // done with it. Called with mu_ held, from next_output().
+  // An output tensor as next_output() sends it: `next` is its next row.
+  struct Output {
+    bool sent;  // false: not sent (in shared memory, or not asked for)
+    v1::Tensor tensor;
+    const uint8_t* data;
+    const TensorShape& shape;
+    int64_t* next;
+  };
+  // The next chunk of the first output with rows left, in row order, of
+  // about `chunk_bytes` (one row at the least), sliced from `block`; false
+  // when all are sent.
+  bool next_output_chunk(std::initializer_list<Output> outputs, int64_t chunk_bytes,
+                         const std::shared_ptr<uint8_t>& block) {
+    for (const Output& o : outputs) {
+      if (!o.sent || *o.next >= o.shape.rows) continue;
+      const int64_t rows = std::min(o.shape.rows - *o.next, std::max<int64_t>(1, chunk_bytes / o.shape.row_bytes));
+      set_output_chunk(o.tensor, *o.next, rows, o.data + *o.next * o.shape.row_bytes, rows * o.shape.row_bytes, block);
+      *o.next += rows;
+      return true;
+    }
+    return false;
+  }
+
   void set_output_chunk(v1::Tensor tensor, int64_t row_start, int64_t rows, const uint8_t* data, int64_t bytes,
                         const std::shared_ptr<uint8_t>& block) {
     response_ = wire::encode_chunk(tensor, row_start, rows, data, static_cast<size_t>(bytes), release_block,
@@ -354,6 +385,32 @@ class StreamedCall : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byte
   std::optional<grpc::Status> finish_;
   bool finished_ = false;
   bool summary_sent_ = false;
+};
+
+// StreamedCall's typed ends for one RPC: every parsed message is a
+// Request, the ack goes out in a Response; the call takes the header.
+template <class Request, class Response>
+class TypedStreamedCall : public StreamedCall {
+ public:
+  using StreamedCall::StreamedCall;
+
+ protected:
+  using Header = std::decay_t<decltype(std::declval<Request>().header())>;
+  virtual Status on_header(const Header& header) = 0;
+
+ private:
+  Status handle_parsed() final {
+    Request request;
+    if (!parse_message(&message_, &request))
+      return invalid_argument("a message that is not " + request_type_article() + ", expected " + expected_next());
+    return dispatch(request, [this](const Header& header) { return on_header(header); });
+  }
+
+  grpc::ByteBuffer ack_message(const v1::Ack& ack) const final {
+    Response message;
+    *message.mutable_ack() = ack;
+    return serialize_message(message);
+  }
 };
 
 }  // namespace plsh::server

@@ -72,17 +72,9 @@ grpc::Status Client::backward(const BackwardCall& call, BackwardReply* reply) {
   ChunkStream stream(channel_, "/plsh.v1.Attention/AttendBackward", call.chunk_bytes);
   const grpc::Status status = stream.run(
       &ctx, serialize_message(header_of(call, stateless)), std::move(inputs), &outputs,
-      [&summary](grpc::ByteBuffer* m, ChunkStream& s) {
-        v1::BackwardResponse response;
-        if (!grpc::SerializationTraits<v1::BackwardResponse>::Deserialize(m, &response).ok())
-          return protocol_error("a message that is not a BackwardResponse");
-        if (response.has_ack()) return s.acked() ? protocol_error("a second ack") : s.ack(response.ack());
-        if (!s.acked()) return protocol_error("first response is not an ack");
-        if (response.has_grad_chunk()) return s.output(response.grad_chunk());
-        if (!response.has_summary()) return protocol_error("unexpected message after the ack");
-        summary = std::move(*response.mutable_summary());
-        return grpc::Status::OK;
-      });
+      response_reader<v1::BackwardResponse>("a BackwardResponse", &summary, [](const v1::BackwardResponse& r) {
+        return r.has_grad_chunk() ? &r.grad_chunk() : nullptr;
+      }));
   stream.traffic().copy_to(&reply->sent_bytes, &reply->received_bytes, &reply->messages, &reply->largest_message_bytes);
   if (!status.ok()) return status;
   if (!summary) return protocol_error("stream ended OK without a summary");

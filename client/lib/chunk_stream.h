@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -104,5 +105,23 @@ class ChunkStream {
 grpc::Status protocol_error(const std::string& what);
 // A message (a header) as the raw call sends it.
 grpc::ByteBuffer serialize_message(const google::protobuf::Message& message);
+
+// The Reader of an RPC whose server sends one ack, then chunks, then one
+// Summary, each in a Response (`type` names it in errors): `chunk(r)`
+// gives the message's chunk or null; the summary goes to *summary.
+template <typename Response, typename Summary, typename ChunkOf>
+ChunkStream::Reader response_reader(const char* type, std::optional<Summary>* summary, ChunkOf chunk) {
+  return [type, summary, chunk](grpc::ByteBuffer* m, ChunkStream& s) {
+    Response response;
+    if (!grpc::SerializationTraits<Response>::Deserialize(m, &response).ok())
+      return protocol_error(std::string("a message that is not ") + type);
+    if (response.has_ack()) return s.acked() ? protocol_error("a second ack") : s.ack(response.ack());
+    if (!s.acked()) return protocol_error("first response is not an ack");
+    if (const auto* c = chunk(response)) return s.output(*c);  // an encoding the slice reader leaves
+    if (!response.has_summary()) return protocol_error("unexpected message after the ack");
+    *summary = std::move(*response.mutable_summary());
+    return grpc::Status::OK;
+  };
+}
 
 }  // namespace plsh::client

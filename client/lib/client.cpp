@@ -232,18 +232,11 @@ grpc::Status Client::attend(const AttendCall& call, AttendReply* reply) {
   grpc::ClientContext ctx;
   prepare(&ctx, call.deadline_seconds);
   ChunkStream stream(channel_, "/plsh.v1.Attention/Attend", call.chunk_bytes);
-  const grpc::Status status =
-      stream.run(&ctx, serialize_message(header), std::move(inputs), &outputs, [&summary](grpc::ByteBuffer* m, ChunkStream& s) {
-        v1::AttendResponse response;
-        if (!grpc::SerializationTraits<v1::AttendResponse>::Deserialize(m, &response).ok())
-          return protocol_error("a message that is not an AttendResponse");
-        if (response.has_ack()) return s.acked() ? protocol_error("a second ack") : s.ack(response.ack());
-        if (!s.acked()) return protocol_error("first response is not an ack");
-        if (response.has_out_chunk()) return s.output(response.out_chunk());  // an encoding the slice reader leaves
-        if (!response.has_summary()) return protocol_error("unexpected message after the ack");
-        summary = std::move(*response.mutable_summary());
-        return grpc::Status::OK;
-      });
+  const grpc::Status status = stream.run(
+      &ctx, serialize_message(header), std::move(inputs), &outputs,
+      response_reader<v1::AttendResponse>("an AttendResponse", &summary, [](const v1::AttendResponse& r) {
+        return r.has_out_chunk() ? &r.out_chunk() : nullptr;
+      }));
   stream.traffic().copy_to(&reply->sent_bytes, &reply->received_bytes, &reply->messages, &reply->largest_message_bytes);
   if (!status.ok()) return status;
   if (!summary) return protocol_error("stream ended OK without a summary");

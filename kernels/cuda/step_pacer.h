@@ -64,7 +64,6 @@ class StepPacer {
   }
 
   int in_flight() const { return static_cast<int>(queued_.size()); }
-  int most_in_flight() const { return most_in_flight_; }
   int steps() const { return steps_; }
 
  private:
@@ -78,7 +77,6 @@ class StepPacer {
     RETURN_IF_ERROR(hooks_.record(next_slot_));
     queued_.push_back({next_slot_, pending_fraction_});
     next_slot_ = (next_slot_ + 1) % max_in_flight_;
-    most_in_flight_ = static_cast<int>(queued_.size()) > most_in_flight_ ? static_cast<int>(queued_.size()) : most_in_flight_;
     ++steps_;
     pending_flops_ = 0;
     pending_ = false;
@@ -103,7 +101,6 @@ class StepPacer {
   Hooks hooks_;
   std::deque<Step> queued_;
   int next_slot_ = 0;
-  int most_in_flight_ = 0;
   int steps_ = 0;
   double pending_flops_ = 0;
   double pending_fraction_ = 0;

@@ -279,7 +279,9 @@ RunFn setup_attend(CLI::App& app) {
   auto args = std::make_shared<AttendArgs>();
   add_compute_flags(app, *args);
   app.add_option("--target", args->target,
-                 "plsh-server address host:port; a list a:1,b:2 or dns:///name:port shards the request across them")
+                 "plsh-server address host:port (or $PLSH_TARGET); a list a:1,b:2 or dns:///name:port shards the "
+                 "request across them")
+      ->envname("PLSH_TARGET")
       ->capture_default_str();
   add_shard_flags(app, args->sharding);
   add_connection_flags(app, args->channel);

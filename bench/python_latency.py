@@ -8,7 +8,7 @@ of the calls after a warm-up, in milliseconds.
     PYTHONPATH=client/python:build/python /usr/bin/python3 bench/python_latency.py \\
         --target 127.0.0.1:50051 --shape 1,64,4,4,32 --mode exact --duration 10
 
-Works with plsh-client 0.1 too (the call and its (out, meta) result are
+Works with the client before the package too (the call and its (out, meta) result are
 the same), so that one run can compare the two."""
 
 import argparse
@@ -27,7 +27,7 @@ def main():
     ap.add_argument("--mode", default="exact")
     ap.add_argument("--duration", type=float, default=10, help="seconds measured")
     ap.add_argument("--warmup", type=float, default=1, help="seconds before measuring")
-    ap.add_argument("--rpc", default="", help="plsh-client >= 0.2: auto, stream or unary (empty: not passed)")
+    ap.add_argument("--rpc", default="", help="the packaged client only: auto, stream or unary (empty: not passed)")
     ap.add_argument("--label", default="", help="printed first, to tell runs apart")
     args = ap.parse_args()
     b, n, h, hkv, d = (int(x) for x in args.shape.split(","))

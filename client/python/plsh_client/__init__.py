@@ -43,7 +43,7 @@ sequence, with the same output bit for bit (plsh_client.sharding):
     with ShardedClient("a:50051,b:50051,c:50051") as c:
         r = c.attend(q, k, v, mode="lsh", causal=True)      # r.sharding: the cut, replicas, timings
 
-Results of plsh-client 0.1's form still unpack: `out, meta = c.attend(...)`
+Results still unpack as the unpackaged client's tuples did: `out, meta = c.attend(...)`
 (meta: the nested dict, AttendResult.meta).
 """
 

@@ -2,9 +2,10 @@
 server's Summary and BackwardSummary (proto/plsh/v1/plsh.proto documents
 every field; the names here are the proto's, less "_seconds").
 
-For code written against the tuples of plsh-client 0.1, an AttendResult
-unpacks as (out, meta) and a BackwardResult as (dq, dk, dv, meta), meta
-being the nested dict those versions returned (result.meta)."""
+For code written against the tuples of the client before the package
+(no version of its own), an AttendResult unpacks as (out, meta) and a
+BackwardResult as (dq, dk, dv, meta), meta being the nested dict that
+client returned (result.meta)."""
 
 import dataclasses
 from dataclasses import dataclass, field
@@ -150,7 +151,7 @@ class AttendResult:
         return meta
 
     def __iter__(self) -> Iterator[Any]:
-        """out, meta = client.attend(...): plsh-client 0.1's form."""
+        """out, meta = client.attend(...): the unpackaged client's form."""
         return iter((self.out, self.meta))
 
 
@@ -179,7 +180,7 @@ class BackwardResult:
                 if f.name not in ("dq", "dk", "dv", "mode")}
 
     def __iter__(self) -> Iterator[Any]:
-        """dq, dk, dv, meta = client.backward(...): plsh-client 0.1's form."""
+        """dq, dk, dv, meta = client.backward(...): the unpackaged client's form."""
         return iter((self.dq, self.dk, self.dv, self.meta))
 
 

@@ -24,7 +24,8 @@ query digits whose definition lies inside the model's context window.
     # or let the script start one (and stop it)
     /usr/bin/python3 examples/train_alibi.py --server-bin build/bin/plsh-server --out-dir runs/alibi
 
-PYTHONPATH must hold client/python and <build>/python (the generated stubs).
+plsh_client must be importable: pip install ./client/python, or in a
+source checkout PYTHONPATH=client/python:<build>/python.
 """
 
 import argparse
@@ -177,8 +178,12 @@ def losses(logits, y, recall):
 # ---------------------------------------------------------------- training
 
 def train_mode(mode, args, data, client):
+    # torch.manual_seed makes the run reproducible, lsh draws included: the
+    # op draws a fresh seed from torch's generator on every forward (SPEC
+    # section 8), so every layer and step trains against its own hashes.
     torch.manual_seed(args.seed)
-    opts = dict(mode=mode, causal=True, seed=args.seed)
+    # q, k, v below are [B, N, H, D]; no estimates (a training run reads none).
+    opts = dict(mode=mode, causal=True, layout="bnhd", estimates=False)
     if mode == "lsh":
         opts["samples"] = args.samples
     attention = lambda q, k, v: plsh_torch.attention(q, k, v, client=client, keep_context=not args.stateless, **opts)

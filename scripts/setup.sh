@@ -25,6 +25,10 @@ build_packages=(
 test_packages=(
   libgtest-dev libgmock-dev googletest
   python3-grpcio python3-numpy python3-pytest python3-protobuf
+  # client/python as a package (ctest python_packaging: pip install into a
+  # fresh venv, offline; its build runs Debian's setuptools and wheel and
+  # protoc), and its static checks (ctest python_mypy, python_flake8).
+  python3-venv python3-setuptools python3-wheel python3-mypy flake8
   # The torch client's tests and the training example (plsh_client.torch,
   # examples/train_alibi.py): Debian's PyTorch 1.13 (CPU) and matplotlib.
   python3-torch python3-matplotlib

@@ -138,7 +138,7 @@ int attend(const AttendArgs& args) {
     StatusOr<NpyArray> read = read_npy(args.backward.dout_path, NpyReadOptions{args.attention.bf16_bits});
     if (!read.ok()) return report_error("attend", read.status());
     dout = std::move(read).value();
-    if (Status s = check_dout(dout, args.backward.dout_path, in.options, in.batched); !s.ok())
+    if (Status s = check_dout(&dout, args.backward.dout_path, in); !s.ok())
       return report_error("attend", s);
   }
   if (args.shm && wants_sharding(args.target, args.sharding))
@@ -230,11 +230,12 @@ int attend(const AttendArgs& args) {
   const AttentionOptions& o = in.options;
   const void* out = shared ? static_cast<const void*>(shared->out()) : reply.out.data();
   const float* lse = shared ? shared->lse() : reply.lse.data();
-  Status saved = write_npy(args.outputs.out_path, reply.out_dtype, output_shape(o, in.batched), out);
-  if (saved.ok() && call.return_lse) saved = write_npy(args.outputs.lse_path, DType::kF32, lse_shape(o, in.batched), lse);
+  Status saved = write_in_layout(args.outputs.out_path, reply.out_dtype, output_shape(o, in.batched), out, in.layout);
+  if (saved.ok() && call.return_lse)
+    saved = write_in_layout(args.outputs.lse_path, DType::kF32, lse_shape(o, in.batched), lse, in.layout, false);
   if (saved.ok() && backward) {
     const auto t_grads = std::chrono::steady_clock::now();
-    saved = write_gradients(args.backward, grad_dtype, o, in.batched, grads.dq.data(), grads.dk.data(), grads.dv.data());
+    saved = write_gradients(args.backward, grad_dtype, in, grads.dq.data(), grads.dk.data(), grads.dv.data());
     grads.result.timings["call"] = backward_seconds;
     grads.result.timings["save"] = seconds_since(t_grads);
   }
@@ -249,6 +250,7 @@ int attend(const AttendArgs& args) {
     // What was sent (with the wire dtype), and the defaults as the server
     // resolved them (scale, q_pos0, k_pos0 in its summary).
     add_params_json(call.options, result, in.batched, &meta);
+    meta["shape"]["layout"] = name_of(kLayoutNames, in.layout);
     meta["server"] = {{"target", args.target},
                       {"request_id", reply.request_id},
                       {"wire_dtype", dtype_name(wire)},
@@ -277,7 +279,9 @@ RunFn setup_attend(CLI::App& app) {
   auto args = std::make_shared<AttendArgs>();
   add_compute_flags(app, *args);
   app.add_option("--target", args->target,
-                 "plsh-server address host:port; a list a:1,b:2 or dns:///name:port shards the request across them")
+                 "plsh-server address host:port (or $PLSH_TARGET); a list a:1,b:2 or dns:///name:port shards the "
+                 "request across them")
+      ->envname("PLSH_TARGET")
       ->capture_default_str();
   add_shard_flags(app, args->sharding);
   add_connection_flags(app, args->channel);

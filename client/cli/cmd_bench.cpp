@@ -369,13 +369,21 @@ Status bench(const BenchArgs& a, int* exit_code) {
               << load->tolerance() << std::endl;
     *exit_code = kExitRuntime;
   }
+  // A sweep with a threshold answers "which load stays under it": none did
+  // when the first level crossed it (text_report's verdict says how).
+  if (run.p99_threshold && !run.levels.empty() && bench::over_threshold(run.levels.front(), *run.p99_threshold)) {
+    std::cerr << "plsh bench: no level met --p99-threshold " << *a.p99_threshold_ms << " ms" << std::endl;
+    *exit_code = kExitRuntime;
+  }
   return Status::Ok();
 }
 
 RunFn setup_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   app.add_option("--target", a->target,
-                 "plsh-server address host:port; a list a:1,b:2 or dns:///name:port shards each request across them")
+                 "plsh-server address host:port (or $PLSH_TARGET); a list a:1,b:2 or dns:///name:port shards each "
+                 "request across them")
+      ->envname("PLSH_TARGET")
       ->capture_default_str();
   add_shard_flags(app, a->sharding);
   add_connection_flags(app, a->channel);
@@ -428,7 +436,7 @@ RunFn setup_bench(CLI::App& app) {
       ->transform(decimal_integer(false));
   app.add_option_function<double>("--p99-threshold", [a](const double& v) { a->p99_threshold_ms = v; },
                                   "milliseconds: stop the sweep at the first level whose p99 exceeds it (or that has "
-                                  "failures) and report the last level under it");
+                                  "failures) and report the last level under it; exit 1 when no level is under it");
   app.add_option("--metrics", a->metrics,
                  "the server's metrics address host:port: report its plsh_requests_total change per level next to "
                  "this client's counts");

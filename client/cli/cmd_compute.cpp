@@ -28,7 +28,7 @@ Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs, const
   NpyArray dout;
   if (backward.requested()) {
     ASSIGN_OR_RETURN(dout, read_npy(backward.dout_path, NpyReadOptions{args.bf16_bits}));
-    RETURN_IF_ERROR(check_dout(dout, backward.dout_path, in.options, in.batched));
+    RETURN_IF_ERROR(check_dout(&dout, backward.dout_path, in));
   }
   const double load_seconds = seconds_since(t_start);
 
@@ -73,19 +73,22 @@ Status compute(const AttentionCliArgs& args, const OutputCliArgs& outputs, const
   }
 
   const auto t_save = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(write_npy(outputs.out_path, out_dtype, output_shape(o, in.batched), out.data()));
-  if (!lse.empty()) RETURN_IF_ERROR(write_npy(outputs.lse_path, DType::kF32, lse_shape(o, in.batched), lse.data()));
+  RETURN_IF_ERROR(write_in_layout(outputs.out_path, out_dtype, output_shape(o, in.batched), out.data(), in.layout));
+  if (!lse.empty())
+    RETURN_IF_ERROR(
+        write_in_layout(outputs.lse_path, DType::kF32, lse_shape(o, in.batched), lse.data(), in.layout, false));
   result.timings["load"] = load_seconds;
   result.timings["save"] = seconds_since(t_save);  // out and lse; the metadata file itself comes after
   if (backward_result) {
     const auto t_grads = std::chrono::steady_clock::now();
-    RETURN_IF_ERROR(write_gradients(backward, grad_dtype, o, in.batched, dq.data(), dk.data(), dv.data()));
+    RETURN_IF_ERROR(write_gradients(backward, grad_dtype, in, dq.data(), dk.data(), dv.data()));
     backward_result->timings["save"] = seconds_since(t_grads);
   }
 
   if (!outputs.meta_path.empty()) {
     nlohmann::ordered_json meta = result_to_json(result);
     add_params_json(o, result, in.batched, &meta);
+    meta["shape"]["layout"] = name_of(kLayoutNames, in.layout);
     if (backward_result) meta["backward"] = backward_to_json(*backward_result, grad_dtype);
     RETURN_IF_ERROR(write_meta_file(outputs.meta_path, meta));
   }

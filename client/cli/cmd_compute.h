@@ -33,9 +33,12 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// dout's file against what the forward writes: out's shape and dtype.
-inline Status check_dout(const NpyArray& dout, const std::string& path, const AttentionOptions& o, bool batched) {
-  const std::vector<int64_t> want = output_shape(o, batched);
+// dout's file against what the forward writes (out's shape in the files'
+// layout, and its dtype); in bnhd when it is.
+inline Status check_dout(NpyArray* dout_array, const std::string& path, const AttentionInputs& in) {
+  NpyArray& dout = *dout_array;
+  const AttentionOptions& o = in.options;
+  const std::vector<int64_t> want = in_layout(output_shape(o, in.batched), in.layout);
   if (dout.shape != want)
     return invalid_argument(path + ": dout shape " + shape_string(dout.shape) + ", expected the shape of out " +
                             shape_string(want));
@@ -43,16 +46,18 @@ inline Status check_dout(const NpyArray& dout, const std::string& path, const At
   if (dout.dtype != out_dtype)
     return invalid_argument(path + ": dout dtype " + dtype_name(dout.dtype) + ", expected the dtype of out (" +
                             dtype_name(out_dtype) + ")");
+  if (in.layout == Layout::kBhnd) dout = swap_axes(dout, in.batched ? 1 : 0);
   return Status::Ok();
 }
 
-// dq (q's shape), dk and dv (k's) to --dq, --dk, --dv in grad_dtype; the
-// first failure stops it.
-inline Status write_gradients(const BackwardCliArgs& paths, DType grad_dtype, const AttentionOptions& o, bool batched,
+// dq (q's shape), dk and dv (k's), bnhd buffers, to --dq, --dk, --dv in
+// grad_dtype and the files' layout; the first failure stops it.
+inline Status write_gradients(const BackwardCliArgs& paths, DType grad_dtype, const AttentionInputs& in,
                               const void* dq, const void* dk, const void* dv) {
-  RETURN_IF_ERROR(write_npy(paths.dq_path, grad_dtype, output_shape(o, batched), dq));
-  RETURN_IF_ERROR(write_npy(paths.dk_path, grad_dtype, kv_shape(o, batched), dk));
-  return write_npy(paths.dv_path, grad_dtype, kv_shape(o, batched), dv);
+  const AttentionOptions& o = in.options;
+  RETURN_IF_ERROR(write_in_layout(paths.dq_path, grad_dtype, output_shape(o, in.batched), dq, in.layout));
+  RETURN_IF_ERROR(write_in_layout(paths.dk_path, grad_dtype, kv_shape(o, in.batched), dk, in.layout));
+  return write_in_layout(paths.dv_path, grad_dtype, kv_shape(o, in.batched), dv, in.layout);
 }
 
 }  // namespace plsh::cli

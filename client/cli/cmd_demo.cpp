@@ -27,7 +27,7 @@ struct DemoArgs {
   int64_t head_dim = 64;
   int64_t samples = kDefaultSamples;
   uint64_t seed = 0;       // of q, k, v and of the lsh draws
-  bool causal = true;
+  bool causal = false;     // as plsh attend and compute (and SDPA's is_causal)
   double window_eps = kDefaultWindowEps;
   std::string backend = "auto";
   int64_t threads = 0;
@@ -206,8 +206,8 @@ RunFn setup_demo(CLI::App& app) {
   app.add_option("--head-dim", a->head_dim, "head dimension")->capture_default_str()->transform(decimal_integer(true));
   app.add_option("--samples", a->samples, "lsh hashes per head")->capture_default_str()->transform(decimal_integer(true));
   app.add_option("--seed", a->seed, "seed of q, k, v and of the draws")->capture_default_str()->transform(decimal_integer(false));
-  app.add_flag("--causal", a->causal, "causal masking (the default)");
-  app.add_flag_callback("--no-causal", [a] { a->causal = false; }, "every query sees every key");
+  app.add_flag("--causal", a->causal, "causal masking (off by default, as in plsh attend and compute)");
+  app.add_flag_callback("--no-causal", [a] { a->causal = false; }, "every query sees every key (the default)");
   app.add_option("--window-eps", a->window_eps, "window mode: W_h = ceil(sigma_h ln(1/eps))")->capture_default_str();
   app.add_option("--backend", a->backend, backend_names_text())->capture_default_str();
   app.add_option("--threads", a->threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));

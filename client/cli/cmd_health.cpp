@@ -36,7 +36,9 @@ int health(const HealthArgs& args) {
 
 RunFn setup_health(CLI::App& app) {
   auto args = std::make_shared<HealthArgs>();
-  app.add_option("--target", args->target, "plsh-server address host:port")->capture_default_str();
+  app.add_option("--target", args->target, "plsh-server address host:port (or $PLSH_TARGET)")
+      ->envname("PLSH_TARGET")
+      ->capture_default_str();
   add_connection_flags(app, args->channel, /*tokens=*/false);
   app.add_option("--service", args->service, "service to check (\"\": the whole server, or plsh.v1.Attention)");
   app.add_option("--deadline", args->deadline, "seconds")->capture_default_str()->check(CLI::PositiveNumber);

@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
@@ -54,8 +55,8 @@ CLI::Validator decimal_integer(bool allow_negative) {
 std::string backend_names_text() { return names_text(kBackendNames); }
 
 void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
-  app.add_option("--q", a.q_path, "queries, .npy [B, Nq, H, D] or [Nq, H, D], float32 or float16")->required();
-  app.add_option("--k", a.k_path, "keys, .npy [B, Nk, Hkv, D] (H % Hkv == 0), same dtype as q")->required();
+  app.add_option("--q", a.q_path, "queries, .npy [B, Nq, H, D] or [Nq, H, D] (--layout bhnd: [B, H, Nq, D]), float32 or float16")->required();
+  app.add_option("--k", a.k_path, "keys, .npy [B, Nk, Hkv, D] (H % Hkv == 0; bhnd: [B, Hkv, Nk, D]), same dtype as q")->required();
   app.add_option("--v", a.v_path, "values, .npy, same shape and dtype as k")->required();
   app.add_flag("--bf16-bits", a.bf16_bits,
                "read '<u2' (uint16) arrays as bfloat16 bit patterns, and write bf16 outputs the same way");
@@ -95,6 +96,13 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_option("--out-dtype", a.out_dtype, "f32, f16 or bf16 (default: the inputs' dtype)");
   app.add_option("--backend", a.backend, backend_names_text())->capture_default_str();
   app.add_option("--threads", a.threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--layout", a.layout,
+                 "axes of every .npy in and out: bnhd [B, N, H, D] (plsh's, FlashAttention's) or bhnd [B, H, N, D] "
+                 "(scaled_dot_product_attention's)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"bnhd", "bhnd"}));
+  app.add_flag("--no-layout-check", a.no_layout_check,
+               "accept shapes that look transposed (q's positions are k's heads, or more heads than positions) as given");
 }
 
 void add_output_flags(CLI::App& app, OutputCliArgs& a) {
@@ -210,25 +218,52 @@ Status check_output_paths(const OutputCliArgs& a) {
   return check_output_path("meta", a.meta_path);
 }
 
+namespace {
+
+// Axis indices of a rank-3 or rank-4 tensor in a layout (batch -1 when absent).
+struct Axes {
+  int b, n, h, d;
+};
+Axes axes_of(Layout layout, size_t rank) {
+  const int first = rank == 4 ? 1 : 0;
+  return layout == Layout::kBnhd ? Axes{first - 1, first, first + 1, first + 2}
+                                 : Axes{first - 1, first + 1, first, first + 2};
+}
+
+const char* form_of(Layout layout, bool batched) {
+  if (layout == Layout::kBnhd) return batched ? "[B, N, H, D]" : "[N, H, D]";
+  return batched ? "[B, H, N, D]" : "[H, N, D]";
+}
+
+}  // namespace
+
 Status apply_shapes(const NpyArray& q, const NpyArray& k, const NpyArray& v, const std::string& q_name,
-                    const std::string& k_name, const std::string& v_name, AttentionOptions* o, bool* batched) {
+                    const std::string& k_name, const std::string& v_name, AttentionOptions* o, bool* batched,
+                    Layout layout) {
   const size_t rank = q.shape.size();
+  const char* layout_name = name_of(kLayoutNames, layout);
   if (rank != 3 && rank != 4)
     return invalid_argument(q_name + ": shape " + shape_string(q.shape) + " has rank " + std::to_string(rank) +
-                            ", expected [B, Nq, H, D] or [Nq, H, D]");
-  if (k.shape.size() != rank)
-    return invalid_argument(k_name + ": shape " + shape_string(k.shape) + ", expected rank " + std::to_string(rank) +
-                            " like q " + shape_string(q.shape) + " ([B, Nk, Hkv, D] or [Nk, Hkv, D])");
+                            ", expected " + form_of(layout, true) + " or " + form_of(layout, false) + " (--layout " +
+                            layout_name + ")");
+  for (const auto& [name, a] : {std::pair{&k_name, &k}, std::pair{&v_name, &v}})
+    if (a->shape.size() != rank)
+      return invalid_argument(*name + ": shape " + shape_string(a->shape) + ", expected rank " + std::to_string(rank) +
+                              " like q " + shape_string(q.shape) + " (" + form_of(layout, rank == 4) + ")");
+  const Axes x = axes_of(layout, rank);
+  // k, then v, against q: the message names the one that differs.
+  for (const auto& [name, a] : {std::pair{&k_name, &k}, std::pair{&v_name, &v}}) {
+    if (rank == 4 && a->shape[0] != q.shape[0])
+      return invalid_argument(*name + ": batch = " + std::to_string(a->shape[0]) + ", expected the batch of q (" +
+                              std::to_string(q.shape[0]) + ")");
+    if (a->shape[x.d] != q.shape[x.d])
+      return invalid_argument(*name + ": head_dim = " + std::to_string(a->shape[x.d]) + " (shape " +
+                              shape_string(a->shape) + "), expected the head_dim of q (" +
+                              std::to_string(q.shape[x.d]) + ")");
+  }
   if (v.shape != k.shape)
     return invalid_argument(v_name + ": shape " + shape_string(v.shape) + ", expected the shape of k " +
                             shape_string(k.shape));
-  const size_t b = rank == 4 ? 1 : 0;  // index of the sequence axis
-  if (rank == 4 && k.shape[0] != q.shape[0])
-    return invalid_argument(k_name + ": batch = " + std::to_string(k.shape[0]) + ", expected the batch of q (" +
-                            std::to_string(q.shape[0]) + ")");
-  if (k.shape[b + 2] != q.shape[b + 2])
-    return invalid_argument(k_name + ": head_dim = " + std::to_string(k.shape[b + 2]) + ", expected the head_dim of q (" +
-                            std::to_string(q.shape[b + 2]) + ")");
   if (k.dtype != q.dtype || v.dtype != q.dtype) {
     const bool k_bad = k.dtype != q.dtype;
     return invalid_argument((k_bad ? k_name : v_name) + ": dtype " + dtype_name(k_bad ? k.dtype : v.dtype) +
@@ -236,28 +271,91 @@ Status apply_shapes(const NpyArray& q, const NpyArray& k, const NpyArray& v, con
   }
   *batched = rank == 4;
   o->batch = rank == 4 ? q.shape[0] : 1;
-  o->q_len = q.shape[b];
-  o->heads = q.shape[b + 1];
-  o->head_dim = q.shape[b + 2];
-  o->kv_len = k.shape[b];
+  o->q_len = q.shape[x.n];
+  o->heads = q.shape[x.h];
+  o->head_dim = q.shape[x.d];
+  o->kv_len = k.shape[x.n];
   // kv_heads = 0 would mean "same as heads" to the library; an empty kv
   // head axis must be reported as such instead.
-  o->kv_heads = k.shape[b + 1];
+  o->kv_heads = k.shape[x.h];
   if (o->kv_heads == 0) return invalid_argument(k_name + ": kv_heads = 0 (shape " + shape_string(k.shape) + "), expected >= 1");
   o->dtype = q.dtype;
+  return Status::Ok();
+}
+
+Status check_layout_plausible(const AttentionOptions& o, const std::vector<int64_t>& q_shape,
+                              const std::vector<int64_t>& k_shape, const std::string& q_name, const std::string& k_name,
+                              const std::string& v_name, Layout layout, std::string* warning) {
+  if (!o.slopes.empty() && static_cast<int64_t>(o.slopes.size()) == o.heads) return Status::Ok();  // heads meant
+  const bool batched = q_shape.size() == 4;
+  const Layout other = layout == Layout::kBnhd ? Layout::kBhnd : Layout::kBnhd;
+  const std::string read_as = std::string(name_of(kLayoutNames, layout)) + " " + form_of(layout, batched);
+  const std::string fix = std::string("pass --layout ") + name_of(kLayoutNames, other) + " if every file is " +
+                          form_of(other, batched) + ", transpose the one that is not, or --no-layout-check if the "
+                          "shapes are meant";
+  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
+  if (o.q_len == kv_heads && o.heads == o.kv_len && o.q_len != o.heads) {
+    const std::string suspect = o.heads > o.q_len ? q_name : k_name + " and " + v_name;
+    return invalid_argument(q_name + " " + shape_string(q_shape) + " read as " + read_as + " has " +
+                            std::to_string(o.q_len) + " positions and " + std::to_string(o.heads) + " heads, and " +
+                            k_name + ", " + v_name + " " + shape_string(k_shape) + " have " + std::to_string(o.kv_len) +
+                            " positions and " + std::to_string(kv_heads) + " heads: one side's positions are the "
+                            "other's heads, so " + suspect + " is probably in the other layout (" +
+                            name_of(kLayoutNames, other) + "); " + fix);
+  }
+  if (o.slopes.empty() && o.heads > o.q_len && kv_heads > o.kv_len) {
+    const std::string text = q_name + " " + shape_string(q_shape) + ", " + k_name + " and " + v_name + " " +
+                             shape_string(k_shape) + " read as " + read_as + " have more heads (" +
+                             std::to_string(o.heads) + ", " + std::to_string(kv_heads) + ") than positions (" +
+                             std::to_string(o.q_len) + ", " + std::to_string(o.kv_len) + ")";
+    if (o.heads > kMaxPlausibleHeads)
+      return invalid_argument(text + ": they are probably all in the other layout (" + name_of(kLayoutNames, other) +
+                              "); " + fix);
+    *warning = text + "; read as " + name_of(kLayoutNames, layout) + " (if they are " + form_of(other, batched) +
+               ", pass --layout " + name_of(kLayoutNames, other) + ")";
+  }
   return Status::Ok();
 }
 
 StatusOr<AttentionInputs> load_attention_inputs(const AttentionCliArgs& a) {
   AttentionInputs in;
   ASSIGN_OR_RETURN(in.options, options_from_args(a));
+  ASSIGN_OR_RETURN(in.layout, parse_named(kLayoutNames, a.layout, "layout"));
   const NpyReadOptions read_options{a.bf16_bits};
   ASSIGN_OR_RETURN(in.q, read_npy(a.q_path, read_options));
   ASSIGN_OR_RETURN(in.k, read_npy(a.k_path, read_options));
   ASSIGN_OR_RETURN(in.v, read_npy(a.v_path, read_options));
-  RETURN_IF_ERROR(apply_shapes(in.q, in.k, in.v, a.q_path, a.k_path, a.v_path, &in.options, &in.batched));
+  RETURN_IF_ERROR(apply_shapes(in.q, in.k, in.v, a.q_path, a.k_path, a.v_path, &in.options, &in.batched, in.layout));
+  if (!a.no_layout_check) {
+    std::string warning;
+    RETURN_IF_ERROR(check_layout_plausible(in.options, in.q.shape, in.k.shape, a.q_path, a.k_path, a.v_path, in.layout,
+                                           &warning));
+    if (!warning.empty()) std::fprintf(stderr, "plsh: warning: %s\n", warning.c_str());
+  }
   RETURN_IF_ERROR(validate_options(in.options));
+  if (in.layout == Layout::kBhnd) {
+    const size_t axis = in.batched ? 1 : 0;
+    in.q = swap_axes(in.q, axis);
+    in.k = swap_axes(in.k, axis);
+    in.v = swap_axes(in.v, axis);
+  }
   return in;
+}
+
+std::vector<int64_t> in_layout(std::vector<int64_t> shape, Layout layout, bool with_head_dim) {
+  if (layout == Layout::kBhnd) {
+    const size_t axis = shape.size() - (with_head_dim ? 3 : 2);
+    std::swap(shape[axis], shape[axis + 1]);
+  }
+  return shape;
+}
+
+Status write_in_layout(const std::string& path, DType dtype, const std::vector<int64_t>& bnhd_shape, const void* data,
+                       Layout layout, bool with_head_dim) {
+  if (layout == Layout::kBnhd) return write_npy(path, dtype, bnhd_shape, data);
+  const size_t axis = bnhd_shape.size() - (with_head_dim ? 3 : 2);
+  const std::vector<uint8_t> swapped = swap_axes(data, dtype_bytes(dtype), bnhd_shape, axis);
+  return write_npy(path, dtype, in_layout(bnhd_shape, layout, with_head_dim), swapped.data());
 }
 
 std::vector<int64_t> output_shape(const AttentionOptions& o, bool batched) {

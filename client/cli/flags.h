@@ -14,8 +14,20 @@
 #include "cli/npy.h"
 #include "plsh/params.h"
 #include "plsh/status.h"
+#include "plsh/text.h"
 
 namespace plsh::cli {
+
+// How the .npy files hold their axes (--layout): plsh's own [B, N, H, D]
+// (FlashAttention's too), or scaled_dot_product_attention's [B, H, N, D].
+// Outputs are written in the inputs' layout. The rules that refuse shapes
+// that look transposed are client/python/plsh_client/_layout.py's, kept
+// alike (tests/python/test_cli_attend.py runs both on the same files).
+enum class Layout { kBnhd, kBhnd };
+inline constexpr EnumName<Layout> kLayoutNames[] = {{Layout::kBnhd, "bnhd"}, {Layout::kBhnd, "bhnd"}};
+// No published model has more query heads than this (the largest have 128):
+// more heads than positions and more than this is a transposition.
+inline constexpr int64_t kMaxPlausibleHeads = 256;
 
 // What the attention flags hold after parsing; strings stay strings until
 // options_from_args() turns them into typed options with Status errors.
@@ -38,6 +50,8 @@ struct AttentionCliArgs {
   std::string out_dtype;                // f32 | f16 | bf16; empty: the inputs' dtype
   std::string backend = "auto";         // one of plsh::kBackendNames
   int64_t threads = 0;                  // CPU threads; 0: all cores
+  std::string layout = "bnhd";          // of every .npy in and out: bnhd | bhnd
+  bool no_layout_check = false;         // accept shapes that look transposed as given
 };
 
 // Where the results go.
@@ -102,19 +116,41 @@ Status check_output_paths(const OutputCliArgs& args);
 Status check_output_path(const char* flag, const std::string& path);
 
 struct AttentionInputs {
-  NpyArray q, k, v;
+  NpyArray q, k, v;     // in plsh's bnhd, whatever the files' layout
   bool batched = true;  // the inputs had a batch axis (rank 4); outputs keep the same form
+  Layout layout = Layout::kBnhd;  // the files'
   AttentionOptions options;
 };
 
 // Fills batch, lengths, heads, kv_heads, head_dim and dtype from the
-// arrays: q [B, Nq, H, D], k and v [B, Nk, Hkv, D] (or all without B), one
-// dtype. Names are what messages call the arrays (their paths).
+// arrays: q [B, Nq, H, D], k and v [B, Nk, Hkv, D] (or all without B) in
+// bnhd, their [B, H, N, D] in bhnd; one dtype. Names are what messages call
+// the arrays (their paths); each message names the array that is wrong.
 Status apply_shapes(const NpyArray& q, const NpyArray& k, const NpyArray& v, const std::string& q_name,
-                    const std::string& k_name, const std::string& v_name, AttentionOptions* options, bool* batched);
+                    const std::string& k_name, const std::string& v_name, AttentionOptions* options, bool* batched,
+                    Layout layout = Layout::kBnhd);
 
-// options_from_args + read the three files + apply_shapes.
+// Shapes that read as the other layout would, where the declared reading is
+// implausible: INVALID_ARGUMENT naming the probable transposition (q's
+// positions and heads are k's heads and positions; or every tensor has
+// more heads than positions and more than kMaxPlausibleHeads, with the
+// standard slopes). More heads than positions within that: *warning says
+// so (it cannot be decided). q_shape, k_shape are the files' shapes.
+Status check_layout_plausible(const AttentionOptions& o, const std::vector<int64_t>& q_shape,
+                              const std::vector<int64_t>& k_shape, const std::string& q_name, const std::string& k_name,
+                              const std::string& v_name, Layout layout, std::string* warning);
+
+// options_from_args + read the three files + apply_shapes + the layout
+// check (unless --no-layout-check; its warning on stderr), the arrays
+// turned to bnhd.
 StatusOr<AttentionInputs> load_attention_inputs(const AttentionCliArgs& args);
+
+// The shape of a bnhd output ([B, N, H, D] / [N, H, D]; with_head_dim
+// false: lse's [B, N, H] / [N, H]) in `layout`.
+std::vector<int64_t> in_layout(std::vector<int64_t> bnhd_shape, Layout layout, bool with_head_dim = true);
+// write_npy of a bnhd output in `layout`.
+Status write_in_layout(const std::string& path, DType dtype, const std::vector<int64_t>& bnhd_shape, const void* data,
+                       Layout layout, bool with_head_dim = true);
 
 // [B, Nq, H, D] / [B, Nq, H] / [B, Nk, Hkv, D], without B when the inputs
 // had none.

@@ -22,6 +22,30 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+std::vector<uint8_t> swap_axes(const void* data, size_t element_bytes, const std::vector<int64_t>& shape, size_t axis) {
+  int64_t outer = 1, inner = static_cast<int64_t>(element_bytes);
+  for (size_t i = 0; i < axis; ++i) outer *= shape[i];
+  for (size_t i = axis + 2; i < shape.size(); ++i) inner *= shape[i];
+  const int64_t a = shape[axis], b = shape[axis + 1];
+  std::vector<uint8_t> out(static_cast<size_t>(outer * a * b * inner));
+  const auto* in = static_cast<const uint8_t*>(data);
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < a; ++i)
+      for (int64_t j = 0; j < b; ++j)
+        std::memcpy(out.data() + ((o * b + j) * a + i) * inner, in + ((o * a + i) * b + j) * inner,
+                    static_cast<size_t>(inner));
+  return out;
+}
+
+NpyArray swap_axes(const NpyArray& a, size_t axis) {
+  NpyArray out;
+  out.dtype = a.dtype;
+  out.shape = a.shape;
+  std::swap(out.shape[axis], out.shape[axis + 1]);
+  out.data = swap_axes(a.ptr(), dtype_bytes(a.dtype), a.shape, axis);
+  return out;
+}
+
 namespace {
 
 constexpr char kMagic[] = "\x93NUMPY";

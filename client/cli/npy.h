@@ -43,6 +43,12 @@ std::string npy_bytes(DType dtype, const std::vector<int64_t>& shape, const void
 // Errors are FAILED_PRECONDITION (the disk, not the request, is at fault).
 Status write_npy(const std::string& path, DType dtype, const std::vector<int64_t>& shape, const void* data);
 
+// The elements of a C-order array of `shape` with axes `axis` and `axis + 1`
+// swapped (so [B, N, H, D] <-> [B, H, N, D] for axis 1): a new buffer.
+std::vector<uint8_t> swap_axes(const void* data, size_t element_bytes, const std::vector<int64_t>& shape, size_t axis);
+// The same for an array, shape included.
+NpyArray swap_axes(const NpyArray& a, size_t axis);
+
 // "[2, 16, 8, 64]", for messages.
 std::string shape_string(const std::vector<int64_t>& shape);
 

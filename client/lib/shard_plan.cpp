@@ -154,21 +154,21 @@ class KeyReach {
   std::vector<Draw> draws_;  // lsh: every head's draws
 };
 
-// Query rows in tiles of kShardRowAlign; a shard is a range of whole tiles
+// Query rows in tiles of row_align rows; a shard is a range of whole tiles
 // (the last may be short), with the keys its rows may attend. The cut
 // minimises the largest shard's bytes: its cost only grows with its last
 // tile and shrinks with its first, so the least threshold a greedy cut
 // meets (binary search) is optimal.
-std::vector<ShardSpec> sequence_shards(const AttentionParams& p, const RowBytes& z, int64_t parts) {
-  const int64_t tiles = (p.q_len + kShardRowAlign - 1) / kShardRowAlign;
+std::vector<ShardSpec> sequence_shards(const AttentionParams& p, const RowBytes& z, int64_t parts, int64_t row_align) {
+  const int64_t tiles = (p.q_len + row_align - 1) / row_align;
   const int64_t n = std::min(parts, tiles);
   const KeyReach reach(p);
   const int64_t k_first = p.k_pos0, k_end = p.k_pos0 + p.kv_len;
   std::vector<int64_t> key_lo(static_cast<size_t>(tiles), kMin), key_hi(static_cast<size_t>(tiles), kMin);
-  auto row_end_of = [&](int64_t tile) { return std::min(p.q_len, tile * kShardRowAlign); };  // tile: one past
+  auto row_end_of = [&](int64_t tile) { return std::min(p.q_len, tile * row_align); };  // tile: one past
   auto first_key = [&](int64_t tile) {  // key row of tile's first query
     int64_t& v = key_lo[static_cast<size_t>(tile)];
-    if (v == kMin) v = std::clamp(reach.lo(p.q_pos0 + tile * kShardRowAlign), k_first, k_end) - k_first;
+    if (v == kMin) v = std::clamp(reach.lo(p.q_pos0 + tile * row_align), k_first, k_end) - k_first;
     return v;
   };
   auto end_key = [&](int64_t tile) {  // one past the last key row of tile's last query
@@ -180,7 +180,7 @@ std::vector<ShardSpec> sequence_shards(const AttentionParams& p, const RowBytes&
     ShardSpec s;
     s.head_end = p.heads;
     s.kv_head_end = p.kv_heads;
-    s.row_begin = a * kShardRowAlign;
+    s.row_begin = a * row_align;
     s.row_end = row_end_of(b);
     s.key_begin = first_key(a);
     s.key_end = std::max(s.key_begin, end_key(b - 1));
@@ -230,9 +230,11 @@ uint64_t head_shard_seed(uint64_t seed, int64_t head_begin) {
   return seed + 0x9E3779B97F4A7C15ULL * (static_cast<uint64_t>(head_begin) << 26);
 }
 
-StatusOr<ShardPlan> plan_kind(const AttentionOptions& options, bool return_lse, ShardKind kind, int64_t parts) {
+StatusOr<ShardPlan> plan_kind(const AttentionOptions& options, bool return_lse, ShardKind kind, int64_t parts,
+                              int64_t row_align) {
   ASSIGN_OR_RETURN(const AttentionParams p, resolve_params(options));
   if (parts < 1) return invalid_argument("shards = " + std::to_string(parts) + ", expected >= 1");
+  if (row_align < 1) return invalid_argument("row_align = " + std::to_string(row_align) + ", expected >= 1");
   const RowBytes z = row_bytes(p, return_lse);
   ShardPlan plan;
   plan.kind = kind;
@@ -241,7 +243,7 @@ StatusOr<ShardPlan> plan_kind(const AttentionOptions& options, bool return_lse, 
   switch (kind) {
     case ShardKind::kSingle: plan.shards = {whole_request(p, z)}; break;
     case ShardKind::kHeads: plan.shards = head_shards(p, z, parts); break;
-    case ShardKind::kSequence: plan.shards = sequence_shards(p, z, parts); break;
+    case ShardKind::kSequence: plan.shards = sequence_shards(p, z, parts, row_align); break;
   }
   // A cut into one piece is the request itself.
   if (plan.shards.size() == 1) {
@@ -290,7 +292,8 @@ StatusOr<ShardPlan> plan_shards(const AttentionOptions& options, bool return_lse
   for (ShardKind kind : {ShardKind::kHeads, ShardKind::kSequence}) {
     if (sharding.by == ShardBy::kHeads && kind != ShardKind::kHeads) continue;
     if (sharding.by == ShardBy::kSequence && kind != ShardKind::kSequence) continue;
-    ASSIGN_OR_RETURN(ShardPlan plan, plan_kind(options, return_lse, kind, parts));
+    ASSIGN_OR_RETURN(ShardPlan plan, plan_kind(options, return_lse, kind, parts,
+                                               sharding.row_align > 0 ? sharding.row_align : kShardRowAlign));
     candidates.push_back(std::move(plan));
     kinds.push_back(kind);
   }

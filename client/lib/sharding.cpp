@@ -419,11 +419,31 @@ void ShardedClient::run_shard(Run& run, size_t index) {
   }
 }
 
-grpc::Status ShardedClient::attend(const AttendCall& call, const ShardingOptions& sharding, ShardedReply* reply) {
+int64_t ShardedClient::servers_row_align() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (row_align_ > 0) return row_align_;
+  }
+  int64_t align = kShardRowAlign;
+  for (const std::unique_ptr<Client>& c : clients_) {
+    v1::GetInfoResponse info;
+    if (c->info(&info, 10).ok()) {
+      if (info.shard_row_align() > 0) align = info.shard_row_align();
+      break;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  row_align_ = align;
+  return align;
+}
+
+grpc::Status ShardedClient::attend(const AttendCall& call, const ShardingOptions& options, ShardedReply* reply) {
   *reply = ShardedReply{};
   const Clock::time_point start = Clock::now();
   StatusOr<AttentionParams> params = resolve_params(call.options);
   if (!params.ok()) return to_grpc(params.status());
+  ShardingOptions sharding = options;
+  if (sharding.row_align == 0) sharding.row_align = servers_row_align();
   StatusOr<ShardPlan> plan = plan_shards(call.options, call.return_lse, sharding, static_cast<int64_t>(replicas_.size()));
   if (!plan.ok()) return to_grpc(plan.status());
   if (call.q == nullptr || call.k == nullptr || call.v == nullptr)

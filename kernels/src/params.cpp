@@ -147,8 +147,17 @@ Status validate_options(const AttentionOptions& o) {
   if (o.probe_rows < 0 || o.probe_rows > kMaxProbeRows)
     return field_error("probe_rows", str(o.probe_rows), "in [0, " + str(kMaxProbeRows) + "]");
   if (o.mask_row_budget < 1) return field_error("mask_row_budget", str(o.mask_row_budget), ">= 1");
+  // q_pos0 left to its default (Nk - Nq) is negative when Nq > Nk: say so
+  // in the caller's terms, not as a q_pos0 they never set.
+  const auto defaulted_q_pos0 = [&](const std::string& why) {
+    return invalid_argument("q_len = " + str(o.q_len) + " > kv_len = " + str(o.kv_len) + ": queries are aligned to "
+                            "the end of the keys by default (q_pos0 = kv_len - q_len = " + str(q_pos0) + "), so " +
+                            why + "; expected q_len <= kv_len, or an explicit q_pos0 (and k_pos0)");
+  };
   if (o.causal) {
     // Every query row needs at least one allowed key, or its softmax is empty.
+    if (q_pos0 < o.k_pos0 && !o.q_pos0 && o.q_len > o.kv_len)
+      return defaulted_q_pos0("query row 0 would see no key when causal");
     if (q_pos0 < o.k_pos0)
       return field_error("q_pos0", str(q_pos0),
                          ">= k_pos0 = " + str(o.k_pos0) + " when causal (query row 0 would see no key)");
@@ -160,6 +169,9 @@ Status validate_options(const AttentionOptions& o) {
     // every query position among the key positions, M~_ii = 1 (SPEC 3) and
     // the distance-0 key is inside every window, so no row is empty.
     const int64_t k_end = o.k_pos0 + o.kv_len;
+    if ((q_pos0 < o.k_pos0 || q_pos0 + o.q_len > k_end) && !o.q_pos0 && o.q_len > o.kv_len)
+      return defaulted_q_pos0(std::string("some query positions are no key positions, which ") + mode_name(o.mode) +
+                              " mode needs (each query weighs only keys near it)");
     if (q_pos0 < o.k_pos0 || q_pos0 + o.q_len > k_end)
       return field_error("q_pos0", str(q_pos0),
                          "query positions [q_pos0, q_pos0 + q_len) = [" + str(q_pos0) + ", " + str(q_pos0 + o.q_len) +

@@ -291,7 +291,9 @@ TEST(BenchServer, ThresholdStopsTheSweepAndNamesTheLastLevelUnderIt) {
   for (const char* a : {"--concurrency", "1,2,4", "--requests", "5", "--warmup", "0", "--p99-threshold", "0.001"})
     args.push_back(a);
   BenchRun run = run_bench(server, args);
-  ASSERT_EQ(run.exit_code, 0) << run.err;
+  // No level under the threshold: the report as ever, and exit code 1.
+  ASSERT_EQ(run.exit_code, 1) << run.err;
+  EXPECT_NE(run.err.find("no level met --p99-threshold 0.001 ms"), std::string::npos) << run.err;
   EXPECT_EQ(run.report["levels"].size(), 1u);
   EXPECT_EQ(run.report["threshold"]["crossed_at"]["concurrency"], 1);
   EXPECT_TRUE(run.report["threshold"]["last_under"].is_null());

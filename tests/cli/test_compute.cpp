@@ -345,10 +345,11 @@ TEST(Demo, PrintsOneRowPerModeWithExactAsItsOwnReference) {
   EXPECT_NE(r.out.find("kept the first whose probe upper bound met it"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  * "), std::string::npos) << r.out;
 
-  EXPECT_NE(r.out.find(", causal,"), std::string::npos) << r.out;  // the default
-  const RunResult open = testing::run_plsh({"demo", "--n", "40", "--heads", "1", "--head-dim", "4", "--no-causal"}, dir);
-  ASSERT_EQ(open.exit_code, 0) << open.err;
-  EXPECT_NE(open.out.find(", not causal,"), std::string::npos) << open.out;
+  // Not causal by default, as plsh attend and compute.
+  EXPECT_NE(r.out.find(", not causal,"), std::string::npos) << r.out;
+  const RunResult masked = testing::run_plsh({"demo", "--n", "40", "--heads", "1", "--head-dim", "4", "--causal"}, dir);
+  ASSERT_EQ(masked.exit_code, 0) << masked.err;
+  EXPECT_NE(masked.out.find(", causal,"), std::string::npos) << masked.out;
 
   const RunResult bad = testing::run_plsh({"demo", "--head-dim", "5000"}, dir);
   EXPECT_EQ(bad.exit_code, 2);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -170,6 +171,9 @@ TEST(Flags, ShapesFromArrays) {
       {array({5, 4, 8}), array({5, 4, 8}), array({6, 4, 8}), "v: shape [6, 4, 8], expected the shape of k [5, 4, 8]"},
       {array({2, 5, 4, 8}), array({3, 5, 4, 8}), array({3, 5, 4, 8}), "k: batch = 3"},
       {array({5, 4, 8}), array({5, 4, 16}), array({5, 4, 16}), "k: head_dim = 16"},
+      // k alone wrong: k is named, not v (which once got "expected the shape of k").
+      {array({5, 4, 8}), array({5, 4, 16}), array({5, 4, 8}), "k: head_dim = 16 (shape [5, 4, 16])"},
+      {array({5, 4, 8}), array({5, 4, 8}), array({5, 4, 16}), "v: head_dim = 16"},
       {array({5, 4, 8}), array({5, 4, 8}, DType::kF16), array({5, 4, 8}, DType::kF16), "k: dtype f16"},
       {array({5, 4, 8}), array({5, 4, 8}), array({5, 4, 8}, DType::kF16), "v: dtype f16"},
       {array({5, 4, 8}), array({5, 0, 8}), array({5, 0, 8}), "kv_heads = 0"},
@@ -179,6 +183,56 @@ TEST(Flags, ShapesFromArrays) {
     ASSERT_FALSE(s.ok()) << b.expected;
     EXPECT_NE(s.message().find(b.expected), std::string::npos) << s.message();
   }
+}
+
+TEST(Flags, ShapesInSdpaLayoutAndTheTranspositionCheck) {
+  AttentionOptions o;
+  bool batched = false;
+  // bhnd: [B, H, N, D].
+  ASSERT_TRUE(apply_shapes(array({2, 8, 5, 16}), array({2, 2, 7, 16}), array({2, 2, 7, 16}), "q", "k", "v", &o, &batched,
+                           Layout::kBhnd)
+                  .ok());
+  EXPECT_EQ((std::vector<int64_t>{o.batch, o.q_len, o.heads, o.kv_len, o.kv_heads}),
+            (std::vector<int64_t>{2, 5, 8, 7, 2}));
+  EXPECT_EQ(in_layout(output_shape(o, batched), Layout::kBhnd), (std::vector<int64_t>{2, 8, 5, 16}));
+  EXPECT_EQ(in_layout(lse_shape(o, batched), Layout::kBhnd, false), (std::vector<int64_t>{2, 8, 5}));
+  std::string warning;
+  EXPECT_TRUE(check_layout_plausible(o, {2, 8, 5, 16}, {2, 2, 7, 16}, "q", "k", "v", Layout::kBhnd, &warning).ok());
+  EXPECT_EQ(warning, "");
+
+  // q in bhnd, k and v in bnhd, read as bnhd: q's positions are k's heads.
+  ASSERT_TRUE(apply_shapes(array({1, 4, 256, 32}), array({1, 256, 4, 32}), array({1, 256, 4, 32}), "q", "k", "v", &o,
+                           &batched)
+                  .ok());
+  Status s = check_layout_plausible(o, {1, 4, 256, 32}, {1, 256, 4, 32}, "q", "k", "v", Layout::kBnhd, &warning);
+  EXPECT_NE(s.message().find("so q is probably in the other layout (bhnd)"), std::string::npos) << s.message();
+  o.slopes.assign(256, 0.5);  // one slope per declared head: the heads are meant
+  EXPECT_TRUE(check_layout_plausible(o, {1, 4, 256, 32}, {1, 256, 4, 32}, "q", "k", "v", Layout::kBnhd, &warning).ok());
+
+  // All three in bhnd read as bnhd: 1024 heads over 8 positions.
+  ASSERT_TRUE(apply_shapes(array({2, 8, 1024, 4}), array({2, 8, 1024, 4}), array({2, 8, 1024, 4}), "q", "k", "v", &o,
+                           &batched)
+                  .ok());
+  o.slopes.clear();
+  s = check_layout_plausible(o, {2, 8, 1024, 4}, {2, 8, 1024, 4}, "q", "k", "v", Layout::kBnhd, &warning);
+  EXPECT_NE(s.message().find("probably all in the other layout (bhnd)"), std::string::npos) << s.message();
+  // A first decode step (one query, one key, 8 heads) cannot be decided: a warning.
+  ASSERT_TRUE(apply_shapes(array({1, 1, 8, 4}), array({1, 1, 8, 4}), array({1, 1, 8, 4}), "q", "k", "v", &o, &batched)
+                  .ok());
+  EXPECT_TRUE(check_layout_plausible(o, {1, 1, 8, 4}, {1, 1, 8, 4}, "q", "k", "v", Layout::kBnhd, &warning).ok());
+  EXPECT_NE(warning.find("more heads (8, 8) than positions (1, 1)"), std::string::npos) << warning;
+}
+
+TEST(Flags, SwapAxesTurnsBhndIntoBnhdAndBack) {
+  NpyArray a = array({2, 3, 4, 2});
+  for (size_t i = 0; i < a.data.size(); ++i) a.data[i] = static_cast<uint8_t>(i);
+  const NpyArray t = swap_axes(a, 1);
+  EXPECT_EQ(t.shape, (std::vector<int64_t>{2, 4, 3, 2}));
+  const size_t e = dtype_bytes(a.dtype);
+  // t[b][n][h][d] == a[b][h][n][d]
+  EXPECT_EQ(std::memcmp(t.data.data() + ((1 * 4 + 2) * 3 + 1) * 2 * e, a.data.data() + ((1 * 3 + 1) * 4 + 2) * 2 * e, 2 * e),
+            0);
+  EXPECT_EQ(swap_axes(t, 1).data, a.data);
 }
 
 TEST(Flags, OutputPathsAreCheckedBeforeComputing) {

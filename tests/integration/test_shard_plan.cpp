@@ -167,6 +167,26 @@ TEST(ShardPlan, SequenceShardsAreNeverFewerThanATile) {
   EXPECT_EQ(plan->kind, ShardKind::kSingle);
 }
 
+// The tile is the servers' (GetInfoResponse.shard_row_align; ShardedClient
+// passes it through ShardingOptions::row_align), not only 128.
+TEST(ShardPlan, SequenceShardsFollowTheRowAlignGiven) {
+  AttentionOptions o = base_options(Mode::kExact, true);
+  o.q_len = 200;
+  StatusOr<ShardPlan> plan = plan_kind(o, false, ShardKind::kSequence, 3, 64);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->shards.size(), 3u);  // 128 would give two
+  for (const ShardSpec& s : plan->shards) EXPECT_EQ(s.row_begin % 64, 0);
+  EXPECT_NE(plan->shards[1].row_begin % kShardRowAlign, 0);
+  ShardingOptions sharding;
+  sharding.shards = 3;
+  sharding.by = ShardBy::kSequence;
+  sharding.row_align = 64;
+  plan = plan_shards(o, false, sharding, 3);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->shards.size(), 3u) << plan->reason;
+  EXPECT_FALSE(plan_kind(o, false, ShardKind::kSequence, 3, 0).ok());
+}
+
 TEST(ShardPlan, PicksTheCutWithFewerBytesPerShard) {
   ShardingOptions sharding;
   sharding.shards = 3;

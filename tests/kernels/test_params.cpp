@@ -185,8 +185,11 @@ TEST(Params, CausalNeedsAKeyForTheFirstQuery) {
   // The default q_pos0 = Nk - Nq is negative when there are more queries than keys.
   o = valid_options();
   o.causal = true;
-  o.q_len = 105;
+  o.q_len = 105;  // said in the caller's terms: q_len and kv_len, not a q_pos0 never set
+  expect_refused(o, {"q_len = 105 > kv_len = 100", "q_pos0 = kv_len - q_len = -5", "causal", "explicit q_pos0"});
+  o.q_pos0 = -5;  // set: the field's own message
   expect_refused(o, {"q_pos0 = -5", "k_pos0 = 0", "causal"});
+  o.q_pos0.reset();
   o.causal = false;  // without causal every query sees every key
   o.mode = Mode::kExact;
   EXPECT_TRUE(validate_options(o).ok());
@@ -200,7 +203,10 @@ TEST(Params, LshAndWindowWantQueriesAmongTheKeys) {
     AttentionOptions o = valid_options();
     o.mode = mode;
     o.q_len = 105;  // default q_pos0 = -5
+    expect_refused(o, {"q_len = 105 > kv_len = 100", "q_pos0 = kv_len - q_len = -5", mode_name(mode)});
+    o.q_pos0 = -5;
     expect_refused(o, {"q_pos0 = -5", "[-5, 100)", "[0, 100)", mode_name(mode)});
+    o.q_pos0.reset();
     o.q_len = 20;
     o.q_pos0 = 90;  // [90, 110) runs past the last key
     expect_refused(o, {"q_pos0 = 90", "[90, 110)", "[0, 100)"});

@@ -35,7 +35,8 @@ def test_attend_equals_compute(server, files, tmp_path, mode):
                 "--lse", str(tmp_path / "c_lse.npy"), "--meta", str(tmp_path / "c.json"))
     assert local.returncode == 0, local.stderr
     remote = run("attend", *common, "--target", server.address, "--chunk-bytes", "4096", "--deadline", "60",
-                 "--out", str(tmp_path / "a.npy"), "--lse", str(tmp_path / "a_lse.npy"), "--meta", str(tmp_path / "a.json"))
+                 "--out", str(tmp_path / "a.npy"), "--lse", str(tmp_path / "a_lse.npy"),
+                 "--meta", str(tmp_path / "a.json"))
     assert remote.returncode == 0, remote.stderr
     for out, ref in (("a.npy", "c.npy"), ("a_lse.npy", "c_lse.npy")):
         a, b = np.load(tmp_path / out), np.load(tmp_path / ref)
@@ -44,7 +45,8 @@ def test_attend_equals_compute(server, files, tmp_path, mode):
     meta, ref_meta = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "c.json").read_text())
     assert meta["mode"] == mode and meta["shape"] == ref_meta["shape"] and meta["params"] == ref_meta["params"]
     # rel_err = ||o~ - o*|| / ||o*||: outputs 1e-6 apart move it by at most ~1e-6.
-    assert meta["summary"]["probe"]["rel_err"] == pytest.approx(ref_meta["summary"]["probe"]["rel_err"], rel=0, abs=1e-6)
+    probe, ref_probe = meta["summary"]["probe"], ref_meta["summary"]["probe"]
+    assert probe["rel_err"] == pytest.approx(ref_probe["rel_err"], rel=0, abs=1e-6)
     server_part = meta["server"]
     assert set(server_part["timings"]) == {"queued", "receiving", "computing", "sending", "total"}
     assert server_part["messages"] > 10 and server_part["largest_message_bytes"] <= 4096 + 1024
@@ -72,7 +74,9 @@ def test_health_and_info(server):
     info = run("info", "--target", server.address)
     assert info.returncode == 0
     parsed = json.loads(info.stdout)
-    assert parsed["limits"]["max_samples"] == "512"  # int64 is a string in proto JSON
+    # Numbers, not proto JSON's strings for 64-bit integers (issue 21).
+    assert parsed["limits"]["max_samples"] == 512 and parsed["limits"]["max_message_bytes"] > 0
+    assert parsed["defaults"]["seed"] == 0 and parsed["shard_row_align"] == 128
     assert parsed["backends"][-1]["name"] == "cpu"
     down = run("health", "--target", "127.0.0.1:1", "--deadline", "2")
     assert down.returncode == 1 and "plsh health: " in down.stderr

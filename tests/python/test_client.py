@@ -52,8 +52,9 @@ def test_every_mode_equals_in_process(server, tmp_path, mode, causal):
     assert meta["mode"] == mode and meta["backend"] == "cpu"
     if mode != "exact":
         # rel_err = ||o~ - o*|| / ||o*||: outputs 1e-6 apart move it by at most ~1e-6.
-        assert meta["summary"]["probe"]["rel_err"] == pytest.approx(ref_meta["summary"]["probe"]["rel_err"], rel=0, abs=1e-6)
-        assert meta["summary"]["mask_max_err"] == pytest.approx(ref_meta["summary"]["mask_max_err"], rel=1e-9, abs=1e-15)
+        summary, ref_summary = meta["summary"], ref_meta["summary"]
+        assert summary["probe"]["rel_err"] == pytest.approx(ref_summary["probe"]["rel_err"], rel=0, abs=1e-6)
+        assert summary["mask_max_err"] == pytest.approx(ref_summary["mask_max_err"], rel=1e-9, abs=1e-15)
         assert len(meta["heads"]) == 4
     for phase in ("queued", "receiving", "computing", "sending", "total"):
         assert meta["timings"][phase] >= 0

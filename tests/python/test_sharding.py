@@ -84,11 +84,14 @@ def test_other_samplers_shard_by_heads_bit_for_bit(replicas, tensors, sampling):
         out, meta = c.attend(q, k, v, **kw)
     with ShardedClient(",".join(replicas)) as c:
         sharded_out, sharded_meta = c.attend(q, k, v, shards=3, **kw)
-        _, refused_meta = c.attend(q, k, v, shards=3, shard_by="sequence", **kw)
+        # Asked for sequence shards it cannot cut: refused, not quietly sent whole (issue 21).
+        with pytest.raises(ValueError, match="shard_by = 'sequence' with an lsh sampler other than iid"):
+            c.attend(q, k, v, shards=3, shard_by="sequence", **kw)
+        with pytest.raises(ValueError, match="shard_by = 'sequence'"):  # small requests too, not only the ones cut
+            c.attend(q[:, :8], k[:, :8], v[:, :8], shard_by="sequence", **kw)
     assert sharded_meta["sharding"]["kind"] == "heads", sharded_meta["sharding"]["reason"]
     assert same_bits(sharded_out, out)
     assert same_bits(sharded_meta["lse"], meta["lse"])
-    assert refused_meta["sharding"]["kind"] == "single", refused_meta["sharding"]["reason"]
 
 
 def test_error_targeted_requests_go_whole(replicas, tensors):
@@ -119,7 +122,7 @@ def test_plan_keys_cover_what_each_row_may_attend():
     assert plan["kind"] == "sequence"
     draws = [sharding.draw_hashes(3, h, r.sigma(h), 6) for h in range(2)]
     for s in plan["shards"]:
-        assert s["rows"][0] % sharding.SHARD_ROW_ALIGN == 0
+        assert s["rows"][0] % sharding.LEGACY_ROW_ALIGN == 0
         keys = [j for i in range(*s["rows"]) for h in range(2) for j in range(900)
                 if any(sharding._bin(300 + i, d) == sharding._bin(j, d) for d in draws[h])]
         assert s["keys"][0] == max(0, min(keys) - 1)

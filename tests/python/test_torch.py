@@ -106,7 +106,7 @@ def test_gradients_match_float64_autograd_of_the_reference(server, mode):
             _, meta = c.attend(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), return_draws=True,
                                estimates=True, **opts)
             draws = [h["draws"] for h in meta["heads"]]
-        out = pt.attention(q, k, v, client=c, **opts)
+        out = pt.attention(q, k, v, client=c, layout="bnhd", **opts)
         g = torch.Generator().manual_seed(2)
         dout = torch.randn(out.shape, generator=g)
         out.backward(dout)
@@ -125,8 +125,8 @@ def test_gradcheck_through_the_service(server, mode):
     q, k, v = leaves((1, 7, 2, 4), (1, 9, 1, 4), dtype=torch.float64, seed=3)
     with Client(server.address) as c:
         def f(a, b, cc):
-            return pt.attention(a, b, cc, client=c, mode=mode, causal=True, slopes=[0.5, 0.25], samples=4, seed=1,
-                                window_width=3)
+            return pt.attention(a, b, cc, client=c, layout="bnhd", mode=mode, causal=True, slopes=[0.5, 0.25],
+                                samples=4, seed=1, window_width=3)
 
         assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-2, atol=2e-4, rtol=2e-4)
 
@@ -147,9 +147,10 @@ def test_gradcheck_through_the_service(server, mode):
 def test_a_training_step_sends_q_k_v_once_and_dout_only(server):
     q, k, v = leaves((2, 64, 4, 16), (2, 64, 4, 16), seed=4)
     pt.reset_stats()
+    gc.collect()  # graphs of earlier tests, freed: their contexts released
     with Client(server.address) as c:
         before = gauge(server, "plsh_contexts_kept_total")
-        out = pt.attention(q, k, v, client=c, mode="window", causal=True)
+        out = pt.attention(q, k, v, client=c, layout="bnhd", mode="window", causal=True)
         assert gauge(server, "plsh_contexts") == 1
         out.sum().backward()
     s = pt.stats()
@@ -164,16 +165,17 @@ def test_a_training_step_sends_q_k_v_once_and_dout_only(server):
 def test_contexts_are_released_with_their_graph_and_not_kept_without_grad(server):
     q, k, v = leaves((1, 32, 2, 8), (1, 32, 2, 8), seed=5)
     pt.reset_stats()
+    gc.collect()
     with Client(server.address) as c:
-        out = pt.attention(q, k, v, client=c, mode="exact")
+        out = pt.attention(q, k, v, client=c, layout="bnhd", mode="exact")
         assert gauge(server, "plsh_contexts") == 1
         del out
         gc.collect()
         assert pt.stats()["contexts_released"] == 1
         assert gauge(server, "plsh_contexts") == 0
         with torch.no_grad():
-            pt.attention(q, k, v, client=c, mode="exact")
-        pt.attention(q.detach(), k.detach(), v.detach(), client=c, mode="exact")
+            pt.attention(q, k, v, client=c, layout="bnhd", mode="exact")
+        pt.attention(q.detach(), k.detach(), v.detach(), client=c, layout="bnhd", mode="exact")
         assert gauge(server, "plsh_contexts") == 0
         assert pt.stats()["forwards"] == 3
 
@@ -182,7 +184,7 @@ def test_a_second_backward_falls_back_to_the_stateless_form(server):
     q, k, v = leaves((1, 40, 2, 8), (1, 40, 2, 8), seed=6)
     pt.reset_stats()
     with Client(server.address) as c:
-        out = pt.attention(q, k, v, client=c, mode="lsh", samples=8, causal=True)
+        out = pt.attention(q, k, v, client=c, layout="bnhd", mode="lsh", samples=8, causal=True)
         first = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
         second = torch.autograd.grad(out.sum(), (q, k, v))
     for a, b in zip(first, second):

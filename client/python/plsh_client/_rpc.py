@@ -5,6 +5,7 @@ calls' modules share one copy of it."""
 
 import contextlib
 import threading
+from typing import Any, Iterator, Optional
 
 import grpc
 
@@ -13,7 +14,7 @@ class PlshError(Exception):
     """A failed call: `code` is the grpc.StatusCode, `code_name` its name
     ("INVALID_ARGUMENT"), `details` the server's message."""
 
-    def __init__(self, code, details):
+    def __init__(self, code: Optional[grpc.StatusCode], details: Optional[str]) -> None:
         self.code = code
         self.code_name = code.name if code is not None else "UNKNOWN"
         self.details = details or ""
@@ -21,7 +22,7 @@ class PlshError(Exception):
 
 
 @contextlib.contextmanager
-def _rpc_errors():
+def rpc_errors() -> Iterator[None]:
     """A grpc.RpcError as a PlshError, without grpc's traceback."""
     try:
         yield
@@ -29,25 +30,26 @@ def _rpc_errors():
         raise PlshError(e.code(), e.details()) from None
 
 
-class _Stream:
+class Stream:
     """One streamed call's handshake: its request generator (run by grpc on
-    another thread) sends the header, then waits for the server's ack, whose
-    chunk limit sizes the inputs; the caller's response loop hands the ack
-    over, and the summary that ends the stream."""
+    another thread) sends the header, then, when it does not know the
+    server's chunk limit already, waits for the ack that states it; the
+    caller's response loop hands the ack over, and the summary that ends
+    the stream."""
 
-    def __init__(self):
-        self.ack = None
-        self.summary = None
+    def __init__(self) -> None:
+        self.ack: Any = None
+        self.summary: Any = None
         self._acked = threading.Event()
 
-    def wait_ack(self):
+    def wait_ack(self) -> Any:
         """The server's ack; None when the call ended without one (send nothing more)."""
         self._acked.wait()
         return self.ack
 
-    def take(self, message):
+    def take(self, message: Any) -> Optional[str]:
         """Keeps a response's ack or summary; returns its kind, for the caller's chunks."""
-        kind = message.WhichOneof("kind")
+        kind: Optional[str] = message.WhichOneof("kind")
         if kind == "ack":
             self.ack = message.ack
             self._acked.set()
@@ -56,14 +58,25 @@ class _Stream:
         return kind
 
     @contextlib.contextmanager
-    def receiving(self):
+    def receiving(self) -> Iterator[None]:
         """Around the response loop: errors as PlshError, a request generator
         still waiting for the ack released however the loop ends, and a
         stream that closed without its summary an error."""
         try:
-            with _rpc_errors():
+            with rpc_errors():
                 yield
         finally:
             self._acked.set()
         if self.summary is None:
             raise PlshError(grpc.StatusCode.INTERNAL, "the server closed the stream without a summary")
+
+
+def ack_payload(ack: Any) -> int:
+    """The input chunk payload an ack allows: max_chunk_payload_bytes
+    (servers older than that field said it only as out_chunk_bytes)."""
+    return int(ack.max_chunk_payload_bytes or ack.out_chunk_bytes)
+
+
+def payload_cap(server_cap: int, chunk_bytes: int) -> int:
+    """Input chunk payload: the server's cap, or chunk_bytes when smaller and > 0."""
+    return min(chunk_bytes, server_cap) if chunk_bytes > 0 else server_cap

@@ -1,13 +1,26 @@
 """The planning half of plsh_client.sharding, with no gRPC: SPEC section 5's
-draws, the head and sequence cuts (client/lib/shard_plan.cpp, rule for
-rule) and the merge of the shards' estimates (client/lib/shard_merge.cpp).
-ShardedClient (sharding.py) sends the shards and stitches the output."""
+draws, the head and sequence cuts (client/lib/shard_plan.cpp's rules) and
+the merge of the shards' estimates (client/lib/shard_merge.cpp).
+ShardedClient (sharding.py) sends the shards and stitches the output.
+
+What is here is what GetInfo cannot say: the maths of SPEC sections 1-5
+that decide which keys a row may attend (the draws, block bounds, window
+widths, the standard slopes), and how estimates pool. The backend constants
+come from the server (GetInfoResponse.shard_row_align; the defaults a
+request leaves out). These rules are not generated from the C++ planner's:
+there is no generator for C++ into Python that would be simpler than
+them, and tests/python/test_sharding.py pins them to the server's (the
+draws and slopes bit for bit against return_draws, and the sharded output
+bit for bit against the unsharded one in every mode and cut)."""
 
 import math
+from typing import Any, List, Optional
 
 from ._slopes import standard_slopes
 
-SHARD_ROW_ALIGN = 128               # the CPU backend's largest row tile (kernels/cpu/tiles.h); its lsh tile, 64, divides it
+# What servers before GetInfoResponse.shard_row_align (0 there) aligned
+# sequence shards to: the CPU backend's 128-row tile of that time.
+LEGACY_ROW_ALIGN = 128
 DEFAULT_MIN_SHARD_BYTES = 4 << 20   # automatic shard count: each shard at least this many bytes in and out
 
 _MASK = (1 << 64) - 1
@@ -97,12 +110,13 @@ class _Request:
     """The request's shape and the options a cut depends on, resolved."""
 
     def __init__(self, B, Nq, Nk, H, Hkv, D, in_bytes, out_bytes, return_lse, causal, mode, q_pos0, k_pos0,
-                 slopes, samples, seed, window_eps, window_width, heads_only=False):
+                 slopes, samples, seed, window_eps, window_width, heads_only=False, row_align=LEGACY_ROW_ALIGN):
         # heads_only: the keys a sequence shard needs are not computable here
         # (lsh with a sampler other than iid, whose draws this module does
         # not reimplement); head shards stay exact (every sampler's draws are
         # linear in the head index, as the seed translation needs).
         self.heads_only = heads_only
+        self.row_align = row_align  # sequence shards start at multiples of it (GetInfoResponse.shard_row_align)
         self.B, self.Nq, self.Nk, self.H, self.Hkv, self.D = B, Nq, Nk, H, Hkv, D
         self.causal, self.mode, self.k_pos0 = causal, mode, k_pos0
         self.q_pos0 = Nk - Nq if q_pos0 is None else q_pos0
@@ -155,7 +169,7 @@ class _KeyReach:
     def __init__(self, r):
         self.r = r
         self.width = max(r.window) if r.mode == "window" else 0
-        self.draws = []
+        self.draws: List[Any] = []
         if r.mode == "lsh":
             for h in range(r.H):
                 self.draws += draw_hashes(r.seed, h, r.sigma(h), r.samples)
@@ -166,7 +180,7 @@ class _KeyReach:
             return _INT64_MIN
         if self.r.mode == "window":
             return _INT64_MIN if self.width == _NO_WINDOW else first - self.width
-        best = None
+        best: Optional[int] = None
         for d in self.draws:
             if not math.isfinite(d[0]):
                 return _INT64_MIN
@@ -181,7 +195,7 @@ class _KeyReach:
         if self.r.mode == "window":
             h = _INT64_MAX if self.width == _NO_WINDOW else last + self.width + 1
         elif self.r.mode == "lsh":
-            best = None
+            best: Optional[int] = None
             for d in self.draws:
                 if not math.isfinite(d[0]):
                     best = _INT64_MAX
@@ -197,18 +211,19 @@ class _KeyReach:
 
 
 def _sequence_shards(r, parts):
-    tiles = -(-r.Nq // SHARD_ROW_ALIGN)
+    align = r.row_align
+    tiles = -(-r.Nq // align)
     n = min(parts, tiles)
     reach = _KeyReach(r)
     k_first, k_end = r.k_pos0, r.k_pos0 + r.Nk
     lo_memo, hi_memo = {}, {}
 
     def row_end(t):  # one past tile t - 1's last row
-        return min(r.Nq, t * SHARD_ROW_ALIGN)
+        return min(r.Nq, t * align)
 
     def first_key(t):
         if t not in lo_memo:
-            lo_memo[t] = min(max(reach.lo(r.q_pos0 + t * SHARD_ROW_ALIGN), k_first), k_end) - k_first
+            lo_memo[t] = min(max(reach.lo(r.q_pos0 + t * align), k_first), k_end) - k_first
         return lo_memo[t]
 
     def end_key(t):
@@ -218,7 +233,7 @@ def _sequence_shards(r, parts):
 
     def spec(a, b):
         j0 = first_key(a)
-        return _spec(0, (0, r.H), (0, r.Hkv), (a * SHARD_ROW_ALIGN, row_end(b)), (j0, max(j0, end_key(b - 1))), r)
+        return _spec(0, (0, r.H), (0, r.Hkv), (a * align, row_end(b)), (j0, max(j0, end_key(b - 1))), r)
 
     def cost(a, b):
         s = spec(a, b)
@@ -249,7 +264,7 @@ def _sequence_shards(r, parts):
             hi = mid
         else:
             lo = mid + 1
-    shards = []
+    shards: List[Any] = []
     cut(lo, shards)
     for i, s in enumerate(shards):
         s["index"] = i
@@ -265,16 +280,27 @@ def _plan(kind, shards):
             "max_shard_bytes": max(s["sent_bytes"] + s["received_bytes"] for s in shards)}
 
 
+def check_cut(shard_by, heads_only):
+    """ValueError for shard_by "sequence" where the draws are not this module's to compute."""
+    if shard_by == "sequence" and heads_only:
+        raise ValueError("shard_by = 'sequence' with an lsh sampler other than iid: a sequence shard needs the keys "
+                         "its rows' blocks reach, and this client computes only iid draws; expected shard_by 'heads' "
+                         "or 'auto' (which cuts by heads), or sampling 'iid'")
+
+
 def plan_shards(r, shards, shard_by, replicas, min_shard_bytes=DEFAULT_MIN_SHARD_BYTES):
     """The cut of request r (a _Request) for `replicas` replicas: a dict with
     kind ("single", "heads", "sequence"), shards (heads, kv_heads, rows, keys
-    half-open, bytes), totals and a reason."""
+    half-open, bytes), totals and a reason. ValueError for shard_by
+    "sequence" with a sampler whose draws this module does not compute."""
+    check_cut(shard_by, r.heads_only)
     whole = _plan("single", _whole(r))
     if shards == 0:
         by_size = max(1, whole["max_shard_bytes"] // min_shard_bytes) if min_shard_bytes > 0 else replicas
         parts = min(replicas, by_size)
         why = (f"automatic: {replicas} replica(s), {whole['max_shard_bytes'] / 2**20:.3g} MiB in and out"
-               + (f" keeps {by_size} shard(s) of at least {min_shard_bytes / 2**20:.3g} MiB" if by_size < replicas else "")
+               + (f" keeps {by_size} shard(s) of at least {min_shard_bytes / 2**20:.3g} MiB"
+                  if by_size < replicas else "")
                + "; ")
     else:
         parts, why = shards, f"asked for {shards} shard(s); "
@@ -289,16 +315,14 @@ def plan_shards(r, shards, shard_by, replicas, min_shard_bytes=DEFAULT_MIN_SHARD
             cut = _head_shards(r, parts) if kind == "heads" else _sequence_shards(r, parts)
             candidates.append((kind, _plan(kind, cut)))
     # Fewer bytes for the largest shard, then in all; heads on a tie.
-    if not candidates:
-        whole["reason"] = why + "one shard: sequence cuts need the draws, and this module computes only iid draws"
-        return whole
-    best_kind, best = min(candidates, key=lambda c: (c[1]["max_shard_bytes"], c[1]["sent_bytes"] + c[1]["received_bytes"]))
-    reason = (why + f"{best['kind']} into {len(best['shards'])}: largest shard {best['max_shard_bytes'] / 2**20:.3g} MiB "
-              f"in and out, {best['sent_bytes'] / 2**20:.3g} MiB sent in all")
+    best_kind, best = min(candidates,
+                          key=lambda c: (c[1]["max_shard_bytes"], c[1]["sent_bytes"] + c[1]["received_bytes"]))
+    reason = (why + f"{best['kind']} into {len(best['shards'])}: largest shard "
+              f"{best['max_shard_bytes'] / 2**20:.3g} MiB in and out, {best['sent_bytes'] / 2**20:.3g} MiB sent in all")
     for kind, plan in candidates:
         if kind != best_kind:
-            reason += (f"; {kind} would give {len(plan['shards'])} with largest {plan['max_shard_bytes'] / 2**20:.3g} MiB, "
-                       f"{plan['sent_bytes'] / 2**20:.3g} MiB sent")
+            reason += (f"; {kind} would give {len(plan['shards'])} with largest "
+                       f"{plan['max_shard_bytes'] / 2**20:.3g} MiB, {plan['sent_bytes'] / 2**20:.3g} MiB sent")
     best["reason"] = reason
     return best
 
@@ -310,10 +334,10 @@ POOLING = {
     "heads": "heads: each head's estimates come whole from its shard (mask_max_err as unsharded; the probe samples its "
              "rows from the shard's seed); the request's probe rel_err pools heads weighted by probe rows x mean "
              "||out||^2 (approximate); rows, max_abs_err, bound_max exact",
-    "sequence": "sequence: per head, mask_max_err is the max over shards (as unsharded: each shard's keys reach one past "
-                "its rows' blocks or window), mask_spectral_err the root sum of squares (an upper bound), the probe pools "
-                "each shard's own rows weighted by probe rows x mean ||out||^2 (approximate); rows, max_abs_err, "
-                "bound_max exact",
+    "sequence": "sequence: per head, mask_max_err is the max over shards (as unsharded: each shard's keys reach one "
+                "past its rows' blocks or window), mask_spectral_err the root sum of squares (an upper bound), the "
+                "probe pools each shard's own rows weighted by probe rows x mean ||out||^2 (approximate); rows, "
+                "max_abs_err, bound_max exact",
 }
 
 

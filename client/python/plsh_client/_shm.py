@@ -6,6 +6,7 @@
 import mmap
 import os
 import secrets
+from typing import Optional
 
 import numpy as np
 
@@ -42,7 +43,7 @@ class SharedMemoryRegion:
             raise
         finally:
             os.close(fd)
-        self._bytes = np.frombuffer(self._map, np.uint8)
+        self._bytes: Optional[np.ndarray] = np.frombuffer(self._map, np.uint8)
         self.address = self._bytes.__array_interface__["data"][0]
         try:
             client.register_shm(self.name, self.key, 0, self.size)
@@ -62,6 +63,8 @@ class SharedMemoryRegion:
             raise ValueError(f"offset {offset} with {count * dtype.itemsize} bytes does not fit the region's "
                              f"{self.size} bytes at a multiple of {dtype.itemsize}")
         self._next = max(self._next, -(-(offset + count * dtype.itemsize) // 4096) * 4096)
+        if self._bytes is None:
+            raise ValueError(f"region {self.name!r} is closed")
         return self._bytes[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
 
     def close(self):

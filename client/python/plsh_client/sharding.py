@@ -4,20 +4,23 @@ plsh/sharding.h, with the same rules).
 
     from plsh_client import ShardedClient
     with ShardedClient("a:50051,b:50051,c:50051") as c:      # or "dns:///plsh-headless.ns.svc.cluster.local:50051"
-        out, meta = c.attend(q, k, v, mode="lsh", causal=True, shards=3)
-    meta["sharding"]   # kind, reason, replicas, retries, and per shard: replica, heads, rows, keys, seconds, timings
+        r = c.attend(q, k, v, mode="lsh", causal=True, shards=3)
+    r.sharding   # kind, reason, replicas, retries, and per shard: replica, heads, rows, keys, seconds, timings
 
 Two cuts, both exact (positions are absolute, SPEC section 1):
   - "heads": whole GQA groups per shard, every row and key; the shard's
     slopes are sent explicitly (the standard slopes depend on H), and for
     lsh the seed is translated so that local head h draws what global head
     h0 + h draws (SPEC section 5's word index is linear in the head).
-  - "sequence": query rows in tiles of 128 (the CPU backend's row tiles, so
-    every row is summed in the same order as unsharded) and only the keys
+  - "sequence": query rows in tiles of the server's shard_row_align
+    (GetInfo: the CPU backend's row tile, so every row is summed in the
+    same order as unsharded) and only the keys
     they may attend: the causal limit, the widest window W_h, or for lsh the
     union of the blocks that meet the rows under the request's draws (drawn
     here by SPEC section 5's rule), one key more on each side for the error
-    estimates. Exact attends every key.
+    estimates. Exact attends every key. lsh with a sampler other than iid
+    cannot be cut so (the draws would be needed here): shard_by="sequence"
+    is refused for it, and "auto" cuts by heads.
 shard_by="auto" takes the cut whose largest shard sends and receives fewer
 bytes. shards=0 (the default) is one shard per replica, but no more than
 leave each at least min_shard_bytes (4 MiB) in and out; a request below that
@@ -34,12 +37,19 @@ import random
 import socket
 import threading
 import time
+from typing import Any, List
 
 import numpy as np
 
-from ._client import Client, PlshError, grpc
-from ._shard_plan import (DEFAULT_MIN_SHARD_BYTES, POOLING, SHARD_ROW_ALIGN, _Request, _bin, draw_hashes,  # noqa: F401
-                          head_shard_seed, merge_meta, plan_shards, pool_probes, standard_slopes)
+import grpc
+
+from . import _layout
+from ._client import Client
+from ._results import AttendResult, result_from_meta
+from ._rpc import PlshError
+from ._shard_plan import (DEFAULT_MIN_SHARD_BYTES, LEGACY_ROW_ALIGN, POOLING, _Request, _bin, check_cut,  # noqa: F401
+                          draw_hashes, head_shard_seed, merge_meta, plan_shards, pool_probes, standard_slopes)
+from ._wire import MODE_NAMES, SAMPLING_NAMES
 
 _DOWN_SECONDS = 5.0                 # a replica that answered UNAVAILABLE is passed over this long
 _BYTES = {"f32": 4, "f16": 2, "bf16": 2}
@@ -106,7 +116,7 @@ class ShardedClient:
         self._in_flight = [0] * len(self.replicas)
         self._down_until = [0.0] * len(self.replicas)
         self._next_first = 0
-        self._defaults = None
+        self._info = None
 
     def __repr__(self):
         return f"ShardedClient({self.replicas!r})"
@@ -121,19 +131,26 @@ class ShardedClient:
     def __exit__(self, *exc):
         self.close()
 
-    def _server_defaults(self):
-        """GetInfo's defaults from the first replica that answers."""
-        if self._defaults is None:
+    def _server_info(self):
+        """GetInfo of the first replica that answers (the replicas are one service)."""
+        if self._info is None:
             error = None
             for c in self.clients:
                 try:
-                    self._defaults = c.info().defaults
+                    self._info = c.info()
                     break
                 except PlshError as e:
                     error = e
             else:
+                assert error is not None
                 raise error
-        return self._defaults
+        return self._info
+
+    def _sampling(self, options):
+        """The lsh sampler a request uses: its own, else the server's default."""
+        if options.get("sampling") is not None:
+            return options["sampling"]
+        return SAMPLING_NAMES.get(self._server_info().defaults.sampling, "iid")
 
     def _pick(self, preferred, tried):
         with self._lock:
@@ -146,9 +163,10 @@ class ShardedClient:
             return best
 
     def attend(self, q, k, v, *, shards=0, shard_by="auto", min_shard_bytes=DEFAULT_MIN_SHARD_BYTES,
-               max_attempts=0, deadline=None, request_id="", return_lse=False, **options):
+               max_attempts=0, deadline=None, request_id="", return_lse=False, layout="bnhd", check_layout=True,
+               **options) -> AttendResult:
         """Client.attend's arguments and result, cut across the replicas:
-        (out, meta), meta["sharding"] saying how. shards: P (0: automatic),
+        an AttendResult whose .sharding says how. shards: P (0: automatic),
         shard_by: "auto", "heads" or "sequence", max_attempts per shard (0:
         replicas + 1). A request this client cannot check (an unknown mode,
         kv heads that do not divide the heads, ...) goes whole to one
@@ -157,6 +175,21 @@ class ShardedClient:
             raise ValueError(f"shard_by = {shard_by!r}, expected auto, heads or sequence")
         start = time.monotonic()
         q, k, v = (np.asarray(a) for a in (q, k, v))
+        _layout.resolve_shapes(q.shape, k.shape, v.shape, layout, slopes=options.get("slopes"), check=check_layout)
+        if layout == "bhnd":  # the cuts are in plsh's bnhd (views; the shards' arrays are copied as they go)
+            q, k, v = (np.swapaxes(a, -3, -2) for a in (q, k, v))
+        if options.get("mode", "lsh") in ("lsh", None):
+            check_cut(shard_by, self._sampling(options) != "iid")
+        result = self._attend(q, k, v, shards, shard_by, min_shard_bytes, max_attempts, deadline, request_id,
+                              return_lse, options, start)
+        if layout == "bhnd":
+            result.out = np.swapaxes(result.out, -3, -2)
+            if result.lse is not None:
+                result.lse = np.swapaxes(result.lse, -2, -1)
+        return result
+
+    def _attend(self, q, k, v, shards, shard_by, min_shard_bytes, max_attempts, deadline, request_id, return_lse,
+                options, start):
         batched = q.ndim == 4
         with self._lock:
             first = self._next_first % len(self.replicas)
@@ -164,7 +197,8 @@ class ShardedClient:
         max_attempts = max_attempts or len(self.replicas) + 1
         stop_at = start + deadline if deadline else None
 
-        request, plan = None, None
+        request: Any = None
+        plan: Any = None
         if q.ndim in (3, 4) and k.ndim == q.ndim and v.shape == k.shape:
             q4, k4, v4 = (q, k, v) if batched else (q[None], k[None], v[None])
             B, Nq, H, D = q4.shape
@@ -186,12 +220,14 @@ class ShardedClient:
         sharded = plan["kind"] != "single"
         base_id = request_id[:100] if request_id else f"sharded-{random.getrandbits(64):016x}"
         n = len(plan["shards"])
-        reports, results, errors = [None] * n, [None] * n, [None] * n
+        reports: List[Any] = [None] * n
+        results: List[Any] = [None] * n
+        errors: List[Any] = [None] * n
         failed = threading.Event()
         lock = threading.Lock()
         retries = [0]
-        out = [None]
-        lse = np.zeros((request.B, request.Nq, request.H), np.float32) if sharded and return_lse else None
+        out: List[Any] = [None]
+        lse: Any = np.zeros((request.B, request.Nq, request.H), np.float32) if sharded and return_lse else None
 
         def send(i):
             """Shard i, retried on other replicas; its output stitched in place."""
@@ -226,14 +262,15 @@ class ShardedClient:
                 t0 = time.monotonic()
                 remaining = None if stop_at is None else stop_at - t0
                 if remaining is not None and remaining <= 0:
-                    errors[i] = PlshError(grpc.StatusCode.DEADLINE_EXCEEDED, f"shard {i + 1}: the call's deadline passed")
+                    errors[i] = PlshError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          f"shard {i + 1}: the call's deadline passed")
                     failed.set()
                     return
                 rid = shard_id if attempt == 1 or not shard_id else f"{shard_id}/retry{attempt - 1}"
                 r = self._pick(preferred, tried)
                 try:
-                    o, meta = self.clients[r].attend(*arrays, deadline=remaining, request_id=rid,
-                                                     return_lse=return_lse, **kw)
+                    result = self.clients[r].attend(*arrays, deadline=remaining, request_id=rid,
+                                                    return_lse=return_lse, check_layout=False, **kw)
                 except PlshError as e:
                     t1 = time.monotonic()
                     report["attempts"] = attempt
@@ -257,19 +294,22 @@ class ShardedClient:
                 finally:
                     with self._lock:
                         self._in_flight[r] -= 1
-                report.update({"replica": self.replicas[r], "request_id": meta["request_id"], "attempts": attempt,
+                t = result.timings
+                report.update({"replica": self.replicas[r], "request_id": result.request_id, "attempts": attempt,
                                "seconds": time.monotonic() - t0,
-                               "timings": {key: meta["timings"][key]
-                                           for key in ("queued", "receiving", "computing", "sending", "total")},
-                               "backend": meta["backend"], "lsh_algorithm": meta["lsh_algorithm"],
-                               "sent_bytes": meta["received_bytes"], "received_bytes": meta["sent_bytes"]})
+                               "timings": {"queued": t.queued, "receiving": t.receiving, "computing": t.computing,
+                                           "sending": t.sending, "total": t.total},
+                               "backend": result.backend, "lsh_algorithm": result.lsh_algorithm,
+                               "sent_bytes": result.received_bytes, "received_bytes": result.sent_bytes})
                 if not sharded:
-                    results[i] = (o, meta, None)
+                    results[i] = (result, None, None)
                     return
+                o, meta = result.out, result.meta
                 with lock:
                     if out[0] is None:
                         out[0] = np.zeros((request.B, request.Nq, request.H, request.D), o.dtype)
-                out[0][:, r0:r1, h0:h1] = o
+                stitched: Any = out[0]
+                stitched[:, r0:r1, h0:h1] = o
                 if return_lse:
                     lse[:, r0:r1, h0:h1] = meta.pop("lse")
                 # Mean ||out_i||^2 per shard head: the probe's pooling weights.
@@ -296,15 +336,14 @@ class ShardedClient:
                     "retries": retries[0], "seconds": time.monotonic() - start, "pooling": POOLING[plan["kind"]],
                     "shards": reports}
         if not sharded:
-            o, meta, _ = results[0]
-            meta["sharding"] = sharding
-            return o, meta
+            whole = results[0][0]
+            whole.sharding = sharding
+            return whole
         meta = merge_meta(request, plan, [m for _, m, _ in results], [ms for _, _, ms in results], request.seed)
         meta["request_id"] = base_id
-        if return_lse:
-            meta["lse"] = lse if batched else lse[0]
         meta["sharding"] = sharding
-        return (out[0] if batched else out[0][0]), meta
+        return result_from_meta(out[0] if batched else out[0][0], (lse if batched else lse[0]) if return_lse else None,
+                                meta, "sharded")
 
     def _resolve(self, q4, k4, options, return_lse, wire, out_wire):
         """The _Request of a call, with the server's defaults for what it leaves out."""
@@ -314,9 +353,8 @@ class ShardedClient:
             return None  # the server picks the configuration, attempt by attempt: sent whole
         mode, samples, eps = options.get("mode"), options.get("samples"), options.get("window_eps")
         if mode is None or (mode == "lsh" and samples is None) or (mode == "window" and eps is None):
-            d = self._server_defaults()
-            names = {1: "exact", 2: "lsh", 3: "window"}
-            mode = mode or names.get(d.mode, "lsh")
+            d = self._server_info().defaults
+            mode = mode or MODE_NAMES.get(d.mode, "lsh")
             samples = samples if samples is not None else d.samples
             eps = eps if eps is not None else d.window_eps
         if mode not in ("exact", "lsh", "window") or (mode == "lsh" and not samples):
@@ -335,4 +373,5 @@ class ShardedClient:
         return _Request(B, Nq, Nk, H, Hkv, D, _BYTES.get(wire, 4), _BYTES.get(out_wire, 4), return_lse,
                         bool(options.get("causal")), mode, q_pos0, k_pos0, slopes, samples or 0,
                         options.get("seed") or 0, eps or 1e-4, options.get("window_width") or 0,
-                        heads_only=mode == "lsh" and options.get("sampling") not in (None, "iid"))
+                        heads_only=mode == "lsh" and self._sampling(options) != "iid",
+                        row_align=self._server_info().shard_row_align or LEGACY_ROW_ALIGN)

@@ -53,7 +53,9 @@ namespace plsh::client {
 // row_tile): a sequence shard that starts on a multiple of 128 gives every
 // row the same tile, the same key tiles and so the same float summation
 // order as the unsharded request. tests/integration/test_sharding.cpp checks
-// the bits; a change of the kernel's tiles fails it.
+// the bits. The servers say it (GetInfoResponse.shard_row_align), and
+// ShardedClient plans with theirs; this is what servers before that field
+// aligned to, and what a plan made without a server uses.
 inline constexpr int64_t kShardRowAlign = 128;
 
 // Automatic shard count: one shard per replica, but no more shards than
@@ -81,6 +83,7 @@ struct ShardingOptions {
   ShardBy by = ShardBy::kAuto; // auto: the cut with fewer bytes per shard
   int64_t min_shard_bytes = kDefaultMinShardBytes;  // automatic P only
   int max_attempts = 0;        // per shard, first try included; 0: replicas + 1
+  int64_t row_align = 0;       // sequence shards start at multiples of it; 0: the servers' (ShardedClient), else kShardRowAlign
 };
 
 // One shard: which heads, rows and keys of the request it carries. Ranges
@@ -112,7 +115,8 @@ StatusOr<ShardPlan> plan_shards(const AttentionOptions& options, bool return_lse
 
 // The cut of one kind into exactly the shards it can make up to `parts`
 // (heads: at most Hkv; sequence: at most one per kShardRowAlign rows).
-StatusOr<ShardPlan> plan_kind(const AttentionOptions& options, bool return_lse, ShardKind kind, int64_t parts);
+StatusOr<ShardPlan> plan_kind(const AttentionOptions& options, bool return_lse, ShardKind kind, int64_t parts,
+                              int64_t row_align = kShardRowAlign);
 
 // SPEC section 5's word index is linear in the head (1 + 4 (h 2^24 + k) + j),
 // so the draws of head h0 + h under `seed` are those of head h under this
@@ -212,6 +216,9 @@ class ShardedClient {
   size_t pick_replica(size_t preferred, const std::vector<bool>& tried);
   void mark_down(size_t replica);
   void run_shard(Run& run, size_t index);
+  // GetInfoResponse.shard_row_align of the first replica that answers, once
+  // (kShardRowAlign from servers before the field, or when none answers).
+  int64_t servers_row_align();
 
   std::vector<std::string> replicas_;
   std::vector<std::unique_ptr<Client>> clients_;
@@ -219,6 +226,7 @@ class ShardedClient {
   std::vector<int> in_flight_;                                   // shards running on each replica
   std::vector<std::chrono::steady_clock::time_point> down_until_;  // after UNAVAILABLE: avoided until then
   uint64_t next_first_ = 0;                                      // round robin of shard 0's replica over calls
+  int64_t row_align_ = 0;                                        // servers_row_align(), once asked
 };
 
 }  // namespace plsh::client

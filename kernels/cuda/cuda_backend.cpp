@@ -98,6 +98,7 @@ class CudaBackend final : public Backend {
     CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
     size_t free_bytes = 0, total_bytes = 0;
     CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    sm_count_ = prop.multiProcessorCount;
     device_name_ = std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ", " +
                    std::to_string(static_cast<int64_t>(total_bytes >> 30)) + " GiB)";
     int64_t budget = options.memory_budget_bytes;
@@ -255,10 +256,19 @@ class CudaBackend final : public Backend {
   }
 
   Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override;
+  // The estimates' probe rows with the forward (issue 19): fused plans of
+  // lsh and window on host tensors, planned with their probe.
+  bool probes_with_forward(const Plan& plan) const override {
+    const auto* layout = dynamic_cast<const CudaLayout*>(plan.layout.get());
+    return plan.backend == name() && layout != nullptr && layout->fused != nullptr && layout->fused->probe;
+  }
+  Status forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows, const ExecContext& ctx,
+                            ForwardStats* stats, ProbeRowsOut* out) override;
   Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) override;
 
  private:
-  Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats);
+  Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats,
+                     const std::vector<std::vector<int64_t>>* probe_rows = nullptr, ProbeRowsOut* probe_out = nullptr);
   // The fused path's plan: its layout (fused_plan.h) against the cap.
   Status plan_fused(const AttentionParams& p, const PlanLimits& limits, int64_t cap, Plan* plan) const;
   // run(stream) holding `device_bytes` of the pool, as with_handle without
@@ -347,6 +357,7 @@ class CudaBackend final : public Backend {
   }
 
   int device_ = 0;
+  int sm_count_ = 1;
   std::string device_name_;
   mutable DeviceHealth health_;
   mutable DevicePool pool_;
@@ -412,7 +423,7 @@ Status CudaBackend::with_stream(const ExecContext& ctx, int64_t device_bytes, Ru
 }
 
 Status CudaBackend::plan_fused(const AttentionParams& p, const PlanLimits& limits, int64_t cap, Plan* plan) const {
-  auto fused = std::make_shared<FusedLayout>(plan_fused_layout(p, plan->draws, limits.backward));
+  auto fused = std::make_shared<FusedLayout>(plan_fused_layout(p, plan->draws, limits.backward, sm_count_));
   CudaLayout layout;
   layout.fused = fused;
   layout.fused_bytes = fused->forward_bytes;
@@ -443,11 +454,23 @@ Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardSta
   return guarded([&] { return run_forward(plan, ctx, stats); }, ctx);
 }
 
+Status CudaBackend::forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
+                                       const ExecContext& ctx, ForwardStats* stats, ProbeRowsOut* out) {
+  if (!probes_with_forward(plan))
+    return failed_precondition("cuda backend: the plan has no probe (lsh or window, estimates and probe rows, host "
+                               "tensors, the fused path), expected forward()");
+  if (static_cast<int64_t>(rows.size()) != plan.params.heads)
+    return invalid_argument("cuda backend: probe rows for " + std::to_string(rows.size()) + " heads, expected " +
+                            std::to_string(plan.params.heads));
+  return guarded([&] { return run_forward(plan, ctx, stats, &rows, out); }, ctx);
+}
+
 Status CudaBackend::backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) {
   return guarded([&] { return run_backward(plan, g, ctx, stats); }, ctx);
 }
 
-Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats,
+                                const std::vector<std::vector<int64_t>>* probe_rows, ProbeRowsOut* probe_out) {
   ASSIGN_OR_RETURN(const CudaLayout* layout, layout_of(plan));
   const AttentionParams& p = plan.params;
   if (p.q == nullptr || p.out == nullptr)
@@ -457,7 +480,7 @@ Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, Forwar
     RETURN_IF_ERROR(check_fused_fits(*layout->fused, p));
     if (p.memory == MemorySpace::kDevice) RETURN_IF_ERROR(check_device_tensors(p));
     return with_stream(ctx, layout->fused_bytes, [&](cudaStream_t stream) {
-      return run_fused_forward(plan, *layout->fused, ctx, pool_, pinned_, stream, stats);
+      return run_fused_forward(plan, *layout->fused, ctx, pool_, pinned_, stream, stats, probe_rows, probe_out);
     });
   }
   // Every buffer carved below stays inside what the plan charged.

@@ -15,6 +15,7 @@
 #include "cuda/fused_backward.h"
 #include "cuda/fused_dispatch.h"
 #include "cuda/fused_forward.h"
+#include "cuda/fused_probe.h"
 #include "cuda/fused_steps.h"
 
 namespace plsh::cuda {
@@ -34,6 +35,24 @@ inline bool fused_forward_on_host(DType dtype, int64_t head_dim, const FusedArgs
         }
     return true;
   });
+}
+
+// The probe's CTAs and merge on the host.
+inline bool fused_probe_on_host(DType dtype, int64_t head_dim, const FusedArgs& a, const ProbeArgs& pa, int64_t groups) {
+  const bool ran = dispatch_fused(dtype, head_dim, false, [&](auto cfg) {
+    using Cfg = decltype(cfg);
+    std::vector<unsigned char> smem(static_cast<size_t>(fused_probe_smem_bytes<Cfg>(a.max_samples)));
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t c = 0; c < pa.splits; ++c) {
+        std::memset(smem.data(), 0xFF, smem.size());
+        HostExec x;
+        fused_probe_cta<Cfg>(a, pa, g, c, smem.data(), x);
+      }
+    return true;
+  });
+  for (int64_t g = 0; ran && g < groups; ++g)
+    for (int64_t r = 0; r < pa.groups[g].rows; ++r) fused_probe_merge(pa, g, r);
+  return ran;
 }
 
 // The backward's steps on the host (FusedBackwardSteps' hooks).

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 
+#include "cuda/fused_probe.h"
 #include "cuda/fused_steps.h"
 #include "cuda/fused_tile.h"
 #include "plsh/params.h"
@@ -26,6 +27,11 @@ Status fused_launch_check(const char* kernel, int64_t x, int64_t y, int64_t z, i
 // [tile_begin, tile_end) of batch items [batch_begin, batch_end), every head.
 Status launch_fused_forward(DType dtype, int64_t head_dim, const FusedArgs& a, int64_t tile_begin, int64_t tile_end,
                             int64_t batch_begin, int64_t batch_end, cudaStream_t stream);
+
+// The estimates' probe rows (fused_probe.h): `groups` CTAs by pa.splits,
+// then the merge of the splits into pa.result.
+Status launch_fused_probe(DType dtype, int64_t head_dim, const FusedArgs& a, const ProbeArgs& pa, int64_t groups,
+                          cudaStream_t stream);
 
 // The backward's steps (fused_steps.h) on `stream`: spans into `spans`
 // ([H][tiles][2] int32), the row terms, the statistics pass far from the

@@ -161,6 +161,24 @@ PLSH_HD void fused_pack_a(X& x, int kk, P&& p, Tmp&& tmp) {
   });
 }
 
+// The same in two parts for products that must not lose P's low bits (the
+// probe's o*): part 0 packs P rounded to the dtype, part 1 the rest, P -
+// round(P), so that two products sum to P V within 2^-16 of P.
+template <typename Cfg, typename X, typename P, typename Tmp>
+PLSH_HD void fused_pack_a_split(X& x, int kk, int part, P&& p, Tmp&& tmp) {
+  typename Cfg::Elem t{};
+  x.lanes([&](int lane) {
+    uint32_t* f = tmp(lane) + 4;
+    const float* lo = p(lane, 2 * kk);
+    const float* hi = p(lane, 2 * kk + 1);
+    auto piece = [&](float v) { return part == 0 ? v : v - bits_to_float(t, float_to_bits(t, v)); };
+    f[0] = pack2(t, piece(lo[0]), piece(lo[1]));
+    f[1] = pack2(t, piece(lo[2]), piece(lo[3]));
+    f[2] = pack2(t, piece(hi[0]), piece(hi[1]));
+    f[3] = pack2(t, piece(hi[2]), piece(hi[3]));
+  });
+}
+
 // prepare_a for fused_ab_tc from a shared 64 x 64 tile (pitch elements per
 // row): A = the tile's rows r0.. (trans = false: A[m][k] = tile[r0 + m][16 kk
 // + k]) or its transpose (trans = true: A[m][k] = tile[16 kk + k][r0 + m]).

@@ -58,7 +58,10 @@ Status fused_supported(const AttentionParams& p) {
     }
   }
   const int max_samples = p.mode == Mode::kLsh ? static_cast<int>(p.samples) : 0;
-  const int64_t smem = std::max(fused_forward_smem(p, max_samples), fused_backward_smem(p, max_samples));
+  const int64_t smem = std::max({fused_forward_smem(p, max_samples), fused_backward_smem(p, max_samples),
+                                 dispatch_fused(p.dtype, p.head_dim, int64_t{-1}, [&](auto cfg) {
+                                   return fused_probe_smem_bytes<decltype(cfg)>(max_samples);
+                                 })});
   if (smem > kMaxCtaSharedBytes)
     return unimplemented("the fused kernels need " + str(smem) + " bytes of shared memory per CTA here, at most " +
                          str(kMaxCtaSharedBytes));
@@ -75,6 +78,8 @@ FusedTables fused_tables(const AttentionParams& p, const std::vector<std::vector
     if (p.mode == Mode::kLsh && std::isfinite(sigma)) {
       const std::vector<Draw>& d = draws[static_cast<size_t>(h)];
       fh.rule = FusedRule::kHashes;
+      fh.slope = slope;  // nearest is 0 under lsh (queries among the keys); the probe's L* reads it
+      fh.slope2 = static_cast<float>(slope * 1.4426950408889634);
       fh.samples = static_cast<int32_t>(d.size());
       fh.hash0 = static_cast<int64_t>(t.hashes.size() / 2);
       fh.lse_offset = -std::log(static_cast<double>(d.size()));
@@ -165,19 +170,70 @@ int64_t carve_fused_backward(const AttentionParams& p, const FusedTables& t, int
   return fwd + c.bytes();
 }
 
-FusedLayout plan_fused_layout(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws, bool backward) {
+FusedLayout plan_fused_layout(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws, bool backward,
+                              int sm_count) {
   FusedLayout f;
   f.tables = fused_tables(p, draws);
   f.forward_bytes = carve_fused_forward(p, f.tables, nullptr, nullptr);
+  // The probe rows come with the forward (issue 19) where the estimates
+  // will want them: lsh and window, with a probe, on host tensors.
+  f.probe = p.mode != Mode::kExact && p.estimates && p.probe_rows > 0 && p.memory == MemorySpace::kHost;
+  if (f.probe) {
+    f.probe_layout = plan_fused_probe(p, sm_count);
+    f.forward_bytes += f.probe_layout.bytes;
+  }
   if (backward) f.backward_bytes = carve_fused_backward(p, f.tables, 4, nullptr, nullptr);
   return f;
+}
+
+FusedProbeLayout plan_fused_probe(const AttentionParams& p, int sm_count) {
+  FusedProbeLayout l;
+  const int64_t per_head = std::min(p.probe_rows, p.batch * p.q_len);
+  l.max_rows = p.heads * per_head;
+  // Each batch item a sample touches may start a group, then every 64 rows.
+  l.max_groups = p.heads * std::min(per_head, fused_tiles(per_head, kFusedRows) + p.batch);
+  const int64_t key_tiles = fused_tiles(p.kv_len, kFusedKeys);
+  const int64_t want = fused_tiles(4 * std::max(sm_count, 1), std::max<int64_t>(1, l.max_groups));
+  l.splits = static_cast<int32_t>(std::clamp<int64_t>(want, 1, std::min<int64_t>(64, key_tiles)));
+  l.bytes = carve_fused_probe(p, l, nullptr, nullptr);
+  return l;
+}
+
+int64_t carve_fused_probe(const AttentionParams& p, const FusedProbeLayout& l, char* base, FusedProbeBuffers* out) {
+  FusedProbeBuffers b;
+  Carver c(base);
+  b.groups = c.take<ProbeGroup>(l.max_groups);
+  b.row_index = c.take<int32_t>(l.max_rows);
+  b.partial = c.take<float>(l.max_groups * l.splits * kFusedRows * probe_floats(p.head_dim));
+  b.result = c.take<float>(l.max_rows * (p.head_dim + 3));
+  if (out != nullptr) *out = b;
+  return c.bytes();
+}
+
+void fused_probe_groups(const AttentionParams& p, const std::vector<std::vector<int64_t>>& samples,
+                        std::vector<ProbeGroup>* groups, std::vector<int32_t>* row_index) {
+  groups->clear();
+  row_index->clear();
+  for (size_t h = 0; h < samples.size(); ++h)
+    for (size_t n = 0; n < samples[h].size();) {
+      ProbeGroup g;
+      g.head = static_cast<int32_t>(h);
+      g.batch = static_cast<int32_t>(samples[h][n] / p.q_len);
+      g.first = static_cast<int32_t>(row_index->size());
+      while (n < samples[h].size() && samples[h][n] / p.q_len == g.batch && g.rows < kFusedRows) {
+        row_index->push_back(static_cast<int32_t>(samples[h][n] % p.q_len));
+        ++g.rows;
+        ++n;
+      }
+      groups->push_back(g);
+    }
 }
 
 Status check_fused_fits(const FusedLayout& f, const AttentionParams& p) {
   if (static_cast<int64_t>(f.tables.heads.size()) != p.heads)
     return internal_error("cuda backend: the plan has fused tables for " + str(static_cast<int64_t>(f.tables.heads.size())) +
                           " heads, the params " + str(p.heads));
-  const int64_t need = carve_fused_forward(p, f.tables, nullptr, nullptr);
+  const int64_t need = carve_fused_forward(p, f.tables, nullptr, nullptr) + (f.probe ? f.probe_layout.bytes : 0);
   if (need > f.forward_bytes)
     return internal_error("cuda backend: the fused forward would carve " + str(need) + " bytes from the plan's " +
                           str(f.forward_bytes) + ": the plan was made for other params");

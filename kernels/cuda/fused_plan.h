@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda/fused_probe.h"
 #include "cuda/fused_tile.h"
 #include "cuda/workspace_plan.h"
 #include "plsh/backward.h"
@@ -85,14 +86,39 @@ struct FusedBackwardBuffers {
 int64_t carve_fused_backward(const AttentionParams& p, const FusedTables& t, int64_t grad_bytes, char* base,
                              FusedBackwardBuffers* out);
 
+// The probe rows on the device (fused_probe.h): groups of up to 64 query
+// rows of one (head, batch item) from each head's sorted sample (indices
+// b * Nq + i), and the buffers a probe launch carves, sized at plan time for
+// p.probe_rows rows per head.
+struct FusedProbeLayout {
+  int64_t max_groups = 0;  // every head's sample cut by batch items and 64 rows
+  int64_t max_rows = 0;
+  int32_t splits = 1;      // key splits per group: about 4 CTAs per SM in all
+  int64_t bytes = 0;       // carve_fused_probe
+};
+FusedProbeLayout plan_fused_probe(const AttentionParams& p, int sm_count);
+struct FusedProbeBuffers {
+  ProbeGroup* groups = nullptr;
+  int32_t* row_index = nullptr;
+  float* partial = nullptr;
+  float* result = nullptr;  // [rows][D + 3] (fused_probe_merge)
+};
+int64_t carve_fused_probe(const AttentionParams& p, const FusedProbeLayout& l, char* base, FusedProbeBuffers* out);
+// The groups and their rows' query indices for samples[h] (sorted b * Nq + i).
+void fused_probe_groups(const AttentionParams& p, const std::vector<std::vector<int64_t>>& samples,
+                        std::vector<ProbeGroup>* groups, std::vector<int32_t>* row_index);
+
 // The fused path's plan: its tables, and what forward (and backward, when
 // planned) carve from the pool, exactly.
 struct FusedLayout {
   FusedTables tables;
-  int64_t forward_bytes = 0;   // carve_fused_forward
+  int64_t forward_bytes = 0;   // carve_fused_forward (and the probe's, when planned)
   int64_t backward_bytes = 0;  // carve_fused_backward with 4-byte gradients; 0 unless planned
+  bool probe = false;          // the forward can compute the estimates' probe rows (lsh, window; host tensors)
+  FusedProbeLayout probe_layout;
 };
-FusedLayout plan_fused_layout(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws, bool backward);
+FusedLayout plan_fused_layout(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws, bool backward,
+                              int sm_count);
 
 // INTERNAL unless forward (backward: with grad_bytes per gradient element)
 // carving for the bound params p stays inside what the layout sized.

@@ -56,8 +56,61 @@ AttentionParams on_device(const AttentionParams& p, const FusedForwardBuffers& f
 
 }  // namespace
 
+// The probe rows after the forward's kernels (their k and v are in place):
+// groups to the device, the probe's CTAs and merge, the rows back.
+Status run_fused_probe(const AttentionParams& p, const FusedLayout& fused, const FusedArgs& a, char* base,
+                       const std::vector<std::vector<int64_t>>& samples, Transfers* tr, cudaStream_t stream,
+                       std::vector<float>* result) {
+  std::vector<ProbeGroup> groups;
+  std::vector<int32_t> row_index;
+  fused_probe_groups(p, samples, &groups, &row_index);
+  const FusedProbeLayout& l = fused.probe_layout;
+  if (static_cast<int64_t>(groups.size()) > l.max_groups || static_cast<int64_t>(row_index.size()) > l.max_rows)
+    return internal_error("cuda backend: " + std::to_string(row_index.size()) + " probe rows in " +
+                          std::to_string(groups.size()) + " groups exceed the plan's " + std::to_string(l.max_rows) +
+                          " and " + std::to_string(l.max_groups));
+  if (groups.empty()) return Status::Ok();
+  FusedProbeBuffers pb;
+  carve_fused_probe(p, l, base, &pb);
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pb.groups, groups.data(), groups.size() * sizeof(ProbeGroup),
+                                       cudaMemcpyHostToDevice, stream));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pb.row_index, row_index.data(), row_index.size() * sizeof(int32_t),
+                                       cudaMemcpyHostToDevice, stream));
+  ProbeArgs pa;
+  pa.groups = pb.groups;
+  pa.row_index = pb.row_index;
+  pa.splits = l.splits;
+  pa.mode = static_cast<int32_t>(p.mode);
+  pa.partial = pb.partial;
+  pa.result = pb.result;
+  pa.head_dim = p.head_dim;
+  RETURN_IF_ERROR(launch_fused_probe(p.dtype, p.head_dim, a, pa, static_cast<int64_t>(groups.size()), stream));
+  result->resize(row_index.size() * static_cast<size_t>(p.head_dim + 3));
+  return tr->download(result->data(), pb.result, static_cast<int64_t>(result->size() * sizeof(float)));
+}
+
+// The merged rows in the sample's order, split by head (fused_probe_groups' order).
+void probe_out_from(const AttentionParams& p, const std::vector<std::vector<int64_t>>& samples,
+                    const std::vector<float>& result, ProbeRowsOut* out) {
+  const size_t D = static_cast<size_t>(p.head_dim), H = samples.size();
+  out->o_star.assign(H, {});
+  out->bound_ratio.assign(H, {});
+  out->max_v2.assign(H, {});
+  size_t at = 0;
+  for (size_t h = 0; h < H; ++h)
+    for (size_t r = 0; r < samples[h].size(); ++r, ++at) {
+      const float* row = result.data() + at * (D + 3);
+      out->o_star[h].insert(out->o_star[h].end(), row, row + D);
+      out->bound_ratio[h].push_back(row[D]);
+      out->max_v2[h].push_back(row[D + 1]);
+    }
+}
+
 Status run_fused_forward(const Plan& plan, const FusedLayout& fused, const ExecContext& ctx, DevicePool& pool,
-                         PinnedPool& pinned, cudaStream_t stream, ForwardStats* stats) {
+                         PinnedPool& pinned, cudaStream_t stream, ForwardStats* stats,
+                         const std::vector<std::vector<int64_t>>* probe_rows, ProbeRowsOut* probe_out) {
+  if (probe_rows != nullptr && (!fused.probe || plan.params.memory != MemorySpace::kHost))
+    return internal_error("cuda backend: probe rows asked of a plan made without the probe");
   const AttentionParams& p = plan.params;
   const bool host = p.memory == MemorySpace::kHost;
   DeviceBuffer buffer;
@@ -82,6 +135,7 @@ Status run_fused_forward(const Plan& plan, const FusedLayout& fused, const ExecC
   PacedRounds paced(p.batch * static_cast<int64_t>(steps.size()));
   RETURN_IF_ERROR(paced.start(stream, ctx));
   int64_t chunk = 0;
+  int64_t keys_uploaded = 0;  // of every batch item: the steps' key needs are the same for each
   for (int64_t b = 0; b < p.batch; ++b) {
     int64_t keys_done = 0;
     for (const ForwardStep& s : steps) {
@@ -94,6 +148,7 @@ Status run_fused_forward(const Plan& plan, const FusedLayout& fused, const ExecC
         RETURN_IF_ERROR(tr->upload(fb.k + kv_at, static_cast<const char*>(p.k) + kv_at, kv_bytes));
         RETURN_IF_ERROR(tr->upload(fb.v + kv_at, static_cast<const char*>(p.v) + kv_at, kv_bytes));
         keys_done = std::max(keys_done, s.keys);
+        keys_uploaded = keys_done;
         RETURN_IF_ERROR(tr->compute_after_uploads());
       }
       RETURN_IF_ERROR(launch_fused_forward(p.dtype, p.head_dim, a, s.t0, s.t1, b, b + 1, stream));
@@ -111,9 +166,23 @@ Status run_fused_forward(const Plan& plan, const FusedLayout& fused, const ExecC
       RETURN_IF_ERROR(paced.add_round(chunk++, 0, 1, flops));
     }
   }
+  std::vector<float> probe_result;
+  if (probe_rows != nullptr) {
+    // Every key (the probe is exact): those no forward tile needed too.
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t from = (b * p.kv_len + keys_uploaded) * kv_row * esz;
+      const int64_t bytes = (p.kv_len - keys_uploaded) * kv_row * esz;
+      RETURN_IF_ERROR(tr->upload(fb.k + from, static_cast<const char*>(p.k) + from, bytes));
+      RETURN_IF_ERROR(tr->upload(fb.v + from, static_cast<const char*>(p.v) + from, bytes));
+    }
+    RETURN_IF_ERROR(tr->compute_after_uploads());
+    RETURN_IF_ERROR(run_fused_probe(p, fused, a, buffer.get() + carve_fused_forward(p, fused.tables, nullptr, nullptr),
+                                    *probe_rows, &*tr, stream, &probe_result));
+  }
   if (host) RETURN_IF_ERROR(tr->finish());
   RETURN_IF_ERROR(paced.finish(stream));
   ASSIGN_OR_RETURN(const unsigned long long done, tiles_done(fb, stream));
+  if (probe_rows != nullptr) probe_out_from(p, *probe_rows, probe_result, probe_out);
   if (stats != nullptr) {
     stats->flops = static_cast<double>(done) * fused_tile_flops(p.head_dim);
     stats->lsh_algorithm = plan.lsh_algorithm;

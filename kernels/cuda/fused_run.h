@@ -12,6 +12,9 @@
 #include "cuda/device_memory.h"
 #include "cuda/fused_plan.h"
 #include "cuda/transfer.h"
+#include <cstdint>
+#include <vector>
+
 #include "plsh/backend.h"
 #include "plsh/backward.h"
 #include "plsh/plan.h"
@@ -19,8 +22,12 @@
 
 namespace plsh::cuda {
 
+// With probe_rows (a plan whose layout has the probe): the estimates'
+// probe rows too (fused_probe.h), after the forward's kernels, into
+// probe_out (Backend::forward_with_probe).
 Status run_fused_forward(const Plan& plan, const FusedLayout& fused, const ExecContext& ctx, DevicePool& pool,
-                         PinnedPool& pinned, cudaStream_t stream, ForwardStats* stats);
+                         PinnedPool& pinned, cudaStream_t stream, ForwardStats* stats,
+                         const std::vector<std::vector<int64_t>>* probe_rows = nullptr, ProbeRowsOut* probe_out = nullptr);
 
 Status run_fused_backward(const Plan& plan, const FusedLayout& fused, const BackwardParams& g, const ExecContext& ctx,
                           DevicePool& pool, PinnedPool& pinned, cudaStream_t stream, BackwardStats* stats);

@@ -49,12 +49,12 @@ enum class FusedRule : int32_t {
 struct FusedHead {
   FusedRule rule = FusedRule::kAlibi;
   int32_t samples = 0;     // kHashes: s
-  float slope2 = 0;        // kAlibi: slope * log2(e), on the logits in base 2
+  float slope2 = 0;        // slope * log2(e): kAlibi's bias on the logits in base 2; kHashes: the probe's L*
   int32_t pad = 0;
   int64_t window = 0;      // kAlibi: keys with |d| < window; kNoWindow: every key
   int64_t hash0 = 0;       // kHashes: the head's first pitch/shift pair in FusedArgs::hashes
   double lse_offset = 0;   // kHashes: -log(s) (M~ = c / s)
-  double slope = 0;        // kAlibi: m_h in double, for lse (-slope * nearest)
+  double slope = 0;        // m_h in double, for lse (-slope * nearest; nearest is 0 under kHashes)
 };
 
 // What the forward and backward kernels read, by value (FlashAttention's

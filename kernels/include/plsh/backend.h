@@ -68,6 +68,16 @@ struct BackwardStats {
   Workspace workspace;  // extra memory actually used
 };
 
+// The probe rows a backend computed with its forward (forward_with_probe),
+// per head, in the order asked: o* (float32 accumulation, D per row), the
+// per-row bound's sum_j a_ij |L*_ij - M~_ij| / sum_j a_ij M~_ij, and
+// max_j ||v_j||^2 over the row's allowed keys.
+struct ProbeRowsOut {
+  std::vector<std::vector<float>> o_star;       // [H][rows * D]
+  std::vector<std::vector<float>> bound_ratio;  // [H][rows]
+  std::vector<std::vector<float>> max_v2;       // [H][rows]
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -101,6 +111,22 @@ class Backend {
   }
   // The device's memory now; nullopt for backends without a device (CPU).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
+
+  // ---- Estimates where the work is (issue 19; plsh/device_estimates.h) ----
+  // A backend that can compute the section-6 probe's exact rows in the same
+  // call as its forward (while its copies of k and v are on its device)
+  // says so per plan; run_attention then computes the mask errors on the
+  // host while the forward runs, and the probe from what this returns.
+  // rows[h]: head h's sample, sorted, as b * Nq + i.
+  virtual bool probes_with_forward(const Plan& plan) const {
+    (void)plan;
+    return false;
+  }
+  virtual Status forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
+                                    const ExecContext& ctx, ForwardStats* stats, ProbeRowsOut* out) {
+    (void)plan, (void)rows, (void)ctx, (void)stats, (void)out;
+    return unimplemented("the " + name() + " backend computes no probe rows with its forward");
+  }
 
  protected:
   // A backward's inputs as every backend needs them: the plan's tensors
@@ -153,8 +179,9 @@ class BackendRegistry {
 // CPU serves). Bump kBackendApiVersion whenever Backend, Plan, AttentionParams,
 // BackwardParams or ExecContext change layout: the library and the process
 // are separate builds. 3: Backend::supports_backward and ::backward, the
-// plan's backward workspace; 4: AttentionParams' sampling and target.
-inline constexpr uint32_t kBackendApiVersion = 4;
+// plan's backward workspace; 4: AttentionParams' sampling and target; 5:
+// Backend::probes_with_forward and ::forward_with_probe (issue 19).
+inline constexpr uint32_t kBackendApiVersion = 5;
 extern "C" {
 struct PlshBackendPlugin {
   uint32_t api_version;  // kBackendApiVersion of the library's build

@@ -28,6 +28,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -37,6 +38,7 @@
 #include "plsh/attention.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
+#include "plsh/workspace.h"
 
 namespace {
 
@@ -287,6 +289,14 @@ int main(int argc, char** argv) {
     plsh::PlanLimits limits;
     limits.backward = a.backward && !host_estimates;
     plsh::StatusOr<plsh::Plan> plan = plsh::plan_attention(*backend, *p, limits);
+    // The host part of the plan's workspace, for every step it planned (the
+    // backend reserves its device bytes itself, for now).
+    plsh::StatusOr<plsh::HostWorkspace> workspace =
+        plsh::HostWorkspace::allocate(plan.ok() ? plan->workspace().host_bytes : 0);
+    if (!workspace.ok()) {
+      std::fprintf(stderr, "bench_cuda: %s\n", workspace.status().to_string().c_str());
+      return 1;
+    }
     plsh::ExecContext ctx;
     ctx.stream = stream;
     plsh::ForwardStats stats;
@@ -294,8 +304,8 @@ int main(int argc, char** argv) {
     Timing fwd{plan.status(), {}};
     if (plan.ok()) {
       fwd = time_calls(a, stream, [&]() -> plsh::Status {
-        if (!host_estimates) return backend->forward(*plan, ctx, &stats);
-        plsh::StatusOr<plsh::AttentionResult> r = plsh::run_attention(*backend, *plan, ctx);
+        if (!host_estimates) return backend->forward(*plan, workspace->ref(), ctx, &stats);
+        plsh::StatusOr<plsh::AttentionResult> r = plsh::run_attention(*backend, *plan, workspace->ref(), ctx);
         if (r.ok()) result = *r;
         return r.status();
       });
@@ -303,10 +313,11 @@ int main(int argc, char** argv) {
     Timing bwd;
     plsh::BackwardStats bstats;
     if (fwd.status.ok() && limits.backward) {
-      const plsh::GradientRefs g{.dout = d.dout, .dq = d.dq, .dk = d.dk, .dv = d.dv, .memory = plsh::MemorySpace::kDevice};
+      const plsh::GradientRefs g{.dout = d.dout, .dq = d.dq, .dk = d.dk, .dv = d.dv, .grad_dtype = std::nullopt,
+                                 .memory = plsh::MemorySpace::kDevice};
       plsh::StatusOr<plsh::BackwardParams> bp = plsh::make_backward_params(plan->params, g);
       bwd.status = bp.status();
-      if (bp.ok()) bwd = time_calls(a, stream, [&] { return backend->backward(*plan, *bp, ctx, &bstats); });
+      if (bp.ok()) bwd = time_calls(a, stream, [&] { return backend->backward(*plan, *bp, workspace->ref(), ctx, &bstats); });
     }
     const plsh::Status status = fwd.status.ok() ? bwd.status : fwd.status;
     if (!status.ok()) {

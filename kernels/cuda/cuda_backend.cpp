@@ -235,12 +235,11 @@ class CudaBackend final : public Backend {
       // Exactly what forward allocates from the pool (staging, tables with
       // cuBLAS's workspace, work): check_layout_fits holds forward to it.
       plan.forward_workspace.device_bytes = layout.device_bytes();
-      // The host side: the draws, the passes and one chunk's lane table.
+      // The host side: the passes and one chunk's lane table (the draws are
+      // the plan's own, Plan::own_host_bytes).
       int64_t passes = 0;
       for (const LaneSetup& h : layout.heads) passes += static_cast<int64_t>(h.passes.size());
-      plan.forward_workspace.host_bytes =
-          (layout.table_entries + passes) * static_cast<int64_t>(sizeof(LanePass)) +
-          p.heads * p.samples * static_cast<int64_t>(sizeof(Draw));
+      plan.forward_workspace.host_bytes = (layout.table_entries + passes) * static_cast<int64_t>(sizeof(LanePass));
       if (layout.has_backward) {
         plan.backward = true;
         plan.backward_workspace.device_bytes = layout.backward.device_bytes();
@@ -255,16 +254,30 @@ class CudaBackend final : public Backend {
     return plan;
   }
 
-  Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override;
+  // Besides the draws, plan() builds one LanePass per head and pass
+  // (head_passes), twice over while its vectors grow.
+  int64_t planning_host_bytes(const AttentionParams& p) const override {
+    const int64_t passes = p.heads * (p.mode == Mode::kLsh ? p.samples : 1);
+    return Backend::planning_host_bytes(p) + 2 * passes * static_cast<int64_t>(sizeof(LanePass)) +
+           p.heads * static_cast<int64_t>(sizeof(LaneSetup));
+  }
+
+  // The caller's workspace is not read yet: forward and backward reserve
+  // their device bytes from the pool and allocate their host tables, as
+  // the plan sized them (issue 22 leaves that change to this backend).
+  Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                 ForwardStats* stats) override;
   // The estimates' probe rows with the forward (issue 19): fused plans of
   // lsh and window on host tensors, planned with their probe.
   bool probes_with_forward(const Plan& plan) const override {
     const auto* layout = dynamic_cast<const CudaLayout*>(plan.layout.get());
     return plan.backend == name() && layout != nullptr && layout->fused != nullptr && layout->fused->probe;
   }
-  Status forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows, const ExecContext& ctx,
-                            ForwardStats* stats, ProbeRowsOut* out) override;
-  Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) override;
+  Status forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
+                            const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats,
+                            ProbeRowsOut* out) override;
+  Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace, const ExecContext& ctx,
+                  BackwardStats* stats) override;
 
  private:
   Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats,
@@ -450,12 +463,16 @@ Status CudaBackend::plan_fused(const AttentionParams& p, const PlanLimits& limit
   return Status::Ok();
 }
 
-Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+Status CudaBackend::forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                            ForwardStats* stats) {
+  (void)workspace;
   return guarded([&] { return run_forward(plan, ctx, stats); }, ctx);
 }
 
 Status CudaBackend::forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
-                                       const ExecContext& ctx, ForwardStats* stats, ProbeRowsOut* out) {
+                                       const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats,
+                                       ProbeRowsOut* out) {
+  (void)workspace;
   if (!probes_with_forward(plan))
     return failed_precondition("cuda backend: the plan has no probe (lsh or window, estimates and probe rows, host "
                                "tensors, the fused path), expected forward()");
@@ -465,7 +482,9 @@ Status CudaBackend::forward_with_probe(const Plan& plan, const std::vector<std::
   return guarded([&] { return run_forward(plan, ctx, stats, &rows, out); }, ctx);
 }
 
-Status CudaBackend::backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) {
+Status CudaBackend::backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace,
+                             const ExecContext& ctx, BackwardStats* stats) {
+  (void)workspace;
   return guarded([&] { return run_backward(plan, g, ctx, stats); }, ctx);
 }
 
@@ -589,7 +608,8 @@ plsh::Backend* create_cuda_backend(char* why_not, size_t why_not_size) {
   return backend.release();
 }
 
-const plsh::PlshBackendPlugin kCudaPlugin = {plsh::kBackendApiVersion, "cuda", &create_cuda_backend};
+const plsh::PlshBackendPlugin kCudaPlugin = {plsh::kBackendApiVersion, plsh::backend_abi_fingerprint(), "cuda",
+                                             &create_cuda_backend};
 
 }  // namespace
 

@@ -67,8 +67,8 @@ Status host_probe_rows(const Plan& plan, int64_t h, const std::vector<int64_t>& 
 
 }  // namespace
 
-Status forward_with_device_estimates(Backend& backend, const Plan& plan, const ExecContext& ctx, ForwardStats* stats,
-                                     AttentionResult* result) {
+Status forward_with_device_estimates(Backend& backend, const Plan& plan, const WorkspaceRef& workspace,
+                                     const ExecContext& ctx, ForwardStats* stats, AttentionResult* result) {
   const AttentionParams& p = plan.params;
   const int64_t population = p.batch * p.q_len;
   const bool probe = p.estimates && p.probe_rows > 0 && p.memory == MemorySpace::kHost && p.out != nullptr;
@@ -88,11 +88,11 @@ Status forward_with_device_estimates(Backend& backend, const Plan& plan, const E
   const auto t0 = std::chrono::steady_clock::now();
   std::thread mask_thread([&] {
     const auto tm = std::chrono::steady_clock::now();
-    mask_status = compute_estimates(masks, ctx, &mask_result);
+    mask_status = compute_estimates(masks, workspace, ctx, &mask_result);
     mask_seconds = seconds_since(tm);
   });
   ProbeRowsOut out;
-  const Status forward = backend.forward_with_probe(plan, samples, ctx, stats, &out);
+  const Status forward = backend.forward_with_probe(plan, samples, workspace, ctx, stats, &out);
   result->timings["compute"] = seconds_since(t0);
   const auto t1 = std::chrono::steady_clock::now();
   mask_thread.join();

@@ -62,7 +62,7 @@ TEST_P(FusedOnDevice, ForwardMatchesReferenceAndHostEmulation) {
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   ASSERT_TRUE(plan_is_fused(*plan)) << "the fused path did not take " << c.name;
   ForwardStats stats;
-  const Status s = cuda->forward(*plan, ExecContext{}, &stats);
+  const Status s = testing::run_forward(*cuda, *plan, ExecContext{}, &stats);
   ASSERT_TRUE(s.ok()) << s.to_string();
   EXPECT_GT(stats.flops, 0);
 
@@ -163,7 +163,7 @@ TEST(FusedMemory, DeviceTensorsGiveTheHostResults) {
   ASSERT_TRUE(pd.ok());
   StatusOr<Plan> plan = cuda->plan(*pd, limits);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-  ASSERT_TRUE(cuda->forward(*plan, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::run_forward(*cuda, *plan, ExecContext{}, nullptr).ok());
   GradientRefs refs{.dout = dout, .dq = dq, .dk = dk, .dv = dv, .memory = MemorySpace::kDevice};
   const StatusOr<BackwardResult> b = run_backward(*cuda, *plan, refs, ExecContext{});
   ASSERT_TRUE(b.ok()) << b.status().to_string();
@@ -192,8 +192,8 @@ TEST(FusedPlan, PerSampleAndBandedAgree) {
   EXPECT_EQ(a->lsh_algorithm, LshAlgorithm::kBanded);
   EXPECT_FALSE(plan_is_fused(*b));
   EXPECT_EQ(b->lsh_algorithm, LshAlgorithm::kPerSample);
-  ASSERT_TRUE(cuda->forward(*a, ExecContext{}, nullptr).ok());
-  ASSERT_TRUE(cuda->forward(*b, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::run_forward(*cuda, *a, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::run_forward(*cuda, *b, ExecContext{}, nullptr).ok());
   EXPECT_LE(testing::compare(banded.out.data(), o.dtype, testing::to_doubles(per_sample.out, o.dtype)).max_rel, 1e-4);
 }
 

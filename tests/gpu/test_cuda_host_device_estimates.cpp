@@ -32,13 +32,15 @@ class EmulatedDeviceProbe final : public Backend {
   std::string device() const override { return "host emulation of the fused probe"; }
   Status supports(const AttentionParams& p) const override { return cpu_->supports(p); }
   StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override { return cpu_->plan(p, limits); }
-  Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override {
-    return cpu_->forward(plan, ctx, stats);
+  Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                 ForwardStats* stats) override {
+    return cpu_->forward(plan, workspace, ctx, stats);
   }
   bool probes_with_forward(const Plan&) const override { return true; }
-  Status forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows, const ExecContext& ctx,
+  Status forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
+                            const WorkspaceRef& workspace, const ExecContext& ctx,
                             ForwardStats* stats, ProbeRowsOut* out) override {
-    RETURN_IF_ERROR(cpu_->forward(plan, ctx, stats));
+    RETURN_IF_ERROR(cpu_->forward(plan, workspace, ctx, stats));
     ++probes;
     const AttentionParams& p = plan.params;
     const cuda::FusedTables t = cuda::fused_tables(p, plan.draws);

@@ -24,8 +24,9 @@ namespace plsh {
 inline constexpr double kDeviceProbeFloor = 2e-4;
 
 // forward + estimates for a plan of a backend with probes_with_forward(plan);
-// fills result->timings, heads, mask errors and probe; stats as forward's.
-Status forward_with_device_estimates(Backend& backend, const Plan& plan, const ExecContext& ctx, ForwardStats* stats,
-                                     AttentionResult* result);
+// fills result->timings, heads, mask errors and probe; stats as forward's;
+// `workspace` at least plan.workspace() (forward's and the estimates').
+Status forward_with_device_estimates(Backend& backend, const Plan& plan, const WorkspaceRef& workspace,
+                                     const ExecContext& ctx, ForwardStats* stats, AttentionResult* result);
 
 }  // namespace plsh

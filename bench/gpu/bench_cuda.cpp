@@ -1,28 +1,44 @@
-// Times the CUDA backend on device-resident tensors with CUDA events: median
-// of repeated forward() calls after warm-up, per mode. Reads q, k, v as raw
-// little-endian files written by bench/gpu/peers.py (so that both sides see
-// identical inputs), writes each mode's output beside them for the error
-// comparison, and appends one JSON object per mode to --json.
+// Times the CUDA backend with CUDA events: median of repeated calls after
+// warm-up, per case. Reads q, k, v as raw little-endian files written by
+// bench/gpu/peers.py (so that both sides see identical inputs), writes each
+// case's output beside them for the error comparison, and appends one JSON
+// object per case to --json.
 //
 //   bench_cuda --n 131072 --inputs DIR [--heads 32 --kv-heads 32 --dim 128
-//              --dtype bf16 --samples 16 --seed 0 --modes lsh,exact,window
-//              --warmup 1 --repeats 5 --max-seconds 20 --json FILE --write-out]
+//              --dtype bf16 --samples 16 --seed 0
+//              --modes lsh,lsh_per_sample,window,exact,lsh_estimates
+//              --backward --warmup 1 --repeats 5 --max-seconds 20 --json FILE --write-out]
+//
+// Cases (device tensors unless said):
+//   lsh              lsh_algorithm = auto: the fused banded kernel (SPEC's cost model)
+//   lsh_per_sample   lsh_algorithm = per_sample: the cuBLAS pipeline
+//   window, exact    the fused kernel
+//   lsh_estimates    host tensors through run_attention with the estimates:
+//                    forward (its transfers included) and the estimates' seconds
+// With --backward, every device case but lsh_estimates times its backward
+// too (the forward's out and lse, dout ~ N(0, 1) on the device).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
+#include <optional>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "cuda/cuda_backend.h"
 #include "plsh/attention.h"
+#include "plsh/numeric.h"
 #include "plsh/params.h"
+#include "plsh/workspace.h"
 
 namespace {
 
@@ -34,10 +50,11 @@ struct Args {
   std::string dtype = "bf16";
   int64_t samples = 16;
   uint64_t seed = 0;
-  std::string modes = "lsh,exact,window";
+  std::string modes = "lsh,lsh_per_sample,window,exact";
+  bool backward = false;
   int warmup = 1;
   int repeats = 5;
-  double max_seconds = 20;  // per mode: fewer repeats when one run is slow
+  double max_seconds = 20;  // per case: fewer repeats when one run is slow
   std::string inputs;
   std::string json;
   bool write_out = false;
@@ -47,8 +64,8 @@ struct Args {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "bench_cuda: %s\nusage: bench_cuda --n N --inputs DIR [--heads H] [--kv-heads HKV] [--dim D] "
-               "[--dtype bf16|f16|f32] [--samples S] [--seed X] [--modes lsh,exact,window] [--warmup W] "
-               "[--repeats R] [--max-seconds T] [--json FILE] [--write-out] [--noncausal]\n",
+               "[--dtype bf16|f16|f32] [--samples S] [--seed X] [--modes lsh,lsh_per_sample,window,exact,lsh_estimates] "
+               "[--backward] [--warmup W] [--repeats R] [--max-seconds T] [--json FILE] [--write-out] [--noncausal]\n",
                why);
   std::exit(2);
 }
@@ -69,6 +86,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--samples") a.samples = std::stoll(next());
     else if (k == "--seed") a.seed = std::stoull(next());
     else if (k == "--modes") a.modes = next();
+    else if (k == "--backward") a.backward = true;
     else if (k == "--warmup") a.warmup = std::stoi(next());
     else if (k == "--repeats") a.repeats = std::stoi(next());
     else if (k == "--max-seconds") a.max_seconds = std::stod(next());
@@ -142,6 +160,46 @@ std::string json_escape(const std::string& in) {
   return out;
 }
 
+// The median of `call`'s event-timed runs (ms) after the warm-up, fewer
+// repeats when one run would push the case past max_seconds; the first
+// failing status instead.
+struct Timing {
+  plsh::Status status;
+  std::vector<float> ms;
+  double median() const {
+    std::vector<float> s = ms;
+    std::sort(s.begin(), s.end());
+    return s.size() % 2 ? s[s.size() / 2] : 0.5 * (s[s.size() / 2 - 1] + s[s.size() / 2]);
+  }
+};
+Timing time_calls(const Args& a, cudaStream_t stream, const std::function<plsh::Status()>& call) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  Timing t;
+  int repeats = a.repeats;
+  for (int r = 0; r < a.warmup + repeats && t.status.ok(); ++r) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    t.status = call();
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (r >= a.warmup) t.ms.push_back(ms);
+    if (r == 0 && ms * 1e-3 * (a.warmup + repeats) > a.max_seconds)
+      repeats = std::max(1, static_cast<int>(a.max_seconds / (ms * 1e-3)) - a.warmup);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return t;
+}
+
+struct DeviceTensors {
+  void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr, *dout = nullptr, *dq = nullptr, *dk = nullptr,
+       *dv = nullptr;
+  float* lse = nullptr;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -158,29 +216,33 @@ int main(int argc, char** argv) {
   const size_t esz = plsh::dtype_bytes(*dtype);
   const size_t q_bytes = static_cast<size_t>(a.n * a.heads * a.dim) * esz;
   const size_t kv_bytes = static_cast<size_t>(a.n * a.kv_heads * a.dim) * esz;
-  void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dout = nullptr;
-  CHECK_CUDA(cudaMalloc(&dq, q_bytes));
-  CHECK_CUDA(cudaMalloc(&dk, kv_bytes));
-  CHECK_CUDA(cudaMalloc(&dv, kv_bytes));
-  CHECK_CUDA(cudaMalloc(&dout, q_bytes));
-  {
-    const std::vector<char> q = read_file(a.inputs + "/q.bin", q_bytes);
-    CHECK_CUDA(cudaMemcpy(dq, q.data(), q_bytes, cudaMemcpyHostToDevice));
-  }
-  {
-    const std::vector<char> k = read_file(a.inputs + "/k.bin", kv_bytes);
-    CHECK_CUDA(cudaMemcpy(dk, k.data(), kv_bytes, cudaMemcpyHostToDevice));
-  }
-  {
-    const std::vector<char> v = read_file(a.inputs + "/v.bin", kv_bytes);
-    CHECK_CUDA(cudaMemcpy(dv, v.data(), kv_bytes, cudaMemcpyHostToDevice));
+  const std::vector<char> hq = read_file(a.inputs + "/q.bin", q_bytes), hk = read_file(a.inputs + "/k.bin", kv_bytes),
+                          hv = read_file(a.inputs + "/v.bin", kv_bytes);
+  DeviceTensors d;
+  CHECK_CUDA(cudaMalloc(&d.q, q_bytes));
+  CHECK_CUDA(cudaMalloc(&d.k, kv_bytes));
+  CHECK_CUDA(cudaMalloc(&d.v, kv_bytes));
+  CHECK_CUDA(cudaMalloc(&d.out, q_bytes));
+  CHECK_CUDA(cudaMalloc(&d.lse, static_cast<size_t>(a.n * a.heads) * 4));
+  CHECK_CUDA(cudaMemcpy(d.q, hq.data(), q_bytes, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d.k, hk.data(), kv_bytes, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d.v, hv.data(), kv_bytes, cudaMemcpyHostToDevice));
+  if (a.backward) {
+    CHECK_CUDA(cudaMalloc(&d.dout, q_bytes));
+    CHECK_CUDA(cudaMalloc(&d.dq, q_bytes));
+    CHECK_CUDA(cudaMalloc(&d.dk, kv_bytes));
+    CHECK_CUDA(cudaMalloc(&d.dv, kv_bytes));
+    const std::vector<uint8_t> g = [&] {
+      std::vector<uint8_t> bytes(q_bytes);
+      std::mt19937_64 rng(77);
+      std::normal_distribution<float> n01;
+      for (size_t i = 0; i < q_bytes / esz; ++i) plsh::store_element(bytes.data(), *dtype, static_cast<int64_t>(i), n01(rng));
+      return bytes;
+    }();
+    CHECK_CUDA(cudaMemcpy(d.dout, g.data(), q_bytes, cudaMemcpyHostToDevice));
   }
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t start = nullptr, stop = nullptr;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-
   std::ofstream json;
   if (!a.json.empty()) {
     json.open(a.json, std::ios::app);
@@ -191,11 +253,13 @@ int main(int argc, char** argv) {
   }
 
   std::stringstream modes(a.modes);
-  std::string mode_name;
+  std::string name;
   int failures = 0;
-  while (std::getline(modes, mode_name, ',')) {
+  while (std::getline(modes, name, ',')) {
+    const bool host_estimates = name == "lsh_estimates";
+    const std::string mode_name = name == "lsh_per_sample" || host_estimates ? "lsh" : name;
     plsh::StatusOr<plsh::Mode> mode = plsh::parse_mode(mode_name);
-    if (!mode.ok()) usage(mode.status().message().c_str());
+    if (!mode.ok()) usage(("unknown case " + name).c_str());
     plsh::AttentionOptions o;
     o.q_len = o.kv_len = a.n;
     o.heads = a.heads;
@@ -206,20 +270,29 @@ int main(int argc, char** argv) {
     o.mode = *mode;
     o.samples = a.samples;
     o.seed = a.seed;
-    o.estimates = false;
-    plsh::StatusOr<plsh::AttentionParams> p =
-        plsh::make_params(o, {dq, dk, dv, dout, nullptr, plsh::MemorySpace::kDevice});
+    o.lsh_algorithm = name == "lsh_per_sample" ? plsh::LshAlgorithm::kPerSample : plsh::LshAlgorithm::kAuto;
+    o.estimates = host_estimates;
+    o.check_finite = false;  // checked once by peers.py's generator; not part of any timing
+    std::vector<char> host_out;
+    std::vector<float> host_lse;
+    plsh::TensorRefs refs{d.q, d.k, d.v, d.out, d.lse, plsh::MemorySpace::kDevice};
+    if (host_estimates) {
+      host_out.resize(q_bytes);
+      host_lse.resize(static_cast<size_t>(a.n * a.heads));
+      refs = {hq.data(), hk.data(), hv.data(), host_out.data(), host_lse.data(), plsh::MemorySpace::kHost};
+    }
+    plsh::StatusOr<plsh::AttentionParams> p = plsh::make_params(o, refs);
     if (!p.ok()) {
-      std::fprintf(stderr, "bench_cuda: %s: %s\n", mode_name.c_str(), p.status().to_string().c_str());
+      std::fprintf(stderr, "bench_cuda: %s: %s\n", name.c_str(), p.status().to_string().c_str());
       return 1;
     }
-    // Planned once: forward alone is timed. A failed plan is reported as a
-    // failed mode below.
-    plsh::StatusOr<plsh::Plan> plan = backend->plan(*p, plsh::PlanLimits{});
-    // The host part of the plan's workspace (the backend reserves its device
-    // bytes itself, for now).
+    plsh::PlanLimits limits;
+    limits.backward = a.backward && !host_estimates;
+    plsh::StatusOr<plsh::Plan> plan = plsh::plan_attention(*backend, *p, limits);
+    // The host part of the plan's workspace, for every step it planned (the
+    // backend reserves its device bytes itself, for now).
     plsh::StatusOr<plsh::HostWorkspace> workspace =
-        plsh::HostWorkspace::allocate(plan.ok() ? plan->forward_workspace.host_bytes : 0);
+        plsh::HostWorkspace::allocate(plan.ok() ? plan->workspace().host_bytes : 0);
     if (!workspace.ok()) {
       std::fprintf(stderr, "bench_cuda: %s\n", workspace.status().to_string().c_str());
       return 1;
@@ -227,63 +300,73 @@ int main(int argc, char** argv) {
     plsh::ExecContext ctx;
     ctx.stream = stream;
     plsh::ForwardStats stats;
-    std::vector<float> ms;
-    int repeats = a.repeats;
-    plsh::Status status = plan.status();
-    for (int r = 0; r < a.warmup + repeats && status.ok(); ++r) {
-      CHECK_CUDA(cudaEventRecord(start, stream));
-      status = backend->forward(*plan, workspace->ref(), ctx, &stats);
-      CHECK_CUDA(cudaEventRecord(stop, stream));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      float t = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-      if (r >= a.warmup) ms.push_back(t);
-      // A slow mode keeps the whole run inside its time: stop repeating.
-      if (r == 0 && t * 1e-3 * (a.warmup + repeats) > a.max_seconds)
-        repeats = std::max(1, static_cast<int>(a.max_seconds / (t * 1e-3)) - a.warmup);
+    plsh::AttentionResult result;
+    Timing fwd{plan.status(), {}};
+    if (plan.ok()) {
+      fwd = time_calls(a, stream, [&]() -> plsh::Status {
+        if (!host_estimates) return backend->forward(*plan, workspace->ref(), ctx, &stats);
+        plsh::StatusOr<plsh::AttentionResult> r = plsh::run_attention(*backend, *plan, workspace->ref(), ctx);
+        if (r.ok()) result = *r;
+        return r.status();
+      });
     }
+    Timing bwd;
+    plsh::BackwardStats bstats;
+    if (fwd.status.ok() && limits.backward) {
+      const plsh::GradientRefs g{.dout = d.dout, .dq = d.dq, .dk = d.dk, .dv = d.dv, .grad_dtype = std::nullopt,
+                                 .memory = plsh::MemorySpace::kDevice};
+      plsh::StatusOr<plsh::BackwardParams> bp = plsh::make_backward_params(plan->params, g);
+      bwd.status = bp.status();
+      if (bp.ok()) bwd = time_calls(a, stream, [&] { return backend->backward(*plan, *bp, workspace->ref(), ctx, &bstats); });
+    }
+    const plsh::Status status = fwd.status.ok() ? bwd.status : fwd.status;
     if (!status.ok()) {
-      std::fprintf(stderr, "bench_cuda: %s n=%lld: %s\n", mode_name.c_str(), static_cast<long long>(a.n),
+      std::fprintf(stderr, "bench_cuda: %s n=%lld: %s\n", name.c_str(), static_cast<long long>(a.n),
                    status.to_string().c_str());
-      // One line per mode, failed ones too, so the table says why a mode has no time.
+      // One line per case, failed ones too, so the table says why a case has no time.
       if (json.is_open()) {
-        json << "{\"impl\": \"ours\", \"mode\": \"" << mode_name << "\", \"n\": " << a.n << ", \"error\": \""
+        json << "{\"impl\": \"ours\", \"mode\": \"" << name << "\", \"n\": " << a.n << ", \"error\": \""
              << json_escape(status.to_string()) << "\"" << json_params(*p) << "}\n";
         json.flush();
       }
       ++failures;
       continue;
     }
-    std::sort(ms.begin(), ms.end());
-    const double median = ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
+    const double median = fwd.median();
     const double dense = plsh::dense_flops(*p);
-    std::printf("ours %-6s n=%-7lld %10.3f ms  (min %.3f, max %.3f, %zu runs)  done %.1f TFLOP/s  exact-equivalent %.1f TFLOP/s\n",
-                mode_name.c_str(), static_cast<long long>(a.n), median, ms.front(), ms.back(), ms.size(),
-                stats.flops / (median * 1e-3) / 1e12, dense / (median * 1e-3) / 1e12);
+    const double done = host_estimates ? result.flops : stats.flops;
+    std::printf("ours %-15s n=%-7lld %10.3f ms  (min %.3f, %zu runs)  done %.1f TFLOP/s  exact-equivalent %.1f TFLOP/s",
+                name.c_str(), static_cast<long long>(a.n), median, *std::min_element(fwd.ms.begin(), fwd.ms.end()),
+                fwd.ms.size(), done / (median * 1e-3) / 1e12, dense / (median * 1e-3) / 1e12);
+    if (limits.backward) std::printf("  backward %.3f ms (%.2fx)", bwd.median(), bwd.median() / median);
+    std::printf("\n");
     if (json.is_open()) {
-      json << "{\"impl\": \"ours\", \"mode\": \"" << mode_name << "\", \"n\": " << a.n << ", \"heads\": " << a.heads
+      json << "{\"impl\": \"ours\", \"mode\": \"" << name << "\", \"n\": " << a.n << ", \"heads\": " << a.heads
            << ", \"dim\": " << a.dim << ", \"dtype\": \"" << a.dtype << "\", \"samples\": " << a.samples
-           << ", \"ms\": " << median << ", \"ms_min\": " << ms.front() << ", \"runs\": " << ms.size()
-           << ", \"flops_done\": " << stats.flops << ", \"dense_flops\": " << dense
-           << ", \"workspace_bytes\": " << stats.workspace.device_bytes << ", \"device\": \""
-           << json_escape(backend->device()) << "\"" << json_params(*p) << "}\n";
+           << ", \"lsh_algorithm\": \"" << plsh::lsh_algorithm_name(plan->lsh_algorithm) << "\""
+           << ", \"ms\": " << median << ", \"ms_min\": " << *std::min_element(fwd.ms.begin(), fwd.ms.end())
+           << ", \"runs\": " << fwd.ms.size() << ", \"flops_done\": " << done << ", \"dense_flops\": " << dense
+           << ", \"workspace_bytes\": " << plan->forward_workspace.device_bytes;
+      if (limits.backward)
+        json << ", \"bwd_ms\": " << bwd.median() << ", \"bwd_runs\": " << bwd.ms.size() << ", \"bwd_flops_done\": "
+             << bstats.flops;
+      for (const auto& [k, v] : result.timings) json << ", \"timing_" << k << "_s\": " << v;
+      json << ", \"device\": \"" << json_escape(backend->device()) << "\"" << json_params(*p) << "}\n";
       json.flush();
     }
-    if (a.write_out) {
-      std::vector<char> host(q_bytes);
-      CHECK_CUDA(cudaMemcpy(host.data(), dout, q_bytes, cudaMemcpyDeviceToHost));
-      const std::string path = a.inputs + "/out_ours_" + mode_name + ".bin";
+    if (a.write_out && !host_estimates) {
+      std::vector<char> out(q_bytes);
+      CHECK_CUDA(cudaMemcpy(out.data(), d.out, q_bytes, cudaMemcpyDeviceToHost));
+      const std::string path = a.inputs + "/out_ours_" + name + ".bin";
       std::ofstream f(path, std::ios::binary);
-      f.write(host.data(), static_cast<std::streamsize>(q_bytes));
+      f.write(out.data(), static_cast<std::streamsize>(q_bytes));
       if (!f) {
         std::fprintf(stderr, "bench_cuda: cannot write %s\n", path.c_str());
         ++failures;
       }
     }
   }
-  cudaFree(dq);
-  cudaFree(dk);
-  cudaFree(dv);
-  cudaFree(dout);
+  for (void* x : {d.q, d.k, d.v, d.out, d.dout, d.dq, d.dk, d.dv, static_cast<void*>(d.lse)})
+    if (x != nullptr) cudaFree(x);
   return failures == 0 ? 0 : 1;
 }

@@ -10,12 +10,16 @@ files, times FlexAttention
   * the per-sample LSH reduction: one causal same-bin block mask per hash
     (the same draws as plsh, SPEC section 5), merged by log-sum-exp;
 
-runs bench_cuda on the same files in a child process (ours: lsh, window,
-exact; it writes its outputs back), and reports ms (median of CUDA-event-timed
-runs after warm-up), useful TFLOP/s (exact causal FLOPs over the time), speed
-against FlexAttention exact, and relative L2 error against FlexAttention exact
-on identical inputs. Also measures the bf16 matrix-multiply rate and the
-device copy bandwidth, the ceilings for the FLOP and byte floors.
+runs bench_cuda on the same files in a child process (ours: lsh on the fused
+banded kernel, lsh on the cuBLAS per-sample pipeline, window and exact on the
+fused kernel, each forward and backward, and lsh with its error estimates
+from host tensors; it writes its outputs back), and reports ms (median of
+CUDA-event-timed runs after warm-up), useful TFLOP/s (exact causal FLOPs over
+the time), speed against FlexAttention exact, relative L2 error against
+FlexAttention exact on identical inputs, and the issue-19 goals as ratios.
+FlexAttention's exact and sliding-window backward are timed too. Also
+measures the bf16 matrix-multiply rate and the device copy bandwidth, the
+ceilings for the FLOP and byte floors.
 
 It is made for one short GPU lease (bench/gpu/run.sh), so it cannot lose what
 it measured:
@@ -79,7 +83,12 @@ def parse_args(argv):
     ap.add_argument("--flex-lsh-max-n", type=int, default=131072,
                     help="largest N for the FlexAttention lsh peer (its block tables are dense, N^2 / 128^2 per sample)")
     ap.add_argument("--ours-exact-max-n", type=int, default=131072,
-                    help="largest N for our exact mode (correctness-first kernels are slow at 512k)")
+                    help="largest N for our exact mode")
+    ap.add_argument("--ours-per-sample-max-n", type=int, default=131072,
+                    help="largest N for our cuBLAS per-sample lsh (memory-bound: ~0.5 TB moved at 128k)")
+    ap.add_argument("--ours-estimates-max-n", type=int, default=131072,
+                    help="largest N for our lsh with its error estimates on host tensors (transfers included)")
+    ap.add_argument("--no-backward", action="store_true", help="forward only, ours and FlexAttention")
     ap.add_argument("--dry-run", action="store_true",
                     help="no torch, no GPU: sleeps of the estimated length stand in for each case")
     ap.add_argument("--dry-run-scale", type=float, default=0.05,
@@ -186,9 +195,14 @@ PRIOR_CALL = {
     "flex_exact": (0.6, 2),
     "flex_window": (0.05, 1),
     "flex_lsh": (0.5, 1),
-    "ours_lsh": (0.4, 1),
-    "ours_window": (0.3, 1),
-    "ours_exact": (3.0, 2),
+    # Ours: forward + backward (2.5x) per timed call when the backward runs.
+    # Guesses from the fused kernel's FLOP counts at ~200 TFLOP/s; the
+    # per-sample pipeline from its ~0.5 TB moved at 128k.
+    "ours_lsh": (0.02, 1),
+    "ours_lsh_per_sample": (0.4, 1),
+    "ours_window": (0.02, 1),
+    "ours_exact": (2.0, 2),
+    "ours_lsh_estimates": (3.0, 1),
 }
 # Seconds outside the timed calls: a part that grows as a power of N (its
 # seconds at N0, the power) and a constant part.
@@ -197,6 +211,7 @@ PRIOR_FIXED = {
     "flex_exact": (1.0, 1, 0.5),   # block mask, the float32 reference
     "flex_window": (1.0, 1, 0.5),
     "flex_lsh": (6.0, 2, 1.0),     # dense block tables: (N / 128)^2 per (sample, head)
+    "flex_backward": (1.0, 1, 0.5),  # gradients' memory
     "ours": (10.0, 1, 3.0),        # 3.2 GB read, 1 GB written back per mode; process, CUDA and cuBLAS start
     "errors": (4.0, 1, 0.5),       # outputs read back, norms
     "ceilings": (0.0, 0, 8.0),     # matmul rate and copy bandwidth, once
@@ -241,7 +256,15 @@ class CostModel:
         return a.warmup * call + max(call, min(a.repeats * call, cap))
 
     def ours_modes(self, n):
-        return ["lsh", "window", "exact"] if n <= self.args.ours_exact_max_n else ["lsh", "window"]
+        a = self.args
+        modes = ["lsh", "window"]
+        if n <= a.ours_exact_max_n:
+            modes.append("exact")
+        if n <= a.ours_per_sample_max_n:
+            modes.append("lsh_per_sample")
+        if n <= a.ours_estimates_max_n:
+            modes.append("lsh_estimates")
+        return modes
 
     def case(self, name, n):
         if name in ("ours", "errors") and not self.with_ours:
@@ -254,7 +277,12 @@ class CostModel:
         if name == "flex_lsh" and n > self.args.flex_lsh_max_n:
             return 0.0
         compile_s = 0.0 if name in self.compiled else PRIOR_COMPILE * self.scale
-        return self.fixed_seconds(name, n) + compile_s + self.timed_seconds(self.call_seconds(name, n))
+        call = self.call_seconds(name, n)
+        if name in ("flex_exact", "flex_window") and not self.args.no_backward:
+            # Forward and backward timed apart; the backward ~2.5 forwards, compiled once more.
+            return (self.fixed_seconds(name, n) + self.fixed_seconds("flex_backward", n) + 2 * compile_s +
+                    self.timed_seconds(call) + self.timed_seconds(3.5 * call))
+        return self.fixed_seconds(name, n) + compile_s + self.timed_seconds(call)
 
     def size(self, n):
         """(seconds for the core, seconds for everything, each case's seconds)."""
@@ -365,10 +393,11 @@ def render_markdown(args, d):
     for v in d["slopes"].values():
         lines.append(f"{v['verdict']}.")
     lines.append("")
-    lines.append("| N | impl | mode | ms | useful TFLOP/s | x vs flex exact | rel. L2 err vs flex exact | "
-                 "FLOP floor ms | byte floor ms |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("| N | impl | mode | ms | backward ms (x fwd) | useful TFLOP/s | x vs flex exact | "
+                 "rel. L2 err vs flex exact | FLOP floor ms | byte floor ms |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     cross = []
+    goals = []
     for res in d["sizes"]:
         n = res["n"]
         dense = res["dense_flops"]
@@ -376,24 +405,37 @@ def render_markdown(args, d):
         byte_floor = f"{io_bytes / (c['copy_tbs'] * 1e12) * 1e3:.3f}" if c else "-"
         base = res.get("flex_exact", {}).get("ms")
         for impl, mode in (("flex", "exact"), ("ours", "exact"), ("flex", "window"), ("ours", "window"),
-                           ("flex", "lsh"), ("ours", "lsh")):
+                           ("flex", "lsh"), ("ours", "lsh"), ("ours", "lsh_per_sample"), ("ours", "lsh_estimates")):
             r = res.get(f"{impl}_{mode}")
             if r is None:
                 continue
             if "ms" not in r:
-                lines.append(f"| {n} | {impl} | {mode} | {r.get('error') or r.get('skipped') or '-'} | | | | | |")
+                lines.append(f"| {n} | {impl} | {mode} | {r.get('error') or r.get('skipped') or '-'} | | | | | | |")
                 continue
             ms = r["ms"]
             flops = r.get("flops_done", dense if mode == "exact" else None)
             flop_floor = f"{flops / (c['matmul_tflops'] * 1e12) * 1e3:.3f}" if flops and c else "-"
             speed = f"{base / ms:.2f}" if base else "-"
             err = f"{r['err']:.2e}" if "err" in r else ("0 (reference)" if (impl, mode) == ("flex", "exact") else "-")
-            lines.append(f"| {n} | {impl} | {mode} | {ms:.3f} | {dense / (ms * 1e-3) / 1e12:.1f} | {speed} | {err} | "
-                         f"{flop_floor} | {byte_floor} |")
+            bwd = f"{r['bwd_ms']:.3f} ({r['bwd_ms'] / ms:.2f})" if "bwd_ms" in r else "-"
+            if mode == "lsh_estimates":
+                est = r.get("timing_estimates_s")
+                bwd = f"estimates {est * 1e3:.1f} ms" if est is not None else "-"
+            lines.append(f"| {n} | {impl} | {mode} | {ms:.3f} | {bwd} | {dense / (ms * 1e-3) / 1e12:.1f} | {speed} | "
+                         f"{err} | {flop_floor} | {byte_floor} |")
         if "ours_error" in res:
-            lines.append(f"| {n} | ours | - | {res['ours_error']} | | | | | |")
-        if "err_vs_flex_lsh" in res.get("ours_lsh", {}):
-            cross.append(f"N={n}: {res['ours_lsh']['err_vs_flex_lsh']:.2e}")
+            lines.append(f"| {n} | ours | - | {res['ours_error']} | | | | | | |")
+        for mode in ("lsh", "lsh_per_sample"):
+            if "err_vs_flex_lsh" in res.get("ours_" + mode, {}):
+                cross.append(f"N={n} {mode}: {res['ours_' + mode]['err_vs_flex_lsh']:.2e}")
+        goals.extend(goal_rows(res))
+    if goals:
+        lines.append("")
+        lines.append("Issue 19's goals (each a ratio of two rows above; N = 131072 is the one they name):")
+        lines.append("")
+        lines.append("| N | goal | measured | met |")
+        lines.append("|---|---|---|---|")
+        lines.extend(goals)
     lines.append("")
     if d["skipped"]:
         lines.append("Skipped (at seconds since peers.py started):")
@@ -414,6 +456,36 @@ def render_markdown(args, d):
         lines.append("ours lsh against FlexAttention lsh (same draws, same estimator; should be bf16 rounding, "
                      "~1e-2 or less): relative L2 " + ", ".join(cross) + ".")
     return "\n".join(lines) + "\n"
+
+
+def goal_rows(res):
+    """Markdown rows of issue 19's goals that this size's results can answer."""
+    n = res["n"]
+    ms = {k: v["ms"] for k, v in res.items() if isinstance(v, dict) and "ms" in v}
+    rows = []
+
+    def add(goal, value, met, fmt="{:.2f}x"):
+        rows.append(f"| {n} | {goal} | {fmt.format(value)} | {'yes' if met else 'NO'} |")
+
+    if "flex_exact" in ms and "ours_lsh" in ms:
+        x = ms["flex_exact"] / ms["ours_lsh"]
+        add("fused lsh at least 100x faster than FlexAttention exact ALiBi", x, x >= 100)
+    if "flex_window" in ms and "ours_window" in ms:
+        x = ms["flex_window"] / ms["ours_window"]
+        add("window at least 1.5x FlexAttention sliding-window ALiBi (same width)", x, x >= 1.5)
+    if "flex_exact" in ms and "ours_exact" in ms:
+        x = ms["ours_exact"] / ms["flex_exact"]
+        add("exact within 1.3x of FlexAttention exact (ours / flex)", x, x <= 1.3)
+    for mode in ("lsh", "lsh_per_sample", "window", "exact"):
+        r = res.get("ours_" + mode, {})
+        if "bwd_ms" in r and r.get("ms"):
+            x = r["bwd_ms"] / r["ms"]
+            add(f"backward at most 2.5x the forward ({mode})", x, x <= 2.5)
+    est = res.get("ours_lsh_estimates", {}).get("timing_estimates_s")
+    if est is not None and "ours_lsh" in ms:
+        x = est * 1e3 / ms["ours_lsh"]
+        add("estimates at most 10% of the fused lsh forward", 100 * x, x <= 0.1, "{:.1f}%")
+    return rows
 
 
 # ---- a child process that cannot hang the run --------------------------------
@@ -636,7 +708,7 @@ def run_sizes(args, report, sizes, slopes, gpu):
                        "--samples", str(args.samples), "--seed", str(args.seed), "--modes", ",".join(modes),
                        "--warmup", str(args.warmup), "--repeats", str(args.repeats),
                        "--max-seconds", str(args.max_seconds_per_case * model.scale), "--json", ours_json,
-                       "--write-out"]
+                       "--write-out"] + ([] if args.no_backward else ["--backward"])
             label = f"fake bench_cuda: sleep {args.fake_child_seconds} s, then JSON" if args.fake_child_seconds else None
             rc, tail, timed_out, wall = run_child(cmd, timeout, label)
             found = read_ours_json(ours_json, n)
@@ -704,6 +776,10 @@ with open(path, "a") as f:
     for mode in modes.split(","):
         r = {"impl": "ours", "mode": mode, "n": int(n), "ms": 1.0, "runs": 5, "flops_done": 1e12, "fake": True,
              "slopes_hex": slopes_hex.split()}
+        if mode == "lsh_estimates":
+            r["timing_estimates_s"] = 1e-4
+        else:
+            r["bwd_ms"] = 2.0
         if mode == "window":
             r["windows"] = json.loads(windows)
         f.write(json.dumps(r) + "\\n")
@@ -866,7 +942,7 @@ class TorchGpu:
         self.torch.cuda.empty_cache()
 
     def drop_inputs(self, n):
-        for name in ("q", "k", "v", "out_ours_lsh", "out_ours_window", "out_ours_exact"):
+        for name in ("q", "k", "v", "out_ours_lsh", "out_ours_lsh_per_sample", "out_ours_window", "out_ours_exact"):
             path = os.path.join(self.args.work, f"{name}.bin")
             if os.path.exists(path):
                 os.remove(path)
@@ -923,10 +999,32 @@ class TorchGpu:
             self.ref = out.float()
         elif self.ref is not None:
             r["err"] = ((out.float() - self.ref).norm() / self.ref.norm()).item()
+        if not self.args.no_backward:
+            r.update(self.flex_backward(bm, out, ms))
         bm = out = None  # free before the next case
         self.observe(model, "flex_" + variant, n, ms, first_s, runs, time.monotonic() - t)
         print(f"flex {variant:6s} N={n}: {ms:.3f} ms ({runs} runs; first call {first_s:.1f} s)", flush=True)
         return r
+
+    def flex_backward(self, bm, out, fwd_ms):
+        """Forward and backward together (the backward compiled on its first
+        call); bwd_ms is their median less the forward's."""
+        torch = self.torch
+        q, k, v = (x.detach().clone().requires_grad_(True) for x in (self.qh, self.kh, self.vh))
+        gen = torch.Generator(device=self.dev).manual_seed(77)
+        dout = torch.randn(out.shape, device=self.dev, dtype=out.dtype, generator=gen)
+
+        def fwd_bwd():
+            q.grad = k.grad = v.grad = None
+            o = self.flex_fn(q, k, v, score_mod=self.alibi, block_mask=bm)
+            o.backward(dout)
+            return o
+
+        ms, _, first_s, runs = self.timed(fwd_bwd)
+        q = k = v = dout = None
+        torch.cuda.empty_cache()
+        print(f"flex backward: forward + backward {ms:.3f} ms ({runs} runs; first call {first_s:.1f} s)", flush=True)
+        return {"fwd_bwd_ms": ms, "bwd_ms": max(0.0, ms - fwd_ms), "bwd_runs": runs, "bwd_first_call_s": round(first_s, 2)}
 
     def observe(self, model, case, n, ms, first_s, runs, wall):
         call = ms * 1e-3
@@ -1029,22 +1127,23 @@ class TorchGpu:
                 if ours is not None:
                     row[key]["err"] = ((ours - self.ref).norm() / self.ref.norm()).item()
                     del ours
-            # Ours lsh stays on disk for the cross-check with FlexAttention lsh.
-            if mode != "lsh" and os.path.exists(path):
+            # Ours lsh (both algorithms) stays on disk for the cross-check with FlexAttention lsh.
+            if mode not in ("lsh", "lsh_per_sample") and os.path.exists(path):
                 os.remove(path)
 
     def cross_check_lsh(self, n, row):
         """The same draws and estimator on both sides: they must agree to bf16
-        rounding, whatever the lsh error is."""
-        path = os.path.join(self.args.work, "out_ours_lsh.bin")
-        if self.flex_lsh_out is not None and "ms" in row.get("ours_lsh", {}):
-            ours = self.load_ours(n, "lsh")
-            if ours is not None:
-                other = self.flex_lsh_out.float()
-                row["ours_lsh"]["err_vs_flex_lsh"] = ((ours - other).norm() / other.norm()).item()
-                del ours, other
-        if os.path.exists(path):
-            os.remove(path)
+        rounding, whatever the lsh error is (both of our algorithms)."""
+        for mode in ("lsh", "lsh_per_sample"):
+            path = os.path.join(self.args.work, f"out_ours_{mode}.bin")
+            if self.flex_lsh_out is not None and "ms" in row.get("ours_" + mode, {}):
+                ours = self.load_ours(n, mode)
+                if ours is not None:
+                    other = self.flex_lsh_out.float()
+                    row["ours_" + mode]["err_vs_flex_lsh"] = ((ours - other).norm() / other.norm()).item()
+                    del ours, other
+            if os.path.exists(path):
+                os.remove(path)
 
     def ceilings(self):
         torch = self.torch

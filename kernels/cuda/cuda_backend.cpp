@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +28,9 @@
 #include "cuda/cuda_forward.h"
 #include "cuda/cuda_kernels.h"
 #include "cuda/device_memory.h"
+#include "cuda/fused_plan.h"
+#include "cuda/fused_run.h"
+#include "cuda/transfer.h"
 #include "cuda/workspace_plan.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
@@ -34,6 +38,56 @@
 namespace plsh::cuda {
 
 namespace {
+
+// Calls the backend runs at once: $PLSH_CUDA_MAX_CALLS (a server sets it to
+// its --workers), else 8. A call past them waits for one to end.
+int max_calls() {
+  if (const char* env = std::getenv("PLSH_CUDA_MAX_CALLS"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && n >= 1 && n <= 1024) return static_cast<int>(n);
+  }
+  return 8;
+}
+
+// A counting semaphore whose wait polls the call's stop condition.
+class CallSlots {
+ public:
+  explicit CallSlots(int slots) : free_(slots) {}
+  class Slot {
+   public:
+    explicit Slot(CallSlots& s) : slots_(s) {}
+    ~Slot() {
+      if (held_) slots_.give_back();
+    }
+    Status take(const ExecContext& ctx) {
+      std::unique_lock<std::mutex> lock(slots_.mutex_);
+      while (slots_.free_ == 0) {
+        RETURN_IF_ERROR(ctx.check_stop());
+        slots_.freed_.wait_for(lock, std::chrono::milliseconds(5));
+      }
+      --slots_.free_;
+      held_ = true;
+      return Status::Ok();
+    }
+
+   private:
+    CallSlots& slots_;
+    bool held_ = false;
+  };
+
+ private:
+  void give_back() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++free_;
+    }
+    freed_.notify_one();
+  }
+  std::mutex mutex_;
+  std::condition_variable freed_;
+  int free_;
+};
 
 class CudaBackend final : public Backend {
  public:
@@ -44,6 +98,7 @@ class CudaBackend final : public Backend {
     CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
     size_t free_bytes = 0, total_bytes = 0;
     CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    sm_count_ = prop.multiProcessorCount;
     device_name_ = std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ", " +
                    std::to_string(static_cast<int64_t>(total_bytes >> 30)) + " GiB)";
     int64_t budget = options.memory_budget_bytes;
@@ -71,6 +126,7 @@ class CudaBackend final : public Backend {
     // releases its handles.
     if (health_.lost() || !cuda_runtime_alive()) {
       pool_.abandon();
+      pinned_.abandon();
       return;
     }
     for (cublasHandle_t h : free_handles_) (void)cublasDestroy(h);
@@ -86,8 +142,17 @@ class CudaBackend final : public Backend {
   std::optional<DeviceMemory> device_memory() const override {
     if (health_.lost()) return std::nullopt;
     size_t free_bytes = 0, total_bytes = 0;
-    const cudaError_t set = cudaSetDevice(device_);
-    const cudaError_t e = set != cudaSuccess ? set : cudaMemGetInfo(&free_bytes, &total_bytes);
+    // cudaMemGetInfo reads the current device: make it ours for the call
+    // and give the calling thread its own back (a server thread serving
+    // another device must not find its device changed by a gauge).
+    int previous = -1;
+    cudaError_t e = cudaGetDevice(&previous);
+    if (e == cudaSuccess && previous != device_) e = cudaSetDevice(device_);
+    if (e == cudaSuccess) e = cudaMemGetInfo(&free_bytes, &total_bytes);
+    if (previous >= 0 && previous != device_) {
+      const cudaError_t back = cudaSetDevice(previous);
+      if (e == cudaSuccess) e = back;
+    }
     if (e != cudaSuccess) {
       (void)cudaGetLastError();  // a recoverable error must not fail this thread's next launch check
       health_.record(e, "in cudaMemGetInfo");
@@ -99,17 +164,21 @@ class CudaBackend final : public Backend {
   Status supports(const AttentionParams& p) const override {
     // After a sticky error: UNAVAILABLE, so that "auto" falls back to the CPU.
     RETURN_IF_ERROR(health_.usable());
-    if (p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kBanded)
-      return unimplemented("lsh_algorithm = banded is not implemented on the cuda backend, expected auto or per_sample");
+    const Status fused = fused_supported(p);
+    if (p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kBanded && !fused.ok())
+      return unimplemented("lsh_algorithm = banded runs on the cuda backend's fused kernel, which cannot take this "
+                           "request (" + fused.message() + "), expected auto or per_sample");
     // 16-byte aligned GEMM operands (device tensors as given; host ones are
     // staged with padded rows), leading dimensions within cuBLAS's int.
     RETURN_IF_ERROR(check_operands(p));
-    // The least a request needs: its staging copies, one tile's work and
-    // cuBLAS's smallest workspace.
+    // The least a request needs: on the cuBLAS pipeline its staging copies,
+    // one tile's work and cuBLAS's smallest workspace; on the fused path its
+    // staging and tables (whichever path it can take that needs less).
     const int64_t staging = p.memory == MemorySpace::kHost ? carve_staging(p, nullptr, nullptr) : 0;
     const int64_t one_tile = carve_work(1, std::min(kTileRows, p.q_len), std::min(kMaxKeyCols, p.kv_len), p.head_dim,
                                         static_cast<int64_t>(dtype_bytes(p.dtype)), nullptr, nullptr, nullptr);
-    const int64_t least = staging + one_tile + kCublasMinWorkspaceBytes;
+    int64_t least = staging + one_tile + kCublasMinWorkspaceBytes;
+    if (fused.ok()) least = std::min(least, fused_forward_bytes_for(p));
     if (least > pool_.budget())
       return resource_exhausted("cuda backend: the request needs at least " + std::to_string(least) +
                                 " bytes of device memory, the backend's budget is " + std::to_string(pool_.budget()));
@@ -120,6 +189,15 @@ class CudaBackend final : public Backend {
   // out_dtype = dtype; the CPU backend takes the rest.
   Status supports_backward(const AttentionParams& p) const override {
     RETURN_IF_ERROR(supports(p));
+    // The fused backward reads dout in the dtype of q, k, v, from host or
+    // device tensors; the cuBLAS pipeline's also needs host tensors.
+    if (fused_supported(p).ok() && !(p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kPerSample)) {
+      if (p.out_dtype != p.dtype)
+        return unimplemented(std::string("the cuda backend's backward needs out_dtype = dtype (its kernels read dout in "
+                                         "the dtype of q, k, v), got out_dtype = ") +
+                             dtype_name(p.out_dtype) + ", dtype = " + dtype_name(p.dtype) + "; expected backend = cpu");
+      return Status::Ok();
+    }
     return check_backward_support(p);
   }
 
@@ -128,10 +206,18 @@ class CudaBackend final : public Backend {
     if (limits.backward) RETURN_IF_ERROR(supports_backward(p));
     ASSIGN_OR_RETURN(Plan plan, start_plan(p, name(), limits));
     try {
-      if (p.mode == Mode::kLsh) plan.lsh_algorithm = LshAlgorithm::kPerSample;
       // The caller's share, or half the pool (request_device_cap); a request
       // too large for half the pool may have all of it: it can only run alone.
       const int64_t cap = request_device_cap(pool_.budget(), limits.device_bytes);
+      // lsh: the algorithm (SPEC section 3's cost model for auto); exact,
+      // window and banded lsh run on the fused kernels where they can.
+      if (p.mode == Mode::kLsh)
+        plan.lsh_algorithm = p.lsh_algorithm != LshAlgorithm::kAuto ? p.lsh_algorithm : cuda_lsh_algorithm(p, plan.draws);
+      const bool fused = p.mode == Mode::kLsh ? plan.lsh_algorithm == LshAlgorithm::kBanded : fused_supported(p).ok();
+      if (fused) {
+        RETURN_IF_ERROR(plan_fused(p, limits, cap, &plan));
+        return plan;
+      }
       // The forward's layout and, when asked, the backward's, against one cap
       // (they run one after the other, each holding its own bytes).
       auto plan_for = [&](int64_t bytes) -> StatusOr<CudaLayout> {
@@ -181,16 +267,32 @@ class CudaBackend final : public Backend {
   // the plan sized them (issue 22 leaves that change to this backend).
   Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
                  ForwardStats* stats) override;
+  // The estimates' probe rows with the forward (issue 19): fused plans of
+  // lsh and window on host tensors, planned with their probe.
+  bool probes_with_forward(const Plan& plan) const override {
+    const auto* layout = dynamic_cast<const CudaLayout*>(plan.layout.get());
+    return plan.backend == name() && layout != nullptr && layout->fused != nullptr && layout->fused->probe;
+  }
+  Status forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
+                            const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats,
+                            ProbeRowsOut* out) override;
   Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace, const ExecContext& ctx,
                   BackwardStats* stats) override;
 
  private:
-  Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats);
+  Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats,
+                     const std::vector<std::vector<int64_t>>* probe_rows = nullptr, ProbeRowsOut* probe_out = nullptr);
+  // The fused path's plan: its layout (fused_plan.h) against the cap.
+  Status plan_fused(const AttentionParams& p, const PlanLimits& limits, int64_t cap, Plan* plan) const;
+  // run(stream) holding `device_bytes` of the pool, as with_handle without
+  // a cuBLAS handle (the fused path has no GEMM call).
+  template <typename Run>
+  Status with_stream(const ExecContext& ctx, int64_t device_bytes, Run&& run);
   Status run_backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats);
   // forward and backward around their run_*: the device's health before
   // and after, stale errors cleared, sticky ones recorded.
   template <typename Run>
-  Status guarded(Run&& run);
+  Status guarded(Run&& run, const ExecContext& ctx);
   // run(handle, stream) on the request's stream (ctx.stream, or the
   // thread's default stream) holding `device_bytes` of the pool, so that
   // concurrent requests together never exceed its budget, and a cuBLAS
@@ -253,17 +355,38 @@ class CudaBackend final : public Backend {
     return Status::Ok();
   }
 
+  // The fused backward's inputs: the plan's tensors bound, supports_backward,
+  // and g's tensors present in the plan's memory space.
+  Status check_fused_backward_inputs(const Plan& plan, const BackwardParams& g) const {
+    const AttentionParams& p = plan.params;
+    if (p.q == nullptr || p.k == nullptr || p.v == nullptr)
+      return failed_precondition("cuda backend: the plan's tensors are not bound, expected bind_tensors first");
+    RETURN_IF_ERROR(supports_backward(p));
+    if (g.memory != p.memory || g.out == nullptr || g.lse == nullptr || g.dout == nullptr || g.dq == nullptr ||
+        g.dk == nullptr || g.dv == nullptr)
+      return invalid_argument("cuda backend: backward tensors missing or not in the plan's memory space, expected "
+                              "make_backward_params' for this plan");
+    return Status::Ok();
+  }
+
   int device_ = 0;
+  int sm_count_ = 1;
   std::string device_name_;
   mutable DeviceHealth health_;
   mutable DevicePool pool_;
+  CallSlots calls_{max_calls()};
+  PinnedPool pinned_{max_calls()};
   std::mutex handle_mutex_;
   std::vector<cublasHandle_t> free_handles_;
 };
 
 template <typename Run>
-Status CudaBackend::guarded(Run&& run) {
+Status CudaBackend::guarded(Run&& run, const ExecContext& ctx) {
   RETURN_IF_ERROR(health_.usable());
+  // At most max_calls() calls at once, each with one cuBLAS handle and one
+  // set of pinned buffers: both are held outside the pool's budget.
+  CallSlots::Slot slot(calls_);
+  RETURN_IF_ERROR(slot.take(ctx));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   // An error an earlier call left on this thread (a pool allocation that did
   // not fit, a failed pointer query, another library's) would otherwise be
@@ -300,24 +423,85 @@ Status CudaBackend::with_handle(const ExecContext& ctx, int64_t device_bytes, Ru
   return run(handle, stream);
 }
 
+template <typename Run>
+Status CudaBackend::with_stream(const ExecContext& ctx, int64_t device_bytes, Run&& run) {
+  cudaStream_t stream = ctx.stream != nullptr ? static_cast<cudaStream_t>(ctx.stream) : cudaStreamPerThread;
+  Reservation reservation(pool_);
+  RETURN_IF_ERROR(reservation.take(device_bytes));
+  struct Drain {
+    cudaStream_t stream;
+    ~Drain() { (void)cudaStreamSynchronize(stream); }  // its error, if sticky, is read by guarded()
+  } drain{stream};
+  return run(stream);
+}
+
+Status CudaBackend::plan_fused(const AttentionParams& p, const PlanLimits& limits, int64_t cap, Plan* plan) const {
+  auto fused = std::make_shared<FusedLayout>(plan_fused_layout(p, plan->draws, limits.backward, sm_count_));
+  CudaLayout layout;
+  layout.fused = fused;
+  layout.fused_bytes = fused->forward_bytes;
+  layout.has_backward = limits.backward;
+  layout.backward.fused_bytes = fused->backward_bytes;
+  // The fused path holds the request's tensors whole: it fits the caller's
+  // share, or (no share given) the pool, or it does not run here.
+  const int64_t need = std::max(fused->forward_bytes, fused->backward_bytes);
+  const int64_t room = limits.device_bytes > 0 ? cap : pool_.budget();
+  if (need > room)
+    return resource_exhausted("cuda backend: the request needs " + std::to_string(need) +
+                              " bytes of device memory (its tensors and tables), the request may have " +
+                              std::to_string(room));
+  const int64_t tables = static_cast<int64_t>(fused->tables.heads.size() * sizeof(FusedHead) +
+                                              fused->tables.hashes.size() * sizeof(double));
+  plan->forward_workspace.device_bytes = fused->forward_bytes;
+  plan->forward_workspace.host_bytes = tables;
+  if (limits.backward) {
+    plan->backward = true;
+    plan->backward_workspace.device_bytes = fused->backward_bytes;
+    plan->backward_workspace.host_bytes = tables;
+  }
+  plan->layout = std::make_shared<const CudaLayout>(std::move(layout));
+  return Status::Ok();
+}
+
 Status CudaBackend::forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
                             ForwardStats* stats) {
   (void)workspace;
-  return guarded([&] { return run_forward(plan, ctx, stats); });
+  return guarded([&] { return run_forward(plan, ctx, stats); }, ctx);
+}
+
+Status CudaBackend::forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
+                                       const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats,
+                                       ProbeRowsOut* out) {
+  (void)workspace;
+  if (!probes_with_forward(plan))
+    return failed_precondition("cuda backend: the plan has no probe (lsh or window, estimates and probe rows, host "
+                               "tensors, the fused path), expected forward()");
+  if (static_cast<int64_t>(rows.size()) != plan.params.heads)
+    return invalid_argument("cuda backend: probe rows for " + std::to_string(rows.size()) + " heads, expected " +
+                            std::to_string(plan.params.heads));
+  return guarded([&] { return run_forward(plan, ctx, stats, &rows, out); }, ctx);
 }
 
 Status CudaBackend::backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace,
                              const ExecContext& ctx, BackwardStats* stats) {
   (void)workspace;
-  return guarded([&] { return run_backward(plan, g, ctx, stats); });
+  return guarded([&] { return run_backward(plan, g, ctx, stats); }, ctx);
 }
 
-Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats,
+                                const std::vector<std::vector<int64_t>>* probe_rows, ProbeRowsOut* probe_out) {
   ASSIGN_OR_RETURN(const CudaLayout* layout, layout_of(plan));
   const AttentionParams& p = plan.params;
   if (p.q == nullptr || p.out == nullptr)
     return failed_precondition("cuda backend: the plan's tensors are not bound, expected bind_tensors first");
   RETURN_IF_ERROR(supports(p));
+  if (layout->fused != nullptr) {
+    RETURN_IF_ERROR(check_fused_fits(*layout->fused, p));
+    if (p.memory == MemorySpace::kDevice) RETURN_IF_ERROR(check_device_tensors(p));
+    return with_stream(ctx, layout->fused_bytes, [&](cudaStream_t stream) {
+      return run_fused_forward(plan, *layout->fused, ctx, pool_, pinned_, stream, stats, probe_rows, probe_out);
+    });
+  }
   // Every buffer carved below stays inside what the plan charged.
   RETURN_IF_ERROR(check_layout_fits(*layout, p));
   if (plan.forward_workspace.device_bytes != layout->device_bytes())
@@ -332,8 +516,16 @@ Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, Forwar
 Status CudaBackend::run_backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx,
                                  BackwardStats* stats) {
   ASSIGN_OR_RETURN(const CudaLayout* layout, layout_of(plan));
-  RETURN_IF_ERROR(check_backward_inputs(plan, g));
   const AttentionParams& p = plan.params;
+  if (layout->fused != nullptr) {
+    RETURN_IF_ERROR(check_fused_backward_inputs(plan, g));
+    RETURN_IF_ERROR(check_fused_backward_fits(*layout->fused, p, static_cast<int64_t>(dtype_bytes(g.grad_dtype))));
+    if (p.memory == MemorySpace::kDevice) RETURN_IF_ERROR(check_device_tensors(p));
+    return with_stream(ctx, layout->fused->backward_bytes, [&](cudaStream_t stream) {
+      return run_fused_backward(plan, *layout->fused, g, ctx, pool_, pinned_, stream, stats);
+    });
+  }
+  RETURN_IF_ERROR(check_backward_inputs(plan, g));
   RETURN_IF_ERROR(check_backward_layout_fits(*layout, p, static_cast<int64_t>(dtype_bytes(g.grad_dtype))));
   if (plan.backward_workspace.device_bytes != layout->backward.device_bytes())
     return internal_error("cuda backend: the plan charges " + std::to_string(plan.backward_workspace.device_bytes) +

@@ -25,8 +25,12 @@
 namespace plsh::cuda {
 
 // The errors that driver_types.h (CUDA 13.0) documents as "To continue using
-// CUDA, the process must be terminated and relaunched", and the
-// uncorrectable ECC and NVLink errors, after which the device needs a reset.
+// CUDA, the process must be terminated and relaunched", the uncorrectable
+// ECC and NVLink errors, after which the device needs a reset, and
+// cudaErrorUnknown: the runtime's answer once a device has fallen off the
+// bus or its driver has reset it (Xid 79), which no later call recovers
+// from either; treating it as recoverable left "auto" sending requests to a
+// dead device (issue 19's review).
 constexpr bool is_sticky_error(cudaError_t e) {
   switch (e) {
     case cudaErrorECCUncorrectable:     // 214
@@ -44,6 +48,7 @@ constexpr bool is_sticky_error(cudaError_t e) {
     case cudaErrorTensorMemoryLeak:     // 721
     case cudaErrorMpsClientTerminated:  // 810
     case cudaErrorExternalDevice:       // 911
+    case cudaErrorUnknown:              // 999
       return true;
     default:
       return false;

@@ -228,8 +228,12 @@ struct CudaBackwardLayout {
   int64_t staging_bytes = 0;   // carve_backward_staging
   int64_t table_bytes = 0;     // carve_tables, as the forward's
   int64_t work_bytes = 0;      // carve_backward_work for work.slots
-  int64_t device_bytes() const { return staging_bytes + table_bytes + work_bytes; }
+  int64_t fused_bytes = 0;     // the fused backward: carve_fused_backward (fused_plan.h); the rest 0
+  int64_t device_bytes() const { return fused_bytes > 0 ? fused_bytes : staging_bytes + table_bytes + work_bytes; }
 };
+
+// The fused kernels' part of a layout (fused_plan.h).
+struct FusedLayout;
 
 // The whole device layout of one request, made once by the CUDA backend's
 // plan() and read by its forward(): what plan.forward_workspace.device_bytes
@@ -244,7 +248,11 @@ struct CudaLayout : BackendLayout {
   int64_t work_bytes = 0;        // carve_work for work.slots
   bool has_backward = false;     // planned with PlanLimits::backward
   CudaBackwardLayout backward;   // then: the backward's layout
-  int64_t device_bytes() const { return staging_bytes + table_bytes + work_bytes; }
+  // The fused kernels run this request (fused_plan.h): their tables and
+  // carve_fused_forward's bytes, and none of the cuBLAS pipeline's above.
+  std::shared_ptr<const FusedLayout> fused;
+  int64_t fused_bytes = 0;
+  int64_t device_bytes() const { return fused != nullptr ? fused_bytes : staging_bytes + table_bytes + work_bytes; }
 };
 
 // OK when forward, carving for the bound params p, stays inside every

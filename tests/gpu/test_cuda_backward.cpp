@@ -113,7 +113,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardVsCpu, ::testing::ValuesIn(cases()),
 TEST(CudaBackwardControl, TightBudgetChunksAndStillMatches) {
   REQUIRE_CUDA_BUDGET(small, 3 << 20);
   const AttentionCase c{"tight", 1, 300, 300, 4, 2, 64, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 8,
-                        LshAlgorithm::kAuto, {0.9, 0.2, 0.03, 0.0}};
+                        LshAlgorithm::kPerSample, {0.9, 0.2, 0.03, 0.0}};
   const AttentionOptions o = options_of(c, 4321);
   Problem on_gpu = make_problem(o, 8, false), on_cpu = make_problem(o, 8, false);
   ASSERT_TRUE(on_gpu.status.ok() && on_cpu.status.ok());

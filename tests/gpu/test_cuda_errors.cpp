@@ -18,7 +18,7 @@ TEST(CudaErrors, StickyAreTheErrorsThatLoseTheContext) {
   for (cudaError_t e : {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorMisalignedAddress, cudaErrorAssert,
                         cudaErrorIllegalInstruction, cudaErrorInvalidPc, cudaErrorHardwareStackError,
                         cudaErrorInvalidAddressSpace, cudaErrorLaunchTimeout, cudaErrorECCUncorrectable,
-                        cudaErrorContained, cudaErrorTensorMemoryLeak, cudaErrorExternalDevice})
+                        cudaErrorContained, cudaErrorTensorMemoryLeak, cudaErrorExternalDevice, cudaErrorUnknown})
     EXPECT_TRUE(is_sticky_error(e)) << cudaGetErrorName(e);
   // Recoverable: the call failed, the context is fine.
   for (cudaError_t e : {cudaSuccess, cudaErrorMemoryAllocation, cudaErrorInvalidValue, cudaErrorInvalidConfiguration,
@@ -73,6 +73,16 @@ class LostDevice final : public Backend {
  private:
   DeviceHealth health_;
 };
+
+// A device lost mid-request answers cudaErrorUnknown from then on: the
+// health keeps it, so supports() is UNAVAILABLE and "auto" takes the CPU.
+TEST(CudaErrors, UnknownErrorAfterADeviceLossIsSticky) {
+  DeviceHealth health;
+  EXPECT_TRUE(health.record(cudaErrorUnknown, "in cudaStreamSynchronize"));
+  EXPECT_EQ(health.usable().code(), StatusCode::kUnavailable);
+  EXPECT_NE(health.usable().message().find("cudaErrorUnknown"), std::string::npos) << health.usable().message();
+  EXPECT_EQ(cuda_status(cudaErrorUnknown, "cudaStreamSynchronize(s)", "f.cpp", 2).code(), StatusCode::kUnavailable);
+}
 
 TEST(CudaErrors, AutoFallsBackToTheCpuAfterAStickyError) {
   BackendRegistry& registry = BackendRegistry::global();

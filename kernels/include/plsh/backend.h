@@ -75,6 +75,16 @@ struct BackwardStats {
   Workspace workspace;  // of the caller's workspace, the bytes actually carved
 };
 
+// The probe rows a backend computed with its forward (forward_with_probe),
+// per head, in the order asked: o* (float32 accumulation, D per row), the
+// per-row bound's sum_j a_ij |L*_ij - M~_ij| / sum_j a_ij M~_ij, and
+// max_j ||v_j||^2 over the row's allowed keys.
+struct ProbeRowsOut {
+  std::vector<std::vector<float>> o_star;       // [H][rows * D]
+  std::vector<std::vector<float>> bound_ratio;  // [H][rows]
+  std::vector<std::vector<float>> max_v2;       // [H][rows]
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -130,6 +140,24 @@ class Backend {
   }
   // The device's memory now; nullopt for backends without a device (CPU).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
+
+  // ---- Estimates where the work is (issue 19; plsh/device_estimates.h) ----
+  // A backend that can compute the section-6 probe's exact rows in the same
+  // call as its forward (while its copies of k and v are on its device)
+  // says so per plan; run_attention then computes the mask errors on the
+  // host while the forward runs, and the probe from what this returns.
+  // rows[h]: head h's sample, sorted, as b * Nq + i.
+  virtual bool probes_with_forward(const Plan& plan) const {
+    (void)plan;
+    return false;
+  }
+  // `workspace` as forward's.
+  virtual Status forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
+                                    const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats,
+                                    ProbeRowsOut* out) {
+    (void)plan, (void)rows, (void)workspace, (void)ctx, (void)stats, (void)out;
+    return unimplemented("the " + name() + " backend computes no probe rows with its forward");
+  }
 
  protected:
   // A backward's inputs as every backend needs them: the plan's tensors
@@ -195,8 +223,9 @@ class BackendRegistry {
 // the caller's workspace (WorkspaceRef) in forward and backward,
 // Backend::planning_host_bytes, Plan::own_host_bytes; 6: Backend::
 // allocate_device (the caller owns the device workspace too); 7: the
-// plugin struct's abi_fingerprint.
-inline constexpr uint32_t kBackendApiVersion = 7;
+// plugin struct's abi_fingerprint; 8: Backend::probes_with_forward and
+// ::forward_with_probe (issue 19).
+inline constexpr uint32_t kBackendApiVersion = 8;
 
 // What the library and the process must agree on beyond the version (above).
 constexpr uint64_t backend_abi_fingerprint() {

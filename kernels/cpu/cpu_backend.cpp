@@ -72,8 +72,9 @@ class CpuBackend final : public Backend {
     if (p.memory != MemorySpace::kHost)
       return failed_precondition("memory = device, expected host memory: the cpu backend reads q, k, v and writes "
                                  "out through host pointers");
-    if (p.mode == Mode::kLsh && p.samples < 1)
-      return invalid_argument("samples = " + std::to_string(p.samples) + ", expected >= 1 in lsh mode");
+    if (uses_draws(p.mode) && p.samples < 1)
+      return invalid_argument("samples = " + std::to_string(p.samples) + ", expected >= 1 in " + mode_name(p.mode) +
+                              " mode");
     // BLAS takes int leading dimensions.
     for (auto [name, stride] : {std::pair{"q_row_stride", p.q_row_stride}, std::pair{"k_row_stride", p.k_row_stride},
                                 std::pair{"v_row_stride", p.v_row_stride}}) {
@@ -90,7 +91,7 @@ class CpuBackend final : public Backend {
   StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
     RETURN_IF_ERROR(supports(p));
     ASSIGN_OR_RETURN(Plan plan, start_plan(p, name(), limits));
-    if (p.mode == Mode::kLsh)
+    if (uses_draws(p.mode))
       plan.lsh_algorithm =
           p.lsh_algorithm != LshAlgorithm::kAuto ? p.lsh_algorithm : cpu::choose_lsh_algorithm(p, plan.draws);
     plan.forward_workspace.host_bytes = workspace_for(p, plan.threads, plan.lsh_algorithm);
@@ -102,8 +103,8 @@ class CpuBackend final : public Backend {
     return plan;
   }
 
-  // Every mode, dtype and shape the forward runs (exact, window, lsh with
-  // either algorithm: one function, SPEC section 8).
+  // Every mode, dtype and shape the forward runs (exact, window, lsh and
+  // fixed_blocks with either algorithm: one function, SPEC section 8).
   Status supports_backward(const AttentionParams& p) const override { return supports(p); }
 
   Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) override {
@@ -114,7 +115,7 @@ class CpuBackend final : public Backend {
                                  "whose backward workspace is sized (and charged)");
     RETURN_IF_ERROR(check_backward_inputs(plan, g));
     const AttentionParams& p = plan.params;
-    if (p.mode == Mode::kLsh && static_cast<int64_t>(plan.draws.size()) != p.heads)
+    if (uses_draws(p.mode) && static_cast<int64_t>(plan.draws.size()) != p.heads)
       return invalid_argument("cpu backend: the plan has draws for " + std::to_string(plan.draws.size()) +
                               " heads, expected " + std::to_string(p.heads));
     return cpu::backward(plan, g, ctx, stats);
@@ -148,7 +149,7 @@ class CpuBackend final : public Backend {
       cpu::Scratch& s = scratch[static_cast<size_t>(t)];
       const cpu::TileJob& job = jobs[static_cast<size_t>(n)];
       double f = 0;
-      if (p.mode != Mode::kLsh) {
+      if (!uses_draws(p.mode)) {
         f = cpu::exact_tile(p, job, s);
       } else {
         const std::vector<Draw>& d = plan.draws[static_cast<size_t>(job.h)];
@@ -169,7 +170,7 @@ class CpuBackend final : public Backend {
 
  private:
   static int64_t workspace_for(const AttentionParams& p, int threads, LshAlgorithm algorithm) {
-    const int64_t draws = p.mode == Mode::kLsh ? p.heads * p.samples * static_cast<int64_t>(sizeof(Draw)) : 0;
+    const int64_t draws = uses_draws(p.mode) ? p.heads * p.samples * static_cast<int64_t>(sizeof(Draw)) : 0;
     const int64_t rows = cpu::row_tile(p.mode);
     const int64_t jobs = p.batch * p.heads * ((p.q_len + rows - 1) / rows);
     return threads * cpu::scratch_bytes(p, algorithm == LshAlgorithm::kBanded) + draws +

@@ -72,7 +72,7 @@ ScratchSizes scratch_sizes(const AttentionParams& p) {
   z.dout = p.out_dtype != DType::kF32 ? kBwdRowTile * D : 0;
   z.kv = p.dtype != DType::kF32 ? kBwdKeyTile * D : 0;
   z.tile = kBwdRowTile * kBwdKeyTile;
-  z.counts = p.mode == Mode::kLsh ? kBwdRowTile * (kBwdKeyTile + 1) : 0;
+  z.counts = uses_draws(p.mode) ? kBwdRowTile * (kBwdKeyTile + 1) : 0;
   return z;
 }
 
@@ -142,7 +142,7 @@ void query_reach(const Shared& sh, int64_t h, int64_t kp0, int64_t kp1, int64_t*
       *lo = saturating_add(kp0, -(w - 1));
       *hi = saturating_add(kp1 - 1, w);
     }
-  } else if (p.mode == Mode::kLsh) {
+  } else if (uses_draws(p.mode)) {
     *lo = std::numeric_limits<int64_t>::max();
     *hi = std::numeric_limits<int64_t>::min();
     for (const Draw& d : sh.draws[static_cast<size_t>(h)]) {
@@ -216,7 +216,7 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
   // The tile's keys [lo, hi) that these rows may see.
   int64_t lo = kp0, hi = kp1;
   int64_t width = kNoWindow;
-  if (p.mode == Mode::kLsh) {
+  if (uses_draws(p.mode)) {
     lsh_count_steps(sh.draws[static_cast<size_t>(h)], pos_first, rows, kp0, kp1, sc.counts.data(), &lo, &hi);
   } else if (p.mode == Mode::kWindow) {
     width = p.window[static_cast<size_t>(h)];
@@ -239,7 +239,7 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
 
   float* s = sc.s.data();
   gemm_abt(rows, len, D, scale, q, ldq, k, ldk, s, len);
-  if (p.mode == Mode::kLsh) {
+  if (uses_draws(p.mode)) {
     add_lsh_log_weight(sh, sc.counts.data(), rows, kp0, kp1, pos_first, lo, len, s);
   } else {
     for (int64_t r = 0; r < rows; ++r) sc.nearest[static_cast<size_t>(r)] = nearest_key(p, pos_first + r);
@@ -320,7 +320,7 @@ int64_t backward_workspace_bytes(const AttentionParams& p, int threads) {
   const int64_t row_stats = 2 * p.batch * p.heads * p.q_len * 4;
   const int64_t locks = lock_count(p) * static_cast<int64_t>(sizeof(std::mutex));
   const int64_t jobs = job_count(p) * static_cast<int64_t>(sizeof(BackwardJob));
-  const int64_t log_count = p.mode == Mode::kLsh ? (p.samples + 1) * 4 : 0;
+  const int64_t log_count = uses_draws(p.mode) ? (p.samples + 1) * 4 : 0;
   return threads * scratch_bytes(p) + dq_acc + row_stats + locks + jobs + log_count;
 }
 
@@ -351,7 +351,7 @@ Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ct
     row_d.resize(static_cast<size_t>(p.batch * p.heads * p.q_len));
     row_lse.resize(row_d.size());
     locks.reset(new std::mutex[static_cast<size_t>(lock_count(p))]);
-    if (p.mode == Mode::kLsh) {
+    if (uses_draws(p.mode)) {
       log_count.resize(static_cast<size_t>(p.samples + 1));
       log_count[0] = kNegInf;
       for (int64_t c = 1; c <= p.samples; ++c)
@@ -381,7 +381,7 @@ Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ct
       // Exact and window logits leave out -slope * nearest (AlibiBias);
       // lsh weighs by log(c / s) with nothing left out.
       const double shift =
-          p.mode == Mode::kLsh ? 0.0 : p.slopes[static_cast<size_t>(h)] * static_cast<double>(shift_distance);
+          uses_draws(p.mode) ? 0.0 : p.slopes[static_cast<size_t>(h)] * static_cast<double>(shift_distance);
       const int64_t stat = (b * p.heads + h) * p.q_len + i;
       row_d[static_cast<size_t>(stat)] = static_cast<float>(dot);
       row_lse[static_cast<size_t>(stat)] = static_cast<float>(lse + shift);

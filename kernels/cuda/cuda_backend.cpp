@@ -99,7 +99,7 @@ class CudaBackend final : public Backend {
   Status supports(const AttentionParams& p) const override {
     // After a sticky error: UNAVAILABLE, so that "auto" falls back to the CPU.
     RETURN_IF_ERROR(health_.usable());
-    if (p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kBanded)
+    if (uses_draws(p.mode) && p.lsh_algorithm == LshAlgorithm::kBanded)
       return unimplemented("lsh_algorithm = banded is not implemented on the cuda backend, expected auto or per_sample");
     // 16-byte aligned GEMM operands (device tensors as given; host ones are
     // staged with padded rows), leading dimensions within cuBLAS's int.
@@ -128,7 +128,7 @@ class CudaBackend final : public Backend {
     if (limits.backward) RETURN_IF_ERROR(supports_backward(p));
     ASSIGN_OR_RETURN(Plan plan, start_plan(p, name(), limits));
     try {
-      if (p.mode == Mode::kLsh) plan.lsh_algorithm = LshAlgorithm::kPerSample;
+      if (uses_draws(p.mode)) plan.lsh_algorithm = LshAlgorithm::kPerSample;
       // The caller's share, or half the pool (request_device_cap); a request
       // too large for half the pool may have all of it: it can only run alone.
       const int64_t cap = request_device_cap(pool_.budget(), limits.device_bytes);

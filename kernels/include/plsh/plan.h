@@ -53,7 +53,7 @@ struct Plan {
   std::string backend;                   // name() of the backend that made it; forward refuses others' plans
   int threads = 1;                       // CPU threads the host workspace was sized for (>= 1)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // lsh: the algorithm forward runs; kAuto otherwise
-  std::vector<std::vector<Draw>> draws;  // lsh: [H][samples], SPEC section 5; empty otherwise
+  std::vector<std::vector<Draw>> draws;  // lsh, fixed_blocks: [H][samples] (head_draws); empty otherwise
   Workspace forward_workspace;           // what forward needs
   Workspace estimates_workspace;         // what compute_estimates needs (host only)
   bool backward = false;                 // planned with PlanLimits::backward: backward may run on it
@@ -75,8 +75,8 @@ struct Plan {
   }
 };
 
-// The draws of every head for lsh params (SPEC section 5, by p.sampling),
-// nothing otherwise: the one place that calls draw_hashes for a request.
+// The draws of every head (head_draws) for lsh and fixed_blocks params,
+// nothing otherwise: what a request's plan holds.
 std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p);
 
 // What every backend's plan starts from: the params, the backend's name,

@@ -21,7 +21,8 @@ except ImportError as e:  # pragma: no cover - a setup problem, not a code path
         "and put <build>/python on PYTHONPATH or in PLSH_PYTHON_STUBS") from e
 
 _DTYPES = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
-_MODES = {"exact": pb.MODE_EXACT, "lsh": pb.MODE_LSH, "window": pb.MODE_WINDOW}
+# fixed_blocks: the paper's biased baseline (SPEC section 4), not an approximation.
+_MODES = {"exact": pb.MODE_EXACT, "lsh": pb.MODE_LSH, "window": pb.MODE_WINDOW, "fixed_blocks": pb.MODE_FIXED_BLOCKS}
 _ALGORITHMS = {"auto": pb.LSH_ALGORITHM_AUTO, "per_sample": pb.LSH_ALGORITHM_PER_SAMPLE,
                "banded": pb.LSH_ALGORITHM_BANDED}
 _SAMPLINGS = {"iid": pb.SAMPLING_IID, "stratified": pb.SAMPLING_STRATIFIED, "ash": pb.SAMPLING_ASH}

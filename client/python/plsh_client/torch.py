@@ -171,7 +171,10 @@ def attention(q, k, v, *, mode="lsh", samples=None, seed=0, causal=False, slopes
               k_pos0=0, lsh_algorithm="auto", window_eps=None, window_width=0, estimates=False, backend=None,
               client=None, target=None, keep_context=True, fallback=True, deadline=None):
     """ALiBi attention of q [B, Nq, H, D], k and v [B, Nk, Hkv, D] on a
-    plsh-server, differentiable in q, k and v. Options are Client.attend's
+    plsh-server, differentiable in q, k and v. mode: "lsh", "exact",
+    "window", or "fixed_blocks" (the paper's biased baseline, SPEC section
+    4: blocks of 2 sigma_h from position 0; samples and seed unused); all
+    slopes 0 is no positional bias. Options are Client.attend's
     (samples None: the server's default, 16); estimates default off (a
     training step does not read them). client: a plsh_client.Client, else
     one per target (default $PLSH_TARGET or 127.0.0.1:50051). keep_context:

@@ -99,3 +99,24 @@ def test_cli_attend_runs_fixed_blocks_and_labels_it(server, tmp_path):
     assert meta["mode"] == "fixed_blocks" and meta["samples"] == 1
     q, k, v = (torch.from_numpy(np.load(tmp_path / f"{n}.npy")).double() for n in "qkv")
     assert max_rel(np.load(tmp_path / "o.npy"), reference(q, k, v, slopes=SLOPES, fixed_blocks=True)) <= 1e-5
+
+
+def test_torch_op_passes_the_sampler_to_forward_and_recomputed_backward(server):
+    """sampling reaches the forward, and a stateless backward (which
+    recomputes the forward) draws what the forward drew: its gradients
+    equal the kept context's."""
+    opts = dict(mode="lsh", samples=16, seed=11, causal=True, slopes=SLOPES, sampling="ash")
+    grads = {}
+    with Client(server.address) as c:
+        q0, k0, v0 = (t.detach().numpy() for t in leaves(3))
+        want, _ = c.attend(q0, k0, v0, **opts)
+        iid, _ = c.attend(q0, k0, v0, **{**opts, "sampling": "iid"})
+        for keep in (True, False):
+            q, k, v = leaves(3)
+            out = pt.attention(q, k, v, client=c, keep_context=keep, **opts)
+            np.testing.assert_array_equal(out.detach().numpy(), want)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(6)))
+            grads[keep] = (q.grad, k.grad, v.grad)
+    assert np.abs(want - iid).max() > 1e-3  # the sampler changed the draws
+    for by_context, stateless in zip(grads[True], grads[False]):
+        assert max_rel(stateless, by_context) <= 1e-6

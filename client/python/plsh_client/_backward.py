@@ -18,13 +18,14 @@ float32 arrays, as in attend)."""
 import grpc
 import numpy as np
 
-from ._client import (_ALGORITHMS, _DTYPES, _MODES, PlshError, _decode, _encode, _input_chunks, _wire_dtype_of, pb)
+from ._client import (_ALGORITHMS, _DTYPES, _MODES, _SAMPLINGS, PlshError, _decode, _encode, _input_chunks,
+                      _wire_dtype_of, pb)
 from ._rpc import _Stream
 
 
 def _forward_header(q, k, v, wire, out_wire, *, mode=None, samples=None, seed=0, causal=False, scale=None,
                     slopes=None, q_pos0=None, k_pos0=0, lsh_algorithm="auto", window_eps=None, window_width=0,
-                    check_finite=None, backend=None):
+                    check_finite=None, backend=None, sampling=None):
     """The forward's AttendHeader, as Client.attend builds it."""
     if mode is not None and mode not in _MODES:
         raise ValueError(f"mode = {mode!r}, expected one of {sorted(_MODES)}")
@@ -38,6 +39,10 @@ def _forward_header(q, k, v, wire, out_wire, *, mode=None, samples=None, seed=0,
         lsh_algorithm=_ALGORITHMS[lsh_algorithm], window_width=window_width, backend=backend or "")
     if mode is not None:
         header.mode = _MODES[mode]
+    if sampling is not None:  # the forward's sampler: a recomputed forward must draw what it drew
+        if sampling not in _SAMPLINGS:
+            raise ValueError(f"sampling = {sampling!r}, expected one of {sorted(_SAMPLINGS)}")
+        header.sampling = _SAMPLINGS[sampling]
     for field, value in (("scale", scale), ("q_pos0", q_pos0), ("samples", samples), ("window_eps", window_eps),
                          ("check_finite", check_finite)):
         if value is not None:

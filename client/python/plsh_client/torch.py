@@ -169,7 +169,7 @@ class _Attention(torch.autograd.Function):
 
 def attention(q, k, v, *, mode="lsh", samples=None, seed=0, causal=False, slopes=None, scale=None, q_pos0=None,
               k_pos0=0, lsh_algorithm="auto", window_eps=None, window_width=0, estimates=False, backend=None,
-              client=None, target=None, keep_context=True, fallback=True, deadline=None):
+              client=None, target=None, keep_context=True, fallback=True, deadline=None, sampling=None):
     """ALiBi attention of q [B, Nq, H, D], k and v [B, Nk, Hkv, D] on a
     plsh-server, differentiable in q, k and v. mode: "lsh", "exact",
     "window", or "fixed_blocks" (the paper's biased baseline, SPEC section
@@ -192,5 +192,5 @@ def attention(q, k, v, *, mode="lsh", samples=None, seed=0, causal=False, slopes
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     options = {"mode": mode, "samples": samples, "seed": seed, "causal": causal, "slopes": slopes, "scale": scale,
                "q_pos0": q_pos0, "k_pos0": k_pos0, "lsh_algorithm": lsh_algorithm, "window_eps": window_eps,
-               "window_width": window_width, "estimates": estimates, "backend": backend}
+               "window_width": window_width, "estimates": estimates, "backend": backend, "sampling": sampling}
     return _Attention.apply(q, k, v, _Call(c, options, keep_context and needs_grad, fallback, deadline))

@@ -503,6 +503,16 @@ def write_results(records, cfg, out_dir):
     return path, rows
 
 
+def save_small(fig, path, dpi):
+    """The figure as a 256-colour PNG: line plots lose nothing visible and
+    the file stays small enough to commit (PIL comes with matplotlib)."""
+    from PIL import Image
+    fig.savefig(path + ".tmp.png", dpi=dpi)
+    with Image.open(path + ".tmp.png") as im:
+        im.convert("RGB").quantize(colors=256).save(path, optimize=True)
+    os.remove(path + ".tmp.png")
+
+
 def plots(records, cfg, out_dir):
     import matplotlib
     matplotlib.use("Agg")
@@ -525,6 +535,7 @@ def plots(records, cfg, out_dir):
         axes[1].set(xlabel="eval length (characters)", ylabel="held-out perplexity (last L scored)", xscale="log",
                     title=f"perplexity at L, 2L, 4L (L = {L}); solid: exact ALiBi, dashed: own mode")
         axes[1].set_xticks([L, 2 * L, 4 * L], [str(L), str(2 * L), str(4 * L)])
+        axes[1].minorticks_off()  # the log axis's minor labels would overprint L, 2L, 4L
         for a in axes:
             a.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
@@ -533,7 +544,7 @@ def plots(records, cfg, out_dir):
                      f"{cfg['heads']} heads, batch {cfg['batch']}, context {L})", fontsize=10)
         fig.tight_layout()
         written.append(os.path.join(out_dir, "training.png"))
-        fig.savefig(written[-1], dpi=110)
+        save_small(fig, written[-1], dpi=110)
         plt.close(fig)
     t = records.get("theory")
     if t:
@@ -575,7 +586,7 @@ def plots(records, cfg, out_dir):
                      f"{st['theory_seeds']} seeds each; lines: means by sigma)", fontsize=10)
         fig.tight_layout()
         written.append(os.path.join(out_dir, "theory.png"))
-        fig.savefig(written[-1], dpi=110)
+        save_small(fig, written[-1], dpi=90)
         plt.close(fig)
     return written
 

@@ -88,6 +88,7 @@ USER 10001:10001
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD plsh health --deadline 3 --target "127.0.0.1:${PLSH_LISTEN##*:}" || exit 1
 # The server drains in-flight requests on SIGTERM for up to
-# PLSH_DRAIN_TIMEOUT seconds: give `docker stop` longer (-t 40).
+# PLSH_DRAIN_TIMEOUT seconds (30), then exits within PLSH_EXIT_TIMEOUT more
+# (15) whatever is stuck: give `docker stop` longer (-t 50).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["plsh-server"]

@@ -71,9 +71,11 @@ int main(int argc, char** argv) {
       limits.threads = flags.threads;
       plsh::StatusOr<plsh::Plan> plan = cpu->plan(*p, limits);  // once: forward alone is timed
       die_unless(plan.status());
+      plsh::StatusOr<plsh::HostWorkspace> workspace = plsh::HostWorkspace::allocate(plan->forward_workspace.host_bytes);
+      die_unless(workspace.status());
       m.median = plsh::bench::median_of(flags.runs, [&] {
         plsh::ForwardStats stats;
-        die_unless(cpu->forward(*plan, plsh::ExecContext{}, &stats));
+        die_unless(cpu->forward(*plan, workspace->ref(), plsh::ExecContext{}, &stats));
         m.flops = stats.flops;
         m.used = stats.lsh_algorithm;
       });

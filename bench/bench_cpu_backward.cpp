@@ -64,10 +64,12 @@ int main(int argc, char** argv) {
       grads.dv = dv.data();
       plsh::StatusOr<plsh::BackwardParams> g = plsh::make_backward_params(plan->params, grads);
       die_unless(g.status());
-      const Timing fwd = median_of(flags.runs, [&] { die_unless(cpu->forward(*plan, plsh::ExecContext{}, nullptr)); });
+      plsh::StatusOr<plsh::HostWorkspace> workspace = plsh::HostWorkspace::allocate(plan->workspace().host_bytes);
+      die_unless(workspace.status());
+      const plsh::WorkspaceRef w = workspace->ref();
+      const Timing fwd = median_of(flags.runs, [&] { die_unless(cpu->forward(*plan, w, plsh::ExecContext{}, nullptr)); });
       plsh::BackwardStats stats;
-      const Timing bwd =
-          median_of(flags.runs, [&] { die_unless(cpu->backward(*plan, *g, plsh::ExecContext{}, &stats)); });
+      const Timing bwd = median_of(flags.runs, [&] { die_unless(cpu->backward(*plan, *g, w, plsh::ExecContext{}, &stats)); });
       std::string label = mode_name;
       if (o.mode == plsh::Mode::kLsh)
         label += " s=" + std::to_string(flags.samples) + " (" + plsh::lsh_algorithm_name(plan->lsh_algorithm) +

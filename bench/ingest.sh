@@ -14,6 +14,10 @@
 #            input, from the response summaries), vs raw TCP's 256 MiB
 #   send   = 134217728 B / the server's sending phase (first output chunk to
 #            the summary), vs raw TCP's 128 MiB
+#   dout   = 134217728 B / the backward's receiving phase (`plsh bench
+#            --backward`: each forward keeps its context, then its backward
+#            by context sends dout [1, 131072, 4, 64] alone), vs raw TCP's
+#            128 MiB: the backward's ingest on the same transport
 #
 # The server runs as shipped: default flags, no environment variables
 # (it sets its own allocator behaviour). Two warmup seconds first (two or
@@ -127,6 +131,10 @@ else
 fi
 stop_server
 
+start_server
+run_bench "training steps (server: --workers 1, defaults)" "$work/backward.json" --backward
+stop_server
+
 start_server --shm-dir "$shm_dir"
 run_bench "shared memory (server: --workers 1 --shm-dir $shm_dir)" "$work/shm.json" --shm --shm-dir "$shm_dir"
 stop_server
@@ -158,6 +166,7 @@ def raw_s(nbytes):
     return sum(s for s, _ in runs) / len(runs), [s for s, _ in runs]
 
 streamed, streamed_cpu = load("streamed")
+backward, _ = load("backward")
 shm, shm_cpu = load("shm")
 ms = lambda level, phase, stat="p50": level["server_ms"][phase][stat]
 for nbytes, phase, what in ((268435456, "receiving", "ingest"), (134217728, "sending", "send")):
@@ -167,6 +176,16 @@ for nbytes, phase, what in ((268435456, "receiving", "ingest"), (134217728, "sen
           f"max {ms(streamed, phase, 'max'):.1f}) -> {nbytes / t / 1e6:.0f} MB/s; raw TCP median "
           f"{' / '.join(f'{s * 1e3:.1f}' for s in raw_each)} ms (before / after) -> {nbytes / raw_mean / 1e6:.0f} MB/s; "
           f"ratio {raw_mean / t:.2f}")
+ratios = {}
+for nbytes, phase, what in ((268435456, "receiving", "ingest"), (134217728, "sending", "send")):
+    ratios[what] = raw_s(nbytes)[0] / (ms(streamed, phase) / 1e3)
+dout_ms = backward["step_ms"]["backward_receiving"]
+t = dout_ms["p50"] / 1e3
+raw_mean, raw_each = raw_s(134217728)
+print(f"dout (backward by context): 134217728 bytes, server receiving p50 {t * 1e3:.1f} ms (avg {dout_ms['avg']:.1f}, "
+      f"max {dout_ms['max']:.1f}) -> {134217728 / t / 1e6:.0f} MB/s; raw TCP median "
+      f"{' / '.join(f'{s * 1e3:.1f}' for s in raw_each)} ms -> {134217728 / raw_mean / 1e6:.0f} MB/s; ratio "
+      f"{raw_mean / t:.2f} ({raw_mean / t / ratios['ingest']:.2f} of the forward's ingest ratio; goal within 10%)")
 print(f"streamed: whole request p50 {streamed['latency_ms']['p50']:.1f} ms; server phases p50 ms: "
       + ", ".join(f"{p} {ms(streamed, p):.1f}" for p in ("queued", "receiving", "computing", "sending")))
 print(f"  CPU seconds per request: server gRPC threads {streamed_cpu['grpc']:.3f} (256 MiB in + 128 MiB out), "

@@ -4,6 +4,8 @@
 #include <iterator>
 #include <string>
 
+#include "server/buffer_pool.h"
+
 namespace plsh::server {
 
 namespace {
@@ -12,16 +14,12 @@ std::string rows_str(int64_t start, int64_t end) {
 }
 }  // namespace
 
-Assembler::Assembler(const RequestPlan& plan, RequestBuffers* buffers)
-    : Assembler({{v1::TENSOR_Q, "q", buffers->q.get(), plan.q_rows, plan.q_row_bytes, "batch * q_len", plan.in_shm.q},
-                 {v1::TENSOR_K, "k", buffers->k.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", plan.in_shm.k},
-                 {v1::TENSOR_V, "v", buffers->v.get(), plan.kv_rows, plan.kv_row_bytes, "batch * kv_len", plan.in_shm.v}}) {}
-
 Assembler::Assembler(std::initializer_list<AssemblyTarget> targets) {
   for (const AssemblyTarget& t : targets) {
     if (count_ == kMaxTensors) break;
     // A tensor in shared memory is there whole: no chunks of it.
-    tensors_[count_++] = {t.tensor, t.name, t.data, t.rows, t.row_bytes, t.rows_expr, t.in_shm, {}, t.in_shm ? t.rows : 0};
+    tensors_[count_++] = {t.tensor,    t.name,   t.data, t.shape.rows, t.shape.row_bytes,
+                          t.rows_expr, t.in_shm, {},     t.in_shm ? t.shape.rows : 0};
   }
 }
 
@@ -84,7 +82,11 @@ StatusOr<uint8_t*> Assembler::accept(int tensor, int64_t start, int64_t count, s
     }
   }
   t.ranges[merged_start] = merged_end;
-  return t.data + start * t.row_bytes;
+  // Memory follows data: the request's block is mapped but not faulted in
+  // (buffer_pool.h); its pages come in here, one call per chunk.
+  uint8_t* dst = t.data + start * t.row_bytes;
+  BufferPool::fault_in(dst, expected_bytes);
+  return dst;
 }
 
 Status Assembler::add(const v1::TensorChunk& chunk) {

@@ -6,7 +6,8 @@
 // rows involved.
 //
 // accept() checks a chunk from its fields alone and says where its bytes
-// go, so that the service copies them there straight from the slices gRPC
+// go, with the pages there faulted in (buffer_pool.h: memory follows data),
+// so that the service copies them there straight from the slices gRPC
 // received (proto/chunk_codec.h); add() does both for a parsed message.
 #pragma once
 
@@ -14,9 +15,9 @@
 #include <initializer_list>
 #include <map>
 
+#include "plsh/shape.h"
 #include "plsh/status.h"
 #include "plsh/v1/plsh.pb.h"
-#include "server/request.h"
 
 namespace plsh::server {
 
@@ -24,18 +25,15 @@ namespace plsh::server {
 struct AssemblyTarget {
   v1::Tensor tensor = v1::TENSOR_UNSPECIFIED;
   const char* name = "";       // "q", "dout": what messages call it
-  uint8_t* data = nullptr;     // rows * row_bytes
-  int64_t rows = 0;
-  int64_t row_bytes = 0;
+  uint8_t* data = nullptr;     // shape.bytes()
+  TensorShape shape;           // its rows and row bytes (plsh/shape.h)
   const char* rows_expr = "";  // "batch * q_len"
   bool in_shm = false;         // in shared memory: there whole, no chunks
 };
 
 class Assembler {
  public:
-  // q, k and v of an Attend request.
-  Assembler(const RequestPlan& plan, RequestBuffers* buffers);
-  // Any set of tensors, at most kMaxTensors (AttendBackward's).
+  // Any set of tensors (Attend's q, k, v; AttendBackward's), at most kMaxTensors.
   explicit Assembler(std::initializer_list<AssemblyTarget> targets);
   static constexpr int kMaxTensors = 6;
 

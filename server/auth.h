@@ -55,7 +55,7 @@
 
 #include "plsh/status.h"
 #include "server/metrics.h"
-#include "server/scheduler.h"
+#include "server/memory_budget.h"
 
 namespace plsh::server {
 

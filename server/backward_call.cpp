@@ -14,129 +14,133 @@ namespace plsh::server {
 
 // ------------------------------------------------------------ planning
 
-int64_t BackwardPlan::input_bytes() const {
-  int64_t bytes = dout_bytes();
+int64_t GradRequest::input_bytes() const {
+  int64_t bytes = shape.dout.bytes();
   if (stateless) {
-    const RequestPlan& f = *stateless;
-    bytes += f.q_bytes() + 2 * f.kv_bytes();
-    if (!recompute_forward) bytes += f.out_bytes() + f.q_rows * f.lse_row_bytes;
+    bytes += shape.q.bytes() + shape.k.bytes() + shape.v.bytes();
+    if (!recompute_forward) bytes += shape.out.bytes() + shape.lse.bytes();
   }
   return bytes;
 }
 
-StatusOr<BackwardPlan> check_backward_header(const v1::BackwardHeader& h, const RequestLimits& limits) {
-  BackwardPlan plan;
+int64_t GradRequest::tensor_bytes() const {
+  int64_t bytes = shape.dout.bytes() + shape.dq.bytes() + shape.dk.bytes() + shape.dv.bytes();
+  if (stateless) bytes += shape.q.bytes() + shape.k.bytes() + shape.v.bytes() + shape.out.bytes() + shape.lse.bytes();
+  return bytes;
+}
+
+Workspace GradRequest::workspace() const {
+  const Plan& plan = forward().plan;
+  return stateless ? plan.workspace() : plan.backward_workspace;
+}
+
+MemoryLayout GradRequest::memory_layout() const {
+  MemoryLayout m;
+  if (stateless) {
+    m.q = shape.q.bytes();
+    m.k = shape.k.bytes();
+    m.v = shape.v.bytes();
+    m.out = shape.out.bytes();
+    m.lse = shape.lse.bytes();
+  }
+  m.dout = shape.dout.bytes();
+  m.dq = shape.dq.bytes();
+  m.dk = shape.dk.bytes();
+  m.dv = shape.dv.bytes();
+  m.workspace = workspace().host_bytes;
+  return m;
+}
+
+StatusOr<GradRequest> check_backward_header(const v1::BackwardHeader& h, const RequestLimits& limits) {
+  GradRequest g;
   RETURN_IF_ERROR(check_request_id(h.request_id()));
-  plan.id = h.request_id().empty() ? next_request_id() : h.request_id();
-  plan.keep_context = h.keep_context();
-  plan.recompute_forward = h.recompute_forward();
+  g.id = h.request_id().empty() ? next_request_id() : h.request_id();
+  g.keep_context = h.keep_context();
+  g.recompute_forward = h.recompute_forward();
   if (h.out_chunk_bytes() < 0)
     return invalid_argument("out_chunk_bytes = " + std::to_string(h.out_chunk_bytes()) + ", expected >= 0 (0: server's largest)");
-  plan.requested_chunk_bytes = h.out_chunk_bytes();
+  g.requested_chunk_bytes = h.out_chunk_bytes();
   switch (h.source_case()) {
     case v1::BackwardHeader::kContextId:
       if (h.context_id().empty())
         return invalid_argument("context_id is empty, expected the context_id of a forward's summary (keep_context)");
-      if (plan.recompute_forward)
+      if (g.recompute_forward)
         return invalid_argument("recompute_forward = true with context_id: the context holds out and lse; expected it "
                                 "only with a stateless forward header");
-      plan.context_id = h.context_id();
+      g.context_id = h.context_id();
       break;
     case v1::BackwardHeader::kForward: {
-      if (plan.keep_context)
+      if (g.keep_context)
         return invalid_argument("keep_context = true with a stateless backward (forward header): there is no context "
                                 "to keep; expected it only with context_id");
-      ASSIGN_OR_RETURN(RequestPlan forward, check_request(h.forward(), limits));
+      ASSIGN_OR_RETURN(Request forward, check_request(h.forward(), limits));
       // The forward's header as the backward reads it: planned for its
       // backward, out and lse in host buffers, no estimates, nothing kept.
-      forward.id = plan.id;
+      forward.id = g.id;
       forward.keep_context = false;
       forward.return_lse = false;
       forward.backward = true;
       forward.options.estimates = false;
-      plan.stateless = std::move(forward);
+      g.stateless = std::move(forward);
       break;
     }
     default:
       return invalid_argument("BackwardHeader has neither context_id nor forward, expected one of them");
   }
-  if (plan.stateless) {
-    const DType dtype = plan.stateless->options.dtype;
-    ASSIGN_OR_RETURN(plan.grad_dtype, wire::dtype_from_wire("grad_dtype", h.grad_dtype(), dtype));
+  if (g.stateless) {
+    const DType dtype = g.stateless->options.dtype;
+    ASSIGN_OR_RETURN(g.grad_dtype, wire::dtype_from_wire("grad_dtype", h.grad_dtype(), dtype));
   } else if (h.grad_dtype() != v1::DTYPE_UNSPECIFIED) {
     // The context's dtype is known only once it is found: checked there.
-    ASSIGN_OR_RETURN(plan.grad_dtype, wire::dtype_from_wire("grad_dtype", h.grad_dtype(), std::nullopt));
+    ASSIGN_OR_RETURN(g.grad_dtype, wire::dtype_from_wire("grad_dtype", h.grad_dtype(), std::nullopt));
   }
-  return plan;
+  return g;
 }
 
-Status size_backward(BackwardPlan* plan, const RequestLimits& limits) {
-  BackwardPlan& b = *plan;
-  const RequestPlan& f = b.forward();
-  const AttentionOptions& o = f.options;
-  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  const int64_t grad_bytes = static_cast<int64_t>(dtype_bytes(b.grad_dtype));
-  b.dout_row_bytes = f.out_row_bytes;
-  b.dq_row_bytes = o.heads * o.head_dim * grad_bytes;
-  b.dkv_row_bytes = kv_heads * o.head_dim * grad_bytes;
-  b.total_bytes = b.dout_bytes() + b.dq_bytes() + 2 * b.dkv_bytes();
-  if (b.stateless) b.total_bytes += f.q_bytes() + 2 * f.kv_bytes() + f.out_bytes() + f.q_rows * f.lse_row_bytes;
-  if (b.total_bytes > limits.max_request_bytes)
-    return resource_exhausted("backward needs " + std::to_string(b.total_bytes) + " bytes (dout + dq + dk + dv" +
-                              (b.stateless ? " + q + k + v + out + lse" : "") + "), expected <= " +
+Status size_backward(GradRequest* request, const RequestLimits& limits) {
+  GradRequest& g = *request;
+  const AttentionOptions& o = g.forward().options;
+  g.shape = RequestShape::of(o, g.grad_dtype);
+  const RequestShape& z = g.shape;
+  if (g.tensor_bytes() > limits.max_request_bytes)
+    return resource_exhausted("backward needs " + std::to_string(g.tensor_bytes()) + " bytes (dout + dq + dk + dv" +
+                              (g.stateless ? " + q + k + v + out + lse" : "") + "), expected <= " +
                               std::to_string(limits.max_request_bytes) + " (the server's --max-request-bytes)");
   const int64_t payload_cap = limits.max_message_bytes - kMessageHeadroom;
-  const int64_t widest_row = std::max({b.dout_row_bytes, b.dq_row_bytes, b.dkv_row_bytes, f.q_row_bytes, f.kv_row_bytes});
+  const int64_t widest_row = std::max({z.dout.row_bytes, z.dq.row_bytes, z.dk.row_bytes, z.q.row_bytes, z.k.row_bytes});
   if (widest_row > payload_cap)
     return resource_exhausted("heads = " + std::to_string(o.heads) + ", head_dim = " + std::to_string(o.head_dim) +
                               ": one row is " + std::to_string(widest_row) + " bytes, expected <= " +
                               std::to_string(payload_cap) + " (the server's --max-message-bytes less framing)");
-  const int64_t wanted = b.requested_chunk_bytes == 0 ? payload_cap : std::min(b.requested_chunk_bytes, payload_cap);
-  b.out_chunk_bytes = std::max({wanted, b.dq_row_bytes, b.dkv_row_bytes});
-  // By context only the backward's own workspace: the forward has run. A
-  // stateless request may run both, one after the other: the larger.
-  const Workspace w = b.stateless ? f.kernel.workspace() : f.kernel.backward_workspace;
-  b.charge.host_bytes = b.total_bytes + w.host_bytes;
-  b.charge.device_bytes = w.device_bytes;
+  const int64_t wanted = g.requested_chunk_bytes == 0 ? payload_cap : std::min(g.requested_chunk_bytes, payload_cap);
+  g.out_chunk_bytes = std::max({wanted, z.dq.row_bytes, z.dk.row_bytes});
   return Status::Ok();
 }
 
-BackwardBuffers BackwardBuffers::allocate(const BackwardPlan& plan) {
-  BackwardBuffers b;
-  // Left uninitialised: the assembler checks that every input row is
-  // written, the backward writes every row of dq, dk, dv.
-  b.dout.reset(new uint8_t[static_cast<size_t>(plan.dout_bytes())]);
-  b.dq.reset(new uint8_t[static_cast<size_t>(plan.dq_bytes())]);
-  b.dk.reset(new uint8_t[static_cast<size_t>(plan.dkv_bytes())]);
-  b.dv.reset(new uint8_t[static_cast<size_t>(plan.dkv_bytes())]);
-  if (plan.stateless) b.forward = RequestBuffers::allocate(*plan.stateless);
-  return b;
-}
-
-StatusOr<BackwardComputation> compute_backward(BackwardPlan& plan, BackwardBuffers& buffers, const ExecContext& ctx) {
+StatusOr<BackwardComputation> compute_backward(GradRequest& g, const RequestMemory& memory, const ExecContext& ctx) {
   RETURN_IF_ERROR(ctx.check_stop());
   BackwardComputation c;
   GradientRefs grads;
-  grads.dout = buffers.dout.get();
-  grads.dq = buffers.dq.get();
-  grads.dk = buffers.dk.get();
-  grads.dv = buffers.dv.get();
-  grads.grad_dtype = plan.grad_dtype;
-  if (plan.stateless) {
-    RequestPlan& f = *plan.stateless;
-    RETURN_IF_ERROR(bind_tensors(&f.kernel.params, buffers.forward.refs()));
-    if (plan.recompute_forward) {
-      ASSIGN_OR_RETURN(const AttentionResult forward, run_attention(*f.backend, f.kernel, ctx));
+  grads.dout = memory.dout;
+  grads.dq = memory.dq;
+  grads.dk = memory.dk;
+  grads.dv = memory.dv;
+  grads.grad_dtype = g.grad_dtype;
+  if (g.stateless) {
+    Request& f = *g.stateless;
+    RETURN_IF_ERROR(bind_tensors(&f.plan.params, memory.refs()));
+    if (g.recompute_forward) {
+      ASSIGN_OR_RETURN(const AttentionResult forward, run_attention(*f.backend, f.plan, memory.workspace, ctx));
       c.forward_flops = forward.flops;
       c.result.timings["forward"] = forward.timings.count("compute") ? forward.timings.at("compute") : 0.0;
     } else {
       // The client's out and lse: checked (finite) as inputs.
-      grads.out = buffers.forward.out.get();
-      grads.lse = buffers.forward.lse.get();
+      grads.out = memory.out;
+      grads.lse = memory.lse;
     }
   }
-  const RequestPlan& f = plan.forward();
-  ASSIGN_OR_RETURN(BackwardResult result, run_backward(*f.backend, f.kernel, grads, ctx));
+  const Request& f = g.forward();
+  ASSIGN_OR_RETURN(BackwardResult result, run_backward(*f.backend, f.plan, grads, memory.workspace, ctx));
   for (const auto& [name, seconds] : c.result.timings) result.timings[name] = seconds;
   c.result = std::move(result);
   return c;
@@ -146,149 +150,147 @@ namespace {
 
 // ------------------------------------------------------- AttendBackward
 
-class BackwardReactor final : public StreamedCall<v1::BackwardRequest, v1::BackwardResponse> {
+class BackwardReactor final : public StreamedCall {
  public:
   using StreamedCall::StreamedCall;
 
  private:
-  Status handle_message() override {
-    return dispatch(request_, [this](const v1::BackwardHeader& header) { return on_header(header); });
+  Status handle_parsed() override {
+    v1::BackwardRequest request;
+    if (!parse_message(&message_, &request))
+      return invalid_argument(std::string("a message that is not a BackwardRequest, expected ") + expected_next());
+    return dispatch(request, [this](const v1::BackwardHeader& header) { return on_header(header); });
+  }
+
+  grpc::ByteBuffer ack_message(const v1::Ack& ack) const override {
+    v1::BackwardResponse message;
+    *message.mutable_ack() = ack;
+    return serialize_message(message);
+  }
+
+  // The forward this backward differentiates: the context, checked out at
+  // once (no other backward, eviction or expiry meanwhile), or the
+  // stateless header planned for its backward (the planning bound held).
+  Status find_forward(const v1::BackwardHeader& header) {
+    GradRequest& g = *grad_;
+    if (!g.context_id.empty()) {
+      if (s_.contexts == nullptr || !s_.contexts->enabled())
+        return failed_precondition("context_id = " + echo_value(g.context_id) +
+                                   ": this server keeps no contexts (--context-ttl 0); expected a stateless backward");
+      ASSIGN_OR_RETURN(g.context, s_.contexts->check_out(g.context_id, record_.client, g.id));
+      checked_out_ = true;
+      if (header.grad_dtype() == v1::DTYPE_UNSPECIFIED) g.grad_dtype = g.context->request().options.dtype;
+      return Status::Ok();
+    }
+    Request& f = *g.stateless;
+    ASSIGN_OR_RETURN(const int64_t planning, planning_bytes(f));
+    return ticket_.plan(planning, [&] { return plan_request(&f, s_.limits); });
   }
 
   Status on_header(const v1::BackwardHeader& header) {
-    if (backward_)
-      return invalid_argument("header received twice, expected exactly one header as the first message");
+    if (grad_) return invalid_argument("header received twice, expected exactly one header as the first message");
     if (header.has_forward()) record_.mode = wire::mode_label(header.forward().mode());
-    ASSIGN_OR_RETURN(BackwardPlan plan, check_backward_header(header, s_.limits));
-    backward_ = std::move(plan);
-    BackwardPlan& b = *backward_;
-    record_.id = b.id;
-    if (!b.context_id.empty()) {
-      if (s_.contexts == nullptr || !s_.contexts->enabled())
-        return failed_precondition("context_id = " + echo_value(b.context_id) +
-                                   ": this server keeps no contexts (--context-ttl 0); expected a stateless backward");
-      ASSIGN_OR_RETURN(b.context, s_.contexts->check_out(b.context_id, record_.client, b.id));
-      checked_out_ = true;
-      if (header.grad_dtype() == v1::DTYPE_UNSPECIFIED) b.grad_dtype = b.context->plan().options.dtype;
-    } else {
-      // Planning allocates the draws: held against the budget meanwhile, as
-      // for a forward (CallBase::plan).
-      RequestPlan& f = *b.stateless;
-      const MemoryCharge planning{planning_bytes(f), 0};
-      RETURN_IF_ERROR(s_.contexts != nullptr ? s_.contexts->reserve(planning) : s_.scheduler->reserve(planning));
-      const Status planned = plan_kernels(&f, s_.limits);
-      s_.scheduler->release(planning);
-      RETURN_IF_ERROR(planned);
-    }
-    const RequestPlan& f = b.forward();
+    ASSIGN_OR_RETURN(grad_, check_backward_header(header, s_.limits));
+    GradRequest& g = *grad_;
+    record_.id = g.id;
+    RETURN_IF_ERROR(find_forward(header));
+    const Request& f = g.forward();
     record_.mode = mode_name(f.options.mode);
     record_.backend = f.backend->name();
-    record_.shape = shape_of(f) + " grad=" + dtype_name(b.grad_dtype);
-    RETURN_IF_ERROR(size_backward(&b, s_.limits));
-    phase_bytes.store(b.input_bytes());
-    RETURN_IF_ERROR(reserve(b.charge));
-    try {
-      buffers_bw_ = BackwardBuffers::allocate(b);
-    } catch (const std::bad_alloc&) {
-      return resource_exhausted("out of host memory for the backward's " + std::to_string(b.total_bytes) + " bytes");
-    }
-    const int64_t q_rows = f.q_rows, kv_rows = f.kv_rows;
-    const AssemblyTarget dout{v1::TENSOR_DOUT, "dout", buffers_bw_.dout.get(), q_rows, b.dout_row_bytes, "batch * q_len"};
-    if (!b.stateless) {
+    record_.shape = shape_of(f) + " grad=" + dtype_name(g.grad_dtype);
+    RETURN_IF_ERROR(size_backward(&g, s_.limits));
+    phase_bytes.store(g.input_bytes());
+    // A stateless forward's plan holds its draws; a context's are charged to it.
+    ASSIGN_OR_RETURN(memory_, ticket_.admit(g.memory_layout(), g.stateless ? f.plan.own_host_bytes : 0,
+                                            g.workspace().device_bytes, *f.backend));
+    const RequestShape& z = g.shape;
+    const AssemblyTarget dout{v1::TENSOR_DOUT, "dout", memory_.dout, z.dout, "batch * q_len"};
+    if (!g.stateless) {
       assembler_ = std::make_unique<Assembler>(std::initializer_list<AssemblyTarget>{dout});
     } else {
-      RequestBuffers& in = buffers_bw_.forward;
-      const AssemblyTarget q{v1::TENSOR_Q, "q", in.q.get(), q_rows, f.q_row_bytes, "batch * q_len"};
-      const AssemblyTarget k{v1::TENSOR_K, "k", in.k.get(), kv_rows, f.kv_row_bytes, "batch * kv_len"};
-      const AssemblyTarget v{v1::TENSOR_V, "v", in.v.get(), kv_rows, f.kv_row_bytes, "batch * kv_len"};
-      if (b.recompute_forward) {
+      const AssemblyTarget q{v1::TENSOR_Q, "q", memory_.q, z.q, "batch * q_len"};
+      const AssemblyTarget k{v1::TENSOR_K, "k", memory_.k, z.k, "batch * kv_len"};
+      const AssemblyTarget v{v1::TENSOR_V, "v", memory_.v, z.v, "batch * kv_len"};
+      if (g.recompute_forward) {
         assembler_ = std::make_unique<Assembler>(std::initializer_list<AssemblyTarget>{q, k, v, dout});
       } else {
-        const AssemblyTarget out{v1::TENSOR_OUT, "out", in.out.get(), q_rows, f.out_row_bytes, "batch * q_len"};
-        const AssemblyTarget lse{v1::TENSOR_LSE, "lse", reinterpret_cast<uint8_t*>(in.lse.get()), q_rows,
-                                 f.lse_row_bytes, "batch * q_len"};
+        const AssemblyTarget out{v1::TENSOR_OUT, "out", memory_.out, z.out, "batch * q_len"};
+        const AssemblyTarget lse{v1::TENSOR_LSE, "lse", reinterpret_cast<uint8_t*>(memory_.lse), z.lse, "batch * q_len"};
         assembler_ = std::make_unique<Assembler>(std::initializer_list<AssemblyTarget>{q, k, v, out, lse, dout});
       }
     }
-    publish_ack(b.id, *f.backend, b.out_chunk_bytes);
+    publish_ack(g.id, *f.backend, g.out_chunk_bytes);
     return Status::Ok();
   }
 
   void run() override {
-    const BackwardPlan& b = *backward_;
+    const GradRequest& g = *grad_;
     StatusOr<BackwardComputation> result = run_guarded<BackwardComputation>(
-        end_at_, "backward request " + b.id,
-        [this](const ExecContext& exec) { return compute_backward(*backward_, buffers_bw_, exec); });
+        end_at_, "backward request " + g.id,
+        [this](const ExecContext& exec) { return compute_backward(*grad_, memory_, exec); });
     if (result.ok()) record_.backend = result->result.backend;
-    computed(std::move(result), &result_, b.dq_bytes() + 2 * b.dkv_bytes());
+    computed(std::move(result), &result_, g.shape.dq.bytes() + g.shape.dk.bytes() + g.shape.dv.bytes());
   }
 
-  // dq, then dk, then dv, in row order.
+  // dq, then dk, then dv, in row order: slices of the granted block.
   bool next_output() override {
-    const BackwardPlan& b = *backward_;
+    const GradRequest& g = *grad_;
     const struct {
       v1::Tensor tensor;
       const uint8_t* data;
-      int64_t rows, row_bytes;
+      const TensorShape& shape;
       int64_t* next;
-    } grads[] = {{v1::TENSOR_DQ, buffers_bw_.dq.get(), b.forward().q_rows, b.dq_row_bytes, &next_[0]},
-                 {v1::TENSOR_DK, buffers_bw_.dk.get(), b.forward().kv_rows, b.dkv_row_bytes, &next_[1]},
-                 {v1::TENSOR_DV, buffers_bw_.dv.get(), b.forward().kv_rows, b.dkv_row_bytes, &next_[2]}};
-    for (const auto& g : grads) {
-      if (*g.next >= g.rows) continue;
-      const int64_t rows = std::min(g.rows - *g.next, std::max<int64_t>(1, b.out_chunk_bytes / g.row_bytes));
-      response_.Clear();
-      v1::OutputChunk* c = response_.mutable_grad_chunk();
-      c->set_tensor(g.tensor);
-      c->set_row_start(*g.next);
-      c->set_row_count(rows);
-      c->set_data(g.data + *g.next * g.row_bytes, static_cast<size_t>(rows * g.row_bytes));
-      sent(rows * g.row_bytes);
-      *g.next += rows;
+    } grads[] = {{v1::TENSOR_DQ, memory_.dq, g.shape.dq, &next_[0]},
+                 {v1::TENSOR_DK, memory_.dk, g.shape.dk, &next_[1]},
+                 {v1::TENSOR_DV, memory_.dv, g.shape.dv, &next_[2]}};
+    for (const auto& d : grads) {
+      if (*d.next >= d.shape.rows) continue;
+      const int64_t rows = std::min(d.shape.rows - *d.next, std::max<int64_t>(1, g.out_chunk_bytes / d.shape.row_bytes));
+      set_output_chunk(d.tensor, *d.next, rows, d.data + *d.next * d.shape.row_bytes, rows * d.shape.row_bytes,
+                       memory_.block);
+      *d.next += rows;
       return true;
     }
     return false;
   }
 
   void set_summary() override {
-    response_.Clear();
-    const BackwardPlan& b = *backward_;
-    v1::BackwardSummary* s = response_.mutable_summary();
+    const GradRequest& g = *grad_;
+    v1::BackwardResponse message;
+    v1::BackwardSummary* s = message.mutable_summary();
     wire::backward_result_to_summary(result_->result, s);
-    s->set_request_id(b.id);
-    s->set_context_id(b.context_id);
-    s->set_context_kept(!b.context_id.empty() && b.keep_context);
-    s->set_mode(wire::to_wire(b.forward().options.mode));
-    s->set_grad_dtype(wire::to_wire(b.grad_dtype));
+    s->set_request_id(g.id);
+    s->set_context_id(g.context_id);
+    s->set_context_kept(!g.context_id.empty() && g.keep_context);
+    s->set_mode(wire::to_wire(g.forward().options.mode));
+    s->set_grad_dtype(wire::to_wire(g.grad_dtype));
     s->set_forward_flops(result_->forward_flops);
     fill_timings(s->mutable_timings());
     s->set_received_bytes(record_.received_bytes);
     s->set_sent_bytes(record_.sent_bytes);
+    response_ = serialize_message(message);
   }
 
-  // Memory: close() gave the reservation back; so go the buffers. The
-  // context goes back to the store (consumed when its client got OK and
-  // did not ask to keep it); when it is consumed, its memory goes with the
-  // last reference here.
+  // close() gave the memory back. The context goes back to the store
+  // (consumed when its client got OK and did not ask to keep it); when it
+  // is consumed, its memory goes with the last reference here.
   void after_close() override {
-    buffers_bw_ = BackwardBuffers{};
     if (checked_out_) {
-      s_.contexts->check_in(backward_->context_id, client_status_.ok() && !backward_->keep_context, backward_->id);
-      backward_->context.reset();
+      s_.contexts->check_in(grad_->context_id, client_status_.ok() && !grad_->keep_context, grad_->id);
+      grad_->context.reset();
     }
   }
 
-  std::optional<BackwardPlan> backward_;
+  std::optional<GradRequest> grad_;
   bool checked_out_ = false;
-  BackwardBuffers buffers_bw_;
   std::optional<BackwardComputation> result_;  // under mu_, as the outputs sent
   int64_t next_[3] = {0, 0, 0};                // dq, dk, dv rows sent
 };
 
 }  // namespace
 
-grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* start_attend_backward(
-    ServiceContext& s, grpc::CallbackServerContext* ctx) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* start_attend_backward(ServiceContext& s,
+                                                                                 grpc::CallbackServerContext* ctx) {
   return BackwardReactor::start<BackwardReactor>(s, ctx, "AttendBackward", "BackwardRequest");
 }
 

@@ -34,8 +34,8 @@
 
 namespace plsh::server {
 
-// A backward request as the server holds it from its header on.
-struct BackwardPlan {
+// An AttendBackward request as the server holds it from its header on.
+struct GradRequest {
   std::string id;                        // request id: the header's, or the server's
   std::string context_id;                // by context; empty: stateless
   bool keep_context = false;             // by context: keep it after a success
@@ -43,41 +43,35 @@ struct BackwardPlan {
   DType grad_dtype = DType::kF32;        // of dq, dk, dv
   int64_t requested_chunk_bytes = 0;     // the header's out_chunk_bytes (0: the largest)
   std::shared_ptr<KeptContext> context;  // by context: checked out
-  std::optional<RequestPlan> stateless;  // stateless: the forward's plan, made for its backward
+  std::optional<Request> stateless;      // stateless: the forward, planned for its backward
 
   // Filled by size_backward.
-  int64_t dout_row_bytes = 0;   // H * D * out dtype bytes
-  int64_t dq_row_bytes = 0;     // H * D * grad dtype bytes
-  int64_t dkv_row_bytes = 0;    // Hkv * D * grad dtype bytes
+  RequestShape shape;           // the forward's, with the gradients in grad_dtype
   int64_t out_chunk_bytes = 0;  // payload per gradient chunk, >= one row
-  int64_t total_bytes = 0;      // dout + dq + dk + dv, and the stateless forward's q, k, v, out, lse
-  MemoryCharge charge;          // host: total + workspace; device: workspace
 
-  const RequestPlan& forward() const { return context ? context->plan() : *stateless; }
-  int64_t dout_bytes() const { return forward().q_rows * dout_row_bytes; }
-  int64_t dq_bytes() const { return forward().q_rows * dq_row_bytes; }
-  int64_t dkv_bytes() const { return forward().kv_rows * dkv_row_bytes; }
+  const Request& forward() const { return context ? context->request() : *stateless; }
   // What the client sends: dout, and the stateless form's inputs.
   int64_t input_bytes() const;
+  // dout + dq + dk + dv, and the stateless forward's q, k, v, out, lse:
+  // what --max-request-bytes bounds.
+  int64_t tensor_bytes() const;
+  // The block the admission grants it: the tensors above, and the host
+  // workspace of what runs (by context the backward's alone: the forward
+  // has run; stateless the larger of the two, which run one after the
+  // other); its device workspace likewise.
+  MemoryLayout memory_layout() const;
+  Workspace workspace() const;
 };
 
 // The header's own checks: INVALID_ARGUMENT naming the field for a header
 // without a source, an empty context id, flags that do not fit its form or
 // a bad grad_dtype; stateless, the forward header's checks (check_request).
 // Neither looks up a context nor plans.
-StatusOr<BackwardPlan> check_backward_header(const v1::BackwardHeader& header, const RequestLimits& limits);
+StatusOr<GradRequest> check_backward_header(const v1::BackwardHeader& header, const RequestLimits& limits);
 // Once the forward's plan is known (context checked out, or stateless
-// planned): sizes, limits (RESOURCE_EXHAUSTED over --max-request-bytes or
-// a row over a message) and the charge.
-Status size_backward(BackwardPlan* plan, const RequestLimits& limits);
-
-// The host memory of a backward's tensors.
-struct BackwardBuffers {
-  std::unique_ptr<uint8_t[]> dout, dq, dk, dv;
-  RequestBuffers forward;  // stateless: q, k, v, out, lse
-
-  static BackwardBuffers allocate(const BackwardPlan& plan);
-};
+// planned): sizes and limits (RESOURCE_EXHAUSTED over --max-request-bytes
+// or a row over a message).
+Status size_backward(GradRequest* request, const RequestLimits& limits);
 
 struct BackwardComputation {
   BackwardResult result;
@@ -85,12 +79,14 @@ struct BackwardComputation {
 };
 
 // On a worker: stateless, binds the received tensors (checking them) and
-// with recompute_forward runs the forward; then run_backward on the plan.
-StatusOr<BackwardComputation> compute_backward(BackwardPlan& plan, BackwardBuffers& buffers, const ExecContext& ctx);
+// with recompute_forward runs the forward; then run_backward on the plan,
+// all in the granted memory.
+StatusOr<BackwardComputation> compute_backward(GradRequest& request, const RequestMemory& memory,
+                                               const ExecContext& ctx);
 
 // The reactors, for AttentionService.
-grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* start_attend_backward(
-    ServiceContext& s, grpc::CallbackServerContext* ctx);
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* start_attend_backward(ServiceContext& s,
+                                                                                 grpc::CallbackServerContext* ctx);
 grpc::ServerUnaryReactor* release_context(ServiceContext& s, grpc::CallbackServerContext* ctx,
                                           const v1::ReleaseContextRequest* request,
                                           v1::ReleaseContextResponse* response);

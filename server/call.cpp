@@ -23,8 +23,8 @@ Clock::time_point steady_deadline(const grpc::CallbackServerContext* ctx) {
 
 }  // namespace
 
-std::string shape_of(const RequestPlan& p) {
-  const AttentionOptions& o = p.options;
+std::string shape_of(const Request& r) {
+  const AttentionOptions& o = r.options;
   return "B=" + std::to_string(o.batch) + " Nq=" + std::to_string(o.q_len) + " Nk=" + std::to_string(o.kv_len) +
          " H=" + std::to_string(o.heads) + " Hkv=" + std::to_string(resolved_kv_heads(o.heads, o.kv_heads)) +
          " D=" + std::to_string(o.head_dim) + " " + dtype_name(o.dtype);
@@ -78,102 +78,60 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 }
 
 CallBase::CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method)
-    : s_(s), ctx_(ctx), deadline_(steady_deadline(ctx)) {
+    : s_(s), ctx_(ctx), deadline_(steady_deadline(ctx)), ticket_(s.admission) {
   record_.method = method;
   if (Method m{}; parse_method(method, &m)) method_ = m;
-  if (s_.auth != nullptr) record_.client = "unauthenticated";
+  if (s_.admission->tokens()) record_.client = "unauthenticated";
   record_.peer = ctx->peer();
   s_.metrics->inflight_add(1);
 }
 
 Status CallBase::open(bool watched) {
-  const int64_t open = s_.open_streams.fetch_add(1) + 1;
-  counted_open_ = true;
   enter(Phase::kReading, 0);
   if (watched && s_.watchdog != nullptr) watch_ = s_.watchdog->watch(this);
-  // Credentials first: a caller without them learns nothing else, and the
-  // log and metrics name the client of every refusal after this.
-  if (s_.auth != nullptr) {
-    if (!method_) return permission_denied(record_.method + " is not a method a token can allow");
-    Authorization a = s_.auth->authorize(ctx_->client_metadata(), *method_);
-    if (a.client) record_.client = a.client->name();
-    RETURN_IF_ERROR(a.status);
-    client_ = std::move(a.client);
-  }
-  if (s_.draining.load()) return unavailable("server is shutting down; retry on another replica");
-  if (open > s_.config->max_concurrent)
-    return resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
-                              std::to_string(s_.config->max_concurrent) + " (the server's --max-concurrent); retry later");
-  if (client_) {
-    RETURN_IF_ERROR(client_->open_stream());
-    client_stream_open_ = true;
-  }
-  return Status::Ok();
+  const Status opened = ticket_.open(ctx_->client_metadata(), method_, record_.method);
+  if (s_.admission->tokens()) record_.client = ticket_.label();
+  return opened;
 }
 
-Status CallBase::plan(const v1::AttendHeader& header) {
+Status CallBase::admit_header(const v1::AttendHeader& header,
+                              const std::function<Status(const Request&)>& before_memory) {
   record_.mode = wire::mode_label(header.mode());  // labels a refused request too
-  ASSIGN_OR_RETURN(RequestPlan plan, check_request(header, s_.limits));
+  ASSIGN_OR_RETURN(Request request, check_request(header, s_.limits));
   // The regions first: they are held from here until close().
-  RETURN_IF_ERROR(use_shared_memory(header, &plan, s_.shm, owner()));
-  if (plan.keep_context && (s_.contexts == nullptr || !s_.contexts->enabled()))
+  RETURN_IF_ERROR(use_shared_memory(header, &request, s_.shm, owner()));
+  if (request.keep_context && (s_.contexts == nullptr || !s_.contexts->enabled()))
     return failed_precondition("keep_context = true, but this server keeps no contexts (--context-ttl 0); expected "
                                "keep_context = false, or a stateless AttendBackward");
-  // Planning allocates the draws (heads x samples of them) before the real
-  // charge is known: hold their bound against the budget meanwhile, so
-  // that concurrent headers cannot allocate past it.
-  const MemoryCharge planning{planning_bytes(plan), 0};
-  RETURN_IF_ERROR(s_.contexts != nullptr ? s_.contexts->reserve(planning) : s_.scheduler->reserve(planning));
-  const Status planned = plan_kernels(&plan, s_.limits);
-  s_.scheduler->release(planning);
-  RETURN_IF_ERROR(planned);
-  record_.id = plan.id;
-  record_.shape = shape_of(plan);
-  record_.mode = mode_name(plan.options.mode);
-  record_.tokens = plan.tokens();
-  record_.backend = plan.backend->name();
+  ASSIGN_OR_RETURN(const int64_t planning, planning_bytes(request));
+  RETURN_IF_ERROR(ticket_.plan(planning, [&] { return plan_request(&request, s_.limits); }));
+  record_.id = request.id;
+  record_.shape = shape_of(request);
+  record_.mode = mode_name(request.options.mode);
+  record_.tokens = request.tokens();
+  record_.backend = request.backend->name();
+  if (before_memory) RETURN_IF_ERROR(before_memory(request));
+  ASSIGN_OR_RETURN(memory_, ticket_.admit(request.memory_layout(), request.plan.own_host_bytes, request.device_charge(),
+                                          *request.backend));
+  request.place_shared(&memory_);
   // What the rest of the receiving phase moves.
-  phase_bytes.store(plan.streamed_input_bytes());
-  plan_ = std::move(plan);
-  return Status::Ok();
-}
-
-Status CallBase::reserve_and_allocate() {
-  RETURN_IF_ERROR(reserve(plan_->charge));
-  try {
-    buffers_ = RequestBuffers::allocate(*plan_, s_.pool);
-  } catch (const std::bad_alloc&) {
-    return resource_exhausted("out of host memory for the request's " + std::to_string(plan_->total_bytes) + " bytes");
-  }
-  return Status::Ok();
-}
-
-Status CallBase::reserve(const MemoryCharge& charge) {
-  // The client's share first: one client at its limit is told so, rather
-  // than taking the server's budget from the others.
-  if (client_) {
-    RETURN_IF_ERROR(s_.contexts != nullptr ? s_.contexts->reserve_for_client(*client_, charge) : client_->reserve(charge));
-    client_reserved_.host_bytes += charge.host_bytes;
-    client_reserved_.device_bytes += charge.device_bytes;
-  }
-  RETURN_IF_ERROR(s_.contexts != nullptr ? s_.contexts->reserve(charge) : s_.scheduler->reserve(charge));
-  reserved_.host_bytes += charge.host_bytes;
-  reserved_.device_bytes += charge.device_bytes;
+  phase_bytes.store(request.streamed_input_bytes());
+  request_ = std::move(request);
   return Status::Ok();
 }
 
 StatusOr<AttentionResult> CallBase::compute(Clock::time_point queued_at) {
   StatusOr<AttentionResult> result =
-      run_guarded<AttentionResult>(queued_at, "request " + plan_->id, [this](const ExecContext& exec) {
-        StatusOr<AttentionResult> r = compute_request(*plan_, buffers_, exec);
+      run_guarded<AttentionResult>(queued_at, "request " + request_->id, [this](const ExecContext& exec) {
+        StatusOr<AttentionResult> r = compute_request(*request_, memory_, exec);
         // A region whose file shrank while it was read or written: the
         // result is not what the client sent (server/shm_registry.h).
         if (r.ok()) {
-          if (const Status intact = check_shared_memory_intact(*plan_); !intact.ok()) r = intact;
+          if (const Status intact = check_shared_memory_intact(*request_); !intact.ok()) r = intact;
         }
         return r;
       });
-  if (result.ok() && plan_->keep_context) {
+  if (result.ok() && request_->keep_context) {
     StatusOr<std::string> id = s_.contexts->reserve_id(record_.client);
     if (id.ok())
       context_id_ = *id;
@@ -182,7 +140,7 @@ StatusOr<AttentionResult> CallBase::compute(Clock::time_point queued_at) {
   }
   if (result.ok()) {
     record_.backend = result->backend;
-    if (result->mode != Mode::kExact && plan_->options.estimates) {
+    if (result->mode != Mode::kExact && request_->options.estimates) {
       if (result->probe.rows > 0) record_.probe_rel_err = result->probe.rel_err;
       record_.mask_max_err = result->mask_max_err;
     }
@@ -191,14 +149,14 @@ StatusOr<AttentionResult> CallBase::compute(Clock::time_point queued_at) {
 }
 
 void CallBase::fill_summary_message(const AttentionResult& result, v1::Summary* s) {
-  fill_summary(result, *plan_, s);
+  fill_summary(result, *request_, s);
   fill_timings(s->mutable_timings());
   s->set_received_bytes(record_.received_bytes);
   s->set_sent_bytes(record_.sent_bytes);
   if (!context_id_.empty()) {
     s->set_context_id(context_id_);
     s->set_context_ttl_seconds(s_.contexts->options().ttl_seconds);
-    s->set_context_bytes(plan_->total_bytes);
+    s->set_context_bytes(request_->kept_bytes());
   }
 }
 
@@ -236,34 +194,21 @@ grpc::Status CallBase::close(grpc::Status status) {
   client_status_ = seen;
   if (!context_id_.empty()) {
     if (seen.ok()) {
-      // The context's bytes (its tensors) move from this call's reservation
-      // to the store's: charged once throughout.
-      const MemoryCharge kept{plan_->total_bytes, 0};
-      reserved_.host_bytes -= kept.host_bytes;
-      if (client_) client_reserved_.host_bytes -= kept.host_bytes;
-      s_.contexts->put(context_id_, std::make_shared<KeptContext>(std::move(*plan_), std::move(buffers_), kept,
-                                                                  s_.scheduler, client_));
+      // The context's bytes (its tensors and plan) move from this call's
+      // reservation to the store's: charged once throughout.
+      const MemoryCharge kept = ticket_.hand_over(request_->kept_bytes());
+      s_.contexts->put(context_id_, std::make_shared<KeptContext>(std::move(*request_), std::move(memory_), kept,
+                                                                  &s_.admission->budget(), ticket_.client()));
     } else {
       s_.contexts->abandon(context_id_);
     }
   }
-  s_.scheduler->release(reserved_);
-  reserved_ = MemoryCharge{};
-  if (client_) {
-    client_->release(client_reserved_);
-    client_reserved_ = MemoryCharge{};
-    if (client_stream_open_) client_->close_stream();
-    client_stream_open_ = false;
-  }
-  buffers_ = RequestBuffers{};
-  if (plan_) plan_->shared = RequestPlan::SharedUses{};  // the regions may be unregistered from now on
-  if (counted_open_) s_.open_streams.fetch_sub(1);
-  counted_open_ = false;
+  memory_ = RequestMemory{};
+  if (request_) request_->shared = Request::SharedUses{};  // the regions may be unregistered from now on
+  ticket_.close();
   s_.metrics->inflight_add(-1);
   return status;
 }
-
-std::string CallBase::owner() const { return client_ ? client_->name() : ""; }
 
 Status CallBase::check_message_size(size_t bytes) const {
   if (static_cast<int64_t>(bytes) <= s_.limits.max_message_bytes) return Status::Ok();

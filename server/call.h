@@ -1,7 +1,8 @@
-// What every Attend, AttendUnary and AttendBackward call shares, whatever its transport
-// (Triton's InferHandler base): one path
-//   open -> admit (plan_request: limits, backend, plan) -> reserve (host and
-//   device budgets) -> allocate -> ... -> compute on a worker -> close
+// What every Attend, AttendUnary and AttendBackward call shares, whatever its
+// transport (Triton's InferHandler base): one path
+//   open (the admission's ticket) -> the header's checks and plan -> admit
+//   (the admission reserves and allocates its memory) -> ... -> compute on
+//   a worker -> close (the ticket gives everything back)
 // and one record that becomes the request's log line and metrics, with one
 // timings fill for the summary. The reactors (service.cpp, backward_call.cpp;
 // the two streamed calls over streamed_call.h) only move messages.
@@ -13,14 +14,15 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <new>
 #include <optional>
 #include <string>
 
 #include "plsh/attention.h"
 #include "plsh/v1/plsh.pb.h"
+#include "server/admission.h"
 #include "server/auth.h"
-#include "server/buffer_pool.h"
 #include "server/config.h"
 #include "server/contexts.h"
 #include "server/metrics.h"
@@ -37,13 +39,11 @@ struct ServiceContext {
   RequestLimits limits;
   Metrics* metrics = nullptr;
   Scheduler* scheduler = nullptr;
-  StreamWatchdog* watchdog = nullptr;  // null: streams are not watched
-  const Authenticator* auth = nullptr;  // null: no token file, every call is let in
-  BufferPool* pool = nullptr;           // requests' host tensors; null: plain heap memory
-  SharedMemoryRegistry* shm = nullptr;  // null (or disabled): no shared memory
-  ContextStore* contexts = nullptr;     // kept contexts (contexts.h); null: none are kept
-  std::atomic<int64_t> open_streams{0};
-  std::atomic<bool> draining{false};  // new requests get UNAVAILABLE
+  Admission* admission = nullptr;        // who runs, with what memory (admission.h)
+  StreamWatchdog* watchdog = nullptr;    // null: streams are not watched
+  const Authenticator* auth = nullptr;   // for the unary calls outside CallBase; null: no token file
+  SharedMemoryRegistry* shm = nullptr;   // null (or disabled): no shared memory
+  ContextStore* contexts = nullptr;      // kept contexts (contexts.h); null: none are kept
 };
 
 using Clock = std::chrono::steady_clock;
@@ -51,7 +51,7 @@ using Clock = std::chrono::steady_clock;
 double seconds_between(Clock::time_point a, Clock::time_point b);
 
 // A request's shape for the log: "B=.. Nq=.. Nk=.. H=.. Hkv=.. D=.. dtype".
-std::string shape_of(const RequestPlan& plan);
+std::string shape_of(const Request& request);
 
 // What one request leaves behind in the log and the metrics.
 struct RequestRecord {
@@ -73,20 +73,15 @@ class CallBase : public WatchedCall {
   // method: Attend, AttendUnary or AttendBackward (the token file's names for them).
   CallBase(ServiceContext& s, grpc::CallbackServerContext* ctx, const char* method);
 
-  // Counts the call as open: UNAVAILABLE while draining; with a token file
-  // UNAUTHENTICATED or PERMISSION_DENIED (auth.h); RESOURCE_EXHAUSTED over
-  // --max-concurrent or the client's max_streams. A streamed call is watched
-  // (watchdog.h) from here until close().
+  // The admission's first step (Admission::Ticket::open). A streamed call
+  // is watched (watchdog.h) from here until close().
   Status open(bool watched);
-  // The header: plan_request (limits, shared-memory regions, backend,
-  // plan). Sets plan_.
-  Status plan(const v1::AttendHeader& header);
-  // Then the plan's memory charge against the client's limits and both
-  // budgets, and the host buffers (from the pool). Sets buffers_.
-  Status reserve_and_allocate();
-  // A charge against the client's limits and both budgets, held until
-  // close(); kept contexts are evicted for room (contexts.h).
-  Status reserve(const MemoryCharge& charge);
+  // A forward's header: its checks (check_request), its shared-memory
+  // regions, its plan (the planning bound held meanwhile), `before_memory`
+  // (the call's own checks, when given), then its memory from the
+  // admission. Sets request_ and memory_.
+  Status admit_header(const v1::AttendHeader& header,
+                      const std::function<Status(const Request&)>& before_memory = nullptr);
   // On a worker: the computation unless the client left while the request
   // was queued; fills the queued and computing times. A shared-memory
   // region whose file shrank meanwhile fails it (FAILED_PRECONDITION).
@@ -99,9 +94,9 @@ class CallBase : public WatchedCall {
   // Fills the queued and computing times.
   template <class T, class Work>
   StatusOr<T> run_guarded(Clock::time_point queued_at, const std::string& what, Work&& work);
-  // Who owns the shared-memory regions this call may use: the token
-  // file's client name, "" without a token file.
-  std::string owner() const;
+  // Who owns the shared-memory regions and contexts this call may use:
+  // the token file's client name, "" without a token file.
+  std::string owner() const { return ticket_.owner(); }
   // The summary of a computed request, timings and byte counts included.
   void fill_summary_message(const AttentionResult& result, v1::Summary* summary);
   // The record's phase times, and the total so far.
@@ -123,18 +118,14 @@ class CallBase : public WatchedCall {
   std::atomic<const char*> stop_reason_{nullptr};  // set when the server ended the call on purpose
   std::atomic<bool> server_cancelled_{false};       // ...by cancelling it (TryCancel): the client gets CANCELLED
   RequestRecord record_;
-  std::optional<RequestPlan> plan_;
-  RequestBuffers buffers_;
+  Admission::Ticket ticket_;
+  std::optional<Request> request_;
+  RequestMemory memory_;
   std::string context_id_;      // keep_context: the id its context gets once the call ends OK
   grpc::Status client_status_;  // set by close(): the status the client got
 
  private:
   std::optional<Method> method_;  // none: a name the token file cannot allow
-  std::shared_ptr<ClientState> client_;  // with a token file, once authorized
-  bool client_stream_open_ = false;
-  MemoryCharge client_reserved_;
-  MemoryCharge reserved_;
-  bool counted_open_ = false;
   std::shared_ptr<CallWatch> watch_;
 };
 

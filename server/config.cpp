@@ -7,6 +7,7 @@
 #include <string>
 
 #include "plsh/params.h"
+#include "server/host_memory.h"
 
 namespace plsh::server {
 
@@ -21,6 +22,13 @@ std::string trust_config_error(const ServerConfig& c) {
   if (c.tls_client_auth != "none" && !c.tls_enabled())
     return "--tls-client-auth = " + c.tls_client_auth + " needs TLS: set --tls-cert and --tls-key";
   return "";
+}
+
+void resolve_host_defaults(ServerConfig* c, const HostMemory& host) {
+  const int64_t usable = host.usable_bytes();
+  if (c->memory_budget == 0) c->memory_budget = usable / 2;
+  if (c->pool_keep_bytes == 0) c->pool_keep_bytes = c->memory_budget / 8;
+  if (c->max_shm_bytes == 0) c->max_shm_bytes = usable;
 }
 
 namespace {
@@ -54,8 +62,14 @@ ParsedConfig parse_config(int argc, char** argv) {
   setting(app, "--max-request-bytes", c.max_request_bytes, "per request: q + k + v + out (+ lse) bytes")
       ->check(positive);
   setting(app, "--memory-budget", c.memory_budget,
-          "host bytes of all in-flight requests together (tensors and host workspace)")
-      ->check(positive);
+          "host bytes of all in-flight requests together (tensors, host workspace and kept contexts); 0: half of "
+          "the memory this host gives the server (the smaller of its RAM and its cgroup's limit), which plsh "
+          "info shows")
+      ->check(non_negative);
+  setting(app, "--pool-keep-bytes", c.pool_keep_bytes,
+          "resident bytes that idle request buffers keep between requests for reuse (the high-water mark); "
+          "above it a buffer given back returns its pages to the kernel; 0: --memory-budget / 8")
+      ->check(non_negative);
   setting(app, "--device-memory-budget", c.device_memory_budget,
           "device bytes of all in-flight requests together (GPU staging and workspace); 0: the GPU "
           "backend's own budget (3/4 of the device's free memory at start, or PLSH_CUDA_MEMORY_MB); each of "
@@ -91,6 +105,10 @@ ParsedConfig parse_config(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   setting(app, "--drain-timeout", c.drain_timeout, "seconds to finish in-flight requests on SIGTERM/SIGINT")
       ->check(CLI::Range(0.0, 86400.0));
+  setting(app, "--exit-timeout", c.exit_timeout,
+          "seconds after the drain for stopping gRPC and the workers; past them the process logs what it was "
+          "waiting for and exits with status 3 (so a shutdown always ends within --drain-timeout + this)")
+      ->check(CLI::Range(0.1, 86400.0));
 
   // Trust: TLS on --listen, client certificates, bearer tokens, and a
   // plaintext health-only listener for probes that speak neither.
@@ -104,8 +122,9 @@ ParsedConfig parse_config(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "optional", "require"}));
   setting(app, "--token-file", c.token_file,
           "JSON file of the clients and the SHA-256 digests of their bearer tokens (README: Server settings); "
-          "every Attend, AttendUnary, AttendBackward, ReleaseContext and GetInfo call then needs "
-          "'authorization: Bearer <token>'. Unset: no tokens");
+          "every Attend, AttendUnary, AttendBackward, ReleaseContext, GetInfo, RegisterSharedMemory, "
+          "UnregisterSharedMemory and ListSharedMemory call then needs 'authorization: Bearer <token>' (a "
+          "token entry may allow each by name; health checks and reflection need none). Unset: no tokens");
   setting(app, "--token-reload-interval", c.token_reload_interval,
           "seconds between checks of --token-file for changes (also reloaded on SIGHUP); 0: on SIGHUP only")
       ->check(CLI::Range(0.0, 86400.0));
@@ -118,6 +137,10 @@ ParsedConfig parse_config(int argc, char** argv) {
           "directory (e.g. /dev/shm, or a memory-backed volume shared with a sidecar) whose regular files, "
           "owned by the server's user, same-host clients may register as shared-memory regions and name in "
           "requests instead of sending tensors; \"\" or off: no shared memory");
+  setting(app, "--max-shm-bytes", c.max_shm_bytes,
+          "bytes that all registered shared-memory regions may map together (a registration past it is "
+          "RESOURCE_EXHAUSTED before anything is mapped); 0: the memory this host gives the server")
+      ->check(non_negative);
 
   try {
     app.parse(argc, argv);
@@ -126,6 +149,11 @@ ParsedConfig parse_config(int argc, char** argv) {
   }
   if (const std::string error = trust_config_error(c); !error.empty()) {
     fprintf(stderr, "plsh-server: %s\n", error.c_str());
+    return ParsedConfig{std::nullopt, 2};
+  }
+  resolve_host_defaults(&c, host_memory());
+  if (c.memory_budget < 1) {
+    fprintf(stderr, "plsh-server: --memory-budget = 0 and this host's memory cannot be read; set --memory-budget\n");
     return ParsedConfig{std::nullopt, 2};
   }
   return ParsedConfig{c, 0};

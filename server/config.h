@@ -19,13 +19,15 @@ struct ServerConfig {
   int64_t queue_depth = 16;                        // requests waiting for a worker
   int64_t max_tokens = int64_t{1} << 20;           // per request, B * max(Nq, Nk)
   int64_t max_request_bytes = int64_t{8} << 30;    // q + k + v + out (+ lse)
-  int64_t memory_budget = int64_t{16} << 30;       // host bytes of all in-flight requests together
+  int64_t memory_budget = 0;                       // host bytes of all in-flight requests together; 0: half of host_memory()
+  int64_t pool_keep_bytes = 0;                     // resident bytes idle pool blocks may keep; 0: memory_budget / 8
   int64_t device_memory_budget = 0;                // device bytes of all in-flight requests; 0: the device backend's own budget
   int64_t max_samples = 4096;                      // lsh samples per request, <= plsh::kMaxSamples (2^24)
   int64_t max_message_bytes = int64_t{4} << 20;    // gRPC max receive/send message
   std::string log_level = "info";                  // trace|debug|info|warn|error
   std::string log_format = "text";                 // text|json
   double drain_timeout = 30;                       // seconds to finish in-flight work on SIGTERM
+  double exit_timeout = 15;                        // seconds after the drain to stop and exit; then exit 3 regardless
   double stream_idle_timeout = 30;                 // seconds a stream may wait on its client (read or write); 0: none
   int64_t min_stream_rate = int64_t{1} << 20;      // bytes/s a stream's input and output must average; 0: none
   double context_ttl = 300;                        // seconds a kept context lives after its last use; 0: none kept
@@ -40,6 +42,7 @@ struct ServerConfig {
   std::string health_listen = "off";               // plaintext grpc.health.v1-only address; "" or "off": none
   // Same-host shared memory (SPEC section 9; off by default).
   std::string shm_dir = "off";                     // directory whose files clients may register; "" or "off": none
+  int64_t max_shm_bytes = 0;                       // bytes all registered regions may map together; 0: host_memory()
 
   bool metrics_enabled() const { return !metrics_listen.empty() && metrics_listen != "off"; }
   bool tls_enabled() const { return !tls_cert.empty(); }
@@ -48,7 +51,9 @@ struct ServerConfig {
   bool shm_enabled() const { return !shm_dir.empty() && shm_dir != "off"; }
 };
 
-// Parses argv and the PLSH_* environment. Returns the config, or the exit
+// Parses argv and the PLSH_* environment, then resolves the defaults that
+// follow the host (0 for --memory-budget, --pool-keep-bytes and
+// --max-shm-bytes: host_memory.h). Returns the config, or the exit
 // code the process should end with (0 after --help, CLI11's non-zero code on a bad flag) with the
 // message already printed.
 struct ParsedConfig {
@@ -56,6 +61,12 @@ struct ParsedConfig {
   int exit_code = 0;
 };
 ParsedConfig parse_config(int argc, char** argv);
+
+struct HostMemory;
+// The settings left 0 that follow the host: --memory-budget (half of its
+// usable memory), --pool-keep-bytes (an eighth of the budget),
+// --max-shm-bytes (its usable memory).
+void resolve_host_defaults(ServerConfig* config, const HostMemory& host);
 
 // The trust flags that only make sense together, checked after parsing:
 // "" when consistent, else the message (--tls-cert without --tls-key, a

@@ -48,24 +48,30 @@ std::string new_context_id() {
 
 // ------------------------------------------------------------ KeptContext
 
-KeptContext::KeptContext(RequestPlan plan, RequestBuffers buffers, MemoryCharge charge, Scheduler* scheduler,
+KeptContext::KeptContext(Request request, RequestMemory memory, MemoryCharge charge, MemoryBudget* budget,
                          std::shared_ptr<ClientState> client)
-    : plan_(std::move(plan)),
-      buffers_(std::move(buffers)),
+    : request_(std::move(request)),
+      memory_(std::move(memory)),
       charge_(charge),
-      scheduler_(scheduler),
-      client_(std::move(client)) {}
+      budget_(budget),
+      client_(std::move(client)) {
+  // The forward's workspace is not part of a context (the backward brings
+  // its own, charged with it).
+  memory_.workspace_block.reset();
+  memory_.device.reset();
+  memory_.workspace = WorkspaceRef{};
+}
 
 KeptContext::~KeptContext() {
-  // The memory goes with the buffers right after this; give its charge back.
-  if (scheduler_ != nullptr) scheduler_->release(charge_);
+  // The memory goes with the block right after this; give its charge back.
+  if (budget_ != nullptr) budget_->release(charge_);
   if (client_) client_->release(charge_);
 }
 
 // ----------------------------------------------------------- ContextStore
 
-ContextStore::ContextStore(ContextStoreOptions options, Scheduler* scheduler, Metrics* metrics)
-    : options_(options), scheduler_(scheduler), metrics_(metrics) {
+ContextStore::ContextStore(ContextStoreOptions options, MemoryBudget* budget, Metrics* metrics)
+    : options_(options), budget_(budget), metrics_(metrics) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     publish_locked();
@@ -178,14 +184,22 @@ void ContextStore::abandon(const std::string& id) {
   remove_locked(it, ContextEnd::kCancelled, "the forward that was to keep it did not finish OK (cancelled or failed)");
 }
 
+namespace {
+
+// An id that is not among the caller's contexts, live or gone: one code and
+// one message whether it never existed, is forgotten, or is another
+// client's (live or gone), so that no caller learns of another's ids.
+Status not_among_own(const std::string& id) {
+  return not_found("context_id = " + echo_value(id) +
+                   ": no such context for this client; run the forward with keep_context");
+}
+
+}  // namespace
+
 Status ContextStore::gone_status_locked(const std::string& id, const std::string& owner) const {
   const std::string name = "context_id = " + echo_value(id);
   auto g = gone_.find(id);
-  if (g == gone_.end())
-    return failed_precondition(name + ": never existed on this server (or is older than the " +
-                               std::to_string(options_.remembered) +
-                               " gone contexts it remembers); run the forward with keep_context");
-  if (g->second.owner != owner) return not_found(name + ": no such context for this client");
+  if (g == gone_.end() || g->second.owner != owner) return not_among_own(id);
   const double ago = std::chrono::duration<double>(Clock::now() - g->second.when).count();
   return failed_precondition(name + ": " + context_end_name(g->second.why) + " " + g_text(ago, 3) + " s ago: " +
                              g->second.detail);
@@ -198,7 +212,7 @@ StatusOr<std::shared_ptr<KeptContext>> ContextStore::check_out(const std::string
   if (it == entries_.end()) return gone_status_locked(id, owner);
   Entry& e = it->second;
   const std::string name = "context_id = " + echo_value(id);
-  if (e.owner != owner) return not_found(name + ": no such context for this client");
+  if (e.owner != owner) return not_among_own(id);
   if (e.state == State::kPending)
     return failed_precondition(name + ": its forward has not finished yet; expected the forward's summary first");
   if (e.state == State::kInUse)
@@ -239,7 +253,7 @@ StatusOr<int64_t> ContextStore::release(const std::string& id, const std::string
       return not_found(gone.message());
     }
     Entry& e = it->second;
-    if (e.owner != owner) return not_found(name + ": no such context for this client");
+    if (e.owner != owner) return not_among_own(id);
     if (e.state == State::kPending) return failed_precondition(name + ": its forward has not finished yet");
     if (e.state == State::kInUse)
       return failed_precondition(name + ": in use by backward request " + echo_value(e.user) +
@@ -250,15 +264,15 @@ StatusOr<int64_t> ContextStore::release(const std::string& id, const std::string
 }
 
 Status ContextStore::reserve(const MemoryCharge& charge) {
-  Status status = scheduler_->reserve(charge);
+  Status status = budget_->reserve(charge);
   while (!status.ok() && status.code() == StatusCode::kResourceExhausted) {
     std::shared_ptr<KeptContext> victim;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       // Evict only when it can help: contexts hold host bytes alone, and all
       // the idle ones together must cover the shortfall.
-      const MemoryCharge budget = scheduler_->budget();
-      const MemoryCharge reserved = scheduler_->reserved();
+      const MemoryCharge budget = budget_->budget();
+      const MemoryCharge reserved = budget_->reserved();
       const bool device_fits = charge.device_bytes <= 0 || reserved.device_bytes + charge.device_bytes <= budget.device_bytes;
       const bool host_can_fit = reserved.host_bytes - idle_bytes_locked(nullptr) + charge.host_bytes <= budget.host_bytes;
       if (!device_fits || !host_can_fit) return status;
@@ -269,7 +283,7 @@ Status ContextStore::reserve(const MemoryCharge& charge) {
                              "used contexts go first)");
     }
     victim.reset();  // gives its charge back
-    status = scheduler_->reserve(charge);
+    status = budget_->reserve(charge);
   }
   return status;
 }

@@ -35,8 +35,10 @@
 //     leaves no context. A draining server drops every context at once, and
 //     checked-out ones when their backward ends.
 //   - Ids of gone contexts are remembered with why (the last 65536), so that
-//     a backward that finds its context gone is told: expired, evicted,
-//     released, consumed, cancelled, drained, or never existed.
+//     a backward that finds its own context gone is told: expired, evicted,
+//     released, consumed, cancelled or drained (FAILED_PRECONDITION). An id
+//     not among the caller's own (never made, forgotten, another client's)
+//     is NOT_FOUND with one message, whichever it is.
 // Gauges: plsh_contexts, plsh_context_bytes; removals by reason:
 // plsh_context_evictions_total{reason}.
 #pragma once
@@ -57,7 +59,7 @@
 #include "server/auth.h"
 #include "server/metrics.h"
 #include "server/request.h"
-#include "server/scheduler.h"
+#include "server/memory_budget.h"
 
 namespace plsh::server {
 
@@ -68,26 +70,26 @@ const char* context_end_name(ContextEnd end);  // "expired", "evicted", ...
 inline constexpr ContextEnd kContextEnds[] = {ContextEnd::kExpired,  ContextEnd::kEvicted,   ContextEnd::kReleased,
                                               ContextEnd::kConsumed, ContextEnd::kCancelled, ContextEnd::kDrained};
 
-// One forward's context: its plan (kernel plan bound to these buffers) and
-// its tensors. Holds `charge` of the scheduler's budget and of its client's
-// limits until destroyed.
+// One forward's context: its request (the plan bound to this memory) and
+// its tensors. Holds `charge` of the budget and of its client's limits
+// until destroyed.
 class KeptContext {
  public:
-  KeptContext(RequestPlan plan, RequestBuffers buffers, MemoryCharge charge, Scheduler* scheduler,
+  KeptContext(Request request, RequestMemory memory, MemoryCharge charge, MemoryBudget* budget,
               std::shared_ptr<ClientState> client);
   ~KeptContext();
   KeptContext(const KeptContext&) = delete;
   KeptContext& operator=(const KeptContext&) = delete;
 
-  const RequestPlan& plan() const { return plan_; }
-  const RequestBuffers& buffers() const { return buffers_; }
+  const Request& request() const { return request_; }
+  const RequestMemory& memory() const { return memory_; }
   const MemoryCharge& charge() const { return charge_; }
 
  private:
-  RequestPlan plan_;
-  RequestBuffers buffers_;  // q, k, v, out, lse
+  Request request_;
+  RequestMemory memory_;  // q, k, v, out, lse (its workspace is not kept: the backward brings its own)
   MemoryCharge charge_;
-  Scheduler* scheduler_;
+  MemoryBudget* budget_;
   std::shared_ptr<ClientState> client_;
 };
 
@@ -99,9 +101,8 @@ struct ContextStoreOptions {
 
 class ContextStore {
  public:
-  // The scheduler holds the budget that contexts are charged to; metrics
-  // may be null (tests).
-  ContextStore(ContextStoreOptions options, Scheduler* scheduler, Metrics* metrics);
+  // Contexts are charged to `budget`; metrics may be null (tests).
+  ContextStore(ContextStoreOptions options, MemoryBudget* budget, Metrics* metrics);
   ~ContextStore();
   ContextStore(const ContextStore&) = delete;
   ContextStore& operator=(const ContextStore&) = delete;
@@ -133,9 +134,10 @@ class ContextStore {
   // while pending or in use.
   StatusOr<int64_t> release(const std::string& id, const std::string& owner);
 
-  // --- Room for requests. Reserves charge on the scheduler, evicting the
-  // least recently used idle contexts while the host budget falls short and
-  // evicting can make it fit; the scheduler's RESOURCE_EXHAUSTED otherwise.
+  // --- Room for requests (the admission's, admission.h). Reserves charge
+  // on the budget, evicting the least recently used idle contexts while the
+  // host budget falls short and evicting can make it fit; the budget's
+  // RESOURCE_EXHAUSTED otherwise.
   Status reserve(const MemoryCharge& charge);
   // The same against a client's own limits, evicting only its contexts.
   Status reserve_for_client(ClientState& client, const MemoryCharge& charge);
@@ -176,7 +178,7 @@ class ContextStore {
   void sweep();
 
   const ContextStoreOptions options_;
-  Scheduler* scheduler_;
+  MemoryBudget* budget_;
   Metrics* metrics_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;

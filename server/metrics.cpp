@@ -56,6 +56,7 @@ Metrics::Metrics()
       sent_(series<Counter>(*registry_, "plsh_sent_bytes_total", "Tensor payload bytes sent")),
       inflight_(series<Gauge>(*registry_, "plsh_inflight_requests", "Attention streams open")),
       queue_(series<Gauge>(*registry_, "plsh_queue_depth", "Requests waiting for a worker")),
+      busy_(series<Gauge>(*registry_, "plsh_busy_workers", "Workers computing a request now (of --workers)")),
       probe_error_(family<Histogram>(*registry_, "plsh_probe_relative_error",
                                      "Probe relative L2 error of lsh and window results (SPEC section 6)")),
       mask_error_(family<Histogram>(*registry_, "plsh_mask_max_error",
@@ -72,6 +73,12 @@ Metrics::Metrics()
                                      "Bytes reserved by requests in flight, by memory space")),
       stream_timeouts_(family<Counter>(*registry_, "plsh_stream_timeouts_total",
                                        "Attend streams ended for waiting on their client, by reason")),
+      // Families without a series print nothing: without --shm-dir these are absent.
+      shm_regions_(family<Gauge>(*registry_, "plsh_shared_memory_regions", "Shared-memory regions registered")),
+      shm_mapped_(family<Gauge>(*registry_, "plsh_shared_memory_mapped_bytes",
+                                "Bytes the registered shared-memory regions map, all clients together")),
+      shm_max_(family<Gauge>(*registry_, "plsh_shared_memory_max_bytes",
+                             "The most bytes the regions may map together (--max-shm-bytes)")),
       backward_duration_(family<Histogram>(*registry_, "plsh_backward_duration_seconds",
                                            "Whole AttendBackward request as the server saw it, header to status")),
       contexts_held_(series<Gauge>(*registry_, "plsh_contexts",
@@ -134,6 +141,13 @@ void Metrics::memory_budget(const std::string& space, double bytes) {
   memory_budget_.Add({{"space", space}}).Set(bytes);
 }
 
+void Metrics::shared_memory(double regions, double mapped_bytes, double max_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  shm_regions_.Add({}).Set(regions);
+  shm_mapped_.Add({}).Set(mapped_bytes);
+  shm_max_.Add({}).Set(max_bytes);
+}
+
 void Metrics::memory_reserved(const std::string& space, double bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   memory_reserved_.Add({{"space", space}}).Set(bytes);
@@ -178,6 +192,8 @@ void Metrics::received_bytes(double bytes) { received_.Increment(bytes); }
 void Metrics::sent_bytes(double bytes) { sent_.Increment(bytes); }
 void Metrics::inflight_add(double delta) { inflight_.Increment(delta); }
 void Metrics::queue_depth(double depth) { queue_.Set(depth); }
+
+void Metrics::busy_workers(double workers) { busy_.Set(workers); }
 
 void Metrics::probe_relative_error(const std::string& mode, double rel_err) {
   if (!std::isfinite(rel_err)) return;  // one NaN would turn the histogram's sum into NaN until restart

@@ -42,12 +42,16 @@ class Metrics {
   void sent_bytes(double bytes);
   void inflight_add(double delta);
   void queue_depth(double depth);
+  void busy_workers(double workers);
   void probe_relative_error(const std::string& mode, double rel_err);
   void mask_max_error(const std::string& mode, double err);
   void device_memory(const std::string& device, double used_bytes, double total_bytes);
   // space: host|device. Budgets once at start, reservations as they change.
   void memory_budget(const std::string& space, double bytes);
   void memory_reserved(const std::string& space, double bytes);
+  // Same-host shared memory (shm_registry.h): regions registered and the
+  // bytes they map, all clients together, and the bound (--max-shm-bytes).
+  void shared_memory(double regions, double mapped_bytes, double max_bytes);
   // A stream ended for waiting on its client (watchdog.h): receive_idle,
   // receive_slow, send_idle, send_slow.
   void stream_timeout(const std::string& reason);
@@ -85,6 +89,7 @@ class Metrics {
   prometheus::Counter& sent_;
   prometheus::Gauge& inflight_;
   prometheus::Gauge& queue_;
+  prometheus::Gauge& busy_;
   prometheus::Family<prometheus::Histogram>& probe_error_;
   prometheus::Family<prometheus::Histogram>& mask_error_;
   prometheus::Family<prometheus::Gauge>& build_info_;
@@ -93,6 +98,9 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& memory_budget_;
   prometheus::Family<prometheus::Gauge>& memory_reserved_;
   prometheus::Family<prometheus::Counter>& stream_timeouts_;
+  prometheus::Family<prometheus::Gauge>& shm_regions_;
+  prometheus::Family<prometheus::Gauge>& shm_mapped_;
+  prometheus::Family<prometheus::Gauge>& shm_max_;
   prometheus::Family<prometheus::Histogram>& backward_duration_;
   prometheus::Gauge& contexts_held_;
   prometheus::Gauge& context_bytes_;

@@ -1,10 +1,11 @@
-// A request as the server holds it, from its header on: the header checked
-// against the wire rules and the server's limits, its backend chosen and its
-// kernels' plan made (plsh::Plan: draws, algorithm, workspace by memory
-// space), what it will be charged by memory space, the host buffers its
-// tensors live in, and the way back from the library's AttentionResult to
-// the wire Summary. No maths here: validation is plsh::validate_options, the
-// plan and the computation a Backend's.
+// A forward request as the server holds it, from its header on: the header
+// checked against the wire rules and the server's limits (check_request),
+// its backend chosen and its plan made (plan_request: plsh::Plan, the one
+// thing called a plan: draws, algorithm, workspace by memory space), the
+// memory it asks the admission for (memory_layout), its shared-memory
+// regions, and the way back from the library's AttentionResult to the wire
+// Summary. No maths here: validation is plsh::validate_options, the plan
+// and the computation a Backend's.
 #pragma once
 
 #include <cstdint>
@@ -15,11 +16,12 @@
 #include "plsh/backend.h"
 #include "plsh/params.h"
 #include "plsh/plan.h"
+#include "plsh/shape.h"
 #include "plsh/status.h"
 #include "plsh/v1/plsh.pb.h"
 #include "proto/wire.h"
-#include "server/buffer_pool.h"
-#include "server/scheduler.h"
+#include "server/assembler.h"
+#include "server/request_memory.h"
 #include "server/shm_registry.h"
 
 namespace plsh::server {
@@ -29,6 +31,10 @@ struct RequestLimits {
   int64_t max_tokens = 0;
   int64_t max_request_bytes = 0;
   int64_t max_samples = 0;
+  // lsh draws (heads x samples, every attempt's for a targeted request):
+  // they are made at the header, 16 bytes each, before any tensor byte, so
+  // that this bounds what a header alone holds (64 MiB).
+  int64_t max_draws = int64_t{1} << 22;
   int64_t max_message_bytes = 0;
   std::string default_backend = "auto";  // --backend: what a header's "" or "auto" means
   int threads = 0;                       // --threads: CPU threads per request (0: all cores)
@@ -37,23 +43,18 @@ struct RequestLimits {
 
 using wire::kMessageHeadroom;
 
-struct RequestPlan {
+struct Request {
   std::string id;
   std::string backend_name = "auto";  // as asked: the header's, or the server's --backend
   AttentionOptions options;           // validated
   bool return_lse = false;
   bool keep_context = false;          // the header's keep_context: its context stays for AttendBackward (contexts.h)
   bool backward = false;              // planned for the backward too (keep_context, or a stateless AttendBackward)
-  int64_t q_rows = 0, kv_rows = 0;   // B * Nq, B * Nk: flat rows of q and of k, v
-  int64_t q_row_bytes = 0;           // H * D * dtype bytes
-  int64_t kv_row_bytes = 0;          // Hkv * D * dtype bytes
-  int64_t out_row_bytes = 0;         // H * D * out_dtype bytes
-  int64_t lse_row_bytes = 0;         // H * 4
-  int64_t out_chunk_bytes = 0;       // payload per output chunk, >= one row of out and of lse
-  int64_t total_bytes = 0;           // q + k + v + out + lse (the lse buffer: holds_lse())
+  RequestShape shape;                 // rows and row bytes of every tensor (plsh/shape.h)
+  int64_t out_chunk_bytes = 0;        // payload per output chunk, >= one row of out and of lse
 
   // Tensors the header placed in shared memory (AttendHeader.*_shm): no
-  // chunks for them, no host memory charged for them.
+  // chunks for them, no host memory for them.
   struct InShm {
     bool q = false, k = false, v = false, out = false, lse = false;
   } in_shm;
@@ -64,26 +65,33 @@ struct RequestPlan {
   } shared;
 
   Backend* backend = nullptr;  // chosen for these params (registry.select: auto falls back to the CPU)
-  Plan kernel;                 // the backend's plan; its tensors are bound on the worker
-  MemoryCharge charge;         // host: tensors + host workspace; device: device workspace
+  Plan plan;                   // the backend's plan; its tensors are bound on the worker
 
-  int64_t q_bytes() const { return q_rows * q_row_bytes; }
-  int64_t kv_bytes() const { return kv_rows * kv_row_bytes; }
-  int64_t out_bytes() const { return q_rows * out_row_bytes; }
-  int64_t lse_bytes() const { return return_lse ? q_rows * lse_row_bytes : 0; }  // sent
+  int64_t lse_bytes() const { return return_lse ? shape.lse.bytes() : 0; }  // sent
   // An lse buffer: to send, or for the backward (which reads the forward's).
   bool holds_lse() const { return return_lse || backward; }
-  int64_t tokens() const { return q_rows; }
+  int64_t tokens() const { return shape.q.rows; }
+  // q + k + v + out (+ the lse buffer): what --max-request-bytes bounds.
+  int64_t tensor_bytes() const {
+    return shape.q.bytes() + shape.k.bytes() + shape.v.bytes() + shape.out.bytes() + (holds_lse() ? shape.lse.bytes() : 0);
+  }
   // What goes over the wire, each way: the tensors not in shared memory.
   int64_t streamed_input_bytes() const {
-    return (in_shm.q ? 0 : q_bytes()) + (in_shm.k ? 0 : kv_bytes()) + (in_shm.v ? 0 : kv_bytes());
+    return (in_shm.q ? 0 : shape.q.bytes()) + (in_shm.k ? 0 : shape.k.bytes()) + (in_shm.v ? 0 : shape.v.bytes());
   }
-  int64_t streamed_output_bytes() const { return (in_shm.out ? 0 : out_bytes()) + (in_shm.lse ? 0 : lse_bytes()); }
-  // Host bytes of the tensors the server holds itself (the rest are in shared memory).
-  int64_t host_tensor_bytes() const {
-    return streamed_input_bytes() + (in_shm.out ? 0 : out_bytes()) + (in_shm.lse ? 0 : held_lse_bytes());
-  }
-  int64_t held_lse_bytes() const { return holds_lse() ? q_rows * lse_row_bytes : 0; }
+  int64_t streamed_output_bytes() const { return (in_shm.out ? 0 : shape.out.bytes()) + (in_shm.lse ? 0 : lse_bytes()); }
+  // The block the admission grants it: the tensors the server holds
+  // itself (the rest are in shared memory) and the plan's host workspace.
+  MemoryLayout memory_layout() const;
+  // The host bytes it is charged: that block and what its plan holds (the
+  // draws); the device bytes: the plan's device workspace.
+  int64_t host_charge() const { return memory_layout().total_bytes() + plan.own_host_bytes; }
+  // What a kept context holds of that: the tensors and the plan (its
+  // workspace goes with the forward).
+  int64_t kept_bytes() const { return memory_layout().tensor_bytes() + plan.own_host_bytes; }
+  int64_t device_charge() const { return plan.workspace().device_bytes; }
+  // The granted memory with the shared-memory tensors pointed at their regions.
+  void place_shared(RequestMemory* memory) const;
 };
 
 // Bytes of a successful request's per-head summary entries: ~200 per head,
@@ -97,56 +105,38 @@ int64_t summary_bytes(const AttentionOptions& options);
 Status check_request_id(const std::string& id);
 std::string next_request_id();
 
-// Header -> plan: INVALID_ARGUMENT naming the wire field for malformed
-// headers, RESOURCE_EXHAUSTED for sizes over the server's limits,
-// FAILED_PRECONDITION for a backend that is not there; then the backend and
-// its plan, and the request's charge. Touches no tensor memory.
-// check_request then plan_kernels.
-StatusOr<RequestPlan> plan_request(const v1::AttendHeader& header, const RequestLimits& limits);
-// The header's checks alone (no backend, no plan).
-StatusOr<RequestPlan> check_request(const v1::AttendHeader& header, const RequestLimits& limits);
-// Picks the backend and makes the kernels' plan and the charge.
-Status plan_kernels(RequestPlan* plan, const RequestLimits& limits);
+// The header's checks: INVALID_ARGUMENT naming the wire field for
+// malformed headers, RESOURCE_EXHAUSTED for sizes over the server's
+// limits. No backend, no plan, no memory.
+StatusOr<Request> check_request(const v1::AttendHeader& header, const RequestLimits& limits);
+// Picks the backend and makes the plan (FAILED_PRECONDITION for a backend
+// that is not there; the plan's own errors).
+Status plan_request(Request* request, const RequestLimits& limits);
+// check_request then plan_request, for callers without a budget to hold
+// while planning (tests, tools).
+StatusOr<Request> check_and_plan(const v1::AttendHeader& header, const RequestLimits& limits);
+// The host bytes plan_request allocates at most (the draws of every head,
+// every attempt's: plsh::planning_host_bytes of the backend it will choose):
+// held against the budget while the plan is made.
+StatusOr<int64_t> planning_bytes(const Request& request);
 // The header's *_shm references, resolved in the owner's regions and held
-// (plan->shared); out and lse must not overlap each other or an input.
+// (request->shared); out and lse must not overlap each other or an input.
 // UNIMPLEMENTED when the header has one and shared memory is off (registry
 // null or disabled).
-Status use_shared_memory(const v1::AttendHeader& header, RequestPlan* plan, SharedMemoryRegistry* registry,
+Status use_shared_memory(const v1::AttendHeader& header, Request* request, SharedMemoryRegistry* registry,
                          const std::string& owner);
 // OK unless a region's file shrank while the request used it.
-Status check_shared_memory_intact(const RequestPlan& plan);
-// An upper bound of the host bytes plan_kernels allocates (the lsh draws of
-// every head and what backends derive from them): charged to the budget
-// while the plan is made, since the real charge is known only after.
-int64_t planning_bytes(const RequestPlan& plan);
+Status check_shared_memory_intact(const Request& request);
 
-// Where a tensor of a request lies (not owning): in the request's block or
-// in a shared-memory region.
-template <typename T>
-struct TensorMemory {
-  T* ptr = nullptr;
-  T* get() const { return ptr; }
-};
-
-// The host memory of one request's tensors: one block for the tensors the
-// server holds (from the BufferPool: reused across requests, faulted in
-// once), and the shared-memory regions' bytes for the others.
-struct RequestBuffers {
-  TensorMemory<uint8_t> q, k, v, out;  // [B, Nq, H, D], [B, Nk, Hkv, D] x2, [B, Nq, H, D]
-  TensorMemory<float> lse;             // [B, Nq, H] with holds_lse()
-  // The block; output chunks being sent hold a copy of it, so that it goes
-  // back to the pool only once gRPC is done with them.
-  std::shared_ptr<uint8_t> block;
-
-  // pool null: plain heap memory (tests, tools).
-  static RequestBuffers allocate(const RequestPlan& plan, BufferPool* pool = nullptr);
-  TensorRefs refs() const;
-};
+// The Assembler of a forward's streamed inputs (q, k, v; those in shared
+// memory take no chunks) into its granted memory.
+std::unique_ptr<Assembler> assemble_inputs(const Request& request, const RequestMemory& memory);
 
 // On a worker: binds the received tensors to the plan (which checks every
-// input value is finite) and runs plsh::run_attention on the plan's backend.
-StatusOr<AttentionResult> compute_request(RequestPlan& plan, const RequestBuffers& buffers, const ExecContext& ctx);
+// input value is finite) and runs plsh::run_attention on the plan's backend
+// in the granted workspace.
+StatusOr<AttentionResult> compute_request(Request& request, const RequestMemory& memory, const ExecContext& ctx);
 
-void fill_summary(const AttentionResult& result, const RequestPlan& plan, v1::Summary* summary);
+void fill_summary(const AttentionResult& result, const Request& request, v1::Summary* summary);
 
 }  // namespace plsh::server

@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 
+#include "cpu/tiles.h"
 #include "plsh/backend.h"
 #include "proto/chunk_codec.h"
 #include "proto/wire.h"
@@ -22,87 +23,61 @@ namespace plsh::server {
 
 namespace {
 
-// gRPC's ByteBuffer -> a protobuf message, for the raw Attend method's
-// small messages (header, end); the other way: serialize_message
-// (streamed_call.h).
-bool parse_message(grpc::ByteBuffer* buffer, v1::AttendRequest* message) {
-  return grpc::SerializationTraits<v1::AttendRequest>::Deserialize(buffer, message).ok();
-}
-
-// The keep-alive of an output chunk's slice: a reference to the request's
-// block, dropped when gRPC lets go of the slice.
-void release_block(void* arg) { delete static_cast<std::shared_ptr<uint8_t>*>(arg); }
-
 // ---------------------------------------------------------------- Attend
 
-class AttendReactor final : public StreamedCall<grpc::ByteBuffer, grpc::ByteBuffer> {
+class AttendReactor final : public StreamedCall {
  public:
   using StreamedCall::StreamedCall;
 
  private:
-  // One received message. Chunks, the bulk of a stream, are read from the
-  // slices gRPC received and copied once, straight into the tensor; the
-  // rest (and any chunk the slice reader leaves to protobuf) is parsed.
-  Status handle_message() override {
-    if (header_received() && chunk_.read(request_)) {
-      const Status status = handle_chunk();
-      chunk_.clear();
-      return status;
-    }
+  Status handle_parsed() override {
     v1::AttendRequest request;
-    if (!parse_message(&request_, &request))
+    if (!parse_message(&message_, &request))
       return invalid_argument(std::string("a message that is not an AttendRequest, expected ") + expected_next());
     return dispatch(request, [this](const v1::AttendHeader& header) { return on_header(header); });
   }
 
-  Status handle_chunk() {
-    ASSIGN_OR_RETURN(uint8_t* dst,
-                     assembler_->accept(chunk_.tensor(), chunk_.row_start(), chunk_.row_count(), chunk_.data_bytes()));
-    chunk_.copy_data(dst);
-    received(static_cast<int64_t>(chunk_.data_bytes()));
-    return Status::Ok();
+  grpc::ByteBuffer ack_message(const v1::Ack& ack) const override {
+    v1::AttendResponse message;
+    *message.mutable_ack() = ack;
+    return serialize_message(message);
   }
 
   Status on_header(const v1::AttendHeader& header) {
-    if (plan_) return invalid_argument("header received twice, expected exactly one header as the first message");
-    RETURN_IF_ERROR(plan(header));
-    RETURN_IF_ERROR(reserve_and_allocate());
-    // Mapping and faulting in a new pool block can take a while (hundreds of
-    // ms for GiBs): the server's time, not the client's idleness.
+    if (request_) return invalid_argument("header received twice, expected exactly one header as the first message");
+    RETURN_IF_ERROR(admit_header(header));
+    // Mapping a new pool block, or unmapping idle ones for room, can take a
+    // while for GiBs: the server's time, not the client's idleness.
     progress();
-    assembler_ = std::make_unique<Assembler>(*plan_, &buffers_);
-    publish_ack(plan_->id, *plan_->backend, plan_->out_chunk_bytes);
+    const Request& r = *request_;
+    assembler_ = assemble_inputs(r, memory_);
+    publish_ack(r.id, *r.backend, r.out_chunk_bytes);
     return Status::Ok();
   }
 
-  void run() override { computed(compute(end_at_), &result_, plan_->streamed_output_bytes()); }
+  void run() override { computed(compute(end_at_), &result_, request_->streamed_output_bytes()); }
 
   // Tensors in shared memory are not sent: the worker wrote them there.
   bool next_output() override {
-    const RequestPlan& p = *plan_;
-    if (!p.in_shm.out && out_next_ < p.q_rows) {
-      const int64_t rows = std::min(p.q_rows - out_next_, std::max<int64_t>(1, p.out_chunk_bytes / p.out_row_bytes));
-      set_chunk(v1::TENSOR_OUT, out_next_, rows, buffers_.out.get() + out_next_ * p.out_row_bytes, rows * p.out_row_bytes);
-      out_next_ += rows;
-      return true;
-    }
-    if (p.return_lse && !p.in_shm.lse && lse_next_ < p.q_rows) {
-      const int64_t rows = std::min(p.q_rows - lse_next_, std::max<int64_t>(1, p.out_chunk_bytes / p.lse_row_bytes));
-      set_chunk(v1::TENSOR_LSE, lse_next_, rows,
-                reinterpret_cast<const uint8_t*>(buffers_.lse.get()) + lse_next_ * p.lse_row_bytes,
-                rows * p.lse_row_bytes);
-      lse_next_ += rows;
+    const Request& r = *request_;
+    const struct {
+      bool sent;
+      v1::Tensor tensor;
+      const uint8_t* data;
+      const TensorShape& shape;
+      int64_t* next;
+    } outputs[] = {{!r.in_shm.out, v1::TENSOR_OUT, memory_.out, r.shape.out, &next_[0]},
+                   {r.return_lse && !r.in_shm.lse, v1::TENSOR_LSE, reinterpret_cast<const uint8_t*>(memory_.lse),
+                    r.shape.lse, &next_[1]}};
+    for (const auto& o : outputs) {
+      if (!o.sent || *o.next >= o.shape.rows) continue;
+      const int64_t rows = std::min(o.shape.rows - *o.next, std::max<int64_t>(1, r.out_chunk_bytes / o.shape.row_bytes));
+      set_output_chunk(o.tensor, *o.next, rows, o.data + *o.next * o.shape.row_bytes, rows * o.shape.row_bytes,
+                       memory_.block);
+      *o.next += rows;
       return true;
     }
     return false;
-  }
-
-  // An output chunk whose data is a slice of the request's block, not a
-  // copy: the slice holds the block until gRPC is done with it.
-  void set_chunk(v1::Tensor tensor, int64_t row_start, int64_t rows, const uint8_t* data, int64_t bytes) {
-    response_ = wire::encode_chunk(tensor, row_start, rows, data, static_cast<size_t>(bytes), release_block,
-                                   new std::shared_ptr<uint8_t>(buffers_.block));
-    sent(bytes);
   }
 
   void set_summary() override {
@@ -111,18 +86,17 @@ class AttendReactor final : public StreamedCall<grpc::ByteBuffer, grpc::ByteBuff
     response_ = serialize_message(message);
   }
 
-  wire::ChunkReader chunk_;
   std::optional<AttentionResult> result_;  // under mu_, as the outputs sent
-  int64_t out_next_ = 0, lse_next_ = 0;
+  int64_t next_[2] = {0, 0};               // out, lse rows sent
 };
 
 // ----------------------------------------------------------- AttendUnary
 
 class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
  public:
-  UnaryReactor(ServiceContext& s, grpc::CallbackServerContext* ctx, const v1::AttendUnaryRequest* request,
+  UnaryReactor(ServiceContext& s, grpc::CallbackServerContext* ctx, const v1::AttendUnaryRequest* message,
                v1::AttendUnaryResponse* response)
-      : CallBase(s, ctx, "AttendUnary"), request_(request), response_(response) {
+      : CallBase(s, ctx, "AttendUnary"), message_(message), response_(response) {
     const Status status = start();
     if (!status.ok()) finish(to_grpc_status(status));
   }
@@ -135,18 +109,16 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
  private:
   Status start() {
     RETURN_IF_ERROR(open(/*watched=*/false));
-    RETURN_IF_ERROR(check_message_size(request_->ByteSizeLong()));
-    RETURN_IF_ERROR(plan(request_->header()));
-    // Sizes before memory: a response that cannot fit is refused before any
-    // memory is reserved.
-    RETURN_IF_ERROR(check_sizes());
-    RETURN_IF_ERROR(reserve_and_allocate());
+    RETURN_IF_ERROR(check_message_size(message_->ByteSizeLong()));
+    // Sizes before memory: a request whose tensors or response cannot fit
+    // is refused before any memory is reserved.
+    RETURN_IF_ERROR(admit_header(message_->header(), [this](const Request& r) { return check_sizes(r); }));
     // Tensors in shared memory are there already (check_sizes: their
     // fields are empty).
-    if (!plan_->in_shm.q) std::memcpy(buffers_.q.get(), request_->q().data(), request_->q().size());
-    if (!plan_->in_shm.k) std::memcpy(buffers_.k.get(), request_->k().data(), request_->k().size());
-    if (!plan_->in_shm.v) std::memcpy(buffers_.v.get(), request_->v().data(), request_->v().size());
-    record_.received_bytes = plan_->streamed_input_bytes();
+    if (!request_->in_shm.q) std::memcpy(memory_.q, message_->q().data(), message_->q().size());
+    if (!request_->in_shm.k) std::memcpy(memory_.k, message_->k().data(), message_->k().size());
+    if (!request_->in_shm.v) std::memcpy(memory_.v, message_->v().data(), message_->v().size());
+    record_.received_bytes = request_->streamed_input_bytes();
     s_.metrics->received_bytes(static_cast<double>(record_.received_bytes));
     record_.receiving = seconds_between(record_.start, Clock::now());
     queued_at_ = Clock::now();
@@ -155,17 +127,16 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
 
   // q, k and v have their shapes' bytes (none when in shared memory), and
   // out, lse and the summary fit in one response message.
-  Status check_sizes() const {
-    const RequestPlan& plan = *plan_;
+  Status check_sizes(const Request& plan) const {
     const struct {
       const char* name;
       const std::string& data;
       bool in_shm;
       int64_t expected;
       const char* shape;
-    } inputs[] = {{"q", request_->q(), plan.in_shm.q, plan.q_bytes(), "batch * q_len * heads * head_dim"},
-                  {"k", request_->k(), plan.in_shm.k, plan.kv_bytes(), "batch * kv_len * kv_heads * head_dim"},
-                  {"v", request_->v(), plan.in_shm.v, plan.kv_bytes(), "batch * kv_len * kv_heads * head_dim"}};
+    } inputs[] = {{"q", message_->q(), plan.in_shm.q, plan.shape.q.bytes(), "batch * q_len * heads * head_dim"},
+                  {"k", message_->k(), plan.in_shm.k, plan.shape.k.bytes(), "batch * kv_len * kv_heads * head_dim"},
+                  {"v", message_->v(), plan.in_shm.v, plan.shape.v.bytes(), "batch * kv_len * kv_heads * head_dim"}};
     for (const auto& in : inputs) {
       if (in.in_shm && !in.data.empty())
         return invalid_argument(std::string(in.name) + " = " + std::to_string(in.data.size()) + " bytes with " +
@@ -189,10 +160,11 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
       return;
     }
     const Clock::time_point send_start = Clock::now();
-    if (!plan_->in_shm.out) response_->set_out(buffers_.out.get(), static_cast<size_t>(plan_->out_bytes()));
-    if (plan_->return_lse && !plan_->in_shm.lse)
-      response_->set_lse(reinterpret_cast<const char*>(buffers_.lse.get()), static_cast<size_t>(plan_->lse_bytes()));
-    record_.sent_bytes = plan_->streamed_output_bytes();
+    const Request& r = *request_;
+    if (!r.in_shm.out) response_->set_out(memory_.out, static_cast<size_t>(r.shape.out.bytes()));
+    if (r.return_lse && !r.in_shm.lse)
+      response_->set_lse(reinterpret_cast<const char*>(memory_.lse), static_cast<size_t>(r.lse_bytes()));
+    record_.sent_bytes = r.streamed_output_bytes();
     s_.metrics->sent_bytes(static_cast<double>(record_.sent_bytes));
     record_.sending = seconds_between(send_start, Clock::now());
     fill_summary_message(*result, response_->mutable_summary());
@@ -203,7 +175,7 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
     Finish(close(std::move(status)));  // last: OnDone may delete this at once
   }
 
-  const v1::AttendUnaryRequest* request_;
+  const v1::AttendUnaryRequest* message_;
   v1::AttendUnaryResponse* response_;
   Clock::time_point queued_at_;
 };
@@ -211,13 +183,13 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
 }  // namespace
 
 AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler,
-                                   StreamWatchdog* watchdog, const Authenticator* auth, BufferPool* pool,
-                                   SharedMemoryRegistry* shm, ContextStore* contexts) {
+                                   Admission* admission, StreamWatchdog* watchdog, const Authenticator* auth,
+                                   SharedMemoryRegistry* shm) {
   shared_.config = &config;
-  shared_.contexts = contexts;
+  shared_.admission = admission;
+  shared_.contexts = admission->contexts();
   shared_.watchdog = watchdog;
   shared_.auth = auth;
-  shared_.pool = pool;
   shared_.shm = shm;
   shared_.limits.max_tokens = config.max_tokens;
   shared_.limits.max_request_bytes = config.max_request_bytes;
@@ -226,13 +198,14 @@ AttentionService::AttentionService(const ServerConfig& config, Metrics* metrics,
   shared_.limits.default_backend = config.backend;
   shared_.limits.threads = static_cast<int>(config.threads);
   // Every worker may hold a request at once: each gets an equal share.
-  shared_.limits.device_bytes_per_request = scheduler->budget().device_bytes / std::max<int64_t>(1, config.workers);
+  shared_.limits.device_bytes_per_request =
+      admission->budget().budget().device_bytes / std::max<int64_t>(1, config.workers);
   shared_.metrics = metrics;
   shared_.scheduler = scheduler;
 }
 
 void AttentionService::begin_drain() {
-  shared_.draining.store(true);
+  shared_.admission->begin_drain();
   // Streams still receiving have not started their work: end them now (a
   // silent client must not hold up the drain); they may retry elsewhere.
   if (shared_.watchdog != nullptr)
@@ -274,7 +247,7 @@ bool AttentionService::authorize(grpc::CallbackServerContext* ctx, Method method
   return false;
 }
 
-grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* AttentionService::AttendBackward(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::AttendBackward(
     grpc::CallbackServerContext* ctx) {
   return start_attend_backward(shared_, ctx);
 }
@@ -303,6 +276,7 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   l->set_max_request_bytes(c.max_request_bytes);
   l->set_memory_budget(c.memory_budget);
   l->set_max_samples(c.max_samples);
+  l->set_max_draws(shared_.limits.max_draws);
   l->set_max_message_bytes(c.max_message_bytes);
   l->set_max_concurrent(c.max_concurrent);
   l->set_queue_depth(c.queue_depth);
@@ -311,6 +285,9 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   const bool shm = shared_.shm != nullptr && shared_.shm->enabled();
   l->set_shared_memory(shm);
   l->set_max_shared_memory_regions(shm ? SharedMemoryRegistry::kMaxRegions : 0);
+  l->set_max_heads(kMaxHeads);
+  l->set_max_head_dim(kMaxHeadDim);
+  l->set_max_shared_memory_bytes(shm ? shared_.shm->max_mapped_bytes() : 0);
   l->set_context_ttl_seconds(shared_.contexts != nullptr ? shared_.contexts->options().ttl_seconds : 0);
   l->set_max_contexts(shared_.contexts != nullptr ? shared_.contexts->options().max_contexts : 0);
   const AttentionOptions defaults;
@@ -325,6 +302,13 @@ grpc::ServerUnaryReactor* AttentionService::GetInfo(grpc::CallbackServerContext*
   d->set_check_finite(defaults.check_finite);
   d->set_out_chunk_bytes(c.max_message_bytes - kMessageHeadroom);
   d->set_backend(c.backend);
+  d->set_sampling(wire::to_wire(defaults.sampling));
+  d->set_lsh_algorithm(wire::to_wire(defaults.lsh_algorithm));
+  d->set_target_mode(wire::to_wire(kDefaultTargetMode));
+  // The CPU backend's row tiles decide where a sequence shard may start
+  // (GetInfoResponse.shard_row_align): its constant, not a copy.
+  response->set_shard_row_align(cpu::kMaxRowTile);
+  for (const char* name : kBackendNames) response->add_backend_names(name);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -1,10 +1,11 @@
 // plsh.v1.Attention on gRPC's callback API. Each call goes through CallBase
-// (call.h): admitted and planned at its header (plan_request: limits,
-// backend, the kernels' plan), charged to the host and device budgets
-// (Scheduler), assembled from chunks (Assembler) or read in place from
-// shared memory (SharedMemoryRegistry), computed on a worker
-// (compute_request: the backend does the maths), and streamed back in chunks
-// no larger than the message limit (or written to shared memory).
+// (call.h): opened and, at its header, checked, planned (plan_request: the
+// backend and its plsh::Plan) and granted its memory by the admission
+// (admission.h: tokens, limits, both budgets, kept contexts), assembled
+// from chunks (Assembler) or read in place from shared memory
+// (SharedMemoryRegistry), computed on a worker (the Scheduler; the backend
+// does the maths), and streamed back in chunks no larger than the message
+// limit (or written to shared memory).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -16,8 +17,8 @@
 #include <string>
 
 #include "plsh/v1/plsh.grpc.pb.h"
+#include "server/admission.h"
 #include "server/auth.h"
-#include "server/buffer_pool.h"
 #include "server/call.h"
 #include "server/config.h"
 #include "server/metrics.h"
@@ -27,24 +28,24 @@
 
 namespace plsh::server {
 
-// Attend is a raw method (grpc::ByteBuffer each way): its chunks are read
-// from and written to gRPC's slices directly (proto/chunk_codec.h), so a
-// tensor byte is copied once between the socket buffers and the tensor.
+// Attend and AttendBackward are raw methods (grpc::ByteBuffer each way):
+// their chunks are read from and written to gRPC's slices directly
+// (proto/chunk_codec.h), so a tensor byte is copied once between the socket
+// buffers and the tensor.
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::WithCallbackMethod_AttendUnary<
-    v1::Attention::WithCallbackMethod_GetInfo<v1::Attention::WithCallbackMethod_AttendBackward<
+    v1::Attention::WithCallbackMethod_GetInfo<v1::Attention::WithRawCallbackMethod_AttendBackward<
         v1::Attention::WithCallbackMethod_ReleaseContext<v1::Attention::WithCallbackMethod_RegisterSharedMemory<
             v1::Attention::WithCallbackMethod_UnregisterSharedMemory<
                 v1::Attention::WithCallbackMethod_ListSharedMemory<v1::Attention::Service>>>>>>>>;
 
 class AttentionService final : public AttentionServiceBase {
  public:
-  // auth: the token file's clients (auth.h); null lets every call in.
-  // pool: the requests' host tensors (null: heap memory per request). shm:
-  // the shared-memory regions (null or disabled: the RPCs are UNIMPLEMENTED).
-  // contexts: kept contexts for AttendBackward (contexts.h); null keeps none.
-  AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler, StreamWatchdog* watchdog,
-                   const Authenticator* auth = nullptr, BufferPool* pool = nullptr, SharedMemoryRegistry* shm = nullptr,
-                   ContextStore* contexts = nullptr);
+  // admission: who runs with what memory (its tokens, budgets, pool and
+  // contexts are the service's). auth: the token file's clients (auth.h),
+  // for the calls outside the admission; null lets every call in. shm: the
+  // shared-memory regions (null or disabled: the RPCs are UNIMPLEMENTED).
+  AttentionService(const ServerConfig& config, Metrics* metrics, Scheduler* scheduler, Admission* admission,
+                   StreamWatchdog* watchdog, const Authenticator* auth = nullptr, SharedMemoryRegistry* shm = nullptr);
 
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Attend(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* AttendUnary(grpc::CallbackServerContext* ctx, const v1::AttendUnaryRequest* request,
@@ -60,8 +61,7 @@ class AttentionService final : public AttentionServiceBase {
   grpc::ServerUnaryReactor* ListSharedMemory(grpc::CallbackServerContext* ctx, const v1::ListSharedMemoryRequest* request,
                                              v1::ListSharedMemoryResponse* response) override;
   // backward_call.h.
-  grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* AttendBackward(
-      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendBackward(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* ReleaseContext(grpc::CallbackServerContext* ctx, const v1::ReleaseContextRequest* request,
                                            v1::ReleaseContextResponse* response) override;
 
@@ -69,7 +69,7 @@ class AttentionService final : public AttentionServiceBase {
   // that are still receiving, and drops the kept contexts.
   void begin_drain();
   // Attend, AttendUnary and AttendBackward calls not yet finished.
-  int64_t open_requests() const { return shared_.open_streams.load(); }
+  int64_t open_requests() const { return shared_.admission->open_calls(); }
 
  private:
   // A unary call outside CallBase (GetInfo, the shared-memory calls): the

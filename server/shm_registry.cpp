@@ -114,7 +114,7 @@ struct SharedMemoryRegistry::Region {
   size_t map_bytes = 0;
   uint8_t* data = nullptr;      // the region's first byte
   int slot = -1;                // its g_guard entry
-  int64_t uses = 0;             // under the registry's mutex
+  std::map<uint64_t, int64_t> holders;  // under the registry's mutex: request -> its uses of this region
 
   ~Region() {
     if (slot >= 0) {  // begin last: a slot is free (begin == 0) only once all of it is cleared
@@ -128,8 +128,11 @@ struct SharedMemoryRegistry::Region {
   bool faulted() const { return slot >= 0 && g_guard[slot].faulted.load(std::memory_order_acquire) != 0; }
 };
 
-StatusOr<std::unique_ptr<SharedMemoryRegistry>> SharedMemoryRegistry::open(const std::string& dir) {
-  if (dir.empty() || dir == "off") return std::unique_ptr<SharedMemoryRegistry>(new SharedMemoryRegistry(-1));
+StatusOr<std::unique_ptr<SharedMemoryRegistry>> SharedMemoryRegistry::open(const std::string& dir,
+                                                                           int64_t max_mapped_bytes,
+                                                                           std::function<void(const Totals&)> on_change) {
+  if (dir.empty() || dir == "off")
+    return std::unique_ptr<SharedMemoryRegistry>(new SharedMemoryRegistry(-1, 0, std::move(on_change)));
   const int fd = ::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0)
     return invalid_argument("--shm-dir = '" + echo_value(dir) + "': cannot open the directory: " + std::strerror(errno));
@@ -137,7 +140,25 @@ StatusOr<std::unique_ptr<SharedMemoryRegistry>> SharedMemoryRegistry::open(const
     close(fd);
     return internal_error("--shm-dir: cannot install the SIGBUS handler: " + std::string(std::strerror(errno)));
   }
-  return std::unique_ptr<SharedMemoryRegistry>(new SharedMemoryRegistry(fd));
+  auto registry = std::unique_ptr<SharedMemoryRegistry>(new SharedMemoryRegistry(fd, max_mapped_bytes, std::move(on_change)));
+  {
+    std::lock_guard<std::mutex> lock(registry->mu_);
+    registry->publish_locked();  // the gauges start at 0, not absent
+  }
+  return registry;
+}
+
+SharedMemoryRegistry::Totals SharedMemoryRegistry::totals_locked() const {
+  return Totals{static_cast<int64_t>(regions_.size()), mapped_bytes_};
+}
+
+SharedMemoryRegistry::Totals SharedMemoryRegistry::totals() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return totals_locked();
+}
+
+void SharedMemoryRegistry::publish_locked() const {
+  if (on_change_) on_change_(totals_locked());
 }
 
 SharedMemoryRegistry::~SharedMemoryRegistry() {
@@ -163,6 +184,52 @@ Status open_error(int error) {
     case ENFILE: return resource_exhausted("the server has no file descriptors left for another region");
     default: return invalid_argument("key: the file cannot be opened (" + std::string(std::strerror(error)) + ")");
   }
+}
+
+// The file `name` of the directory, opened for reading and writing only
+// once it is known to be a regular file of the server's user, not writable
+// by others, with at least `end` bytes: opened without following links and
+// without opening what it is (O_PATH), checked, then reopened as the same
+// inode, so that neither a symbolic link nor a device or FIFO swapped in is
+// ever opened (no open side effects, no races).
+StatusOr<int> open_checked(int dir_fd, const std::string& name, int64_t end) {
+  const int path_fd = openat(dir_fd, name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
+  if (path_fd < 0) return open_error(errno);
+  struct stat st {};
+  if (fstat(path_fd, &st) != 0) {
+    const int error = errno;
+    close(path_fd);
+    return open_error(error);
+  }
+  Status checked = Status::Ok();
+  if (S_ISLNK(st.st_mode))
+    checked = invalid_argument("key: a symbolic link, expected a regular file (links are not followed)");
+  else if (!S_ISREG(st.st_mode))
+    checked = invalid_argument("key: not a regular file (a directory, FIFO, socket or device), expected a regular file");
+  else if (st.st_uid != geteuid())
+    checked = permission_denied("key: the file belongs to another user than the server's, expected the server's own");
+  else if (st.st_mode & S_IWOTH)
+    checked = permission_denied("key: the file is writable by every user, expected no write permission for others");
+  else if (st.st_size < end)
+    checked = invalid_argument("offset + byte_size = " + std::to_string(end) + ", expected <= the file's " +
+                               std::to_string(st.st_size) + " bytes");
+  if (!checked.ok()) {
+    close(path_fd);
+    return checked;
+  }
+  const std::string reopen = "/proc/self/fd/" + std::to_string(path_fd);
+  int fd = ::open(reopen.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0 && errno == ENOENT)  // no /proc: the file is known to be regular; open it by name, not following links
+    fd = openat(dir_fd, name.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  const int open_errno = errno;
+  close(path_fd);
+  if (fd < 0) return open_error(open_errno);
+  struct stat opened {};
+  if (fstat(fd, &opened) != 0 || opened.st_dev != st.st_dev || opened.st_ino != st.st_ino || !S_ISREG(opened.st_mode)) {
+    close(fd);
+    return invalid_argument("key: the file changed while it was being opened, expected it to stay put");
+  }
+  return fd;
 }
 
 }  // namespace
@@ -194,62 +261,54 @@ Status SharedMemoryRegistry::register_region(const std::string& owner, const std
   region->offset = offset;
   region->byte_size = byte_size;
 
-  // Opened without following links and without opening what it is, then
-  // checked, then reopened for reading and writing as the same inode.
-  const int path_fd = openat(dir_fd_, file.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
-  if (path_fd < 0) return open_error(errno);
-  struct stat st {};
-  const int stat_result = fstat(path_fd, &st);
-  if (stat_result != 0) {
-    const int error = errno;
-    close(path_fd);
-    return open_error(error);
-  }
-  Status checked = Status::Ok();
-  if (S_ISLNK(st.st_mode))
-    checked = invalid_argument("key: a symbolic link, expected a regular file (links are not followed)");
-  else if (!S_ISREG(st.st_mode))
-    checked = invalid_argument("key: not a regular file (a directory, FIFO, socket or device), expected a regular file");
-  else if (st.st_uid != geteuid())
-    checked = permission_denied("key: the file belongs to another user than the server's, expected the server's own");
-  else if (st.st_mode & S_IWOTH)
-    checked = permission_denied("key: the file is writable by every user, expected no write permission for others");
-  else if (st.st_size < end)
-    checked = invalid_argument("offset + byte_size = " + std::to_string(end) + ", expected <= the file's " +
-                               std::to_string(st.st_size) + " bytes");
-  if (!checked.ok()) {
-    close(path_fd);
-    return checked;
-  }
-  const std::string reopen = "/proc/self/fd/" + std::to_string(path_fd);
-  int fd = ::open(reopen.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY);
-  if (fd < 0 && errno == ENOENT)  // no /proc: the file is known to be regular; open it by name, not following links
-    fd = openat(dir_fd_, file.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
-  const int open_errno = errno;
-  close(path_fd);
-  if (fd < 0) return open_error(open_errno);
-  region->fd = fd;
+  ASSIGN_OR_RETURN(region->fd, open_checked(dir_fd_, file, end));
   struct stat opened {};
-  if (fstat(fd, &opened) != 0 || opened.st_dev != st.st_dev || opened.st_ino != st.st_ino || !S_ISREG(opened.st_mode))
-    return invalid_argument("key: the file changed while it was being opened, expected it to stay put");
+  fstat(region->fd, &opened);
   region->device = opened.st_dev;
   region->inode = opened.st_ino;
 
+  // Only the registered range is mapped (from its first page), and only
+  // once the bound has room for it: counted before the mapping exists, so
+  // that concurrent registrations cannot pass the bound together.
   const int64_t page = sysconf(_SC_PAGESIZE);
   const int64_t map_offset = offset / page * page;
-  region->map_bytes = static_cast<size_t>(end - map_offset);
-  void* base = mmap(nullptr, region->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, map_offset);
-  if (base == MAP_FAILED)
-    return resource_exhausted("cannot map the region (" + std::string(std::strerror(errno)) + ")");
+  const int64_t map_bytes = end - map_offset;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (map_bytes > max_mapped_bytes_ - mapped_bytes_)
+      return resource_exhausted("byte_size = " + std::to_string(byte_size) + ": shared memory mapped would be " +
+                                std::to_string(mapped_bytes_) + " + " + std::to_string(map_bytes) +
+                                " bytes, expected <= " + std::to_string(max_mapped_bytes_) +
+                                " (the server's --max-shm-bytes, all regions together); unregister regions first");
+    mapped_bytes_ += map_bytes;
+  }
+  auto unreserve = [this, map_bytes] {
+    std::lock_guard<std::mutex> lock(mu_);
+    mapped_bytes_ -= map_bytes;
+  };
+  region->map_bytes = static_cast<size_t>(map_bytes);
+  void* base = mmap(nullptr, region->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, region->fd, map_offset);
+  if (base == MAP_FAILED) {
+    const int map_errno = errno;
+    unreserve();
+    return resource_exhausted("cannot map the region (" + std::string(std::strerror(map_errno)) + ")");
+  }
   region->map_base = static_cast<uint8_t*>(base);
   region->data = region->map_base + (offset - map_offset);
 
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  Status room = Status::Ok();
   if (regions_.count({owner, name}) != 0)  // registered meanwhile by a concurrent call
-    return already_exists("region '" + name + "' is registered already; unregister it first");
-  if (static_cast<int64_t>(regions_.size()) >= kMaxRegions)
-    return resource_exhausted("regions = " + std::to_string(regions_.size()) + ", expected < " +
+    room = already_exists("region '" + name + "' is registered already; unregister it first");
+  else if (static_cast<int64_t>(regions_.size()) >= kMaxRegions)
+    room = resource_exhausted("regions = " + std::to_string(regions_.size()) + ", expected < " +
                               std::to_string(kMaxRegions) + " (the server's limit): unregister some first");
+  if (!room.ok()) {
+    mapped_bytes_ -= map_bytes;
+    lock.unlock();
+    region.reset();  // unmapped outside the lock
+    return room;
+  }
   for (int i = 0; i < kMaxRegions; ++i) {
     if (g_guard[i].begin.load() != 0) continue;
     g_guard[i].faulted.store(0);
@@ -259,6 +318,7 @@ Status SharedMemoryRegistry::register_region(const std::string& owner, const std
     break;
   }
   regions_.emplace(std::make_pair(owner, name), std::move(region));
+  publish_locked();
   return Status::Ok();
 }
 
@@ -269,11 +329,13 @@ Status SharedMemoryRegistry::unregister_region(const std::string& owner, const s
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find({owner, name});
     if (it == regions_.end()) return not_found("region '" + echo_value(name) + "' is not registered");
-    if (it->second->uses > 0)
-      return failed_precondition("region '" + name + "' is in use by " + std::to_string(it->second->uses) +
+    if (!it->second->holders.empty())
+      return failed_precondition("region '" + name + "' is in use by " + std::to_string(it->second->holders.size()) +
                                  " request(s); unregister it once they have finished");
     gone = std::move(it->second);
     regions_.erase(it);
+    mapped_bytes_ -= static_cast<int64_t>(gone->map_bytes);
+    publish_locked();
   }
   return Status::Ok();  // unmapped as `gone` goes (no use holds it: uses == 0)
 }
@@ -283,14 +345,20 @@ StatusOr<std::vector<SharedMemoryRegistry::RegionInfo>> SharedMemoryRegistry::li
   std::vector<RegionInfo> out;
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [id, r] : regions_)
-    if (id.first == owner) out.push_back(RegionInfo{r->name, r->key, r->offset, r->byte_size, r->uses});
+    if (id.first == owner)
+      out.push_back(RegionInfo{r->name, r->key, r->offset, r->byte_size, static_cast<int64_t>(r->holders.size())});
   return out;
+}
+
+uint64_t SharedMemoryRegistry::new_holder() {
+  static std::atomic<uint64_t> next{0};
+  return next.fetch_add(1) + 1;
 }
 
 StatusOr<SharedMemoryRegistry::Use> SharedMemoryRegistry::use(const std::string& owner, const char* field,
                                                               const std::string& name, int64_t offset,
                                                               int64_t byte_size, int64_t expected_bytes,
-                                                              int64_t alignment) {
+                                                              int64_t alignment, uint64_t holder) {
   const std::string f = field;
   if (!enabled()) return unimplemented_off();
   if (byte_size != expected_bytes)
@@ -322,11 +390,12 @@ StatusOr<SharedMemoryRegistry::Use> SharedMemoryRegistry::use(const std::string&
     if (fstat(region->fd, &st) != 0 || st.st_size < region->offset + region->byte_size)
       return failed_precondition(f + ": the file of region '" + name +
                                  "' has shrunk below the registered range; unregister and register it again");
-    ++region->uses;
+    ++region->holders[holder];
   }
   Use use;
   use.registry_ = this;
   use.region_ = std::move(region);
+  use.holder_ = holder;
   use.data_ = use.region_->data + offset;
   use.device_ = use.region_->device;
   use.inode_ = use.region_->inode;
@@ -335,9 +404,10 @@ StatusOr<SharedMemoryRegistry::Use> SharedMemoryRegistry::use(const std::string&
   return use;
 }
 
-void SharedMemoryRegistry::release(Region* region) {
+void SharedMemoryRegistry::release(Region* region, uint64_t holder) {
   std::lock_guard<std::mutex> lock(mu_);
-  --region->uses;
+  auto it = region->holders.find(holder);
+  if (it != region->holders.end() && --it->second == 0) region->holders.erase(it);
 }
 
 SharedMemoryRegistry::Use& SharedMemoryRegistry::Use::operator=(Use&& other) noexcept {
@@ -345,6 +415,7 @@ SharedMemoryRegistry::Use& SharedMemoryRegistry::Use::operator=(Use&& other) noe
     release();
     registry_ = std::exchange(other.registry_, nullptr);
     region_ = std::move(other.region_);
+    holder_ = std::exchange(other.holder_, 0);
     data_ = std::exchange(other.data_, nullptr);
     device_ = other.device_;
     inode_ = other.inode_;
@@ -355,9 +426,10 @@ SharedMemoryRegistry::Use& SharedMemoryRegistry::Use::operator=(Use&& other) noe
 }
 
 void SharedMemoryRegistry::Use::release() {
-  if (registry_ != nullptr && region_) registry_->release(region_.get());
+  if (registry_ != nullptr && region_) registry_->release(region_.get(), holder_);
   registry_ = nullptr;
   region_.reset();
+  holder_ = 0;
   data_ = nullptr;
 }
 

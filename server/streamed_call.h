@@ -11,8 +11,12 @@
 // A failure at any point (a bad message, the client's cancel, the
 // watchdog's expiry, the worker's error) is recorded once as the finish
 // status; the finish waits for a worker that holds the buffers.
-// The two calls differ only in their messages: Attend is a raw method
-// (gRPC's ByteBuffer, chunks read from its slices), AttendBackward typed.
+// Both are raw methods (gRPC's ByteBuffer each way) over one message shape
+// (proto/chunk_codec.h): input chunks are read from the received slices and
+// copied once, straight into their tensor (the Assembler says where);
+// output chunks are slices of the request's own block, sent without a copy.
+// The two calls differ only in their header, their tensors and their
+// summary.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -24,6 +28,7 @@
 
 #include "plsh/backend.h"
 #include "plsh/v1/plsh.grpc.pb.h"
+#include "proto/chunk_codec.h"
 #include "proto/wire.h"
 #include "server/assembler.h"
 #include "server/call.h"
@@ -31,29 +36,22 @@
 
 namespace plsh::server {
 
-// The ack as the response type carries it: serialized for the raw Attend,
-// a field of AttendBackward's response.
-// A message as the raw Attend method sends it (ack, summary).
-inline grpc::ByteBuffer serialize_message(const v1::AttendResponse& message) {
+// A message as the raw methods send it (ack, summary): serialized.
+template <class Message>
+grpc::ByteBuffer serialize_message(const Message& message) {
   grpc::ByteBuffer buffer;
   bool own_buffer = false;
-  grpc::SerializationTraits<v1::AttendResponse>::Serialize(message, &buffer, &own_buffer);
+  grpc::SerializationTraits<Message>::Serialize(message, &buffer, &own_buffer);
   return buffer;
 }
-inline void set_ack_message(const v1::Ack& ack, grpc::ByteBuffer* response) {
-  v1::AttendResponse message;
-  *message.mutable_ack() = ack;
-  *response = serialize_message(message);
+// gRPC's ByteBuffer -> a protobuf message, for the small messages (header,
+// end) that the chunk reader leaves to protobuf.
+template <class Message>
+bool parse_message(grpc::ByteBuffer* buffer, Message* message) {
+  return grpc::SerializationTraits<Message>::Deserialize(buffer, message).ok();
 }
-inline void set_ack_message(const v1::Ack& ack, v1::BackwardResponse* response) {
-  response->Clear();
-  *response->mutable_ack() = ack;
-}
-inline size_t message_bytes(const grpc::ByteBuffer& m) { return m.Length(); }
-inline size_t message_bytes(const google::protobuf::Message& m) { return m.ByteSizeLong(); }
 
-template <class Request, class Response>
-class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protected CallBase {
+class StreamedCall : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>, protected CallBase {
  public:
   // method: Attend or AttendBackward; request_type: the message's name
   // (AttendRequest), for errors. Calls are made by start(), not directly.
@@ -70,7 +68,7 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
     if (!opened.ok()) {
       call->fail(opened);  // may finish the call: gRPC deletes it once it is done
     } else {
-      call->StartRead(&call->request_);
+      call->StartRead(&call->message_);
     }
     return call;
   }
@@ -89,14 +87,14 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
       return;
     }
     progress();
-    Status status = check_message_size(message_bytes(request_));
+    Status status = check_message_size(message_.Length());
     if (status.ok()) status = handle_message();
-    request_.Clear();  // the message's memory goes back before the next read
+    message_.Clear();  // the message's memory goes back before the next read
     if (!status.ok()) {
       fail(status);
       return;
     }
-    if (!end_received_) this->StartRead(&request_);
+    if (!end_received_) this->StartRead(&message_);
   }
 
   void OnWriteDone(bool ok) override {
@@ -146,8 +144,12 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
   enum class Stage { kReading, kComputing, kSending, kFailed };
 
 
-  // One message, in request_.
-  virtual Status handle_message() = 0;
+  // One message that is not a chunk the slice reader takes (a header, an
+  // end, or a chunk in an encoding left to protobuf), in message_: parsed as
+  // the call's request type and passed to dispatch().
+  virtual Status handle_parsed() = 0;
+  // The ack, serialized as the call's response type.
+  virtual grpc::ByteBuffer ack_message(const v1::Ack& ack) const = 0;
   // On a worker, once end has come: computes and calls computed().
   virtual void run() = 0;
   // The next output message into response_, or false when all are sent.
@@ -172,6 +174,23 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
       default: break;
     }
     return invalid_argument(std::string(request_type_) + " with no kind set, expected header, chunk or end");
+  }
+
+  // One received message. Chunks, the bulk of a stream, are read from the
+  // slices gRPC received and copied once, straight into the tensor; the
+  // rest is parsed.
+  Status handle_message() {
+    if (header_received() && chunk_.read(message_)) {
+      StatusOr<uint8_t*> dst =
+          assembler_->accept(chunk_.tensor(), chunk_.row_start(), chunk_.row_count(), chunk_.data_bytes());
+      if (dst.ok()) {
+        chunk_.copy_data(*dst);
+        received(static_cast<int64_t>(chunk_.data_bytes()));
+      }
+      chunk_.clear();
+      return dst.status();
+    }
+    return handle_parsed();
   }
 
   // A parsed chunk, into its tensor.
@@ -254,8 +273,19 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
     pump();
   }
 
+  // An output chunk into response_ whose data is a slice of `block` (the
+  // request's memory), not a copy: the slice holds the block until gRPC is
+  // done with it. Called with mu_ held, from next_output().
+  void set_output_chunk(v1::Tensor tensor, int64_t row_start, int64_t rows, const uint8_t* data, int64_t bytes,
+                        const std::shared_ptr<uint8_t>& block) {
+    response_ = wire::encode_chunk(tensor, row_start, rows, data, static_cast<size_t>(bytes), release_block,
+                                   new std::shared_ptr<uint8_t>(block));
+    sent(bytes);
+  }
+
   // Reading side (reactions run one at a time).
-  Request request_;
+  grpc::ByteBuffer message_;
+  wire::ChunkReader chunk_;
   bool end_received_ = false;
   Clock::time_point end_at_;
   std::unique_ptr<Assembler> assembler_;
@@ -263,9 +293,13 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
   // Writing side, shared by reactions and the worker: under mu_.
   std::mutex mu_;
   Clock::time_point send_start_;
-  Response response_;
+  grpc::ByteBuffer response_;
 
  private:
+  // The keep-alive of an output chunk's slice: a reference to the request's
+  // block, dropped when gRPC lets go of the slice.
+  static void release_block(void* arg) { delete static_cast<std::shared_ptr<uint8_t>*>(arg); }
+
   // Starts the next write or the finish, whichever is due; one write at a
   // time. gRPC may run a reaction inline, so the call itself happens after
   // the lock is released.
@@ -284,7 +318,7 @@ class StreamedCall : public grpc::ServerBidiReactor<Request, Response>, protecte
       } else if (write_in_flight_) {
         return;
       } else if (ack_ready_ && !ack_sent_) {
-        set_ack_message(ack_, &response_);
+        response_ = ack_message(ack_);
         ack_sent_ = true;
         action = Action::kWrite;
       } else if (stage_ == Stage::kSending) {

@@ -216,6 +216,14 @@ int main(int argc, char** argv) {
     // Planned once: forward alone is timed. A failed plan is reported as a
     // failed mode below.
     plsh::StatusOr<plsh::Plan> plan = backend->plan(*p, plsh::PlanLimits{});
+    // The host part of the plan's workspace (the backend reserves its device
+    // bytes itself, for now).
+    plsh::StatusOr<plsh::HostWorkspace> workspace =
+        plsh::HostWorkspace::allocate(plan.ok() ? plan->forward_workspace.host_bytes : 0);
+    if (!workspace.ok()) {
+      std::fprintf(stderr, "bench_cuda: %s\n", workspace.status().to_string().c_str());
+      return 1;
+    }
     plsh::ExecContext ctx;
     ctx.stream = stream;
     plsh::ForwardStats stats;
@@ -224,7 +232,7 @@ int main(int argc, char** argv) {
     plsh::Status status = plan.status();
     for (int r = 0; r < a.warmup + repeats && status.ok(); ++r) {
       CHECK_CUDA(cudaEventRecord(start, stream));
-      status = backend->forward(*plan, ctx, &stats);
+      status = backend->forward(*plan, workspace->ref(), ctx, &stats);
       CHECK_CUDA(cudaEventRecord(stop, stream));
       CHECK_CUDA(cudaEventSynchronize(stop));
       float t = 0;

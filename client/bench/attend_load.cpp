@@ -271,7 +271,9 @@ Outcome AttendLoad::call(int worker, int64_t index) {
   o.computing = reply.timings.computing;
   o.sending = reply.timings.sending;
   if (config_.backward) {
-    // A step's server phases: its two calls' summed.
+    // A step's server phases: its two calls' summed; the backward's
+    // receiving phase alone too (bench/ingest.sh: dout's ingest).
+    o.backward_receiving = grads.timings.receiving;
     o.queued += grads.timings.queued;
     o.receiving += grads.timings.receiving;
     o.computing += grads.timings.computing;

@@ -37,8 +37,9 @@ struct Outcome {
   bool verified = false;          // the output was checked against an in-process result
   bool mismatch = false;          // ... and differed by more than the tolerance
   double verify_error = 0;        // max |out - ref| / max |ref|
-  // --backward: a training step's two calls, client-side seconds (< 0: not a step).
-  double forward_seconds = -1, backward_seconds = -1;
+  // --backward: a training step's two calls, client-side seconds (< 0: not a
+  // step), and the backward's own receiving phase (the server's: dout's ingest).
+  double forward_seconds = -1, backward_seconds = -1, backward_receiving = -1;
   // RPCs the server saw for this request, and how many of them were OK
   // (-1: all of them when code is OK, else none): a step makes two.
   int rpcs = 1, ok_rpcs = -1;
@@ -82,6 +83,7 @@ struct LevelResult {
   Summary latency;                 // seconds, ok requests
   Summary queued, receiving, computing, sending;  // seconds, the server's, ok requests
   Summary forward, backward;       // --backward: client latency of each call of a step, ok steps
+  Summary backward_receiving;      // --backward: the server's receiving phase of the backward alone (dout)
   int64_t rpcs = 0, ok_rpcs = 0;   // RPCs made (warmup included), for the server's counters
   Summary lag;                     // open loop: actual start - scheduled start, seconds
   int64_t late_starts = 0;         // open loop: started more than kLateSeconds after schedule

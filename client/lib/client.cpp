@@ -5,16 +5,12 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
-#include <grpcpp/generic/generic_stub.h>
-
-#include <condition_variable>
-#include <functional>
-#include <mutex>
-
+#include "chunk_stream.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "proto/chunk_codec.h"
+#include "plsh/shape.h"
 #include "proto/wire.h"
 
 namespace plsh::client {
@@ -41,27 +37,6 @@ grpc::Status read_small_file(const char* name, const std::string& path, std::str
   return grpc::Status::OK;
 }
 
-grpc::Status protocol_error(const std::string& what) {
-  return grpc::Status(grpc::StatusCode::INTERNAL, "server broke the plsh.v1 protocol: " + what);
-}
-
-struct Sizes {
-  int64_t q_rows, kv_rows, q_row_bytes, kv_row_bytes, out_row_bytes, lse_row_bytes;
-  DType out_dtype;
-};
-
-Sizes sizes_of(const AttentionOptions& o) {
-  const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
-  const DType out = o.out_dtype.value_or(o.dtype);
-  const int64_t batch = std::max<int64_t>(1, o.batch);
-  return Sizes{batch * o.q_len,
-               batch * o.kv_len,
-               o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype)),
-               kv_heads * o.head_dim * static_cast<int64_t>(dtype_bytes(o.dtype)),
-               o.heads * o.head_dim * static_cast<int64_t>(dtype_bytes(out)),
-               o.heads * static_cast<int64_t>(sizeof(float)),
-               out};
-}
 
 grpc::Status fill_timings(const v1::Summary& s, AttendReply* reply) {
   reply->timings = ServerTimings{s.timings().queued_seconds(), s.timings().receiving_seconds(),
@@ -117,16 +92,16 @@ v1::AttendHeader make_header(const AttendCall& call) {
   h.set_out_chunk_bytes(std::max<int64_t>(0, call.chunk_bytes));
   h.set_backend(call.backend);
   // Tensors in shared memory: their place and exact size.
-  const Sizes z = sizes_of(o);
+  const RequestShape z = RequestShape::of(o);
   const struct {
     const SharedTensor& tensor;
     v1::SharedMemoryRef* (v1::AttendHeader::*field)();
     int64_t bytes;
-  } shared[] = {{call.q_shm, &v1::AttendHeader::mutable_q_shm, z.q_rows * z.q_row_bytes},
-                {call.k_shm, &v1::AttendHeader::mutable_k_shm, z.kv_rows * z.kv_row_bytes},
-                {call.v_shm, &v1::AttendHeader::mutable_v_shm, z.kv_rows * z.kv_row_bytes},
-                {call.out_shm, &v1::AttendHeader::mutable_out_shm, z.q_rows * z.out_row_bytes},
-                {call.lse_shm, &v1::AttendHeader::mutable_lse_shm, z.q_rows * z.lse_row_bytes}};
+  } shared[] = {{call.q_shm, &v1::AttendHeader::mutable_q_shm, z.q.bytes()},
+                {call.k_shm, &v1::AttendHeader::mutable_k_shm, z.k.bytes()},
+                {call.v_shm, &v1::AttendHeader::mutable_v_shm, z.v.bytes()},
+                {call.out_shm, &v1::AttendHeader::mutable_out_shm, z.out.bytes()},
+                {call.lse_shm, &v1::AttendHeader::mutable_lse_shm, z.lse.bytes()}};
   for (const auto& t : shared) {
     if (!t.tensor.set()) continue;
     v1::SharedMemoryRef* ref = (h.*t.field)();
@@ -224,306 +199,68 @@ void Client::prepare(grpc::ClientContext* ctx, double deadline_seconds) const {
   if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
 }
 
-namespace {
-
-// Counts the chunk slices gRPC still holds that point at the caller's
-// tensors; attend() waits for none before it returns, so the caller may free
-// them then.
-class LentSlices {
- public:
-  void* lend() {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++count_;
-    return this;
-  }
-  static void give_back(void* arg) {
-    auto* self = static_cast<LentSlices*>(arg);
-    std::lock_guard<std::mutex> lock(self->mu_);
-    if (--self->count_ == 0) self->none_.notify_all();
-  }
-  void wait_for_none() {
-    std::unique_lock<std::mutex> lock(mu_);
-    none_.wait(lock, [this] { return count_ == 0; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable none_;
-  int64_t count_ = 0;
-};
-
-grpc::ByteBuffer serialize(const google::protobuf::Message& message) {
-  grpc::ByteBuffer buffer;
-  bool own = false;
-  grpc::SerializationTraits<v1::AttendRequest>::Serialize(message, &buffer, &own);
-  return buffer;
-}
-
-// The events of one streamed call on its own completion queue, driven by
-// the calling thread (no hand-off to another thread per message).
-enum Event : intptr_t { kStarted = 1, kWritten, kRead, kWritesDone, kFinished };
-
-}  // namespace
 
 grpc::Status Client::attend(const AttendCall& call, AttendReply* reply) {
   *reply = AttendReply{};
-  LentSlices lent;
-  grpc::Status status;
-  {
-    grpc::ClientContext ctx;
-    prepare(&ctx, call.deadline_seconds);
-    grpc::CompletionQueue cq;
-    status = stream_attend(call, reply, &ctx, &cq, &lent);
-    cq.Shutdown();
-    void* tag = nullptr;
-    bool ok = false;
-    while (cq.Next(&tag, &ok)) {
-    }
-  }
-  lent.wait_for_none();  // the call is gone: gRPC drops what it still held of q, k, v
-  return status;
-}
-
-grpc::Status Client::stream_attend(const AttendCall& call, AttendReply* reply, grpc::ClientContext* ctx,
-                                   grpc::CompletionQueue* cq, void* lent_slices) {
-  LentSlices& lent = *static_cast<LentSlices*>(lent_slices);
-  const Sizes z = sizes_of(call.options);
+  const RequestShape z = RequestShape::of(call.options);
   const bool return_lse = call.return_lse || call.lse_shm.set();
-  grpc::GenericStub generic(channel_);
-  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> stream =
-      generic.PrepareCall(ctx, "/plsh.v1.Attention/Attend", cq);
-
-  // Waits for the next event; false once the queue is shut down.
-  auto next = [cq](Event* event, bool* ok) {
-    void* tag = nullptr;
-    if (!cq->Next(&tag, ok)) return false;
-    *event = static_cast<Event>(reinterpret_cast<intptr_t>(tag));
-    return true;
-  };
-  auto tag = [](Event e) { return reinterpret_cast<void*>(static_cast<intptr_t>(e)); };
-  auto note = [reply](size_t bytes) {
-    reply->largest_message_bytes = std::max<int64_t>(reply->largest_message_bytes, static_cast<int64_t>(bytes));
-    ++reply->messages;
-  };
-
-  // Ends the call: waits for the outstanding operations, then Finish.
-  bool write_pending = false, read_pending = false;
-  auto finish = [&](grpc::Status* status) {
-    stream->Finish(status, tag(kFinished));
-    Event e{};
-    bool ok = false;
-    while (next(&e, &ok) && e != kFinished) {
+  // What goes up, and where what comes down goes: the tensors not in shared memory.
+  std::vector<ChunkStream::Input> inputs;
+  if (!call.q_shm.set()) inputs.push_back({v1::TENSOR_Q, call.q, z.q});
+  if (!call.k_shm.set()) inputs.push_back({v1::TENSOR_K, call.k, z.k});
+  if (!call.v_shm.set()) inputs.push_back({v1::TENSOR_V, call.v, z.v});
+  std::vector<ChunkStream::Output> outputs;
+  if (!call.out_shm.set()) {
+    void* out = call.out;
+    if (out == nullptr) {
+      reply->out.resize(static_cast<size_t>(z.out.bytes()));
+      out = reply->out.data();
     }
-  };
-  stream->StartCall(tag(kStarted));
-  {
-    Event e{};
-    bool ok = false;
-    if (!next(&e, &ok) || !ok) {
-      grpc::Status status;
-      finish(&status);
-      return status;
-    }
+    outputs.push_back({v1::TENSOR_OUT, out, z.out});
   }
-
-  // The header, and the ack that says how large a chunk may be.
-  v1::AttendRequest header_message;
-  *header_message.mutable_header() = make_header(call);
-  grpc::ByteBuffer out_message = serialize(header_message);
-  note(out_message.Length());
-  stream->Write(out_message, tag(kWritten));
-  write_pending = true;
-  grpc::ByteBuffer in_message;
-  stream->Read(&in_message, tag(kRead));
-  read_pending = true;
-
-  // The inputs to send, as (tensor, data, rows, row bytes), in order.
-  struct Input {
-    v1::Tensor tensor;
-    const uint8_t* data;
-    int64_t rows, row_bytes;
-  };
-  std::vector<Input> inputs;
-  if (!call.q_shm.set()) inputs.push_back({v1::TENSOR_Q, static_cast<const uint8_t*>(call.q), z.q_rows, z.q_row_bytes});
-  if (!call.k_shm.set()) inputs.push_back({v1::TENSOR_K, static_cast<const uint8_t*>(call.k), z.kv_rows, z.kv_row_bytes});
-  if (!call.v_shm.set()) inputs.push_back({v1::TENSOR_V, static_cast<const uint8_t*>(call.v), z.kv_rows, z.kv_row_bytes});
-  size_t input = 0;
-  int64_t next_row = 0, payload = 0;
-  bool acked = false, end_sent = false, writes_done = false, failed_write = false;
-
-  // Where the output goes.
-  const bool out_streamed = !call.out_shm.set();
-  const bool lse_streamed = return_lse && !call.lse_shm.set();
-  uint8_t* out_dst = static_cast<uint8_t*>(call.out);
-  if (out_streamed && out_dst == nullptr) {
-    reply->out.resize(static_cast<size_t>(z.q_rows * z.out_row_bytes));
-    out_dst = reply->out.data();
+  if (return_lse && !call.lse_shm.set()) {
+    void* lse = call.lse;
+    if (lse == nullptr) {
+      reply->lse.resize(static_cast<size_t>(z.lse.rows * call.options.heads));
+      lse = reply->lse.data();
+    }
+    outputs.push_back({v1::TENSOR_LSE, lse, z.lse});
   }
-  uint8_t* lse_dst = reinterpret_cast<uint8_t*>(call.lse);
-  if (lse_streamed && lse_dst == nullptr) {
-    reply->lse.resize(static_cast<size_t>(z.q_rows * call.options.heads));
-    lse_dst = reinterpret_cast<uint8_t*>(reply->lse.data());
-  }
-  int64_t out_rows = 0, lse_rows = 0;
-  bool have_summary = false;
-  v1::Summary summary;
-  grpc::Status protocol;  // set on a broken protocol: the call is cancelled
-  wire::ChunkReader chunk;
-
-  // Starts the next write, if one is due: a chunk, the end, then WritesDone.
-  auto write_next = [&]() {
-    if (write_pending || failed_write || !acked || writes_done) return;
-    while (input < inputs.size() && next_row >= inputs[input].rows) {
-      ++input;
-      next_row = 0;
-    }
-    if (input < inputs.size()) {
-      const Input& in = inputs[input];
-      const int64_t per_chunk = std::max<int64_t>(1, payload / std::max<int64_t>(1, in.row_bytes));
-      const int64_t rows = std::min(per_chunk, in.rows - next_row);
-      const size_t bytes = static_cast<size_t>(rows * in.row_bytes);
-      out_message = wire::encode_chunk(in.tensor, next_row, rows, in.data + next_row * in.row_bytes, bytes,
-                                       LentSlices::give_back, lent.lend());
-      note(out_message.Length());
-      reply->sent_bytes += static_cast<int64_t>(bytes);
-      next_row += rows;
-      stream->Write(out_message, tag(kWritten));
-    } else if (!end_sent) {
-      v1::AttendRequest end;
-      end.mutable_end();
-      out_message = serialize(end);
-      note(out_message.Length());
-      end_sent = true;
-      stream->Write(out_message, tag(kWritten));
-    } else {
-      writes_done = true;
-      stream->WritesDone(tag(kWritesDone));
-    }
-    write_pending = true;
-  };
-
-  // An output chunk: checked, then copied by copy_to(dst). False when it
-  // breaks the protocol.
-  auto take_chunk = [&](int tensor, int64_t row_start, int64_t row_count, size_t bytes,
-                        const std::function<void(uint8_t*)>& copy_to) -> bool {
-    const bool is_lse = tensor == v1::TENSOR_LSE;
-    if (!is_lse && tensor != v1::TENSOR_OUT) {
-      protocol = protocol_error("output chunk of tensor " + std::to_string(tensor));
-      return false;
-    }
-    if (is_lse ? !lse_streamed : !out_streamed) {
-      protocol = protocol_error(std::string(is_lse ? "lse" : "out") + " chunk not asked for");
-      return false;
-    }
-    const int64_t row_bytes = is_lse ? z.lse_row_bytes : z.out_row_bytes;
-    int64_t& next_out = is_lse ? lse_rows : out_rows;
-    // In row order, each row once: the server's contract.
-    if (row_start != next_out || row_count < 1 || row_count > z.q_rows - next_out ||
-        static_cast<int64_t>(bytes) != row_count * row_bytes) {
-      protocol = protocol_error("output chunk rows [" + std::to_string(row_start) + ", +" + std::to_string(row_count) +
-                                ") with " + std::to_string(bytes) + " bytes");
-      return false;
-    }
-    copy_to((is_lse ? lse_dst : out_dst) + row_start * row_bytes);
-    next_out += row_count;
-    reply->received_bytes += static_cast<int64_t>(bytes);
-    return true;
-  };
-
-  // One message from the server: false when it breaks the protocol. Output
-  // chunks are copied once, from gRPC's slices to their rows.
-  auto on_message = [&]() -> bool {
-    note(in_message.Length());
-    if (acked && chunk.read(in_message)) {
-      const bool fine = take_chunk(chunk.tensor(), chunk.row_start(), chunk.row_count(), chunk.data_bytes(),
-                                   [&chunk](uint8_t* dst) { chunk.copy_data(dst); });
-      chunk.clear();
-      return fine;
-    }
-    v1::AttendResponse response;
-    if (!grpc::SerializationTraits<v1::AttendResponse>::Deserialize(&in_message, &response).ok()) {
-      protocol = protocol_error("a message that is not an AttendResponse");
-      return false;
-    }
-    if (!acked) {
-      if (!response.has_ack()) {
-        protocol = protocol_error("first response is not an ack");
-        return false;
-      }
-      // The server says the largest payload per chunk. Servers older than
-      // that field (0) said it only as out_chunk_bytes: the payload it cut
-      // from this call's chunk_bytes, capped by the same limit.
-      const v1::Ack& ack = response.ack();
-      const int64_t cap = ack.max_chunk_payload_bytes() > 0 ? ack.max_chunk_payload_bytes() : ack.out_chunk_bytes();
-      payload = call.chunk_bytes > 0 ? std::min(call.chunk_bytes, cap) : cap;
-      acked = true;
-      return true;
-    }
-    if (response.has_out_chunk()) {  // an encoding the slice reader leaves to protobuf
-      const v1::OutputChunk& c = response.out_chunk();
-      return take_chunk(c.tensor(), c.row_start(), c.row_count(), c.data().size(),
-                        [&c](uint8_t* dst) { std::memcpy(dst, c.data().data(), c.data().size()); });
-    }
-    if (response.has_summary()) {
-      summary = std::move(*response.mutable_summary());
-      have_summary = true;
-      return true;
-    }
-    protocol = protocol_error("unexpected message after the ack");
-    return false;
-  };
-
-  // The loop: one write and one read outstanding at a time, each
-  // restarted as it completes, until the server closes the stream.
-  bool reading = true;
-  while (write_pending || read_pending) {
-    Event e{};
-    bool ok = false;
-    if (!next(&e, &ok)) break;
-    if (e == kWritten || e == kWritesDone) {
-      write_pending = false;
-      out_message.Clear();
-      if (!ok) failed_write = true;  // the server closed the stream: its status says why
-      else if (reading && protocol.ok()) write_next();
-    } else if (e == kRead) {
-      read_pending = false;
-      if (!ok) {
-        reading = false;  // the stream is closed: the status follows
-        continue;
-      }
-      const bool fine = on_message();
-      in_message.Clear();
-      if (!fine) {
-        ctx->TryCancel();
-        reading = false;
-        continue;
-      }
-      stream->Read(&in_message, tag(kRead));
-      read_pending = true;
-      write_next();
-    }
-  }
-  grpc::Status status;
-  finish(&status);
-  if (!protocol.ok()) return protocol;
+  v1::AttendRequest header;
+  *header.mutable_header() = make_header(call);
+  std::optional<v1::Summary> summary;
+  grpc::ClientContext ctx;
+  prepare(&ctx, call.deadline_seconds);
+  ChunkStream stream(channel_, "/plsh.v1.Attention/Attend", call.chunk_bytes);
+  const grpc::Status status =
+      stream.run(&ctx, serialize_message(header), std::move(inputs), &outputs, [&summary](grpc::ByteBuffer* m, ChunkStream& s) {
+        v1::AttendResponse response;
+        if (!grpc::SerializationTraits<v1::AttendResponse>::Deserialize(m, &response).ok())
+          return protocol_error("a message that is not an AttendResponse");
+        if (response.has_ack()) return s.acked() ? protocol_error("a second ack") : s.ack(response.ack());
+        if (!s.acked()) return protocol_error("first response is not an ack");
+        if (response.has_out_chunk()) return s.output(response.out_chunk());  // an encoding the slice reader leaves
+        if (!response.has_summary()) return protocol_error("unexpected message after the ack");
+        summary = std::move(*response.mutable_summary());
+        return grpc::Status::OK;
+      });
+  stream.traffic().copy_to(&reply->sent_bytes, &reply->received_bytes, &reply->messages, &reply->largest_message_bytes);
   if (!status.ok()) return status;
-  if (!have_summary) return protocol_error("stream ended OK without a summary");
-  if ((out_streamed && out_rows != z.q_rows) || (lse_streamed && lse_rows != z.q_rows))
-    return protocol_error("output rows missing: " + std::to_string(out_rows) + " of " + std::to_string(z.q_rows));
-  return fill_timings(summary, reply);
+  if (!summary) return protocol_error("stream ended OK without a summary");
+  return fill_timings(*summary, reply);
 }
 
 grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
   *reply = AttendReply{};
-  const Sizes z = sizes_of(call.options);
+  const RequestShape z = RequestShape::of(call.options);
   grpc::ClientContext ctx;
   prepare(&ctx, call.deadline_seconds);
   v1::AttendUnaryRequest request;
   *request.mutable_header() = make_header(call);
   // Tensors in shared memory are named in the header, not sent.
-  if (!call.q_shm.set()) request.set_q(call.q, static_cast<size_t>(z.q_rows * z.q_row_bytes));
-  if (!call.k_shm.set()) request.set_k(call.k, static_cast<size_t>(z.kv_rows * z.kv_row_bytes));
-  if (!call.v_shm.set()) request.set_v(call.v, static_cast<size_t>(z.kv_rows * z.kv_row_bytes));
+  if (!call.q_shm.set()) request.set_q(call.q, static_cast<size_t>(z.q.bytes()));
+  if (!call.k_shm.set()) request.set_k(call.k, static_cast<size_t>(z.k.bytes()));
+  if (!call.v_shm.set()) request.set_v(call.v, static_cast<size_t>(z.v.bytes()));
   reply->sent_bytes = static_cast<int64_t>(request.q().size() + request.k().size() + request.v().size());
   reply->largest_message_bytes = static_cast<int64_t>(request.ByteSizeLong());
   v1::AttendUnaryResponse response;
@@ -533,13 +270,13 @@ grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
   reply->largest_message_bytes = std::max<int64_t>(reply->largest_message_bytes, static_cast<int64_t>(response.ByteSizeLong()));
   const bool out_streamed = !call.out_shm.set();
   const bool lse_streamed = call.return_lse && !call.lse_shm.set();
-  if (static_cast<int64_t>(response.out().size()) != (out_streamed ? z.q_rows * z.out_row_bytes : 0))
+  if (static_cast<int64_t>(response.out().size()) != (out_streamed ? z.out.bytes() : 0))
     return protocol_error("out has " + std::to_string(response.out().size()) + " bytes");
   reply->out.assign(response.out().begin(), response.out().end());
   if (lse_streamed) {
-    if (static_cast<int64_t>(response.lse().size()) != z.q_rows * z.lse_row_bytes)
+    if (static_cast<int64_t>(response.lse().size()) != z.lse.bytes())
       return protocol_error("lse has " + std::to_string(response.lse().size()) + " bytes");
-    reply->lse.resize(static_cast<size_t>(z.q_rows * call.options.heads));
+    reply->lse.resize(static_cast<size_t>(z.lse.rows * call.options.heads));
     std::memcpy(reply->lse.data(), response.lse().data(), response.lse().size());
   }
   reply->received_bytes = static_cast<int64_t>(response.out().size() + response.lse().size());

@@ -30,21 +30,23 @@ std::string blas_name() {
 #endif
 }
 
-// Row tiles of every (batch, head), the last rows first: under causal they
-// see the most keys, and starting them first keeps the dynamic schedule's
-// tail short.
-std::vector<cpu::TileJob> tile_jobs(const AttentionParams& p) {
-  std::vector<cpu::TileJob> jobs;
+// Job n of a forward: row tiles of every (batch, head), the last rows
+// first (under causal they see the most keys, and starting them first keeps
+// the dynamic schedule's tail short). Computed, not listed: the forward
+// holds no job table.
+cpu::TileJob tile_job(const AttentionParams& p, int64_t n) {
   const int64_t rows = cpu::row_tile(p.mode);
   const int64_t tiles = (p.q_len + rows - 1) / rows;
-  jobs.reserve(static_cast<size_t>(p.batch * p.heads * tiles));
-  for (int64_t t = tiles - 1; t >= 0; --t)
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t h = 0; h < p.heads; ++h) {
-        const int64_t i0 = t * rows;
-        jobs.push_back({b, h, i0, std::min(rows, p.q_len - i0)});
-      }
-  return jobs;
+  const int64_t per_tile = p.batch * p.heads;
+  const int64_t t = tiles - 1 - n / per_tile;
+  const int64_t b = (n % per_tile) / p.heads, h = n % p.heads;
+  const int64_t i0 = t * rows;
+  return {b, h, i0, std::min(rows, p.q_len - i0)};
+}
+
+int64_t tile_job_count(const AttentionParams& p) {
+  const int64_t rows = cpu::row_tile(p.mode);
+  return p.batch * p.heads * ((p.q_len + rows - 1) / rows);
 }
 
 class CpuBackend final : public Backend {
@@ -107,47 +109,45 @@ class CpuBackend final : public Backend {
   // fixed_blocks with either algorithm: one function, SPEC section 8).
   Status supports_backward(const AttentionParams& p) const override { return supports(p); }
 
-  Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) override {
+  Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace, const ExecContext& ctx,
+                  BackwardStats* stats) override {
     if (plan.backend != name())
       return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cpu backend");
     if (!plan.backward)
       return failed_precondition("cpu backend: the plan was made without PlanLimits::backward, expected a plan "
                                  "whose backward workspace is sized (and charged)");
     RETURN_IF_ERROR(check_backward_inputs(plan, g));
+    RETURN_IF_ERROR(check_workspace(workspace, plan.backward_workspace, "cpu backend backward"));
     const AttentionParams& p = plan.params;
     if (uses_draws(p.mode) && static_cast<int64_t>(plan.draws.size()) != p.heads)
       return invalid_argument("cpu backend: the plan has draws for " + std::to_string(plan.draws.size()) +
                               " heads, expected " + std::to_string(p.heads));
-    return cpu::backward(plan, g, ctx, stats);
+    return cpu::backward(plan, g, workspace, ctx, stats);
   }
 
-  Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override {
+  Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                 ForwardStats* stats) override {
     if (plan.backend != name())
       return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cpu backend");
     const AttentionParams& p = plan.params;
     if (p.q == nullptr || p.out == nullptr)
       return failed_precondition("cpu backend: the plan's tensors are not bound, expected bind_tensors first");
     RETURN_IF_ERROR(supports(p));
+    RETURN_IF_ERROR(check_workspace(workspace, plan.forward_workspace, "cpu backend forward"));
     RETURN_IF_ERROR(ctx.check_stop());
     const int threads = plan.threads;
-    // No exception crosses the backend boundary: the job list allocates too.
-    std::vector<cpu::TileJob> jobs;
-    std::vector<cpu::Scratch> scratch;
     const bool banded = plan.lsh_algorithm == LshAlgorithm::kBanded;
-    try {
-      jobs = tile_jobs(p);
-      scratch.resize(static_cast<size_t>(threads));
-      for (cpu::Scratch& s : scratch) cpu::size_scratch(p, banded, &s);
-    } catch (const std::bad_alloc&) {
-      return resource_exhausted("cpu backend workspace of " + std::to_string(plan.forward_workspace.host_bytes) +
-                                " bytes could not be allocated");
-    }
+    Carver carver(workspace);
+    cpu::Scratch* scratch = carve_thread_scratch(p, threads, banded, carver);
+    if (carver.overflowed())
+      return internal_error("cpu backend: the forward carved " + std::to_string(carver.used()) +
+                            " bytes, the plan sized " + std::to_string(plan.forward_workspace.host_bytes));
 
     const auto tile = [&](int t, int64_t n, Status* why) {
       *why = ctx.check_stop();
       if (!why->ok()) return 0.0;
-      cpu::Scratch& s = scratch[static_cast<size_t>(t)];
-      const cpu::TileJob& job = jobs[static_cast<size_t>(n)];
+      cpu::Scratch& s = scratch[t];
+      const cpu::TileJob job = tile_job(p, n);
       double f = 0;
       if (!uses_draws(p.mode)) {
         f = cpu::exact_tile(p, job, s);
@@ -158,25 +158,36 @@ class CpuBackend final : public Backend {
       *why = ctx.check_stop();  // a per-sample tile may have stopped half way
       return f;
     };
-    ASSIGN_OR_RETURN(const double flops, cpu::run_jobs(threads, static_cast<int64_t>(jobs.size()), ctx, tile));
+    ASSIGN_OR_RETURN(const double flops, cpu::run_jobs(threads, tile_job_count(p), ctx, tile));
 
     if (stats != nullptr) {
       stats->flops = flops;
       stats->lsh_algorithm = plan.lsh_algorithm;
-      stats->workspace = plan.forward_workspace;
+      stats->workspace = {carver.used(), 0};
     }
     return Status::Ok();
   }
 
  private:
-  static int64_t workspace_for(const AttentionParams& p, int threads, LshAlgorithm algorithm) {
-    const int64_t draws = uses_draws(p.mode) ? p.heads * p.samples * static_cast<int64_t>(sizeof(Draw)) : 0;
-    const int64_t rows = cpu::row_tile(p.mode);
-    const int64_t jobs = p.batch * p.heads * ((p.q_len + rows - 1) / rows);
-    return threads * cpu::scratch_bytes(p, algorithm == LshAlgorithm::kBanded) + draws +
-           jobs * static_cast<int64_t>(sizeof(cpu::TileJob));
+  // The forward's workspace: one Scratch per thread, each in its own slice
+  // (the job list is computed, the draws are the plan's own). Null when
+  // counting.
+  static cpu::Scratch* carve_thread_scratch(const AttentionParams& p, int threads, bool banded, Carver& carver) {
+    cpu::Scratch* views = carver.take<cpu::Scratch>(threads);
+    const int64_t per_thread = cpu::scratch_bytes(p, banded);
+    for (int t = 0; t < threads; ++t) {
+      Carver slice = carver.split(per_thread);
+      cpu::Scratch s;
+      cpu::carve_scratch(p, banded, slice, &s);
+      if (views != nullptr) new (&views[t]) cpu::Scratch(s);
+    }
+    return views;
   }
-
+  static int64_t workspace_for(const AttentionParams& p, int threads, LshAlgorithm algorithm) {
+    Carver counting;
+    carve_thread_scratch(p, threads, algorithm == LshAlgorithm::kBanded, counting);
+    return counting.used();
+  }
 };
 
 }  // namespace

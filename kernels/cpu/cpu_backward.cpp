@@ -48,57 +48,46 @@ struct BackwardJob {
   int64_t b = 0, hk = 0, j0 = 0, len = 0;
 };
 
-// Per-thread buffers, sized once per backward call.
+// Per-thread buffers, carved from the workspace once per backward call.
 struct BackwardScratch {
-  std::vector<float> k, v;         // [Kt, D] widened key / value rows (f16/bf16 only)
-  std::vector<float> q, dout;      // [R, D] widened query / dout rows (when not f32)
-  std::vector<float> s;            // [R, Kt] logits, then P
-  std::vector<float> dp;           // [R, Kt] dP, then dS
-  std::vector<float> dk, dv;       // [Kt, D] the job's accumulators
-  std::vector<float> dq;           // [R, D] one pair's share of dQ
-  std::vector<float> row_a, row_b; // [D] out and dout rows for D_i
-  std::vector<int64_t> nearest;    // [R] exact/window: AlibiBias's reference distances
-  std::vector<int32_t> counts;     // lsh: [R, Kt + 1] block-count differences, then counts
+  float* k = nullptr;          // [Kt, D] widened key rows (f16/bf16 only)
+  float* v = nullptr;          // [Kt, D] widened value rows (f16/bf16 only)
+  float* q = nullptr;          // [R, D] widened query rows (when not f32)
+  float* dout = nullptr;       // [R, D] widened dout rows (when not f32)
+  float* s = nullptr;          // [R, Kt] logits, then P
+  float* dp = nullptr;         // [R, Kt] dP, then dS
+  float* dk = nullptr;         // [Kt, D] the job's accumulator
+  float* dv = nullptr;         // [Kt, D] the job's accumulator
+  float* dq = nullptr;         // [R, D] one pair's share of dQ
+  float* row_a = nullptr;      // [D] out row for D_i
+  float* row_b = nullptr;      // [D] dout row for D_i
+  int64_t* nearest = nullptr;  // [R] exact/window: AlibiBias's reference distances
+  int32_t* counts = nullptr;   // lsh: [R, Kt + 1] block-count differences, then counts
 };
 
-struct ScratchSizes {
-  int64_t q, dout, kv, tile, counts;
-};
-
-ScratchSizes scratch_sizes(const AttentionParams& p) {
-  ScratchSizes z{};
+void carve_scratch(const AttentionParams& p, Carver& c, BackwardScratch* s) {
   const int64_t D = p.head_dim;
-  z.q = p.dtype != DType::kF32 ? kBwdRowTile * D : 0;
-  z.dout = p.out_dtype != DType::kF32 ? kBwdRowTile * D : 0;
-  z.kv = p.dtype != DType::kF32 ? kBwdKeyTile * D : 0;
-  z.tile = kBwdRowTile * kBwdKeyTile;
-  z.counts = uses_draws(p.mode) ? kBwdRowTile * (kBwdKeyTile + 1) : 0;
-  return z;
+  const bool widen = p.dtype != DType::kF32;
+  s->k = c.take<float>(widen ? kBwdKeyTile * D : 0);
+  s->v = c.take<float>(widen ? kBwdKeyTile * D : 0);
+  s->q = c.take<float>(widen ? kBwdRowTile * D : 0);
+  s->dout = c.take<float>(p.out_dtype != DType::kF32 ? kBwdRowTile * D : 0);
+  s->s = c.take<float>(kBwdRowTile * kBwdKeyTile);
+  s->dp = c.take<float>(kBwdRowTile * kBwdKeyTile);
+  s->dk = c.take<float>(kBwdKeyTile * D);
+  s->dv = c.take<float>(kBwdKeyTile * D);
+  s->dq = c.take<float>(kBwdRowTile * D);
+  s->row_a = c.take<float>(D);
+  s->row_b = c.take<float>(D);
+  s->nearest = c.take<int64_t>(kBwdRowTile);
+  s->counts = c.take<int32_t>(uses_draws(p.mode) ? kBwdRowTile * (kBwdKeyTile + 1) : 0);
 }
 
 int64_t scratch_bytes(const AttentionParams& p) {
-  const ScratchSizes z = scratch_sizes(p);
-  const int64_t D = p.head_dim;
-  const int64_t floats = z.q + z.dout + 2 * z.kv + 2 * z.tile + 2 * kBwdKeyTile * D + kBwdRowTile * D + 2 * D;
-  return 4 * floats + 8 * kBwdRowTile + 4 * z.counts;
-}
-
-void size_scratch(const AttentionParams& p, BackwardScratch* s) {
-  const ScratchSizes z = scratch_sizes(p);
-  const size_t D = static_cast<size_t>(p.head_dim);
-  s->k.resize(static_cast<size_t>(z.kv));
-  s->v.resize(static_cast<size_t>(z.kv));
-  s->q.resize(static_cast<size_t>(z.q));
-  s->dout.resize(static_cast<size_t>(z.dout));
-  s->s.resize(static_cast<size_t>(z.tile));
-  s->dp.resize(static_cast<size_t>(z.tile));
-  s->dk.resize(static_cast<size_t>(kBwdKeyTile) * D);
-  s->dv.resize(static_cast<size_t>(kBwdKeyTile) * D);
-  s->dq.resize(static_cast<size_t>(kBwdRowTile) * D);
-  s->row_a.resize(D);
-  s->row_b.resize(D);
-  s->nearest.resize(static_cast<size_t>(kBwdRowTile));
-  s->counts.resize(static_cast<size_t>(z.counts));
+  Carver counting;
+  BackwardScratch s;
+  carve_scratch(p, counting, &s);
+  return counting.used();
 }
 
 int64_t job_count(const AttentionParams& p) { return p.batch * p.kv_heads * ((p.kv_len + kBwdKeyTile - 1) / kBwdKeyTile); }
@@ -217,7 +206,7 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
   int64_t lo = kp0, hi = kp1;
   int64_t width = kNoWindow;
   if (uses_draws(p.mode)) {
-    lsh_count_steps(sh.draws[static_cast<size_t>(h)], pos_first, rows, kp0, kp1, sc.counts.data(), &lo, &hi);
+    lsh_count_steps(sh.draws[static_cast<size_t>(h)], pos_first, rows, kp0, kp1, sc.counts, &lo, &hi);
   } else if (p.mode == Mode::kWindow) {
     width = p.window[static_cast<size_t>(h)];
     if (width != kNoWindow) {
@@ -231,25 +220,25 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
   const float scale = static_cast<float>(p.scale);
 
   int64_t ldq = 0, lddo = 0;
-  const float* q = rows_as_f32(q_slice(p, job.b, h), i0, rows, sc.q.data(), &ldq);
+  const float* q = rows_as_f32(q_slice(p, job.b, h), i0, rows, sc.q, &ldq);
   const SliceView dout_view{g.dout, g.out_dtype, job.b * g.do_batch_stride + h * g.do_head_stride, g.do_row_stride, D};
-  const float* dout = rows_as_f32(dout_view, i0, rows, sc.dout.data(), &lddo);
+  const float* dout = rows_as_f32(dout_view, i0, rows, sc.dout, &lddo);
   const float* k = kt + c0 * ldk;
   const float* v = vt + c0 * ldv;
 
-  float* s = sc.s.data();
+  float* s = sc.s;
   gemm_abt(rows, len, D, scale, q, ldq, k, ldk, s, len);
   if (uses_draws(p.mode)) {
-    add_lsh_log_weight(sh, sc.counts.data(), rows, kp0, kp1, pos_first, lo, len, s);
+    add_lsh_log_weight(sh, sc.counts, rows, kp0, kp1, pos_first, lo, len, s);
   } else {
-    for (int64_t r = 0; r < rows; ++r) sc.nearest[static_cast<size_t>(r)] = nearest_key(p, pos_first + r);
-    const AlibiBias bias{p, width, p.slopes[static_cast<size_t>(h)], pos_first, rows, sc.nearest.data()};
+    for (int64_t r = 0; r < rows; ++r) sc.nearest[r] = nearest_key(p, pos_first + r);
+    const AlibiBias bias{p, width, p.slopes[static_cast<size_t>(h)], pos_first, rows, sc.nearest};
     bias(s, job.j0 + c0, len);
   }
   const int64_t stat = (job.b * p.heads + h) * p.q_len + i0;
   for (int64_t r = 0; r < rows; ++r) probs_from_lse(s + r * len, len, sh.row_lse[stat + r]);
 
-  float* dp = sc.dp.data();
+  float* dp = sc.dp;
   gemm_abt(rows, len, D, 1.0f, dout, lddo, v, ldv, dp, len);
   for (int64_t r = 0; r < rows; ++r) {
     const float d = sh.row_d[stat + r];
@@ -258,15 +247,15 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
 #pragma omp simd
     for (int64_t c = 0; c < len; ++c) dr[c] = pr[c] * (dr[c] - d);
   }
-  gemm_atb_acc(len, D, rows, 1.0f, s, len, dout, lddo, sc.dv.data() + c0 * D, D);
-  gemm_atb_acc(len, D, rows, scale, dp, len, q, ldq, sc.dk.data() + c0 * D, D);
-  gemm_ab(rows, D, len, scale, dp, len, k, ldk, sc.dq.data(), D);
+  gemm_atb_acc(len, D, rows, 1.0f, s, len, dout, lddo, sc.dv + c0 * D, D);
+  gemm_atb_acc(len, D, rows, scale, dp, len, q, ldq, sc.dk + c0 * D, D);
+  gemm_ab(rows, D, len, scale, dp, len, k, ldk, sc.dq, D);
   {
     std::lock_guard<std::mutex> lock(sh.locks[(job.b * p.heads + h) * ((p.q_len + kBwdRowTile - 1) / kBwdRowTile) +
                                              i0 / kBwdRowTile]);
     for (int64_t r = 0; r < rows; ++r) {
       float* acc = sh.dq_acc + ((job.b * p.q_len + i0 + r) * p.heads + h) * D;
-      const float* part = sc.dq.data() + r * D;
+      const float* part = sc.dq + r * D;
 #pragma omp simd
       for (int64_t x = 0; x < D; ++x) acc[x] += part[x];
     }
@@ -283,10 +272,10 @@ double backward_job(const Shared& sh, const BackwardJob& job, const ExecContext&
   const int64_t D = p.head_dim;
   const int64_t h_first = job.hk * p.head_group;
   int64_t ldk = 0, ldv = 0;
-  const float* kt = rows_as_f32(k_slice(p, job.b, h_first), job.j0, job.len, sc.k.data(), &ldk);
-  const float* vt = rows_as_f32(v_slice(p, job.b, h_first), job.j0, job.len, sc.v.data(), &ldv);
-  std::fill_n(sc.dk.data(), job.len * D, 0.0f);
-  std::fill_n(sc.dv.data(), job.len * D, 0.0f);
+  const float* kt = rows_as_f32(k_slice(p, job.b, h_first), job.j0, job.len, sc.k, &ldk);
+  const float* vt = rows_as_f32(v_slice(p, job.b, h_first), job.j0, job.len, sc.v, &ldv);
+  std::fill_n(sc.dk, job.len * D, 0.0f);
+  std::fill_n(sc.dv, job.len * D, 0.0f);
   const int64_t kp0 = p.k_pos0 + job.j0, kp1 = kp0 + job.len;
   double flops = 0;
   for (int64_t h = h_first; h < h_first + p.head_group; ++h) {
@@ -306,61 +295,94 @@ double backward_job(const Shared& sh, const BackwardJob& job, const ExecContext&
   for (int64_t r = 0; r < job.len; ++r) {
     const int64_t j = job.j0 + r;
     store_row(g.dk, g.grad_dtype, job.b * g.dk_batch_stride + j * g.dk_row_stride + job.hk * g.dk_head_stride, D,
-              sc.dk.data() + r * D);
+              sc.dk + r * D);
     store_row(g.dv, g.grad_dtype, job.b * g.dv_batch_stride + j * g.dv_row_stride + job.hk * g.dv_head_stride, D,
-              sc.dv.data() + r * D);
+              sc.dv + r * D);
   }
   return flops;
 }
 
 }  // namespace
 
-int64_t backward_workspace_bytes(const AttentionParams& p, int threads) {
-  const int64_t dq_acc = p.batch * p.q_len * p.heads * p.head_dim * 4;
-  const int64_t row_stats = 2 * p.batch * p.heads * p.q_len * 4;
-  const int64_t locks = lock_count(p) * static_cast<int64_t>(sizeof(std::mutex));
-  const int64_t jobs = job_count(p) * static_cast<int64_t>(sizeof(BackwardJob));
-  const int64_t log_count = uses_draws(p.mode) ? (p.samples + 1) * 4 : 0;
-  return threads * scratch_bytes(p) + dq_acc + row_stats + locks + jobs + log_count;
+namespace {
+
+// Everything one backward call works in, carved in this order from its
+// workspace (or counted, when `c` counts): the one layout that
+// backward_workspace_bytes sizes and backward slices.
+struct BackwardBuffers {
+  BackwardScratch* scratch = nullptr;  // [threads]
+  float* dq_acc = nullptr;             // [B, Nq, H, D]
+  float* row_d = nullptr;              // [B, H, Nq]
+  float* row_lse = nullptr;            // [B, H, Nq]
+  std::mutex* locks = nullptr;         // [lock_count], constructed by backward
+  float* log_count = nullptr;          // lsh: [s + 1]
+};
+
+BackwardBuffers carve_buffers(const AttentionParams& p, int threads, Carver& c) {
+  BackwardBuffers b;
+  b.scratch = c.take<BackwardScratch>(threads);
+  const int64_t per_thread = scratch_bytes(p);
+  for (int t = 0; t < threads; ++t) {
+    Carver slice = c.split(per_thread);
+    BackwardScratch s;
+    carve_scratch(p, slice, &s);
+    if (b.scratch != nullptr) new (&b.scratch[t]) BackwardScratch(s);
+  }
+  b.dq_acc = c.take<float>(p.batch * p.q_len * p.heads * p.head_dim);
+  b.row_d = c.take<float>(p.batch * p.heads * p.q_len);
+  b.row_lse = c.take<float>(p.batch * p.heads * p.q_len);
+  b.locks = c.take<std::mutex>(lock_count(p));
+  b.log_count = c.take<float>(uses_draws(p.mode) ? p.samples + 1 : 0);
+  return b;
 }
 
-Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) {
+// Job n: key tiles in order (under causality the first see the most
+// queries, and starting them first keeps the dynamic schedule's tail
+// short), then batch items, then kv heads. Computed, not listed.
+BackwardJob backward_job_at(const AttentionParams& p, int64_t n) {
+  const int64_t per_tile = p.batch * p.kv_heads;
+  const int64_t t = n / per_tile;
+  const int64_t b = (n % per_tile) / p.kv_heads, hk = n % p.kv_heads;
+  return {b, hk, t * kBwdKeyTile, std::min(kBwdKeyTile, p.kv_len - t * kBwdKeyTile)};
+}
+
+}  // namespace
+
+int64_t backward_workspace_bytes(const AttentionParams& p, int threads) {
+  Carver counting;
+  carve_buffers(p, threads, counting);
+  return counting.used();
+}
+
+Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace, const ExecContext& ctx,
+                BackwardStats* stats) {
   const AttentionParams& p = plan.params;
   const int threads = plan.threads;
   const int64_t D = p.head_dim;
   RETURN_IF_ERROR(ctx.check_stop());
 
-  // Every allocation before the threads start: no exception crosses the
-  // backend boundary.
-  std::vector<BackwardJob> jobs;
-  std::vector<BackwardScratch> scratch;
-  std::vector<float> dq_acc, row_d, row_lse, log_count;
-  std::unique_ptr<std::mutex[]> locks;
-  try {
-    // Key tiles in order: under causality the first see the most queries,
-    // and starting them first keeps the dynamic schedule's tail short.
-    const int64_t tiles = (p.kv_len + kBwdKeyTile - 1) / kBwdKeyTile;
-    jobs.reserve(static_cast<size_t>(job_count(p)));
-    for (int64_t t = 0; t < tiles; ++t)
-      for (int64_t b = 0; b < p.batch; ++b)
-        for (int64_t hk = 0; hk < p.kv_heads; ++hk)
-          jobs.push_back({b, hk, t * kBwdKeyTile, std::min(kBwdKeyTile, p.kv_len - t * kBwdKeyTile)});
-    scratch.resize(static_cast<size_t>(threads));
-    for (BackwardScratch& s : scratch) size_scratch(p, &s);
-    dq_acc.resize(static_cast<size_t>(p.batch * p.q_len * p.heads * D));
-    row_d.resize(static_cast<size_t>(p.batch * p.heads * p.q_len));
-    row_lse.resize(row_d.size());
-    locks.reset(new std::mutex[static_cast<size_t>(lock_count(p))]);
-    if (uses_draws(p.mode)) {
-      log_count.resize(static_cast<size_t>(p.samples + 1));
-      log_count[0] = kNegInf;
-      for (int64_t c = 1; c <= p.samples; ++c)
-        log_count[static_cast<size_t>(c)] =
-            static_cast<float>(std::log(static_cast<double>(c) / static_cast<double>(p.samples)));
+  Carver carver(workspace);
+  const BackwardBuffers buf = carve_buffers(p, threads, carver);
+  if (carver.overflowed())
+    return internal_error("cpu backend: the backward carved " + std::to_string(carver.used()) +
+                          " bytes, the plan sized " + std::to_string(plan.backward_workspace.host_bytes));
+  BackwardScratch* scratch = buf.scratch;
+  float* dq_acc = buf.dq_acc;
+  float* row_d = buf.row_d;
+  float* row_lse = buf.row_lse;
+  const int64_t locks = lock_count(p);
+  for (int64_t i = 0; i < locks; ++i) new (&buf.locks[i]) std::mutex;
+  struct DestroyLocks {
+    std::mutex* locks;
+    int64_t n;
+    ~DestroyLocks() {
+      for (int64_t i = 0; i < n; ++i) locks[i].~mutex();
     }
-  } catch (const std::bad_alloc&) {
-    return resource_exhausted("cpu backend: the backward workspace of " +
-                              std::to_string(plan.backward_workspace.host_bytes) + " bytes could not be allocated");
+  } destroy_locks{buf.locks, locks};
+  if (uses_draws(p.mode)) {
+    buf.log_count[0] = kNegInf;
+    for (int64_t c = 1; c <= p.samples; ++c)
+      buf.log_count[c] = static_cast<float>(std::log(static_cast<double>(c) / static_cast<double>(p.samples)));
   }
 
   // D_i = dO_i . O_i (FlashAttention's dot_do_o) and the lse each row's
@@ -368,32 +390,32 @@ Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ct
   const int64_t rows_total = p.batch * p.q_len;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t n = 0; n < rows_total; ++n) {
-    BackwardScratch& s = scratch[static_cast<size_t>(omp_get_thread_num())];
+    BackwardScratch& s = scratch[omp_get_thread_num()];
     const int64_t b = n / p.q_len, i = n % p.q_len;
     const int64_t shift_distance = nearest_key(p, p.q_pos0 + i);
     for (int64_t h = 0; h < p.heads; ++h) {
-      load_row(g.out, g.out_dtype, b * g.o_batch_stride + i * g.o_row_stride + h * g.o_head_stride, D, s.row_a.data());
+      load_row(g.out, g.out_dtype, b * g.o_batch_stride + i * g.o_row_stride + h * g.o_head_stride, D, s.row_a);
       load_row(g.dout, g.out_dtype, b * g.do_batch_stride + i * g.do_row_stride + h * g.do_head_stride, D,
-               s.row_b.data());
+               s.row_b);
       double dot = 0;
-      for (int64_t x = 0; x < D; ++x) dot += static_cast<double>(s.row_a[static_cast<size_t>(x)]) * s.row_b[static_cast<size_t>(x)];
+      for (int64_t x = 0; x < D; ++x) dot += static_cast<double>(s.row_a[x]) * s.row_b[x];
       const double lse = g.lse[b * g.lse_batch_stride + i * g.lse_row_stride + h];
       // Exact and window logits leave out -slope * nearest (AlibiBias);
       // lsh weighs by log(c / s) with nothing left out.
       const double shift =
           uses_draws(p.mode) ? 0.0 : p.slopes[static_cast<size_t>(h)] * static_cast<double>(shift_distance);
       const int64_t stat = (b * p.heads + h) * p.q_len + i;
-      row_d[static_cast<size_t>(stat)] = static_cast<float>(dot);
-      row_lse[static_cast<size_t>(stat)] = static_cast<float>(lse + shift);
+      row_d[stat] = static_cast<float>(dot);
+      row_lse[stat] = static_cast<float>(lse + shift);
     }
-    std::fill_n(dq_acc.data() + n * p.heads * D, p.heads * D, 0.0f);
+    std::fill_n(dq_acc + n * p.heads * D, p.heads * D, 0.0f);
   }
 
-  const Shared shared{p, g, plan.draws, dq_acc.data(), row_d.data(), row_lse.data(), locks.get(), log_count.data()};
+  const Shared shared{p, g, plan.draws, dq_acc, row_d, row_lse, buf.locks, buf.log_count};
   const auto job = [&](int t, int64_t n, Status* why) {
-    return backward_job(shared, jobs[static_cast<size_t>(n)], ctx, scratch[static_cast<size_t>(t)], why);
+    return backward_job(shared, backward_job_at(p, n), ctx, scratch[t], why);
   };
-  ASSIGN_OR_RETURN(const double flops, run_jobs(threads, static_cast<int64_t>(jobs.size()), ctx, job));
+  ASSIGN_OR_RETURN(const double flops, run_jobs(threads, job_count(p), ctx, job));
 
   // dq from its accumulator, in dq's dtype and strides.
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -401,12 +423,12 @@ Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ct
     const int64_t b = n / p.q_len, i = n % p.q_len;
     for (int64_t h = 0; h < p.heads; ++h)
       store_row(g.dq, g.grad_dtype, b * g.dq_batch_stride + i * g.dq_row_stride + h * g.dq_head_stride, D,
-                dq_acc.data() + (n * p.heads + h) * D);
+                dq_acc + (n * p.heads + h) * D);
   }
 
   if (stats != nullptr) {
     stats->flops = flops;
-    stats->workspace = plan.backward_workspace;
+    stats->workspace = {carver.used(), 0};
   }
   return Status::Ok();
 }

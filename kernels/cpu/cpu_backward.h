@@ -38,14 +38,16 @@
 
 namespace plsh::cpu {
 
-// Host bytes backward() takes for these params on `threads` threads: the
-// per-thread tiles, the float32 dQ accumulator [B, Nq, H, D], the per-row
-// D and lse [B, H, Nq], the locks, the job list and, for lsh, the log-count
-// table [s + 1].
+// Host bytes backward() carves from its workspace for these params on
+// `threads` threads: the per-thread tiles, the float32 dQ accumulator
+// [B, Nq, H, D], the per-row D and lse [B, H, Nq], the locks and, for lsh,
+// the log-count table [s + 1] (the job list is computed, not stored).
 int64_t backward_workspace_bytes(const AttentionParams& p, int threads);
 
-// The backward of plan's forward, on plan.threads threads. Checks ctx
+// The backward of plan's forward, on plan.threads threads, in `workspace`
+// (checked by the caller to hold backward_workspace_bytes). Checks ctx
 // between pairs of tiles.
-Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats);
+Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace, const ExecContext& ctx,
+                BackwardStats* stats);
 
 }  // namespace plsh::cpu

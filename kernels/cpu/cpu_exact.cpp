@@ -72,7 +72,7 @@ double exact_tile(const AttentionParams& p, const TileJob& job, Scratch& scratch
   double flops = 0;
   if (j0 < j1) {
     int64_t ldq = 0;
-    const float* q = rows_as_f32(qv, job.i0, job.rows, scratch.q.data(), &ldq);
+    const float* q = rows_as_f32(qv, job.i0, job.rows, scratch.q, &ldq);
     // Each row's logits are taken relative to the bias of its nearest key in
     // [j0, j1), and that constant goes back into lse in double: the float
     // logits stay small even when a query sits far from every key (a float
@@ -87,7 +87,7 @@ double exact_tile(const AttentionParams& p, const TileJob& job, Scratch& scratch
     const AlibiBias add_bias{p, width, slope, pos_first, job.rows, nearest};
     flops = attend(q, ldq, job.rows, kv, vv, j0, j1, static_cast<float>(p.scale), add_bias, scratch, state);
   }
-  write_rows(p, job.b, job.h, job.i0, job.rows, state, scratch.lse_shift.data(), scratch.out_row.data());
+  write_rows(p, job.b, job.h, job.i0, job.rows, state, scratch.lse_shift, scratch.out_row);
   return flops;
 }
 

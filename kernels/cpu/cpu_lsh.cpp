@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 
 #include "cpu/tiles.h"
 
@@ -51,9 +52,9 @@ double lsh_per_sample_tile(const AttentionParams& p, const TileJob& job, const s
   const float scale = static_cast<float>(p.scale);
 
   RowState state = fresh_state(scratch, job.rows, dim);
-  std::fill_n(scratch.lse_shift.data(), job.rows, -std::log(static_cast<double>(p.samples)));
+  std::fill_n(scratch.lse_shift, job.rows, -std::log(static_cast<double>(p.samples)));
   int64_t ldq = 0;
-  const float* q = rows_as_f32(qv, job.i0, job.rows, scratch.q.data(), &ldq);
+  const float* q = rows_as_f32(qv, job.i0, job.rows, scratch.q, &ldq);
   double flops = 0;
   for (const Draw& d : draws) {
     if (!ctx.check_stop().ok()) return flops;
@@ -73,7 +74,7 @@ double lsh_per_sample_tile(const AttentionParams& p, const TileJob& job, const s
       pos = pos_first + r1;
     }
   }
-  write_rows(p, job.b, job.h, job.i0, job.rows, state, scratch.lse_shift.data(), scratch.out_row.data());
+  write_rows(p, job.b, job.h, job.i0, job.rows, state, scratch.lse_shift, scratch.out_row);
   return flops;
 }
 
@@ -91,8 +92,8 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
   // that hold (i, j). Few per hash (1 + rows / pitch), where per-row block
   // edges sorted afresh on every row cost O(s log s) a row: at s = 256 the
   // sorting was most of banded lsh's time.
-  std::vector<BlockRect>& rects = scratch.rects;
-  rects.clear();
+  BlockRect* rects = scratch.rects;
+  int64_t rect_count = 0;
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
   for (const Draw& d : draws) {
     for (int64_t first = block_begin(pos_first, d), last = block_end(pos_first, d); first < pos_end;
@@ -104,12 +105,12 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
       lo = std::min(lo, kb);
       hi = std::max(hi, ke);
       if (kb < ke)
-        rects.push_back({std::max(first, pos_first) - pos_first, std::min(last, pos_end) - pos_first, kb, ke});
+        rects[rect_count++] = {std::max(first, pos_first) - pos_first, std::min(last, pos_end) - pos_first, kb, ke};
     }
   }
   if (p.causal) hi = std::min(hi, pos_end);
 
-  float* log_count = scratch.log_count.data();
+  float* log_count = scratch.log_count;
   log_count[0] = kNegInf;
   for (int64_t c = 1; c <= samples; ++c)
     log_count[c] = static_cast<float>(std::log(static_cast<double>(c) / static_cast<double>(samples)));
@@ -120,13 +121,13 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
   double flops = 0;
   if (j0 < j1) {
     int64_t ldq = 0;
-    const float* q = rows_as_f32(qv, job.i0, job.rows, scratch.q.data(), &ldq);
+    const float* q = rows_as_f32(qv, job.i0, job.rows, scratch.q, &ldq);
     const int64_t width = kKeyTile + 1;
-    int32_t* counts = scratch.counts.data();  // [rows + 1][width]
+    int32_t* counts = scratch.counts;  // [rows + 1][width]
     auto add_log_weight = [&](float* s, int64_t jt, int64_t len) {
       const int64_t tile_pos = p.k_pos0 + jt;
       std::fill_n(counts, (job.rows + 1) * width, 0);
-      for (const BlockRect& r : rects) {
+      for (const BlockRect& r : std::span<const BlockRect>(rects, static_cast<size_t>(rect_count))) {
         const int64_t c0 = std::max(r.key_begin, tile_pos) - tile_pos;
         const int64_t c1 = std::min(r.key_end, tile_pos + len) - tile_pos;
         if (c0 >= c1) continue;
@@ -153,7 +154,7 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
     };
     flops = attend(q, ldq, job.rows, kv, vv, j0, j1, static_cast<float>(p.scale), add_log_weight, scratch, state);
   }
-  write_rows(p, job.b, job.h, job.i0, job.rows, state, scratch.lse_shift.data(), scratch.out_row.data());
+  write_rows(p, job.b, job.h, job.i0, job.rows, state, scratch.lse_shift, scratch.out_row);
   return flops;
 }
 

@@ -3,7 +3,6 @@
 #include <cblas.h>
 #include <omp.h>
 
-#include <mutex>
 
 // The exp and max loops below vectorise only if GCC may if-convert float
 // compares, i.e. without trapping-math (we never unmask FP exceptions).
@@ -106,51 +105,31 @@ void probs_from_lse(float* sr, int64_t len, float lse) {
   }
 }
 
-namespace {
-
-struct ScratchSizes {
-  int64_t rows, widened_q, widened_kv, tile_rows_dim, banded_per_row;
-};
-
-ScratchSizes scratch_sizes(const AttentionParams& p, bool banded) {
+void carve_scratch(const AttentionParams& p, bool banded, Carver& c, Scratch* s) {
   const bool widen = p.dtype != DType::kF32;
-  ScratchSizes z{};
-  z.rows = row_tile(p.mode);
-  z.widened_q = widen ? z.rows * p.head_dim : 0;
-  z.widened_kv = widen ? kKeyTile * p.head_dim : 0;
-  z.tile_rows_dim = z.rows * p.head_dim;
-  z.banded_per_row = banded ? p.samples : 0;
-  return z;
+  const int64_t rows = row_tile(p.mode), dim = p.head_dim;
+  const int64_t samples = banded ? p.samples : 0;
+  s->q = c.take<float>(widen ? rows * dim : 0);
+  s->k = c.take<float>(widen ? kKeyTile * dim : 0);
+  s->v = c.take<float>(widen ? kKeyTile * dim : 0);
+  s->s = c.take<float>(rows * kKeyTile);
+  s->acc = c.take<float>(rows * dim);
+  s->row_max = c.take<float>(rows);
+  s->row_sum = c.take<float>(rows);
+  s->lse_shift = c.take<double>(rows);
+  s->out_row = c.take<float>(dim);
+  // Banded: a block rect per hash and tile row at most (and one more per
+  // hash, the block that reaches past the last row), and the counts.
+  s->rects = c.take<BlockRect>(samples * (rows + 1));
+  s->counts = c.take<int32_t>(banded ? (rows + 1) * (kKeyTile + 1) : 0);
+  s->log_count = c.take<float>(samples + 1);
 }
-
-}  // namespace
 
 int64_t scratch_bytes(const AttentionParams& p, bool banded) {
-  const ScratchSizes z = scratch_sizes(p, banded);
-  const int64_t floats = z.widened_q + 2 * z.widened_kv + z.rows * kKeyTile + z.tile_rows_dim + 2 * z.rows +
-                         p.head_dim + (z.banded_per_row + 1);
-  // Banded: a block rect per hash and tile row at most, and the counts.
-  const int64_t banded_bytes = z.banded_per_row > 0 ? z.rows * z.banded_per_row * static_cast<int64_t>(sizeof(BlockRect)) +
-                                                          4 * (z.rows + 1) * (kKeyTile + 1)
-                                              : 0;
-  return 4 * floats + banded_bytes + 8 * z.rows;
-}
-
-void size_scratch(const AttentionParams& p, bool banded, Scratch* s) {
-  const ScratchSizes z = scratch_sizes(p, banded);
-  s->q.resize(static_cast<size_t>(z.widened_q));
-  s->k.resize(static_cast<size_t>(z.widened_kv));
-  s->v.resize(static_cast<size_t>(z.widened_kv));
-  s->s.resize(static_cast<size_t>(z.rows * kKeyTile));
-  s->acc.resize(static_cast<size_t>(z.tile_rows_dim));
-  s->row_max.resize(static_cast<size_t>(z.rows));
-  s->row_sum.resize(static_cast<size_t>(z.rows));
-  s->lse_shift.resize(static_cast<size_t>(z.rows));
-  s->out_row.resize(static_cast<size_t>(p.head_dim));
-  s->rects.clear();
-  s->rects.reserve(static_cast<size_t>(z.rows * z.banded_per_row));
-  s->counts.resize(z.banded_per_row > 0 ? static_cast<size_t>((z.rows + 1) * (kKeyTile + 1)) : 0);
-  s->log_count.resize(static_cast<size_t>(z.banded_per_row + 1));
+  Carver counting;
+  Scratch s;
+  carve_scratch(p, banded, counting, &s);
+  return counting.used();
 }
 
 void write_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t rows, const RowState& state,
@@ -173,11 +152,6 @@ void write_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int6
   }
 }
 
-namespace {
-
-// Calls ctx.progress with done / total at most once per percent, so that a
-// slow callback cannot serialise the tiles; `reported` holds the last
-// percent reported.
 void report_progress(const ExecContext& ctx, int64_t done, int64_t total, std::atomic<int>* reported) {
   if (!ctx.progress) return;
   const int percent = static_cast<int>(100 * done / total);
@@ -188,39 +162,6 @@ void report_progress(const ExecContext& ctx, int64_t done, int64_t total, std::a
       return;
     }
   }
-}
-
-}  // namespace
-
-StatusOr<double> run_jobs(int threads, int64_t total, const ExecContext& ctx,
-                          const std::function<double(int thread, int64_t n, Status* why)>& job) {
-  std::atomic<bool> stopped{false};
-  Status stop_status;
-  std::mutex stop_mutex;
-  std::atomic<int64_t> done{0};
-  std::atomic<int> reported_percent{-1};
-  std::vector<double> flops(static_cast<size_t>(threads), 0.0);
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < total; ++n) {
-      if (stopped.load(std::memory_order_relaxed)) continue;
-      Status why;
-      flops[static_cast<size_t>(t)] += job(t, n, &why);
-      if (!why.ok()) {
-        std::lock_guard<std::mutex> lock(stop_mutex);
-        if (!stopped.load()) stop_status = why;
-        stopped.store(true);
-        continue;
-      }
-      report_progress(ctx, ++done, total, &reported_percent);
-    }
-  }
-  if (stopped.load()) return stop_status;
-  double sum = 0;
-  for (double f : flops) sum += f;
-  return sum;
 }
 
 SliceView q_slice(const AttentionParams& p, int64_t b, int64_t h) {

@@ -12,14 +12,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
+#include <mutex>
 #include <vector>
+
+#include <omp.h>
 
 #include "plsh/backend.h"
 #include "plsh/draws.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
+#include "plsh/workspace.h"
 
 namespace plsh::cpu {
 
@@ -93,27 +96,31 @@ struct BlockRect {
   int64_t row_begin, row_end, key_begin, key_end;
 };
 
-// Per-thread buffers, sized once per forward call.
+// Per-thread buffers, carved from the caller's workspace once per forward
+// call (carve_scratch).
 struct Scratch {
   // Rows below are row_tile(mode).
-  std::vector<float> q;         // [rows, D] widened query rows (f16/bf16 only)
-  std::vector<float> k, v;      // [kKeyTile, D] widened key/value rows (f16/bf16 only)
-  std::vector<float> s;         // [rows, kKeyTile] logits, then probabilities
-  std::vector<float> acc;       // [rows, D] sum_j w_ij exp(s_ij - m_i) v_j
-  std::vector<float> row_max;   // [rows] running max logit m_i
-  std::vector<float> row_sum;   // [rows] sum_j w_ij exp(s_ij - m_i)
-  std::vector<double> lse_shift;  // [rows] added to the row's lse at the end
-  std::vector<float> out_row;   // [D]
+  float* q = nullptr;            // [rows, D] widened query rows (f16/bf16 only)
+  float* k = nullptr;            // [kKeyTile, D] widened key rows (f16/bf16 only)
+  float* v = nullptr;            // [kKeyTile, D] widened value rows (f16/bf16 only)
+  float* s = nullptr;            // [rows, kKeyTile] logits, then probabilities
+  float* acc = nullptr;          // [rows, D] sum_j w_ij exp(s_ij - m_i) v_j
+  float* row_max = nullptr;      // [rows] running max logit m_i
+  float* row_sum = nullptr;      // [rows] sum_j w_ij exp(s_ij - m_i)
+  double* lse_shift = nullptr;   // [rows] added to the row's lse at the end
+  float* out_row = nullptr;      // [D]
   // Banded lsh (BandedWeights): the blocks of every hash that meet the
   // tile's rows, and per key tile the counts c_ij as a 2D difference array.
-  std::vector<BlockRect> rects;       // at most s * (rows + 1)
-  std::vector<int32_t> counts;        // [rows + 1, kKeyTile + 1]
-  std::vector<float> log_count;       // [s + 1]: log(c / s), -inf for c = 0
+  BlockRect* rects = nullptr;    // [s * (rows + 1)] at most
+  int32_t* counts = nullptr;     // [rows + 1, kKeyTile + 1]
+  float* log_count = nullptr;    // [s + 1]: log(c / s), -inf for c = 0
 };
 
-// Bytes of one Scratch for these params (and the lsh algorithm in use).
+// Carves one Scratch for these params (and the lsh algorithm in use) from
+// c: the one layout that scratch_bytes counts and forward slices.
+void carve_scratch(const AttentionParams& p, bool banded, Carver& c, Scratch* s);
+// Bytes of one Scratch (carve_scratch counting).
 int64_t scratch_bytes(const AttentionParams& p, bool banded);
-void size_scratch(const AttentionParams& p, bool banded, Scratch* s);
 
 // The online-softmax state of `rows` consecutive query rows of a tile.
 struct RowState {
@@ -125,11 +132,11 @@ struct RowState {
 };
 
 inline RowState fresh_state(Scratch& s, int64_t rows, int64_t dim) {
-  std::fill_n(s.acc.data(), rows * dim, 0.0f);
-  std::fill_n(s.row_max.data(), rows, kNegInf);
-  std::fill_n(s.row_sum.data(), rows, 0.0f);
-  std::fill_n(s.lse_shift.data(), rows, 0.0);
-  return {s.acc.data(), s.row_max.data(), s.row_sum.data()};
+  std::fill_n(s.acc, rows * dim, 0.0f);
+  std::fill_n(s.row_max, rows, kNegInf);
+  std::fill_n(s.row_sum, rows, 0.0f);
+  std::fill_n(s.lse_shift, rows, 0.0);
+  return {s.acc, s.row_max, s.row_sum};
 }
 
 // Runs `rows` query rows (q, leading dimension ldq, already float32) against
@@ -193,14 +200,43 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
 double lsh_per_sample_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws,
                            const ExecContext& ctx, Scratch& scratch);
 
+// Calls ctx.progress with done / total at most once per percent, so that a
+// slow callback cannot serialise the tiles; `reported` holds the last
+// percent reported.
+void report_progress(const ExecContext& ctx, int64_t done, int64_t total, std::atomic<int>* reported);
+
 // Runs jobs 0 .. total - 1 on `threads` OpenMP threads, each thread taking
 // the next job when it finishes one (the forward's and the backward's tiles
-// differ in cost): job(thread, n, &why) returns the FLOPs it did and sets
-// why to stop the run; the other threads skip what is left. ctx.progress
-// hears of finished jobs at most once per percent. Returns the first stop's
-// status, or the FLOPs of every job (per thread, then summed in thread order).
-StatusOr<double> run_jobs(int threads, int64_t total, const ExecContext& ctx,
-                          const std::function<double(int thread, int64_t n, Status* why)>& job);
+// differ in cost): job(thread, n, &why) returns the FLOPs it did (an
+// integer count) and sets why to stop the run; the other threads skip what
+// is left. ctx.progress hears of finished jobs at most once per percent.
+// Returns the first stop's status, or the FLOPs of every job. Allocates
+// nothing (a template, not a std::function).
+template <typename Job>
+StatusOr<double> run_jobs(int threads, int64_t total, const ExecContext& ctx, Job&& job) {
+  std::atomic<bool> stopped{false};
+  Status stop_status;
+  std::mutex stop_mutex;
+  std::atomic<int64_t> done{0};
+  std::atomic<int> reported_percent{-1};
+  // FLOPs are whole numbers: summed as integers, in any order, exactly.
+  int64_t flops = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(+ : flops)
+  for (int64_t n = 0; n < total; ++n) {
+    if (stopped.load(std::memory_order_relaxed)) continue;
+    Status why;
+    flops += static_cast<int64_t>(job(omp_get_thread_num(), n, &why));
+    if (!why.ok()) {
+      std::lock_guard<std::mutex> lock(stop_mutex);
+      if (!stopped.load()) stop_status = why;
+      stopped.store(true);
+      continue;
+    }
+    report_progress(ctx, ++done, total, &reported_percent);
+  }
+  if (stopped.load()) return stop_status;
+  return static_cast<double>(flops);
+}
 
 // Which lsh algorithm kAuto picks, by SPEC section 3's cost models (see the
 // definition for the constants).
@@ -211,11 +247,11 @@ double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, con
               int64_t j1, float scale, AddBias&& add_bias, Scratch& scratch, RowState state) {
   const int64_t dim = k.dim;
   double flops = 0;
-  float* s = scratch.s.data();
+  float* s = scratch.s;
   for (int64_t jt = j0; jt < j1; jt += kKeyTile) {
     const int64_t len = std::min(kKeyTile, j1 - jt);
     int64_t ldk = 0;
-    const float* kt = rows_as_f32(k, jt, len, scratch.k.data(), &ldk);
+    const float* kt = rows_as_f32(k, jt, len, scratch.k, &ldk);
     gemm_abt(rows, len, dim, scale, q, ldq, kt, ldk, s, len);
     add_bias(s, jt, len);
 
@@ -223,7 +259,7 @@ double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, con
       fold_row(s + r * len, len, state.acc + r * dim, dim, state.row_max + r, state.row_sum + r);
 
     int64_t ldv = 0;
-    const float* vt = rows_as_f32(v, jt, len, scratch.v.data(), &ldv);
+    const float* vt = rows_as_f32(v, jt, len, scratch.v, &ldv);
     gemm_ab_acc(rows, dim, len, s, len, vt, ldv, state.acc, dim);
     flops += 4.0 * static_cast<double>(rows) * static_cast<double>(len) * static_cast<double>(dim);
   }

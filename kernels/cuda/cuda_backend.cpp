@@ -149,12 +149,11 @@ class CudaBackend final : public Backend {
       // Exactly what forward allocates from the pool (staging, tables with
       // cuBLAS's workspace, work): check_layout_fits holds forward to it.
       plan.forward_workspace.device_bytes = layout.device_bytes();
-      // The host side: the draws, the passes and one chunk's lane table.
+      // The host side: the passes and one chunk's lane table (the draws are
+      // the plan's own, Plan::own_host_bytes).
       int64_t passes = 0;
       for (const LaneSetup& h : layout.heads) passes += static_cast<int64_t>(h.passes.size());
-      plan.forward_workspace.host_bytes =
-          (layout.table_entries + passes) * static_cast<int64_t>(sizeof(LanePass)) +
-          p.heads * p.samples * static_cast<int64_t>(sizeof(Draw));
+      plan.forward_workspace.host_bytes = (layout.table_entries + passes) * static_cast<int64_t>(sizeof(LanePass));
       if (layout.has_backward) {
         plan.backward = true;
         plan.backward_workspace.device_bytes = layout.backward.device_bytes();
@@ -169,8 +168,21 @@ class CudaBackend final : public Backend {
     return plan;
   }
 
-  Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) override;
-  Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) override;
+  // Besides the draws, plan() builds one LanePass per head and pass
+  // (head_passes), twice over while its vectors grow.
+  int64_t planning_host_bytes(const AttentionParams& p) const override {
+    const int64_t passes = p.heads * (p.mode == Mode::kLsh ? p.samples : 1);
+    return Backend::planning_host_bytes(p) + 2 * passes * static_cast<int64_t>(sizeof(LanePass)) +
+           p.heads * static_cast<int64_t>(sizeof(LaneSetup));
+  }
+
+  // The caller's workspace is not read yet: forward and backward reserve
+  // their device bytes from the pool and allocate their host tables, as
+  // the plan sized them (issue 22 leaves that change to this backend).
+  Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                 ForwardStats* stats) override;
+  Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace, const ExecContext& ctx,
+                  BackwardStats* stats) override;
 
  private:
   Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats);
@@ -288,11 +300,15 @@ Status CudaBackend::with_handle(const ExecContext& ctx, int64_t device_bytes, Ru
   return run(handle, stream);
 }
 
-Status CudaBackend::forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+Status CudaBackend::forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                            ForwardStats* stats) {
+  (void)workspace;
   return guarded([&] { return run_forward(plan, ctx, stats); });
 }
 
-Status CudaBackend::backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) {
+Status CudaBackend::backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace,
+                             const ExecContext& ctx, BackwardStats* stats) {
+  (void)workspace;
   return guarded([&] { return run_backward(plan, g, ctx, stats); });
 }
 
@@ -400,7 +416,8 @@ plsh::Backend* create_cuda_backend(char* why_not, size_t why_not_size) {
   return backend.release();
 }
 
-const plsh::PlshBackendPlugin kCudaPlugin = {plsh::kBackendApiVersion, "cuda", &create_cuda_backend};
+const plsh::PlshBackendPlugin kCudaPlugin = {plsh::kBackendApiVersion, plsh::backend_abi_fingerprint(), "cuda",
+                                             &create_cuda_backend};
 
 }  // namespace
 

@@ -45,8 +45,20 @@ StatusOr<Plan> plan_attention(const Backend& backend, const AttentionParams& p, 
   return plan;
 }
 
-StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, const ExecContext& ctx) {
-  if (!plan.attempts.empty()) return run_targeted(backend, plan, ctx);
+int64_t planning_host_bytes(const Backend& backend, const AttentionParams& p) {
+  if (!(p.target_rel_err > 0)) return backend.planning_host_bytes(p);
+  // Every attempt's plan is made (and kept) before any runs, and the ladder
+  // itself is held meanwhile.
+  const std::vector<TargetStep> ladder = target_ladder(p);
+  int64_t bytes = static_cast<int64_t>(ladder.size() * sizeof(TargetStep));
+  for (const TargetStep& step : ladder)
+    bytes += backend.planning_host_bytes(step.params) + static_cast<int64_t>(sizeof(Plan));
+  return bytes;
+}
+
+StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, const WorkspaceRef& workspace,
+                                        const ExecContext& ctx) {
+  if (!plan.attempts.empty()) return run_targeted(backend, plan, workspace, ctx);
   const AttentionParams& p = plan.params;
   // What runs, as resolved (the estimates, FLOPs and timings follow).
   AttentionResult result{.backend = backend.name(),
@@ -61,7 +73,7 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, cons
 
   ForwardStats stats;
   const auto t0 = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(backend.forward(plan, ctx, &stats));
+  RETURN_IF_ERROR(backend.forward(plan, workspace, ctx, &stats));
   result.timings["compute"] = seconds_since(t0);
   result.flops = stats.flops;
   result.lsh_algorithm = stats.lsh_algorithm;
@@ -69,10 +81,15 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, cons
 
   if (p.mode != Mode::kExact) {
     const auto t1 = std::chrono::steady_clock::now();
-    RETURN_IF_ERROR(compute_estimates(plan, ctx, &result));
+    RETURN_IF_ERROR(compute_estimates(plan, workspace, ctx, &result));
     result.timings["estimates"] = seconds_since(t1);
   }
   return result;
+}
+
+StatusOr<AttentionResult> run_attention(Backend& backend, const Plan& plan, const ExecContext& ctx) {
+  ASSIGN_OR_RETURN(const HostWorkspace workspace, HostWorkspace::allocate(plan.workspace().host_bytes));
+  return run_attention(backend, plan, workspace.ref(), ctx);
 }
 
 StatusOr<AttentionResult> run_attention(Backend& backend, const AttentionParams& p, const PlanLimits& limits,
@@ -84,13 +101,13 @@ StatusOr<AttentionResult> run_attention(Backend& backend, const AttentionParams&
 namespace {
 
 StatusOr<BackwardResult> run_backward_params(Backend& backend, const Plan& plan, const BackwardParams& g,
-                                             const ExecContext& ctx) {
+                                             const WorkspaceRef& workspace, const ExecContext& ctx) {
   BackwardResult result;
   result.backend = backend.name();
   result.device = backend.device();
   BackwardStats stats;
   const auto t0 = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(backend.backward(plan, g, ctx, &stats));
+  RETURN_IF_ERROR(backend.backward(plan, g, workspace, ctx, &stats));
   result.timings["backward"] = seconds_since(t0);
   result.flops = stats.flops;
   // The backward runs five GEMMs per pair where the forward runs two.
@@ -103,9 +120,30 @@ StatusOr<BackwardResult> run_backward_params(Backend& backend, const Plan& plan,
 }  // namespace
 
 StatusOr<BackwardResult> run_backward(Backend& backend, const Plan& plan, const GradientRefs& grads,
-                                      const ExecContext& ctx) {
+                                      const WorkspaceRef& workspace, const ExecContext& ctx) {
   ASSIGN_OR_RETURN(const BackwardParams g, make_backward_params(plan.params, grads));
-  return run_backward_params(backend, plan, g, ctx);
+  return run_backward_params(backend, plan, g, workspace, ctx);
+}
+
+StatusOr<BackwardResult> run_backward(Backend& backend, const Plan& plan, const GradientRefs& grads,
+                                      const ExecContext& ctx) {
+  ASSIGN_OR_RETURN(const HostWorkspace workspace, HostWorkspace::allocate(plan.backward_workspace.host_bytes));
+  return run_backward(backend, plan, grads, workspace.ref(), ctx);
+}
+
+StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const Plan& plan, const GradientRefs& grads,
+                                                     const WorkspaceRef& workspace, const ExecContext& ctx) {
+  if (grads.out != nullptr || grads.lse != nullptr)
+    return invalid_argument("grads.out and grads.lse must be null for run_forward_backward: the forward's own are used");
+  if (plan.params.lse == nullptr)
+    return invalid_argument("lse = null, expected the plan's lse bound: the backward reads the forward's lse");
+  // The backward's tensors are checked before the forward runs: a bad dout
+  // costs no forward.
+  ASSIGN_OR_RETURN(const BackwardParams g, make_backward_params(plan.params, grads));
+  ForwardBackwardResult result;
+  ASSIGN_OR_RETURN(result.forward, run_attention(backend, plan, workspace, ctx));
+  ASSIGN_OR_RETURN(result.backward, run_backward_params(backend, plan, g, workspace, ctx));
+  return result;
 }
 
 StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const AttentionParams& p, PlanLimits limits,
@@ -126,13 +164,8 @@ StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const Att
     }
     plan.params.lse = own_lse.data();
   }
-  // The backward's tensors are checked before the forward runs: a bad dout
-  // costs no forward.
-  ASSIGN_OR_RETURN(const BackwardParams g, make_backward_params(plan.params, grads));
-  ForwardBackwardResult result;
-  ASSIGN_OR_RETURN(result.forward, run_attention(backend, plan, ctx));
-  ASSIGN_OR_RETURN(result.backward, run_backward_params(backend, plan, g, ctx));
-  return result;
+  ASSIGN_OR_RETURN(const HostWorkspace workspace, HostWorkspace::allocate(plan.workspace().host_bytes));
+  return run_forward_backward(backend, plan, grads, workspace.ref(), ctx);
 }
 
 }  // namespace plsh

@@ -51,10 +51,12 @@ void estimate_head_masks(const AttentionParams& p, const PositionRange& range, i
 
 }  // namespace
 
-Status compute_estimates(const Plan& plan, const ExecContext& ctx, AttentionResult* result) {
+Status compute_estimates(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                         AttentionResult* result) {
   const AttentionParams& p = plan.params;
   if (result == nullptr) return internal_error("compute_estimates: result = null, expected an AttentionResult");
   if (p.mode == Mode::kExact) return Status::Ok();
+  RETURN_IF_ERROR(check_workspace(workspace, plan.estimates_workspace, "compute_estimates"));
   const PositionRange range = position_range(p);
   const int64_t heads = p.heads;
   result->heads.assign(static_cast<size_t>(heads), HeadEstimate{});
@@ -193,17 +195,16 @@ int64_t probe_task_bytes(const AttentionParams& p) {
 
 int64_t estimates_host_bytes(const AttentionParams& p, int threads) {
   if (p.mode == Mode::kExact) return 0;
-  const int64_t draws = uses_draws(p.mode) ? p.heads * p.samples * static_cast<int64_t>(sizeof(Draw)) : 0;
   // The per-head results (draws copied with return_draws) and, per head,
   // its probe sample and rows (and their err2 twice over: kept per head and
   // pooled for rel_err_upper, probe_bound.cpp).
   const int64_t per_request = p.heads * static_cast<int64_t>(sizeof(HeadEstimate) + sizeof(HeadMask)) +
-                              (p.return_draws ? draws : 0) +
+                              (p.return_draws ? draw_bytes(p) : 0) +
                               p.heads * p.probe_rows * static_cast<int64_t>(8 + sizeof(ProbeRow) + 8 + 16) +
                               (p.probe_rows > 0 ? 8 * p.batch * p.kv_heads * p.kv_len : 0);  // probe key statistics
-  if (!p.estimates) return draws + per_request;
+  if (!p.estimates) return per_request;
   const int64_t per_thread = std::max(head_estimate_bytes(p), p.probe_rows > 0 ? probe_task_bytes(p) : 0);
-  return draws + per_request + static_cast<int64_t>(std::max(threads, 1)) * per_thread;
+  return per_request + static_cast<int64_t>(std::max(threads, 1)) * per_thread;
 }
 
 }  // namespace plsh

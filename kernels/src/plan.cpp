@@ -16,6 +16,11 @@ std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p) {
   return draws;
 }
 
+int64_t draw_bytes(const AttentionParams& p) {
+  if (!uses_draws(p.mode)) return 0;
+  return p.heads * (static_cast<int64_t>(sizeof(std::vector<Draw>)) + p.samples * static_cast<int64_t>(sizeof(Draw)));
+}
+
 StatusOr<Plan> start_plan(const AttentionParams& p, const std::string& backend, const PlanLimits& limits) {
   Plan plan;
   plan.params = p;
@@ -27,6 +32,7 @@ StatusOr<Plan> start_plan(const AttentionParams& p, const std::string& backend, 
     return resource_exhausted(backend + " backend: the draws for heads = " + std::to_string(p.heads) +
                               ", samples = " + std::to_string(p.samples) + " could not be allocated");
   }
+  plan.own_host_bytes = draw_bytes(p);
   return plan;
 }
 

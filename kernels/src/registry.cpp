@@ -77,6 +77,14 @@ void BackendRegistry::discover() {
             ", this process " + std::to_string(kBackendApiVersion) + ": rebuild both from one tree";
       break;
     }
+    if (plugin->abi_fingerprint != backend_abi_fingerprint()) {
+      // The same version from another build: the types that cross differ
+      // in layout (another compiler, standard library or an unbumped edit).
+      why = path + " was built with another C++ layout of the backend types (ABI fingerprint " +
+            std::to_string(plugin->abi_fingerprint) + ", this process " + std::to_string(backend_abi_fingerprint()) +
+            "): rebuild both from one tree with one compiler";
+      break;
+    }
     char why_not[512] = {0};
     Backend* backend = plugin->create(why_not, sizeof(why_not));
     if (backend == nullptr) {

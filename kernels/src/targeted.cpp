@@ -118,12 +118,12 @@ StatusOr<Plan> plan_targeted(const Backend& backend, const AttentionParams& p, c
   } catch (const std::bad_alloc&) {
     return resource_exhausted("target_rel_err: the ladder of configurations could not be allocated");
   }
-  int64_t draw_bytes = 0;
   for (TargetStep& step : ladder) {
     ASSIGN_OR_RETURN(Plan attempt, plan_attention(backend, step.params, limits));
     attempt.target_window_scale = step.window_scale;
-    for (const std::vector<Draw>& head : attempt.draws)
-      draw_bytes += static_cast<int64_t>(head.size() * sizeof(Draw));
+    // Every attempt's draws live as long as the plan; the attempts run one
+    // after another in one workspace.
+    plan.own_host_bytes += attempt.own_host_bytes;
     plan.forward_workspace.host_bytes = std::max(plan.forward_workspace.host_bytes, attempt.forward_workspace.host_bytes);
     plan.forward_workspace.device_bytes =
         std::max(plan.forward_workspace.device_bytes, attempt.forward_workspace.device_bytes);
@@ -133,14 +133,11 @@ StatusOr<Plan> plan_targeted(const Backend& backend, const AttentionParams& p, c
         std::max(plan.estimates_workspace.device_bytes, attempt.estimates_workspace.device_bytes);
     plan.attempts.push_back(std::move(attempt));
   }
-  // Every attempt's draws live as long as the plan; the largest attempt's
-  // are counted twice (in its own workspace too), which errs on the safe side.
-  plan.forward_workspace.host_bytes += draw_bytes;
-  plan.estimates_workspace.host_bytes += draw_bytes;
   return plan;
 }
 
-StatusOr<AttentionResult> run_targeted(Backend& backend, const Plan& plan, const ExecContext& ctx) {
+StatusOr<AttentionResult> run_targeted(Backend& backend, const Plan& plan, const WorkspaceRef& workspace,
+                                       const ExecContext& ctx) {
   const AttentionParams& top = plan.params;
   if (plan.attempts.empty()) return internal_error("run_targeted: a plan without attempts, expected plan_targeted's");
   TargetReport report;
@@ -154,7 +151,7 @@ StatusOr<AttentionResult> run_targeted(Backend& backend, const Plan& plan, const
     // top's tensors were checked when they were bound.
     set_tensors(&a, tensors_of(top));
     const auto t0 = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(AttentionResult result, run_attention(backend, attempt, ctx));
+    ASSIGN_OR_RETURN(AttentionResult result, run_attention(backend, attempt, workspace, ctx));
     TargetAttempt t;
     t.mode = a.mode;
     t.samples = a.mode == Mode::kLsh ? a.samples : 0;

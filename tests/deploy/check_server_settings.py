@@ -173,8 +173,8 @@ def check_chart(docs, label, envs, defaults, service_name, image_uid, values_exp
     limit = res.get("limits", {}).get("memory")
     check(limit and int(env["PLSH_MEMORY_BUDGET"]) < quantity_bytes(limit),
           f"{label}: memory budget {env['PLSH_MEMORY_BUDGET']} does not fit the memory limit {limit}")
-    check(pod["spec"]["terminationGracePeriodSeconds"] > float(env["PLSH_DRAIN_TIMEOUT"]),
-          f"{label}: terminationGracePeriodSeconds <= drain timeout")
+    check(pod["spec"]["terminationGracePeriodSeconds"] > float(env["PLSH_DRAIN_TIMEOUT"]) + float(env["PLSH_EXIT_TIMEOUT"]),
+          f"{label}: terminationGracePeriodSeconds <= drain timeout + exit timeout")
     # Selectors and ports of the Services, ServiceMonitor, PDB, HPA.
     labels = pod["metadata"]["labels"]
     check(matches(dep["spec"]["selector"]["matchLabels"], labels), f"{label}: Deployment selector misses its pods")

@@ -56,10 +56,10 @@ class Stream {
     switch (request.kind_case()) {
       case v1::AttendRequest::kHeader: {
         if (plan_) return invalid_argument("header received twice");
-        ASSIGN_OR_RETURN(server::RequestPlan plan, plan_like_server(request.header(), limits_, limits_.max_request_bytes));
+        ASSIGN_OR_RETURN(server::Request plan, plan_like_server(request.header(), limits_, limits_.max_request_bytes));
         plan_.emplace(std::move(plan));
-        buffers_ = server::RequestBuffers::allocate(*plan_);
-        assembler_ = std::make_unique<server::Assembler>(*plan_, &buffers_);
+        memory_ = server::RequestMemory::allocate(plan_->memory_layout(), nullptr);
+        assembler_ = server::assemble_inputs(*plan_, memory_);
         return Status::Ok();
       }
       case v1::AttendRequest::kChunk: {
@@ -74,7 +74,7 @@ class Stream {
         if (!plan_) return invalid_argument("end before header");
         RETURN_IF_ERROR(assembler_->complete());
         ended_ = true;
-        PLSH_FUZZ_CHECK(assembler_->received_bytes() == plan_->q_bytes() + 2 * plan_->kv_bytes(),
+        PLSH_FUZZ_CHECK(assembler_->received_bytes() == plan_->streamed_input_bytes(),
                         "complete() with received bytes != q + k + v");
         return compute();
       }
@@ -83,11 +83,11 @@ class Stream {
   }
 
   bool ended() const { return ended_; }
-  const server::RequestPlan* plan() const { return plan_ ? &*plan_ : nullptr; }
+  const server::Request* plan() const { return plan_ ? &*plan_ : nullptr; }
 
  private:
   Status compute() {
-    StatusOr<AttentionResult> result = server::compute_request(*plan_, buffers_, ExecContext{});
+    StatusOr<AttentionResult> result = server::compute_request(*plan_, memory_, ExecContext{});
     if (!result.ok()) {
       // Non-finite inputs are the one thing found only now (INVALID_ARGUMENT).
       PLSH_FUZZ_CHECK(result.status().code() == StatusCode::kInvalidArgument, result.status().to_string().c_str());
@@ -100,14 +100,14 @@ class Stream {
   }
 
   const server::RequestLimits limits_ = stream_limits();
-  std::optional<server::RequestPlan> plan_;
-  server::RequestBuffers buffers_;
+  std::optional<server::Request> plan_;
+  server::RequestMemory memory_;
   std::unique_ptr<server::Assembler> assembler_;
   bool ended_ = false;
 };
 
 // A kChunk record as the TensorChunk it stands for.
-void fill_chunk(std::string_view payload, const server::RequestPlan* plan, v1::TensorChunk* chunk) {
+void fill_chunk(std::string_view payload, const server::Request* plan, v1::TensorChunk* chunk) {
   if (payload.size() < kChunkFixedBytes) {
     chunk->set_data(std::string(payload));  // too short for the fields: data alone, fields 0
     return;
@@ -119,7 +119,7 @@ void fill_chunk(std::string_view payload, const server::RequestPlan* plan, v1::T
   const std::string_view fill = payload.substr(kChunkFixedBytes);
   int64_t row_bytes = 0;
   if ((tensor & kFitRows) && plan != nullptr)
-    row_bytes = chunk->tensor() == v1::TENSOR_Q ? plan->q_row_bytes : plan->kv_row_bytes;
+    row_bytes = chunk->tensor() == v1::TENSOR_Q ? plan->shape.q.row_bytes : plan->shape.k.row_bytes;
   const int64_t rows = chunk->row_count();
   if (row_bytes > 0 && rows > 0 && rows <= kMaxFittedBytes / row_bytes) {
     std::string data(static_cast<size_t>(rows * row_bytes), '\0');

@@ -30,23 +30,24 @@ inline server::RequestLimits server_default_limits() {
   return l;
 }
 
-// What CallBase::plan (server/call.cpp) does with a header, against a
+// What CallBase::admit_header (server/call.cpp) does with a header, against a
 // memory budget of `budget_bytes` for this request alone: the header's
 // checks, its shared-memory references (a default server has no
 // --shm-dir: UNIMPLEMENTED), then the planning bound held against the
 // budget, then the kernels' plan. Checks that the bound holds for the draws
 // actually made.
-inline StatusOr<server::RequestPlan> plan_like_server(const v1::AttendHeader& header,
-                                                     const server::RequestLimits& limits, int64_t budget_bytes) {
-  ASSIGN_OR_RETURN(server::RequestPlan plan, server::check_request(header, limits));
+inline StatusOr<server::Request> plan_like_server(const v1::AttendHeader& header, const server::RequestLimits& limits,
+                                                 int64_t budget_bytes) {
+  ASSIGN_OR_RETURN(server::Request plan, server::check_request(header, limits));
   RETURN_IF_ERROR(server::use_shared_memory(header, &plan, nullptr, ""));
-  const int64_t bound = server::planning_bytes(plan);
+  ASSIGN_OR_RETURN(const int64_t bound, server::planning_bytes(plan));
   PLSH_FUZZ_CHECK(bound >= 0, "negative planning_bytes");
   if (bound > budget_bytes) return resource_exhausted("planning bound over the budget");
-  RETURN_IF_ERROR(server::plan_kernels(&plan, limits));
+  RETURN_IF_ERROR(server::plan_request(&plan, limits));
   int64_t draw_bytes = 0;
-  for (const auto& head : plan.kernel.draws) draw_bytes += static_cast<int64_t>(head.size() * sizeof(head[0]));
-  PLSH_FUZZ_CHECK(draw_bytes <= bound, "plan_kernels made more draws than planning_bytes allows for");
+  for (const auto& head : plan.plan.draws) draw_bytes += static_cast<int64_t>(head.size() * sizeof(head[0]));
+  PLSH_FUZZ_CHECK(draw_bytes <= bound, "plan_request made more draws than planning_bytes allows for");
+  PLSH_FUZZ_CHECK(plan.plan.own_host_bytes <= bound, "the plan holds more than planning_bytes allows for");
   return plan;
 }
 

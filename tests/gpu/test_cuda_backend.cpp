@@ -269,7 +269,7 @@ TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
   Plan run = *half;
   ASSERT_TRUE(bind_tensors(&run.params, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost}).ok());
   ForwardStats stats;
-  const Status s = backend->forward(run, ExecContext{}, &stats);
+  const Status s = testing::run_forward(*backend, run, ExecContext{}, &stats);
   ASSERT_TRUE(s.ok()) << s.to_string();
   EXPECT_EQ(stats.workspace.device_bytes, half->forward_workspace.device_bytes);
   const std::optional<DeviceMemory> mem = backend->device_memory();
@@ -305,7 +305,7 @@ TEST(CudaLarge, RoundsAbove65535SlotsMatchTheCpu) {
   ASSERT_TRUE(gpu.status.ok() && on_cpu.status.ok());
   StatusOr<Plan> plan = cuda->plan(gpu.params, PlanLimits{});
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-  ASSERT_TRUE(cuda->forward(*plan, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::run_forward(*cuda, *plan, ExecContext{}, nullptr).ok());
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(testing::plan_and_forward(*cpu, on_cpu.params, ExecContext{}, nullptr).ok());
   EXPECT_LE(compare(gpu.out.data(), o.dtype, testing::to_doubles(on_cpu.out, o.dtype)).max_rel, 1e-4);
@@ -335,7 +335,7 @@ TimedRun timed_forward(Backend& cuda, const Plan& plan, const std::atomic<bool>*
     std::lock_guard<std::mutex> lock(mu);
     run.progress.emplace_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), f);
   };
-  run.status = cuda.forward(plan, ctx, nullptr);
+  run.status = testing::run_forward(cuda, plan, ctx, nullptr);
   run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return run;
 }

@@ -163,7 +163,7 @@ TEST(CudaBackwardControl, RefusalsNameTheReason) {
   GradTensors g = grad_tensors(o, DType::kF32, 2);
   StatusOr<Plan> forward_only = cuda->plan(bound.params, PlanLimits{});
   ASSERT_TRUE(forward_only.ok());
-  ASSERT_TRUE(cuda->forward(*forward_only, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::run_forward(*cuda, *forward_only, ExecContext{}, nullptr).ok());
   EXPECT_EQ(run_backward(*cuda, *forward_only, g.refs(), ExecContext{}).status().code(), StatusCode::kFailedPrecondition);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   StatusOr<Plan> cpu_plan = cpu->plan(bound.params, limits);
@@ -182,7 +182,7 @@ TEST(CudaBackwardControl, CancelAndDeadlineStopTheBackward) {
   limits.backward = true;
   StatusOr<Plan> plan = cuda->plan(pr.params, limits);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-  ASSERT_TRUE(cuda->forward(*plan, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::run_forward(*cuda, *plan, ExecContext{}, nullptr).ok());
   GradTensors g = grad_tensors(o, DType::kBF16, 4);
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -241,7 +241,7 @@ TEST(CudaBackwardControl, ReadsThePlanDraws) {
   }
   for (auto [backend, plan, g] : {std::tuple{cuda, &*gpu_plan, &a}, std::tuple{cpu.get(), &*cpu_plan, &b},
                                   std::tuple{cuda, &*seed_plan, &seeded}}) {
-    ASSERT_TRUE(backend->forward(*plan, ExecContext{}, nullptr).ok());
+    ASSERT_TRUE(testing::run_forward(*backend, *plan, ExecContext{}, nullptr).ok());
     ASSERT_TRUE(run_backward(*backend, *plan, g->refs(), ExecContext{}).ok());
   }
   EXPECT_LE(testing::compare(a.dq.data(), DType::kF32, b.values(b.dq)).max_rel, 1e-4);

@@ -52,7 +52,9 @@ void use_cuda_then_exit() {
     StatusOr<AttentionParams> p = make_params(o, {q.data(), q.data(), q.data(), out.data(), nullptr, MemorySpace::kHost});
     if (!p.ok()) std::exit(2);
     StatusOr<Plan> plan = cuda->plan(*p, PlanLimits{});
-    if (!plan.ok() || !cuda->forward(*plan, ExecContext{}, nullptr).ok()) std::exit(3);
+    if (!plan.ok()) std::exit(3);
+    StatusOr<HostWorkspace> workspace = HostWorkspace::allocate(plan->forward_workspace.host_bytes);
+    if (!workspace.ok() || !cuda->forward(*plan, workspace->ref(), ExecContext{}, nullptr).ok()) std::exit(3);
     if (!(out[0] > 0.49f && out[0] < 0.51f)) std::exit(4);
   }
   std::exit(0);  // runs the static destructors, the registry's among them

@@ -507,7 +507,7 @@ TEST_F(BackwardTest, BadRequestsGetTheContractsCodes) {
   nan_dout[37] = std::nanf("");
   const std::vector<Case> cases = {
       {"never existed", [&] { BackwardReply r; return c.backward(by_context(p, "ctx-00000000000000000000000000000000"), &r); },
-       grpc::StatusCode::FAILED_PRECONDITION, "never existed"},
+       grpc::StatusCode::NOT_FOUND, "no such context for this client"},
       {"empty id", [&] { return raw_backward(target, {header_by_id(""), end()}).status; },
        grpc::StatusCode::INVALID_ARGUMENT, "context_id is empty"},
       {"no source", [&] {
@@ -576,7 +576,8 @@ TEST_F(BackwardTest, BadRequestsGetTheContractsCodes) {
          *h.mutable_header()->mutable_forward() = client::make_header(f);
          return raw_backward(target, {h, end()}).status;
        }, grpc::StatusCode::RESOURCE_EXHAUSTED, "--max-request-bytes"},
-      {"release never existed", [&] { return c.release_context("ctx-nope"); }, grpc::StatusCode::NOT_FOUND, "never existed"},
+      {"release never existed", [&] { return c.release_context("ctx-nope"); }, grpc::StatusCode::NOT_FOUND,
+       "no such context for this client"},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
@@ -793,11 +794,26 @@ TEST(BackwardContexts, AreBoundToTheirClient) {
   AttendReply forward;
   ASSERT_TRUE(a->attend(forward_call(p, true), &forward).ok());
   BackwardReply grads;
+  // What bob sees of an id, with the id itself written as ID: the same for
+  // alice's context, live or gone, as for one that never existed (issue 24,
+  // D4), through AttendBackward and ReleaseContext alike.
+  auto seen = [](const grpc::Status& status, const std::string& id) {
+    std::string text = status.error_message();
+    for (size_t at = text.find(id); at != std::string::npos; at = text.find(id)) text.replace(at, id.size(), "ID");
+    return client::status_string(grpc::Status(status.error_code(), text));
+  };
+  const std::string unknown = "ctx-" + std::string(32, '7');
+  const std::string never_backward = seen(b->backward(by_context(p, unknown), &grads), unknown);
+  const std::string never_release = seen(b->release_context(unknown), unknown);
+  EXPECT_NE(never_backward.find("NOT_FOUND"), std::string::npos) << never_backward;
+  EXPECT_EQ(never_backward, never_release);
   grpc::Status s = b->backward(by_context(p, forward.context_id), &grads);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(seen(s, forward.context_id), never_backward);
   EXPECT_EQ(s.error_message().find("alice"), std::string::npos) << "the owner is not named: " << s.error_message();
   s = b->release_context(forward.context_id);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(seen(s, forward.context_id), never_release);
   s = f->backward(by_context(p, forward.context_id), &grads);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_NE(s.error_message().find("may not call AttendBackward"), std::string::npos) << s.error_message();
@@ -811,10 +827,12 @@ TEST(BackwardContexts, AreBoundToTheirClient) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   s = b->backward(by_context(p, forward.context_id), &grads);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(seen(s, forward.context_id), never_backward);
+  EXPECT_EQ(seen(b->release_context(forward.context_id), forward.context_id), never_release);
   // The context counted against alice's reservations while it was held.
   const auto m = scrape(server);
   EXPECT_EQ(metric_sum(m, "plsh_client_reserved_bytes", {"client=\"alice\"", "space=\"host\""}), 0);
-  EXPECT_EQ(metric_sum(m, "plsh_client_requests_total", {"client=\"bob\"", "method=\"AttendBackward\"", "code=\"NOT_FOUND\""}), 2);
+  EXPECT_EQ(metric_sum(m, "plsh_client_requests_total", {"client=\"bob\"", "method=\"AttendBackward\"", "code=\"NOT_FOUND\""}), 3);
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 

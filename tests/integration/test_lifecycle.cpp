@@ -47,9 +47,12 @@ Request make_request(Mode mode, int64_t n, int64_t heads, DType dtype = DType::k
 // the request is then whole and on its way to a worker. No assertion here:
 // each test checks what it expects to follow.
 void wait_until_received(const ServerProcess& server, const Request& r) {
-  const auto t0 = std::chrono::steady_clock::now();
-  while (seconds_since(t0) < 30 && metric_sum(scrape(server), "plsh_received_bytes_total") < 3.0 * r.q.size())
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  testing::eventually([&] { return metric_sum(scrape(server), "plsh_received_bytes_total") >= 3.0 * r.q.size(); }, 30);
+}
+
+// Waits (up to 30 s) until `workers` workers compute a request.
+bool wait_until_busy(const ServerProcess& server, int workers) {
+  return testing::eventually([&] { return metric_sum(scrape(server), "plsh_busy_workers") == workers; }, 30);
 }
 
 // Sends a whole request on a raw stream under ctx and waits for the end;
@@ -131,7 +134,7 @@ TEST(ServiceLifecycle, CancelMidRequestFreesTheWorker) {
   grpc::Status big_status;
   std::thread caller([&] { big_status = stream_request(server.grpc_address(), big, &ctx); });
   wait_until_received(server, big);
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE(wait_until_busy(server, 1));  // cancelled in compute, not while receiving
   ctx.TryCancel();
   caller.join();
   EXPECT_EQ(big_status.error_code(), grpc::StatusCode::CANCELLED);
@@ -189,10 +192,7 @@ TEST(ServiceLifecycle, CancelRightAfterEndWithoutReadingTheAck) {
   AttendReply reply;
   const grpc::Status s = Client(server.grpc_address()).attend(small.call(), &reply);
   EXPECT_TRUE(s.ok()) << client::status_string(s);
-  const auto t0 = std::chrono::steady_clock::now();
-  while (seconds_since(t0) < 10 && metric_sum(scrape(server), "plsh_inflight_requests") != 0)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(metric_sum(scrape(server), "plsh_inflight_requests"), 0);
+  EXPECT_TRUE(testing::eventually([&] { return metric_sum(scrape(server), "plsh_inflight_requests") == 0; }));
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
@@ -215,11 +215,7 @@ TEST(ServiceLifecycle, SigtermFinishesTheRequestInFlightAndExitsZero) {
   // While draining: NOT_SERVING, and new requests are UNAVAILABLE.
   Client c(server.grpc_address());
   std::string health;
-  for (int i = 0; i < 100 && health != "NOT_SERVING"; ++i) {
-    ASSERT_TRUE(c.health("", &health).ok());
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  EXPECT_EQ(health, "NOT_SERVING");
+  EXPECT_TRUE(testing::eventually([&] { return c.health("", &health).ok() && health == "NOT_SERVING"; })) << health;
   ASSERT_TRUE(c.health("plsh.v1.Attention", &health).ok());
   EXPECT_EQ(health, "NOT_SERVING");
   const Request small = make_request(Mode::kLsh, 64, 2);
@@ -249,7 +245,7 @@ TEST(ServiceLifecycle, FullQueueAndTooManyStreamsAreResourceExhausted) {
   grpc::Status big_status;
   std::thread caller([&] { big_status = stream_request(server.grpc_address(), big, &big_ctx); });
   wait_until_received(server, big);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the end message reaches the worker
+  ASSERT_TRUE(wait_until_busy(server, 1));  // the end message reached the worker
 
   Client c(server.grpc_address());
   const Request small = make_request(Mode::kLsh, 64, 2);

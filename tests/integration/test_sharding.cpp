@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <ostream>
@@ -338,9 +339,20 @@ TEST_F(Sharding, InvalidOptionsAreRefusedUpFront) {
   EXPECT_NE(s.error_message().find("kv_heads"), std::string::npos) << s.error_message();
 }
 
-double inflight(const ServerProcess& s) {
+// Workers of a replica computing a request now (plsh_busy_workers).
+double busy(const ServerProcess& s) {
   return plsh::testing::metric_sum(plsh::testing::parse_metrics(plsh::testing::http_get(s.metrics_address(), "/metrics")),
-                                   "plsh_inflight_requests");
+                                   "plsh_busy_workers");
+}
+
+// f() true within `seconds`, polled every 10 ms.
+bool within(double seconds, const std::function<bool()>& f) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!f()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
 }
 
 // SIGKILL one of three replicas while its shard computes: the shard is sent
@@ -375,11 +387,7 @@ TEST(ShardingFailure, ReplicaKilledMidRequest) {
   // Shard 1 runs on replica 1 (a new client starts at replica 0): kill it
   // once it has the request.
   ServerProcess& victim = *servers[1];
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (inflight(victim) < 1 && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  ASSERT_GE(inflight(victim), 1) << "the shard never reached replica 1";
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // into its compute
+  ASSERT_TRUE(within(20, [&] { return busy(victim) == 1; })) << "the shard never reached replica 1's worker";
   ASSERT_EQ(kill(victim.pid(), SIGKILL), 0);
   request.join();
   ASSERT_TRUE(status.ok()) << status_string(status);

@@ -130,6 +130,7 @@ TEST_F(Trust, TokenFileReloadsOnSighup) {
   ASSERT_TRUE(server.started()) << server.log();
   std::unique_ptr<Client> cb = connect(server.grpc_address(), plain(b));
   tokens.write({client_entry("a", {a}), client_entry("b", {b})});
+  // Half a second in which nothing may happen (no event to wait on: the test is that the file is not polled).
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   EXPECT_EQ(info(*cb).error_code(), grpc::StatusCode::UNAUTHENTICATED);  // no polling
   ASSERT_EQ(kill(server.pid(), SIGHUP), 0);

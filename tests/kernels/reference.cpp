@@ -261,12 +261,17 @@ ReferenceGradients reference_backward(const AttentionParams& p, const DenseInput
   return g;
 }
 
+Status run_forward(Backend& b, const Plan& plan, const ExecContext& ctx, ForwardStats* stats) {
+  ASSIGN_OR_RETURN(const HostWorkspace workspace, HostWorkspace::allocate(plan.forward_workspace.host_bytes));
+  return b.forward(plan, workspace.ref(), ctx, stats);
+}
+
 Status plan_and_forward(Backend& b, const AttentionParams& p, const ExecContext& ctx, ForwardStats* stats,
                         int threads) {
   PlanLimits limits;
   limits.threads = threads;
   ASSIGN_OR_RETURN(const Plan plan, b.plan(p, limits));
-  return b.forward(plan, ctx, stats);
+  return run_forward(b, plan, ctx, stats);
 }
 
 namespace {

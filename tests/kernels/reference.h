@@ -60,6 +60,9 @@ struct ReferenceGradients {
 ReferenceGradients reference_backward(const AttentionParams& p, const DenseInputs& x, const HeadWeights& w,
                                       const std::vector<double>& dout);
 
+// b.forward on a plan in a HostWorkspace of plan.forward_workspace's size.
+Status run_forward(Backend& b, const Plan& plan, const ExecContext& ctx = {}, ForwardStats* stats = nullptr);
+
 // Plans p on backend b (for `threads` threads) and runs its forward: what
 // the server does for a request, in one call.
 Status plan_and_forward(Backend& b, const AttentionParams& p, const ExecContext& ctx = {}, ForwardStats* stats = nullptr,

@@ -144,7 +144,7 @@ PlanLimits backward_limits(int threads) {
 Status forward_backward(Backend& backend, Problem& pr, int threads, Plan* plan_out = nullptr,
                         BackwardResult* result = nullptr) {
   ASSIGN_OR_RETURN(Plan plan, backend.plan(pr.params, backward_limits(threads)));
-  RETURN_IF_ERROR(backend.forward(plan, ExecContext{}, nullptr));
+  RETURN_IF_ERROR(testing::run_forward(backend, plan, ExecContext{}, nullptr));
   ASSIGN_OR_RETURN(BackwardResult r, run_backward(backend, plan, pr.grads(), ExecContext{}));
   if (plan_out != nullptr) *plan_out = plan;
   if (result != nullptr) *result = r;
@@ -308,7 +308,7 @@ TEST(CpuBackward, LshReadsThePlanDraws) {
   StatusOr<Plan> plan = cpu->plan(pr.params, backward_limits(2));
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   for (Draw& d : plan->draws[3]) d = Draw{1e9, 0.5e9};
-  ASSERT_TRUE(cpu->forward(*plan, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::run_forward(*cpu, *plan, ExecContext{}, nullptr).ok());
   StatusOr<BackwardResult> r = run_backward(*cpu, *plan, pr.grads(), ExecContext{});
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   const DenseInputs x = testing::dense_inputs(pr.params);
@@ -383,7 +383,7 @@ TEST(BackwardPlan, RefusesForeignUnplannedAndIncompleteRequests) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   StatusOr<Plan> plan = cpu->plan(pr.params, backward_limits(2));
   ASSERT_TRUE(plan.ok());
-  ASSERT_TRUE(cpu->forward(*plan, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::run_forward(*cpu, *plan, ExecContext{}, nullptr).ok());
 
   Plan foreign = *plan;
   foreign.backend = "cuda";
@@ -444,7 +444,7 @@ TEST(BackwardPlan, BackendsWithoutABackwardSayUnimplemented) {
     StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
       return start_plan(p, name(), limits);
     }
-    Status forward(const Plan&, const ExecContext&, ForwardStats*) override { return Status::Ok(); }
+    Status forward(const Plan&, const WorkspaceRef&, const ExecContext&, ForwardStats*) override { return Status::Ok(); }
   } backend;
   StatusOr<AttentionParams> p = resolve_params(lsh_options());
   ASSERT_TRUE(p.ok());
@@ -452,7 +452,7 @@ TEST(BackwardPlan, BackendsWithoutABackwardSayUnimplemented) {
   EXPECT_NE(backend.supports_backward(*p).message().find("forward-only"), std::string::npos);
   StatusOr<Plan> plan = backend.plan(*p, PlanLimits{});
   ASSERT_TRUE(plan.ok());
-  EXPECT_EQ(backend.backward(*plan, BackwardParams{}, ExecContext{}, nullptr).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(backend.backward(*plan, BackwardParams{}, WorkspaceRef{}, ExecContext{}, nullptr).code(), StatusCode::kUnimplemented);
 }
 
 Problem stop_problem() {
@@ -466,7 +466,7 @@ TEST(BackwardStop, CancelAndDeadlineStopTheBackward) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   StatusOr<Plan> plan = cpu->plan(pr.params, backward_limits(2));
   ASSERT_TRUE(plan.ok());
-  ASSERT_TRUE(cpu->forward(*plan, ExecContext{}, nullptr).ok());
+  ASSERT_TRUE(testing::run_forward(*cpu, *plan, ExecContext{}, nullptr).ok());
 
   std::atomic<bool> cancel{true};
   ExecContext cancelled;

@@ -382,11 +382,21 @@ TEST(CpuBackend, ExactIsShiftInvariantFarFromKeys) {
 TEST(CpuBackend, ExactFlopsAreTheDenseCount) {
   Case c = make("flops", Mode::kExact, 200, 300, 4, 2, 32, false);
   Problem pr = make_problem(options_of(c), 1);
-  ForwardStats stats;
-  ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), pr.params, ExecContext{}, &stats).ok());
-  EXPECT_EQ(stats.flops, 4.0 * 4 * 32 * 200 * 300);
-  EXPECT_GT(stats.workspace.host_bytes, 0);
-  EXPECT_EQ(stats.workspace.device_bytes, 0);
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  for (int threads : {1, 3}) {
+    PlanLimits limits;
+    limits.threads = threads;
+    StatusOr<Plan> plan = cpu->plan(pr.params, limits);
+    ASSERT_TRUE(plan.ok());
+    ForwardStats stats;
+    ASSERT_TRUE(testing::run_forward(*cpu, *plan, ExecContext{}, &stats).ok());
+    EXPECT_EQ(stats.flops, 4.0 * 4 * 32 * 200 * 300);
+    // What the forward carved is what the plan sized, and it holds each
+    // thread's 128 x 256 float32 logits tile at the least.
+    EXPECT_EQ(stats.workspace.host_bytes, plan->forward_workspace.host_bytes);
+    EXPECT_GE(stats.workspace.host_bytes, threads * 128 * 256 * 4);
+    EXPECT_EQ(stats.workspace.device_bytes, 0);
+  }
 }
 
 TEST(CpuBackend, PresetCancelReturnsCancelled) {

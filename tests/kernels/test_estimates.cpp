@@ -35,7 +35,15 @@ Plan plan_of(const AttentionParams& p) {
   plan.backend = "test";
   plan.threads = plan_threads(0);
   plan.draws = plan_draws(p);
+  plan.estimates_workspace.host_bytes = estimates_host_bytes(p, plan.threads);
   return plan;
+}
+
+// compute_estimates on plan_of(p), in a workspace of the size it plans.
+Status estimate(const AttentionParams& p, const ExecContext& ctx, AttentionResult* result) {
+  const Plan plan = plan_of(p);
+  ASSIGN_OR_RETURN(const HostWorkspace workspace, HostWorkspace::allocate(plan.estimates_workspace.host_bytes));
+  return compute_estimates(plan, workspace.ref(), ctx, result);
 }
 
 // One probe row on its own.
@@ -204,7 +212,7 @@ TEST(Estimates, LshMaskMaxErrorMatchesDense) {
       const auto pr = make_problem(o);
       const AttentionParams& p = pr->params;
       AttentionResult result;
-      ASSERT_TRUE(compute_estimates(plan_of(p), ExecContext{}, &result).ok());
+      ASSERT_TRUE(estimate(p, ExecContext{}, &result).ok());
       ASSERT_EQ(result.heads.size(), kSlopes.size());
       double overall = 0;
       for (int64_t h = 0; h < p.heads; ++h) {
@@ -230,7 +238,7 @@ TEST(Estimates, FixedBlocksMaskErrorsAreTheirBias) {
     const auto pr = make_problem(shape_options(shape, Mode::kFixedBlocks));
     const AttentionParams& p = pr->params;
     AttentionResult result;
-    ASSERT_TRUE(compute_estimates(plan_of(p), ExecContext{}, &result).ok());
+    ASSERT_TRUE(estimate(p, ExecContext{}, &result).ok());
     ASSERT_EQ(result.heads.size(), kSlopes.size());
     for (int64_t h = 0; h < p.heads; ++h) {
       const std::vector<std::vector<double>> e = dense_error(p, h);
@@ -248,7 +256,7 @@ TEST(Estimates, FixedBlocksMaskErrorsAreTheirBias) {
   o.mode = Mode::kFixedBlocks;
   const auto pr = make_problem(o);
   AttentionResult result;
-  ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
+  ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
   const double dense = dense_spectral_norm(dense_error(pr->params, 0));
   EXPECT_NEAR(result.heads[0].mask_spectral_err, dense, 0.05 * dense);
 }
@@ -262,7 +270,7 @@ TEST(Estimates, WindowMaskMaxErrorMatchesDense) {
       const auto pr = make_problem(o);
       const AttentionParams& p = pr->params;
       AttentionResult result;
-      ASSERT_TRUE(compute_estimates(plan_of(p), ExecContext{}, &result).ok());
+      ASSERT_TRUE(estimate(p, ExecContext{}, &result).ok());
       for (int64_t h = 0; h < p.heads; ++h) {
         const double dense = dense_max_abs(dense_error(p, h));
         EXPECT_NEAR(result.heads[h].mask_max_err, dense, 1e-12)
@@ -279,8 +287,8 @@ TEST(Estimates, RowSampleReportsItselfAndNeverExceedsTheExactMaximum) {
   o.mask_row_budget = 250;
   const auto sampled = make_problem(o);
   AttentionResult exact_result, sampled_result;
-  ASSERT_TRUE(compute_estimates(plan_of(full->params), ExecContext{}, &exact_result).ok());
-  ASSERT_TRUE(compute_estimates(plan_of(sampled->params), ExecContext{}, &sampled_result).ok());
+  ASSERT_TRUE(estimate(full->params, ExecContext{}, &exact_result).ok());
+  ASSERT_TRUE(estimate(sampled->params, ExecContext{}, &sampled_result).ok());
   for (size_t h = 0; h < 2; ++h) {
     const HeadEstimate& e = exact_result.heads[h];
     const HeadEstimate& s = sampled_result.heads[h];
@@ -401,7 +409,7 @@ TEST(Estimates, SpectralErrorWithinFivePercentOfDenseEigenSolve) {
     o.window_eps = 0.05;
     const auto pr = make_problem(o);
     AttentionResult result;
-    ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
+    ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
     const double dense = dense_spectral_norm(dense_error(pr->params, 0));
     const HeadEstimate& he = result.heads[0];
     ASSERT_GT(dense, 0);
@@ -426,7 +434,7 @@ TEST(Estimates, SpectralErrorIsZeroWhereTheMaskIsExact) {
   const auto window = make_problem(o);
   for (const auto* pr : {lsh.get(), window.get()}) {
     AttentionResult result;
-    ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
+    ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
     EXPECT_EQ(result.heads[0].mask_spectral_err, 0.0);
     EXPECT_EQ(result.heads[0].mask_max_err, 0.0);
   }
@@ -449,7 +457,7 @@ TEST(Estimates, ProbeErrorWithinFactorOneAndAHalfOfFullError) {
   const double full = testing::compare(pr->out.data(), DType::kF32, exact.out).rel_l2;
 
   AttentionResult result;
-  ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
+  ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
   const ProbeEstimate& probe = result.heads[0].probe;
   EXPECT_EQ(probe.rows, 64);
   EXPECT_GT(probe.rel_err, full / 1.5);
@@ -481,7 +489,7 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
       const testing::ErrorStats full = testing::compare(pr->out.data(), types.out, exact.out);
 
       AttentionResult result;
-      ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
+      ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
       EXPECT_EQ(result.probe.rows, 4 * 80);
       EXPECT_NEAR(result.probe.rel_err, full.rel_l2, 1e-9 * full.rel_l2) << mode_name(mode) << " " << dtype_name(types.out);
       EXPECT_EQ(result.probe.rel_err_stderr, 0.0);
@@ -607,7 +615,7 @@ TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   o.return_draws = true;
   const auto pr = make_problem(o);
   AttentionResult result;
-  ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
+  ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
   for (int64_t h = 0; h < 3; ++h) {
     const std::vector<Draw> want = draw_hashes(99, h, pr->params.sigma(h), 7);
     const HeadEstimate& he = result.heads[h];
@@ -623,7 +631,7 @@ TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   EXPECT_TRUE(std::isinf(result.heads[2].sigma));
   o.return_draws = false;
   const auto without = make_problem(o);
-  ASSERT_TRUE(compute_estimates(plan_of(without->params), ExecContext{}, &result).ok());
+  ASSERT_TRUE(estimate(without->params, ExecContext{}, &result).ok());
   for (const HeadEstimate& he : result.heads) EXPECT_TRUE(he.draws.empty());
 }
 
@@ -666,8 +674,8 @@ TEST(Estimates, DeviceMemoryGetsMaskEstimatesButNoProbe) {
   device.q = device.k = device.v = nullptr;  // must not be read
   device.out = nullptr;
   AttentionResult on_host, on_device;
-  ASSERT_TRUE(compute_estimates(plan_of(host->params), ExecContext{}, &on_host).ok());
-  ASSERT_TRUE(compute_estimates(plan_of(device), ExecContext{}, &on_device).ok());
+  ASSERT_TRUE(estimate(host->params, ExecContext{}, &on_host).ok());
+  ASSERT_TRUE(estimate(device, ExecContext{}, &on_device).ok());
   EXPECT_EQ(on_host.probe.rows, 32);
   EXPECT_EQ(on_device.probe.rows, 0);
   for (size_t h = 0; h < 2; ++h) {
@@ -683,7 +691,7 @@ TEST(Estimates, WithoutEstimatesOnlyTheHeadsAreDescribed) {
   o.probe_rows = 16;
   const auto pr = make_problem(o);
   AttentionResult result;
-  ASSERT_TRUE(compute_estimates(plan_of(pr->params), ExecContext{}, &result).ok());
+  ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
   ASSERT_EQ(result.heads.size(), 1u);
   EXPECT_EQ(result.heads[0].sigma, 4.0);
   EXPECT_GT(result.heads[0].max_block, 0);
@@ -700,10 +708,10 @@ TEST(Estimates, StopsOnCancelAndDeadline) {
   ExecContext cancelled_ctx;
   cancelled_ctx.cancel = &cancel;
   AttentionResult result;
-  EXPECT_EQ(compute_estimates(plan_of(pr->params), cancelled_ctx, &result).code(), StatusCode::kCancelled);
+  EXPECT_EQ(estimate(pr->params, cancelled_ctx, &result).code(), StatusCode::kCancelled);
   ExecContext late;
   late.deadline = std::chrono::steady_clock::now() - std::chrono::seconds(1);
-  EXPECT_EQ(compute_estimates(plan_of(pr->params), late, &result).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(estimate(pr->params, late, &result).code(), StatusCode::kDeadlineExceeded);
 }
 
 // A deadline that passes while the estimates run (here well over 20 ms of
@@ -716,7 +724,7 @@ TEST(Estimates, StopsWhenTheDeadlinePassesMidway) {
   ExecContext ctx;
   ctx.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
   AttentionResult result;
-  EXPECT_EQ(compute_estimates(plan_of(pr->params), ctx, &result).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(estimate(pr->params, ctx, &result).code(), StatusCode::kDeadlineExceeded);
 }
 
 }  // namespace

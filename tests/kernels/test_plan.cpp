@@ -8,6 +8,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "plsh/attention.h"
+#include "plsh/estimates.h"
 #include "plsh/plan.h"
 #include "reference.h"
 
@@ -63,10 +64,10 @@ TEST(Plan, ForwardRefusesUnboundTensorsAndAnotherBackendsPlan) {
   ASSERT_TRUE(resolved.ok());
   StatusOr<Plan> plan = cpu->plan(*resolved, PlanLimits{});
   ASSERT_TRUE(plan.ok());
-  EXPECT_EQ(cpu->forward(*plan, ExecContext{}, nullptr).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(testing::run_forward(*cpu, *plan, ExecContext{}, nullptr).code(), StatusCode::kFailedPrecondition);
   Plan foreign = *plan;
   foreign.backend = "cuda";
-  const Status s = cpu->forward(foreign, ExecContext{}, nullptr);
+  const Status s = testing::run_forward(*cpu, foreign, ExecContext{}, nullptr);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("cuda"), std::string::npos) << s.message();
 }
@@ -105,26 +106,57 @@ TEST(Plan, ForwardAndEstimatesReadThePlanDraws) {
   EXPECT_TRUE(head3_differs);
 }
 
+// Each step runs in exactly the bytes its figure names and is refused one
+// byte short: the figures are what the steps use, not tokens. More threads
+// need more (per-thread tiles), and a plan for four threads does not run in
+// one thread's bytes.
 TEST(Plan, WorkspaceIsSplitByMemorySpace) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   AttentionOptions o = lsh_options();
-  StatusOr<AttentionParams> p = resolve_params(o);
-  ASSERT_TRUE(p.ok());
   PlanLimits one, four;
   one.threads = 1;
   four.threads = 4;
+  Tensors t = tensors_for(o);
+  StatusOr<AttentionParams> p = make_params(o, t.refs());
+  ASSERT_TRUE(p.ok());
   StatusOr<Plan> p1 = plan_attention(*cpu, *p, one), p4 = plan_attention(*cpu, *p, four);
   ASSERT_TRUE(p1.ok() && p4.ok());
   EXPECT_EQ(p1->threads, 1);
   EXPECT_EQ(p4->threads, 4);
   EXPECT_EQ(p1->workspace().device_bytes, 0);
-  EXPECT_GT(p1->forward_workspace.host_bytes, 0);
-  EXPECT_GT(p1->estimates_workspace.host_bytes, 0);
-  // Per-thread buffers: more threads, more bytes.
-  EXPECT_GT(p4->forward_workspace.host_bytes, p1->forward_workspace.host_bytes);
-  EXPECT_GT(p4->estimates_workspace.host_bytes, p1->estimates_workspace.host_bytes);
   EXPECT_EQ(p1->workspace().host_bytes,
             std::max(p1->forward_workspace.host_bytes, p1->estimates_workspace.host_bytes));
+  // The plan holds its draws; no workspace counts them again.
+  EXPECT_EQ(p1->own_host_bytes, draw_bytes(*p));
+  EXPECT_EQ(draw_bytes(*p), o.heads * (static_cast<int64_t>(sizeof(std::vector<Draw>)) + o.samples * 16));
+
+  for (const Plan* plan : {&*p1, &*p4}) {
+    SCOPED_TRACE(plan->threads);
+    const int64_t forward = plan->forward_workspace.host_bytes, estimates = plan->estimates_workspace.host_bytes;
+    StatusOr<HostWorkspace> w = HostWorkspace::allocate(std::max(forward, estimates));
+    ASSERT_TRUE(w.ok());
+    const WorkspaceRef exact_forward{w->ref().host, forward, nullptr, 0};
+    const WorkspaceRef exact_estimates{w->ref().host, estimates, nullptr, 0};
+    const WorkspaceRef short_forward{w->ref().host, forward - 1, nullptr, 0};
+    const WorkspaceRef short_estimates{w->ref().host, estimates - 1, nullptr, 0};
+    EXPECT_EQ(cpu->forward(*plan, short_forward, ExecContext{}, nullptr).code(), StatusCode::kInvalidArgument);
+    ASSERT_TRUE(cpu->forward(*plan, exact_forward, ExecContext{}, nullptr).ok());
+    AttentionResult result;
+    EXPECT_EQ(compute_estimates(*plan, short_estimates, ExecContext{}, &result).code(), StatusCode::kInvalidArgument);
+    const Status s = compute_estimates(*plan, exact_estimates, ExecContext{}, &result);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(result.probe.rows, o.heads * o.probe_rows);
+    // run_attention needs the larger of the two.
+    const WorkspaceRef short_whole{w->ref().host, std::max(forward, estimates) - 1, nullptr, 0};
+    EXPECT_EQ(run_attention(*cpu, *plan, short_whole, ExecContext{}).status().code(), StatusCode::kInvalidArgument);
+  }
+  const WorkspaceRef one_threads_bytes{nullptr, p1->forward_workspace.host_bytes, nullptr, 0};
+  EXPECT_GT(p4->forward_workspace.host_bytes, p1->forward_workspace.host_bytes);
+  EXPECT_GT(p4->estimates_workspace.host_bytes, p1->estimates_workspace.host_bytes);
+  StatusOr<HostWorkspace> small = HostWorkspace::allocate(one_threads_bytes.host_bytes);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(cpu->forward(*p4, small->ref(), ExecContext{}, nullptr).code(), StatusCode::kInvalidArgument);
+
   // Exact has no estimates and no draws.
   o.mode = Mode::kExact;
   StatusOr<AttentionParams> pe = resolve_params(o);
@@ -132,7 +164,31 @@ TEST(Plan, WorkspaceIsSplitByMemorySpace) {
   StatusOr<Plan> exact = plan_attention(*cpu, *pe, one);
   ASSERT_TRUE(exact.ok());
   EXPECT_TRUE(exact->draws.empty());
+  EXPECT_EQ(exact->own_host_bytes, 0);
   EXPECT_EQ(exact->estimates_workspace.host_bytes, 0);
+}
+
+// What a server holds while it plans covers what the plan then holds.
+TEST(Plan, PlanningBytesCoverThePlan) {
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  for (int64_t samples : {1, 16, 256}) {
+    AttentionOptions o = lsh_options();
+    o.samples = samples;
+    StatusOr<AttentionParams> p = resolve_params(o);
+    ASSERT_TRUE(p.ok());
+    StatusOr<Plan> plan = plan_attention(*cpu, *p);
+    ASSERT_TRUE(plan.ok());
+    EXPECT_GE(planning_host_bytes(*cpu, *p), plan->own_host_bytes);
+    EXPECT_GE(plan->own_host_bytes, o.heads * samples * 16);
+    o.target_rel_err = 0.05;
+    o.probe_rows = kMinTargetProbeRows;
+    StatusOr<AttentionParams> targeted = resolve_params(o);
+    ASSERT_TRUE(targeted.ok()) << targeted.status().to_string();
+    StatusOr<Plan> tp = plan_attention(*cpu, *targeted);
+    ASSERT_TRUE(tp.ok());
+    EXPECT_GE(planning_host_bytes(*cpu, *targeted), tp->own_host_bytes);
+    EXPECT_GT(tp->own_host_bytes, plan->own_host_bytes);  // every attempt's draws
+  }
 }
 
 }  // namespace

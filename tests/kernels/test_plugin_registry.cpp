@@ -56,6 +56,15 @@ TEST(PluginBoundary, AnotherApiVersionIsANoteAndTheCpuServes) {
   EXPECT_EQ(d.notes.find("refuses by design"), std::string::npos) << d.notes;
 }
 
+// The same version from another build (another layout of the types that
+// cross): refused before create() too.
+TEST(PluginBoundary, AnotherAbiFingerprintIsANoteAndTheCpuServes) {
+  const Discovery d = discover_with(PLSH_FAKE_PLUGIN_SKEWED);
+  EXPECT_EQ(d.backends, "cpu,");
+  EXPECT_NE(d.notes.find("another C++ layout of the backend types"), std::string::npos) << d.notes;
+  EXPECT_EQ(d.notes.find("refuses by design"), std::string::npos) << d.notes;
+}
+
 TEST(PluginBoundary, ALibraryWithoutTheEntryIsANote) {
   const Discovery d = discover_with(PLSH_FAKE_PLUGIN_OLD);
   EXPECT_EQ(d.backends, "cpu,");

@@ -127,6 +127,12 @@ def test_info(server):
     # headroom that only the server knows.
     assert 0 < info.limits.max_chunk_payload_bytes < info.limits.max_message_bytes
     assert info.defaults.out_chunk_bytes == info.limits.max_chunk_payload_bytes
+    # The backend-dependent constants the clients read instead of copying:
+    # the CPU backend's row tile, the backend names, the library's defaults.
+    assert info.shard_row_align == 128
+    assert list(info.backend_names) == ["auto", "cpu", "cuda"]
+    assert (info.defaults.sampling, info.defaults.lsh_algorithm, info.defaults.target_mode) == (0, 0, 3)
+    assert (info.limits.max_heads, info.limits.max_head_dim) == (1 << 20, 1024)
 
 
 def test_options_left_out_take_the_servers_defaults(server):

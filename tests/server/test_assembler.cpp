@@ -33,21 +33,19 @@ uint8_t pattern(v1::Tensor tensor, int64_t row, int64_t byte, int salt = 0) {
 class AssemblerTest : public ::testing::Test {
  protected:
   void make(int64_t q_rows, int64_t kv_rows) {
-    plan_.q_rows = q_rows;
-    plan_.kv_rows = kv_rows;
-    plan_.q_row_bytes = 12;   // e.g. H = 3, D = 1, f32
-    plan_.kv_row_bytes = 8;   // Hkv = 1, D = 2, f32
-    plan_.out_row_bytes = 12;
-    plan_.options.heads = 3;
-    buffers_ = RequestBuffers::allocate(plan_);
-    assembler_.emplace(plan_, &buffers_);
+    q_ = {q_rows, 12};   // e.g. H = 3, D = 1, f32
+    kv_ = {kv_rows, 8};  // Hkv = 1, D = 2, f32
+    memory_ = RequestMemory::allocate({.q = q_.bytes(), .k = kv_.bytes(), .v = kv_.bytes()}, nullptr);
+    assembler_.emplace(std::initializer_list<AssemblyTarget>{{v1::TENSOR_Q, "q", memory_.q, q_, "batch * q_len"},
+                                                             {v1::TENSOR_K, "k", memory_.k, kv_, "batch * kv_len"},
+                                                             {v1::TENSOR_V, "v", memory_.v, kv_, "batch * kv_len"}});
   }
   void SetUp() override { make(10, 7); }
 
-  int64_t row_bytes(v1::Tensor t) const { return t == v1::TENSOR_Q ? plan_.q_row_bytes : plan_.kv_row_bytes; }
-  int64_t rows(v1::Tensor t) const { return t == v1::TENSOR_Q ? plan_.q_rows : plan_.kv_rows; }
+  int64_t row_bytes(v1::Tensor t) const { return t == v1::TENSOR_Q ? q_.row_bytes : kv_.row_bytes; }
+  int64_t rows(v1::Tensor t) const { return t == v1::TENSOR_Q ? q_.rows : kv_.rows; }
   const uint8_t* buffer(v1::Tensor t) const {
-    return t == v1::TENSOR_Q ? buffers_.q.get() : t == v1::TENSOR_K ? buffers_.k.get() : buffers_.v.get();
+    return t == v1::TENSOR_Q ? memory_.q : t == v1::TENSOR_K ? memory_.k : memory_.v;
   }
 
   // A chunk of rows [start, start + count) carrying exactly their bytes.
@@ -77,8 +75,8 @@ class AssemblerTest : public ::testing::Test {
     return ::testing::AssertionSuccess();
   }
 
-  RequestPlan plan_;
-  RequestBuffers buffers_;
+  TensorShape q_, kv_;
+  RequestMemory memory_;
   std::optional<Assembler> assembler_;
 };
 

@@ -1,8 +1,13 @@
 // server/buffer_pool.h: request blocks reused across requests, within the
-// memory budget.
+// memory budget; their pages resident only once data arrives, and given
+// back above the high-water mark.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
+#include <vector>
 
 #include "server/buffer_pool.h"
 
@@ -11,8 +16,19 @@ namespace {
 
 constexpr int64_t MiB = int64_t{1} << 20;
 
+// Resident pages of [p, p + bytes) by mincore; -1 when the range is not
+// mapped (ENOMEM).
+int64_t resident_pages(const void* p, int64_t bytes) {
+  const long page = sysconf(_SC_PAGESIZE);
+  std::vector<unsigned char> in(static_cast<size_t>((bytes + page - 1) / page));
+  if (mincore(const_cast<void*>(p), static_cast<size_t>(bytes), in.data()) != 0) return errno == ENOMEM ? -1 : -2;
+  int64_t n = 0;
+  for (unsigned char c : in) n += c & 1;
+  return n;
+}
+
 TEST(BufferPool, SmallBuffersAreNotPooled) {
-  BufferPool pool(64 * MiB);
+  BufferPool pool(64 * MiB, 64 * MiB);
   {
     std::shared_ptr<uint8_t> b = pool.acquire(100);
     std::memset(b.get(), 1, 100);
@@ -23,7 +39,7 @@ TEST(BufferPool, SmallBuffersAreNotPooled) {
 }
 
 TEST(BufferPool, ABlockGivenBackServesTheNextRequestOfItsSize) {
-  BufferPool pool(64 * MiB);
+  BufferPool pool(64 * MiB, 64 * MiB);
   uint8_t* first = nullptr;
   {
     std::shared_ptr<uint8_t> b = pool.acquire(3 * MiB);
@@ -44,7 +60,7 @@ TEST(BufferPool, ABlockGivenBackServesTheNextRequestOfItsSize) {
 }
 
 TEST(BufferPool, IdleBlocksMakeRoomWithinTheLimit) {
-  BufferPool pool(10 * MiB);
+  BufferPool pool(10 * MiB, 10 * MiB);
   { std::shared_ptr<uint8_t> b = pool.acquire(8 * MiB); }
   EXPECT_EQ(pool.stats().idle_bytes, 8 * MiB);
   // 2 MiB is far smaller than the idle 8 MiB block: not handed out; 8 + 2
@@ -69,11 +85,55 @@ TEST(BufferPool, IdleBlocksMakeRoomWithinTheLimit) {
 TEST(BufferPool, ABlockMayOutliveThePool) {
   std::shared_ptr<uint8_t> kept;
   {
-    BufferPool pool(64 * MiB);
+    BufferPool pool(64 * MiB, 64 * MiB);
     kept = pool.acquire(2 * MiB);
   }
-  std::memset(kept.get(), 1, 2 * MiB);
-  kept.reset();  // given back to the pool's state, which it held alive
+  std::memset(kept.get(), 1, 2 * MiB);  // still mapped and writable
+  const uint8_t* block = kept.get();
+  EXPECT_EQ(resident_pages(block, 2 * MiB), 2 * MiB / sysconf(_SC_PAGESIZE));
+  // Given back to the pool's state, which it held alive; the state goes
+  // with it and unmaps the block (kept idle, nothing else holds it).
+  kept.reset();
+  EXPECT_EQ(resident_pages(block, 2 * MiB), -1);
+}
+
+// D2 of issue 24: a header's reservation costs no resident memory; the
+// pages come as chunks are faulted in.
+TEST(BufferPool, ABlockIsResidentOnlyWhereDataArrived) {
+  BufferPool pool(64 * MiB, 64 * MiB);
+  std::shared_ptr<uint8_t> b = pool.acquire(32 * MiB);
+  EXPECT_EQ(resident_pages(b.get(), 32 * MiB), 0);
+  const long page = sysconf(_SC_PAGESIZE);
+  BufferPool::fault_in(b.get() + 4 * MiB + 100, MiB);  // spans 257 pages from an unaligned start
+  EXPECT_EQ(resident_pages(b.get(), 32 * MiB), MiB / page + 1);
+  EXPECT_EQ(resident_pages(b.get() + 4 * MiB, MiB + page), MiB / page + 1);
+}
+
+// Idle blocks keep at most the high-water mark resident; the rest give
+// their pages back (and stay mapped for reuse).
+TEST(BufferPool, IdleBlocksAboveTheMarkGiveTheirPagesBack) {
+  BufferPool pool(64 * MiB, 8 * MiB);
+  std::shared_ptr<uint8_t> a = pool.acquire(6 * MiB);
+  std::shared_ptr<uint8_t> b = pool.acquire(6 * MiB);
+  std::memset(a.get(), 1, 6 * MiB);
+  std::memset(b.get(), 2, 6 * MiB);
+  const uint8_t* a_block = a.get();
+  const uint8_t* b_block = b.get();
+  a.reset();  // 6 of 8 MiB: kept resident
+  b.reset();  // 12 > 8: its pages go back
+  const BufferPool::Stats s = pool.stats();
+  EXPECT_EQ(s.idle_bytes, 12 * MiB);
+  EXPECT_EQ(s.idle_resident_bytes, 6 * MiB);
+  EXPECT_EQ(s.released, 1);
+  EXPECT_EQ(resident_pages(a_block, 6 * MiB), 6 * MiB / sysconf(_SC_PAGESIZE));
+  EXPECT_EQ(resident_pages(b_block, 6 * MiB), 0);
+  // Reused, a released block reads as zeros (fresh pages), not as stale data.
+  std::shared_ptr<uint8_t> again = pool.acquire(6 * MiB);
+  std::shared_ptr<uint8_t> again2 = pool.acquire(6 * MiB);
+  const uint8_t* released = again.get() == b_block ? again.get() : again2.get();
+  EXPECT_EQ(released, b_block);
+  EXPECT_EQ(released[12345], 0);
+  EXPECT_EQ(pool.stats().idle_resident_bytes, 0);
 }
 
 }  // namespace

@@ -29,24 +29,24 @@ class TestCall : public CallBase {
   TestCall(ServiceContext& s, grpc::CallbackServerContext* ctx) : CallBase(s, ctx, "Test") {}
   using CallBase::close;
   using CallBase::compute;
+  using CallBase::admit_header;
   using CallBase::open;
-  using CallBase::plan;
-  using CallBase::reserve_and_allocate;
   void cancel() { cancel_ = true; }
   // Never watched here (open(false)): nothing calls it.
   void expire(const grpc::Status&, const char*) override {}
-  const RequestPlan& request_plan() const { return *plan_; }
+  const Request& request() const { return *request_; }
   // Zero inputs: finite, so check_finite passes.
   void zero_inputs() {
-    std::memset(buffers_.q.get(), 0, static_cast<size_t>(plan_->q_bytes()));
-    std::memset(buffers_.k.get(), 0, static_cast<size_t>(plan_->kv_bytes()));
-    std::memset(buffers_.v.get(), 0, static_cast<size_t>(plan_->kv_bytes()));
+    std::memset(memory_.q, 0, static_cast<size_t>(request_->shape.q.bytes()));
+    std::memset(memory_.k, 0, static_cast<size_t>(request_->shape.k.bytes()));
+    std::memset(memory_.v, 0, static_cast<size_t>(request_->shape.v.bytes()));
   }
 };
 
 class CallCancelTest : public ::testing::Test {
  protected:
-  CallCancelTest() : scheduler_(1, 4, {int64_t{1} << 30, 0}, nullptr) {
+  CallCancelTest()
+      : budget_({int64_t{1} << 30, 0}), admission_({64}, &budget_, nullptr, nullptr, nullptr), scheduler_(1, 4, nullptr) {
     // No request log lines in the test output. Once per process: a second
     // init_logging throws (spdlog: logger 'plsh' already exists).
     static const Status logging = init_logging("warn", "text");
@@ -54,6 +54,7 @@ class CallCancelTest : public ::testing::Test {
     s_.config = &config_;
     s_.metrics = &metrics_;
     s_.scheduler = &scheduler_;
+    s_.admission = &admission_;
     s_.limits = testing::roomy_limits();
   }
   void TearDown() override { release_.open(); }
@@ -63,10 +64,9 @@ class CallCancelTest : public ::testing::Test {
   // Admits a call up to the point where it would be queued.
   void admit(TestCall& call) {
     ASSERT_TRUE(is_ok(call.open(/*watched=*/false)));
-    ASSERT_TRUE(is_ok(call.plan(header())));
-    ASSERT_TRUE(is_ok(call.reserve_and_allocate()));
-    const MemoryCharge reserved = scheduler_.reserved();
-    EXPECT_EQ(reserved.host_bytes, call.request_plan().charge.host_bytes);
+    ASSERT_TRUE(is_ok(call.admit_header(header())));
+    const MemoryCharge reserved = budget_.reserved();
+    EXPECT_EQ(reserved.host_bytes, call.request().host_charge());
     EXPECT_GT(reserved.host_bytes, 0);
     call.zero_inputs();
   }
@@ -98,6 +98,8 @@ class CallCancelTest : public ::testing::Test {
 
   ServerConfig config_;
   Metrics metrics_;
+  MemoryBudget budget_;
+  Admission admission_;
   Scheduler scheduler_;
   ServiceContext s_;
   Gate release_;
@@ -111,9 +113,9 @@ TEST_F(CallCancelTest, CancelledWhileQueuedIsNotComputedAndReleasesItsMemory) {
   EXPECT_TRUE(has_error(result.status(), StatusCode::kCancelled, {"while queued"}));
   const grpc::Status closed = call.close(grpc::Status(grpc::StatusCode::UNKNOWN, "from the reactor"));
   EXPECT_EQ(closed.error_code(), grpc::StatusCode::CANCELLED) << closed.error_message();
-  EXPECT_EQ(scheduler_.reserved().host_bytes, 0);
-  EXPECT_EQ(scheduler_.reserved().device_bytes, 0);
-  EXPECT_EQ(s_.open_streams.load(), 0);
+  EXPECT_EQ(budget_.reserved().host_bytes, 0);
+  EXPECT_EQ(budget_.reserved().device_bytes, 0);
+  EXPECT_EQ(admission_.open_calls(), 0);
 }
 
 // The control: the same call, not cancelled, computes.
@@ -125,8 +127,8 @@ TEST_F(CallCancelTest, NotCancelledComputes) {
   EXPECT_TRUE(is_ok(result.status()));
   const grpc::Status closed = call.close(grpc::Status::OK);
   EXPECT_TRUE(closed.ok()) << closed.error_message();
-  EXPECT_EQ(scheduler_.reserved().host_bytes, 0);
-  EXPECT_EQ(s_.open_streams.load(), 0);
+  EXPECT_EQ(budget_.reserved().host_bytes, 0);
+  EXPECT_EQ(admission_.open_calls(), 0);
 }
 
 }  // namespace

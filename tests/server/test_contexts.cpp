@@ -1,7 +1,7 @@
 // The kept-context store (server/contexts.h) on its own: ids, ownership,
 // checkout, the budget's charge moving with a context, least-recently-used
 // eviction for room, --max-contexts, the TTL sweeper and a drain. No
-// network: contexts here carry a RequestPlan of one small request and
+// network: contexts here carry a Request of one small request and
 // nothing else (the store never reads their tensors).
 #include <gtest/gtest.h>
 
@@ -20,21 +20,20 @@ using testing::is_ok;
 
 struct Fixture {
   explicit Fixture(int64_t budget_host = 1000, ContextStoreOptions options = {})
-      : scheduler(1, 4, MemoryCharge{budget_host, 0}, [](int64_t) {}), store(options, &scheduler, nullptr) {}
-  ~Fixture() { scheduler.stop(); }
+      : budget(MemoryCharge{budget_host, 0}), store(options, &budget, nullptr) {}
 
   // A forward that keeps a context of `bytes`: reserved as the forward's
   // charge, then moved to the store as CallBase::close does.
   std::string keep(int64_t bytes, const std::string& owner = "") {
-    EXPECT_TRUE(is_ok(scheduler.reserve({bytes, 0})));
+    EXPECT_TRUE(is_ok(budget.reserve({bytes, 0})));
     StatusOr<std::string> id = store.reserve_id(owner);
     EXPECT_TRUE(id.ok()) << id.status().to_string();
-    store.put(*id, std::make_shared<KeptContext>(RequestPlan{}, RequestBuffers{}, MemoryCharge{bytes, 0}, &scheduler,
+    store.put(*id, std::make_shared<KeptContext>(Request{}, RequestMemory{}, MemoryCharge{bytes, 0}, &budget,
                                                  nullptr));
     return *id;
   }
 
-  Scheduler scheduler;
+  MemoryBudget budget;
   ContextStore store;
 };
 
@@ -50,7 +49,7 @@ TEST(ContextStore, ChargeMovesWithTheContextAndReturnsWhenConsumed) {
   const std::string id = f.keep(300);
   EXPECT_EQ(f.store.held(), 1);
   EXPECT_EQ(f.store.bytes(), 300);
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 300);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 300);
   StatusOr<std::shared_ptr<KeptContext>> out = f.store.check_out(id, "", "r1");
   ASSERT_TRUE(out.ok()) << out.status().to_string();
   EXPECT_TRUE(has_error(f.store.check_out(id, "", "r2").status(), StatusCode::kFailedPrecondition,
@@ -59,9 +58,9 @@ TEST(ContextStore, ChargeMovesWithTheContextAndReturnsWhenConsumed) {
   f.store.check_in(id, /*consume=*/true, "r1");
   EXPECT_EQ(f.store.held(), 0);
   // The backward still holds it: the charge goes with the last reference.
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 300);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 300);
   out = Status::Ok();
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
   EXPECT_TRUE(has_error(f.store.check_out(id, "", "r3").status(), StatusCode::kFailedPrecondition,
                         {"consumed", "by backward request r1"}));
 }
@@ -77,7 +76,7 @@ TEST(ContextStore, ACheckInWithoutConsumingKeepsIt) {
   StatusOr<int64_t> released = f.store.release(id, "");
   ASSERT_TRUE(released.ok());
   EXPECT_EQ(*released, 100);
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
   EXPECT_TRUE(has_error(f.store.release(id, "").status(), StatusCode::kNotFound, {"released"}));
 }
 
@@ -92,8 +91,32 @@ TEST(ContextStore, ContextsBelongToTheirOwner) {
   // Gone: its owner is told why, others only that it is not theirs.
   EXPECT_TRUE(has_error(f.store.check_out(id, "alice", "r2").status(), StatusCode::kFailedPrecondition, {"released"}));
   EXPECT_TRUE(has_error(f.store.check_out(id, "bob", "r2").status(), StatusCode::kNotFound, {"no such context"}));
-  EXPECT_TRUE(has_error(f.store.check_out("ctx-unknown", "alice", "r3").status(), StatusCode::kFailedPrecondition,
-                        {"never existed"}));
+  EXPECT_TRUE(has_error(f.store.check_out("ctx-unknown", "alice", "r3").status(), StatusCode::kNotFound,
+                        {"no such context for this client"}));
+}
+
+// D4 of issue 24: an id that is not the caller's says nothing more, whether
+// it never existed or is another client's, live or gone, through check_out
+// (AttendBackward) and release (ReleaseContext) alike.
+TEST(ContextStore, AnotherClientsContextLooksLikeOneThatNeverExisted) {
+  Fixture f;
+  const std::string live = f.keep(100, "alice");
+  const std::string gone = f.keep(100, "alice");
+  ASSERT_TRUE(f.store.release(gone, "alice").ok());
+  const std::string unknown = "ctx-" + std::string(32, '0');
+  auto seen = [](const Status& s, const std::string& id) {
+    std::string text = s.message();
+    for (size_t at = text.find(id); at != std::string::npos; at = text.find(id)) text.replace(at, id.size(), "ID");
+    return std::to_string(static_cast<int>(s.code())) + " " + text;
+  };
+  const std::string expected = seen(f.store.check_out(unknown, "bob", "r1").status(), unknown);
+  EXPECT_NE(expected.find("no such context for this client"), std::string::npos) << expected;
+  EXPECT_EQ(seen(f.store.check_out(live, "bob", "r1").status(), live), expected);
+  EXPECT_EQ(seen(f.store.check_out(gone, "bob", "r1").status(), gone), expected);
+  const std::string released = seen(f.store.release(unknown, "bob").status(), unknown);
+  EXPECT_EQ(seen(f.store.release(live, "bob").status(), live), released);
+  EXPECT_EQ(seen(f.store.release(gone, "bob").status(), gone), released);
+  EXPECT_EQ(released, expected);
 }
 
 TEST(ContextStore, APendingIdIsNotUsableAndAnAbandonedOneIsRemembered) {
@@ -123,12 +146,12 @@ TEST(ContextStore, RoomIsMadeLeastRecentlyUsedFirstAndOnlyWhenItHelps) {
   EXPECT_EQ(f.store.held(), 2);
   // A checked-out context is never evicted.
   ASSERT_TRUE(f.store.check_out(c, "", "r3").ok());
-  f.scheduler.release({350, 0});
+  f.budget.release({350, 0});
   EXPECT_TRUE(is_ok(f.store.reserve({650, 0})));  // evicts a, not c
   EXPECT_TRUE(has_error(f.store.check_out(a, "", "r4").status(), StatusCode::kFailedPrecondition, {"evicted"}));
   f.store.check_in(c, true, "r3");
-  f.scheduler.release({650, 0});
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  f.budget.release({650, 0});
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
 }
 
 TEST(ContextStore, OverMaxContextsTheLeastRecentlyUsedGoes) {
@@ -150,12 +173,12 @@ TEST(ContextStore, TheSweeperExpiresIdleContexts) {
   const std::string a = f.keep(100), b = f.keep(100);
   ASSERT_TRUE(f.store.check_out(b, "", "r1").ok());  // checked out: never expires meanwhile
   EXPECT_TRUE(eventually([&] { return f.store.held() == 1; }));
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 100);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 100);
   EXPECT_TRUE(has_error(f.store.check_out(a, "", "r2").status(), StatusCode::kFailedPrecondition,
                         {"expired", "--context-ttl = 0.1 s"}));
   f.store.check_in(b, false, "r1");  // back in: its TTL restarts
   EXPECT_TRUE(eventually([&] { return f.store.held() == 0; }));
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
 }
 
 TEST(ContextStore, ADrainDropsIdleContextsNowAndCheckedOutOnesAtCheckIn) {
@@ -171,11 +194,11 @@ TEST(ContextStore, ADrainDropsIdleContextsNowAndCheckedOutOnesAtCheckIn) {
   f.store.check_in(b, /*consume=*/false, "r1");
   EXPECT_EQ(f.store.held(), 0);
   // The forward that was still running: its context is dropped on arrival.
-  ASSERT_TRUE(is_ok(f.scheduler.reserve({50, 0})));
-  f.store.put(*pending, std::make_shared<KeptContext>(RequestPlan{}, RequestBuffers{}, MemoryCharge{50, 0},
-                                                      &f.scheduler, nullptr));
+  ASSERT_TRUE(is_ok(f.budget.reserve({50, 0})));
+  f.store.put(*pending, std::make_shared<KeptContext>(Request{}, RequestMemory{}, MemoryCharge{50, 0},
+                                                      &f.budget, nullptr));
   EXPECT_EQ(f.store.held(), 0);
-  EXPECT_EQ(f.scheduler.reserved().host_bytes, 0);
+  EXPECT_EQ(f.budget.reserved().host_bytes, 0);
 }
 
 }  // namespace

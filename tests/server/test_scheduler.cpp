@@ -1,5 +1,5 @@
-// server/scheduler.h: the memory budgets by memory space, the bounded queue
-// in front of the workers, FIFO order, stop, and the queue-depth callback.
+// server/scheduler.h: the bounded queue in front of the workers, FIFO order,
+// stop, and the queue-depth and busy-worker callbacks.
 // Workers are held on gates (condition variables with generous timeouts), so
 // every ordering a test relies on is forced, not hoped for.
 #include <gtest/gtest.h>
@@ -17,14 +17,6 @@
 
 namespace plsh::server {
 
-// Beside MemoryCharge (not in the unnamed namespace) so that gtest finds them.
-inline bool operator==(const MemoryCharge& a, const MemoryCharge& b) {
-  return a.host_bytes == b.host_bytes && a.device_bytes == b.device_bytes;
-}
-inline void PrintTo(const MemoryCharge& c, std::ostream* os) {
-  *os << "{host " << c.host_bytes << ", device " << c.device_bytes << "}";
-}
-
 namespace {
 
 using testing::Counter;
@@ -35,64 +27,6 @@ using testing::is_ok;
 using testing::OpenOnExit;
 
 constexpr StatusCode kExhausted = StatusCode::kResourceExhausted;
-
-// ---- Memory budgets ----------------------------------------------------------
-
-TEST(SchedulerMemory, HostBudget) {
-  Scheduler s(1, 4, {100, 50}, nullptr);
-  EXPECT_EQ(s.budget(), (MemoryCharge{100, 50}));
-  EXPECT_EQ(s.reserved(), (MemoryCharge{0, 0}));
-  ASSERT_TRUE(is_ok(s.reserve({60, 0})));
-  EXPECT_EQ(s.reserved(), (MemoryCharge{60, 0}));
-  EXPECT_TRUE(has_error(s.reserve({41, 0}), kExhausted,
-                        {"41 bytes of host memory", "40 of", "--memory-budget 100", "retry later"}));
-  EXPECT_EQ(s.reserved(), (MemoryCharge{60, 0}));
-  ASSERT_TRUE(is_ok(s.reserve({40, 0})));  // exactly the rest
-  EXPECT_EQ(s.reserved(), (MemoryCharge{100, 0}));
-  EXPECT_TRUE(has_error(s.reserve({1, 0}), kExhausted, {"--memory-budget"}));
-  s.release({60, 0});
-  EXPECT_EQ(s.reserved(), (MemoryCharge{40, 0}));
-  s.release({40, 0});
-  EXPECT_EQ(s.reserved(), (MemoryCharge{0, 0}));
-}
-
-TEST(SchedulerMemory, DeviceBudget) {
-  Scheduler s(1, 4, {100, 50}, nullptr);
-  ASSERT_TRUE(is_ok(s.reserve({0, 30})));
-  EXPECT_EQ(s.reserved(), (MemoryCharge{0, 30}));
-  const Status refused = s.reserve({0, 21});
-  EXPECT_TRUE(has_error(refused, kExhausted, {"21 bytes of device memory", "20 of", "--device-memory-budget 50"}));
-  EXPECT_EQ(refused.message().find("--memory-budget"), std::string::npos) << refused.message();
-  EXPECT_EQ(s.reserved(), (MemoryCharge{0, 30}));
-  ASSERT_TRUE(is_ok(s.reserve({0, 20})));
-  EXPECT_EQ(s.reserved(), (MemoryCharge{0, 50}));
-  s.release({0, 50});
-  EXPECT_EQ(s.reserved(), (MemoryCharge{0, 0}));
-}
-
-// A charge that fits one space and not the other reserves neither.
-TEST(SchedulerMemory, AllOrNothing) {
-  Scheduler s(1, 4, {100, 50}, nullptr);
-  ASSERT_TRUE(is_ok(s.reserve({10, 10})));
-  EXPECT_TRUE(has_error(s.reserve({20, 41}), kExhausted, {"--device-memory-budget"}));
-  EXPECT_EQ(s.reserved(), (MemoryCharge{10, 10}));
-  EXPECT_TRUE(has_error(s.reserve({91, 1}), kExhausted, {"--memory-budget"}));
-  EXPECT_EQ(s.reserved(), (MemoryCharge{10, 10}));
-  ASSERT_TRUE(is_ok(s.reserve({90, 40})));
-  EXPECT_EQ(s.reserved(), (MemoryCharge{100, 50}));
-  s.release({10, 10});
-  EXPECT_EQ(s.reserved(), (MemoryCharge{90, 40}));
-}
-
-// A zero device budget (a CPU-only server) still admits CPU requests.
-TEST(SchedulerMemory, ZeroDeviceBudgetAdmitsHostOnlyCharges) {
-  Scheduler s(1, 4, {100, 0}, nullptr);
-  ASSERT_TRUE(is_ok(s.reserve({100, 0})));
-  s.release({100, 0});
-  EXPECT_TRUE(has_error(s.reserve({1, 1}), kExhausted, {"--device-memory-budget 0"}));
-  EXPECT_EQ(s.reserved(), (MemoryCharge{0, 0}));
-}
-
 // ---- Queue and workers --------------------------------------------------------
 
 // Holds the workers: blocker() jobs report that they started and wait for
@@ -126,7 +60,7 @@ class SchedulerQueueTest : public ::testing::Test {
 };
 
 TEST_F(SchedulerQueueTest, QueueFullWhileWorkersAreBusy) {
-  Scheduler s(1, 2, {1, 0}, nullptr);
+  Scheduler s(1, 2, nullptr);
   const OpenOnExit unblock(release);
   ASSERT_TRUE(is_ok(s.submit(blocker())));
   ASSERT_TRUE(started.wait_for(1));
@@ -145,7 +79,7 @@ TEST_F(SchedulerQueueTest, QueueFullWhileWorkersAreBusy) {
 // kWaitLimit); a scheduler that counted that job against the queue would
 // refuse it forever.
 TEST_F(SchedulerQueueTest, IdleWorkerTakesJobWithoutQueueRoom) {
-  Scheduler s(1, 0, {1, 0}, nullptr);
+  Scheduler s(1, 0, nullptr);
   const OpenOnExit unblock(release);
   Status last;
   ASSERT_TRUE(eventually([&] {
@@ -160,7 +94,7 @@ TEST_F(SchedulerQueueTest, IdleWorkerTakesJobWithoutQueueRoom) {
 }
 
 TEST_F(SchedulerQueueTest, JobsRunInFifoOrder) {
-  Scheduler s(1, 20, {1, 0}, nullptr);
+  Scheduler s(1, 20, nullptr);
   const OpenOnExit unblock(release);
   ASSERT_TRUE(is_ok(s.submit(blocker())));
   ASSERT_TRUE(started.wait_for(1));
@@ -177,7 +111,7 @@ TEST_F(SchedulerQueueTest, JobsRunInFifoOrder) {
 // Two workers run two jobs at once: each job waits for the other to start.
 TEST_F(SchedulerQueueTest, WorkersRunJobsConcurrently) {
   Counter met;
-  Scheduler s(2, 0, {1, 0}, nullptr);
+  Scheduler s(2, 0, nullptr);
   const OpenOnExit unblock(release);
   auto meet = [&] {
     met.add();
@@ -197,7 +131,7 @@ TEST_F(SchedulerQueueTest, WorkersRunJobsConcurrently) {
 // worker is released only once stop() has closed the door (submit says
 // UNAVAILABLE), and every queued job has run when stop() returns.
 TEST_F(SchedulerQueueTest, StopRunsWhatIsQueuedThenJoins) {
-  Scheduler s(1, 3, {1, 0}, nullptr);
+  Scheduler s(1, 3, nullptr);
   const OpenOnExit unblock(release);
   ASSERT_TRUE(is_ok(s.submit(blocker())));
   ASSERT_TRUE(started.wait_for(1));
@@ -223,7 +157,7 @@ TEST_F(SchedulerQueueTest, StopRunsWhatIsQueuedThenJoins) {
 }
 
 TEST_F(SchedulerQueueTest, SubmitAfterStopIsUnavailable) {
-  Scheduler s(2, 4, {1, 0}, nullptr);
+  Scheduler s(2, 4, nullptr);
   const OpenOnExit unblock(release);
   s.stop();
   EXPECT_TRUE(has_error(s.submit(recorder(1)), StatusCode::kUnavailable, {"shutting down"}));
@@ -234,7 +168,7 @@ TEST_F(SchedulerQueueTest, SubmitAfterStopIsUnavailable) {
 TEST_F(SchedulerQueueTest, QueueChangeCallbackSeesTheDepth) {
   std::mutex depths_mutex;
   std::vector<int64_t> depths;
-  Scheduler s(1, 2, {1, 0}, [&](int64_t depth) {
+  Scheduler s(1, 2, [&](int64_t depth) {
     std::lock_guard<std::mutex> lock(depths_mutex);
     depths.push_back(depth);
   });
@@ -250,6 +184,29 @@ TEST_F(SchedulerQueueTest, QueueChangeCallbackSeesTheDepth) {
   EXPECT_EQ(depths, (std::vector<int64_t>{1, 0, 1, 2, 1, 0}));
 }
 
+// plsh_busy_workers: the workers running a job, as they take and finish them.
+TEST_F(SchedulerQueueTest, BusyCallbackSeesWorkersTakeAndFinishJobs) {
+  std::mutex busy_mutex;
+  std::vector<int64_t> busy;
+  Scheduler s(2, 2, nullptr);
+  s.set_busy_listener([&](int64_t n) {
+    std::lock_guard<std::mutex> lock(busy_mutex);
+    busy.push_back(n);
+  });
+  const OpenOnExit unblock(release);
+  ASSERT_TRUE(is_ok(s.submit(blocker())));
+  ASSERT_TRUE(is_ok(s.submit(blocker())));
+  ASSERT_TRUE(started.wait_for(2));  // both workers hold one: 1, 2
+  {
+    std::lock_guard<std::mutex> lock(busy_mutex);
+    EXPECT_EQ(busy, (std::vector<int64_t>{1, 2}));
+  }
+  release.open();
+  s.stop();
+  std::lock_guard<std::mutex> lock(busy_mutex);
+  EXPECT_EQ(busy, (std::vector<int64_t>{1, 2, 1, 0}));
+}
+
 // The scheduler's half of "cancel while queued" (CallBase::compute checks
 // the flag when a worker picks the job up): a job queued behind a busy
 // worker runs only after the worker is released, and sees a flag set while
@@ -259,7 +216,7 @@ TEST_F(SchedulerQueueTest, FlagSetWhileQueuedIsSeenWhenTheJobRuns) {
   std::atomic<bool> blocker_done{false};
   Counter queued_ran;
   bool saw_cancel = false, ran_after_blocker = false;
-  Scheduler s(1, 1, {1, 0}, nullptr);
+  Scheduler s(1, 1, nullptr);
   const OpenOnExit unblock(release);
   ASSERT_TRUE(is_ok(s.submit([&] {
     started.add();

@@ -4,19 +4,23 @@
 // registry and never includes a CUDA header.
 //
 // A request goes through a backend in three steps (CUTLASS's can_implement
-// -> get_workspace_size/initialize -> run):
+// -> get_workspace_size -> initialize(args, workspace) -> run):
 //   supports(params)        can this backend run it at all?
 //   plan(params, limits)    once per request, before the data: draws, the
-//                           algorithm, the workspace by memory space, the
-//                           backend's layout (plsh/plan.h)
-//   forward(plan, ctx)      the computation, reading only the plan
-//   backward(plan, grads)   SPEC section 8: dq, dk, dv of the forward this
+//                           algorithm, the workspace of each step by memory
+//                           space, the backend's layout (plsh/plan.h)
+//   forward(plan, workspace, ctx)
+//                           the computation, reading only the plan, working
+//                           only in the caller's workspace (plsh/workspace.h)
+//   backward(plan, grads, workspace, ctx)
+//                           SPEC section 8: dq, dk, dv of the forward this
 //                           plan computes (same draws, same window), for a
 //                           plan made with PlanLimits::backward
 // run_attention (plsh/attention.h) adds the estimates, which read the same
-// plan; the server plans at the header, charges plan.workspace() to its
-// host and device budgets, then binds the received tensors and runs.
-// run_backward is the backward's front door.
+// plan and work in the same workspace after the forward. A server plans at
+// the header, reserves plan.own_host_bytes and plan.workspace() against its
+// host and device budgets, then binds the received tensors and runs in the
+// workspace it reserved. run_backward is the backward's front door.
 #pragma once
 
 #include <atomic>
@@ -32,6 +36,7 @@
 #include "plsh/params.h"
 #include "plsh/plan.h"
 #include "plsh/status.h"
+#include "plsh/workspace.h"
 
 namespace plsh {
 
@@ -46,6 +51,8 @@ struct ExecContext {
   // CANCELLED or DEADLINE_EXCEEDED when the work should stop, else OK.
   // Backends call it between tiles.
   Status check_stop() const;
+  // The same as a flag, for loops that only need to know whether to go on.
+  bool should_stop() const { return !check_stop().ok(); }
 };
 
 // Memory of a backend's device, for the server's gauges.
@@ -59,13 +66,13 @@ struct DeviceMemory {
 struct ForwardStats {
   double flops = 0;                               // multiply-adds x2 actually done (QK^T and PV)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // the algorithm used for lsh
-  Workspace workspace;                            // extra memory actually used
+  Workspace workspace;                            // of the caller's workspace, the bytes actually carved
 };
 
 // What a backward pass did.
 struct BackwardStats {
   double flops = 0;     // multiply-adds x2 actually done (the five GEMMs: QK^T, dO V^T, P^T dO, dS^T Q, dS K)
-  Workspace workspace;  // extra memory actually used
+  Workspace workspace;  // of the caller's workspace, the bytes actually carved
 };
 
 class Backend {
@@ -79,9 +86,19 @@ class Backend {
   // algorithm and the workspace by memory space. Needs no tensor: p may be
   // resolve_params()'s, with the tensors bound later.
   virtual StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const = 0;
+  // Host bytes plan(p) allocates at most on the way (its draws and what the
+  // backend derives from them), before the plan's own figures exist: what a
+  // server holds against its budget while it plans. At least the plan's
+  // own_host_bytes. This default: the draws, and the permutation of pitch
+  // strata a sampler holds while it draws one head (plsh/draws.h).
+  virtual int64_t planning_host_bytes(const AttentionParams& p) const {
+    return draw_bytes(p) + (p.mode == Mode::kLsh ? p.samples * static_cast<int64_t>(sizeof(int64_t)) : 0);
+  }
   // Writes plan.params.out (and .lse when set). The plan must be this
-  // backend's and its tensors bound.
-  virtual Status forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats) = 0;
+  // backend's and its tensors bound; `workspace` must hold at least
+  // plan.forward_workspace (else INVALID_ARGUMENT, nothing written).
+  virtual Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                         ForwardStats* stats) = 0;
   // OK, or why this backend has no backward pass for these params
   // (UNIMPLEMENTED / FAILED_PRECONDITION). plan() with PlanLimits::backward
   // asks it first. Not pure, so that backends without a backward (and
@@ -93,11 +110,23 @@ class Backend {
   // Writes g.dq, g.dk, g.dv: the gradient of the forward this plan computes
   // (its draws, its window), from the forward's out and lse and the upstream
   // dout. The plan must be this backend's, made with PlanLimits::backward,
-  // its q, k, v bound; g from make_backward_params for the plan's params.
+  // its q, k, v bound; g from make_backward_params for the plan's params;
+  // `workspace` at least plan.backward_workspace (else INVALID_ARGUMENT).
   // A stopped backward (cancel, deadline) leaves dq, dk, dv partly written.
-  virtual Status backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats) {
-    (void)g, (void)ctx, (void)stats;
+  virtual Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace,
+                          const ExecContext& ctx, BackwardStats* stats) {
+    (void)g, (void)workspace, (void)ctx, (void)stats;
     return supports_backward(plan.params);
+  }
+  // Device memory for a plan's device workspace (Plan::workspace()
+  // .device_bytes), owned by the caller: a server's admission allocates it
+  // with the request, before the ack, and hands it to forward and backward
+  // as WorkspaceRef::device. Freed when the last copy goes. Null for 0
+  // bytes; backends without a device refuse more (FAILED_PRECONDITION).
+  virtual StatusOr<std::shared_ptr<void>> allocate_device(int64_t bytes) const {
+    if (bytes <= 0) return std::shared_ptr<void>();
+    return failed_precondition("the " + name() + " backend has no device memory to allocate " + std::to_string(bytes) +
+                               " bytes in");
   }
   // The device's memory now; nullopt for backends without a device (CPU).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
@@ -146,19 +175,51 @@ class BackendRegistry {
   std::vector<std::string> notes_;
 };
 
-// The dlopen boundary of a backend library (libplsh_cuda.so), versioned like
-// ggml's GGML_BACKEND_API_VERSION: the library exports kBackendPluginSymbol,
-// a function returning this struct; the registry reads api_version first and
-// calls nothing else when it differs from kBackendApiVersion (a note, and the
-// CPU serves). Bump kBackendApiVersion whenever Backend, Plan, AttentionParams,
-// BackwardParams or ExecContext change layout: the library and the process
-// are separate builds. 3: Backend::supports_backward and ::backward, the
-// plan's backward workspace; 4: AttentionParams' sampling and target.
-inline constexpr uint32_t kBackendApiVersion = 4;
+// The dlopen boundary of a backend library (libplsh_cuda.so). It is a C++
+// boundary, not a C ABI, and says so: the library hands back a Backend (a
+// vtable), and Plan, AttentionParams, BackwardParams and ExecContext cross it
+// by reference with std::vector, std::string and std::function inside, so the
+// library and the process must come from one tree, one compiler and one C++
+// standard library. The entry point is extern "C" only so that dlsym finds it
+// by a plain name. Two checks, read before anything else of the library is
+// called (a mismatch is a note, and the CPU serves), versioned like ggml's
+// GGML_BACKEND_API_VERSION:
+//   api_version      kBackendApiVersion, bumped by hand whenever Backend or
+//                    the types above change meaning or layout;
+//   abi_fingerprint  backend_abi_fingerprint(), computed from the sizes of
+//                    the types that cross, the compiler's C++ ABI version and
+//                    libstdc++'s string ABI: a layout change nobody bumped
+//                    for, or a library from another toolchain, is caught too.
+// 3: Backend::supports_backward and ::backward, the
+// plan's backward workspace; 4: AttentionParams' sampling and target; 5:
+// the caller's workspace (WorkspaceRef) in forward and backward,
+// Backend::planning_host_bytes, Plan::own_host_bytes; 6: Backend::
+// allocate_device (the caller owns the device workspace too); 7: the
+// plugin struct's abi_fingerprint.
+inline constexpr uint32_t kBackendApiVersion = 7;
+
+// What the library and the process must agree on beyond the version (above).
+constexpr uint64_t backend_abi_fingerprint() {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the values
+  const uint64_t values[] = {sizeof(Plan),         sizeof(AttentionParams), sizeof(BackwardParams), sizeof(ExecContext),
+                             sizeof(WorkspaceRef), sizeof(ForwardStats),    sizeof(BackwardStats),  sizeof(DeviceMemory),
+                             sizeof(std::string),  sizeof(std::function<void(double)>),
+#ifdef __GXX_ABI_VERSION
+                             __GXX_ABI_VERSION,
+#endif
+#ifdef _GLIBCXX_USE_CXX11_ABI
+                             _GLIBCXX_USE_CXX11_ABI + 1,
+#endif
+                             0};
+  for (uint64_t v : values) h = (h ^ v) * 1099511628211ull;
+  return h;
+}
+
 extern "C" {
 struct PlshBackendPlugin {
-  uint32_t api_version;  // kBackendApiVersion of the library's build
-  const char* name;      // "cuda"
+  uint32_t api_version;      // kBackendApiVersion of the library's build; read first, always here
+  uint64_t abi_fingerprint;  // backend_abi_fingerprint() of the library's build
+  const char* name;          // "cuda"
   // A new backend (owned by the caller), or null with the reason written to
   // why_not (NUL-terminated, at most why_not_size bytes).
   plsh::Backend* (*create)(char* why_not, size_t why_not_size);

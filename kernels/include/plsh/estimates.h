@@ -114,9 +114,11 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
 
 // Fills result->heads (slope, sigma, window, max_block, draws on request) and,
 // when plan.params.estimates, the error estimates per head and their
-// summary, on plan.threads threads. Needs host tensors for the probe;
-// plan.params.out must already hold the output.
-Status compute_estimates(const Plan& plan, const ExecContext& ctx, AttentionResult* result);
+// summary, on plan.threads threads, in `workspace` (at least
+// plan.estimates_workspace, else INVALID_ARGUMENT). Needs host tensors for
+// the probe; plan.params.out must already hold the output.
+Status compute_estimates(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                         AttentionResult* result);
 
 // Host memory compute_estimates may hold at once on `threads` threads (the
 // per-head tables, Lanczos vectors and probe buffers): what a plan's

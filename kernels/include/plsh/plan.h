@@ -6,13 +6,14 @@
 //   - the lsh draws of every head (SPEC section 5), made exactly once and
 //     read by the forward pass, the estimates and the backward,
 //   - the lsh algorithm the backend chose,
-//   - the workspace, split by memory space, so that a server can charge host
-//     bytes and device bytes to separate budgets and refuse what cannot fit
-//     before it allocates anything,
+//   - the workspace of each step, split by memory space, so that a server can
+//     charge host bytes and device bytes to separate budgets, refuse what
+//     cannot fit before it allocates anything, and hand the memory to the
+//     step (plsh/workspace.h: the caller owns it),
 //   - the backend's own layout (on CUDA the tile/lane layout that both the
 //     sizing and the slicing of the workspace read).
 // Backend::plan makes one; Backend::forward, compute_estimates and
-// Backend::backward read it. The backward's workspace is sized only when
+// Backend::backward read it, each in a workspace of at least its figure. The backward's workspace is sized only when
 // asked (PlanLimits::backward), so that a server charges it to the requests
 // that will run one, and a backward refuses a plan made without it.
 #pragma once
@@ -26,14 +27,9 @@
 #include "plsh/draws.h"
 #include "plsh/params.h"
 #include "plsh/status.h"
+#include "plsh/workspace.h"
 
 namespace plsh {
-
-// Extra memory beyond the request's own tensors, by memory space.
-struct Workspace {
-  int64_t host_bytes = 0;    // host memory: per-thread tiles, tables, staging lists
-  int64_t device_bytes = 0;  // device memory: staging copies of host tensors, GEMM workspace
-};
 
 // What a caller fixes before planning.
 struct PlanLimits {
@@ -53,21 +49,23 @@ struct Plan {
   std::string backend;                   // name() of the backend that made it; forward refuses others' plans
   int threads = 1;                       // CPU threads the host workspace was sized for (>= 1)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // lsh: the algorithm forward runs; kAuto otherwise
-  std::vector<std::vector<Draw>> draws;  // lsh, fixed_blocks: [H][samples] (head_draws); empty otherwise
-  Workspace forward_workspace;           // what forward needs
+  std::vector<std::vector<Draw>> draws;  // lsh: [H][samples], SPEC section 5; empty otherwise
+  int64_t own_host_bytes = 0;            // host memory the plan itself holds: its draws and its attempts' (draw_bytes)
+  Workspace forward_workspace;           // what forward needs, beyond the plan
   Workspace estimates_workspace;         // what compute_estimates needs (host only)
   bool backward = false;                 // planned with PlanLimits::backward: backward may run on it
   Workspace backward_workspace;          // what backward needs; zero unless planned for it
   std::shared_ptr<const BackendLayout> layout;
   // Error-targeted requests (params.target_rel_err > 0, plsh/targeted.h):
   // one plan per configuration to try, cheapest first, made with this one;
-  // the workspaces above are the largest attempt's plus every attempt's
-  // draws. Empty otherwise.
+  // the workspaces above are the largest attempt's, own_host_bytes counts
+  // every attempt's draws. Empty otherwise.
   std::vector<Plan> attempts;
   double target_window_scale = 0;        // an attempt's window: c in W_h = ceil(c sigma_h)
 
-  // Peak extra memory of the request: forward, the estimates and the
-  // backward run one after the other, so the largest per memory space.
+  // Peak workspace of the request: forward, the estimates and the backward
+  // run one after the other in one workspace, so the largest per memory
+  // space. A server reserves this plus own_host_bytes.
   Workspace workspace() const {
     return {std::max({forward_workspace.host_bytes, estimates_workspace.host_bytes, backward_workspace.host_bytes}),
             std::max({forward_workspace.device_bytes, estimates_workspace.device_bytes,
@@ -79,9 +77,14 @@ struct Plan {
 // nothing otherwise: what a request's plan holds.
 std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p);
 
+// Host bytes of plan_draws(p): the one count of a request's draws, which
+// its plan holds (Plan::own_host_bytes) and no workspace counts again.
+int64_t draw_bytes(const AttentionParams& p);
+
 // What every backend's plan starts from: the params, the backend's name,
-// the threads and the draws (RESOURCE_EXHAUSTED when the draws cannot be
-// allocated). The backend then adds its algorithm, workspace and layout.
+// the threads, the draws and own_host_bytes (RESOURCE_EXHAUSTED when the
+// draws cannot be allocated). The backend then adds its algorithm,
+// workspace and layout.
 StatusOr<Plan> start_plan(const AttentionParams& p, const std::string& backend, const PlanLimits& limits);
 
 // Threads a plan uses for PlanLimits::threads (0: all cores).

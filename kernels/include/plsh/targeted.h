@@ -21,9 +21,9 @@
 // Plan once: plan_targeted makes one plan per attempt, all at once, before
 // any tensor arrives (so the server refuses what cannot fit at the header,
 // as for any request), and returns a plan that holds them (Plan::attempts).
-// Its workspace, what a server charges, is the largest attempt's per memory
-// space (attempts run one after another and free their memory in between)
-// plus the draws of every attempt (held by the plan throughout).
+// Its workspace is the largest attempt's per memory space (attempts run one
+// after another in the one workspace), its own_host_bytes the draws of
+// every attempt (held by the plan throughout).
 // run_attention on that plan runs run_targeted.
 #pragma once
 
@@ -68,8 +68,10 @@ double window_flops(const AttentionParams& p, const std::vector<int64_t>& window
 StatusOr<Plan> plan_targeted(const Backend& backend, const AttentionParams& p, const PlanLimits& limits);
 
 // Runs the attempts of a plan_targeted plan (tensors bound on plan.params)
-// until one meets the target; the result is the kept attempt's, with
-// flops and timings summed over all attempts and result.target filled in.
-StatusOr<AttentionResult> run_targeted(Backend& backend, const Plan& plan, const ExecContext& ctx);
+// until one meets the target, each in `workspace` (at least
+// plan.workspace()); the result is the kept attempt's, with flops and
+// timings summed over all attempts and result.target filled in.
+StatusOr<AttentionResult> run_targeted(Backend& backend, const Plan& plan, const WorkspaceRef& workspace,
+                                       const ExecContext& ctx);
 
 }  // namespace plsh

@@ -1,6 +1,7 @@
 // Stand-ins for a backend library (libplsh_cuda.so) at the dlopen boundary,
 // built three ways (tests/kernels/CMakeLists.txt):
 //   PLSH_FAKE_API_VERSION  the api_version the plugin struct reports
+//   PLSH_FAKE_FINGERPRINT  the abi_fingerprint it reports (default: this build's)
 //   PLSH_FAKE_NO_ENTRY     no plsh_backend_plugin symbol (a pre-versioning build)
 // create() refuses with a reason, so a matching version shows the note a
 // real library without a device leaves.
@@ -17,7 +18,10 @@ plsh::Backend* create(char* why_not, size_t why_not_size) {
   return nullptr;
 }
 
-const plsh::PlshBackendPlugin kPlugin = {PLSH_FAKE_API_VERSION, "cuda", &create};
+#ifndef PLSH_FAKE_FINGERPRINT
+#define PLSH_FAKE_FINGERPRINT plsh::backend_abi_fingerprint()
+#endif
+const plsh::PlshBackendPlugin kPlugin = {PLSH_FAKE_API_VERSION, PLSH_FAKE_FINGERPRINT, "cuda", &create};
 
 }  // namespace
 

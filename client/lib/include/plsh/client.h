@@ -209,10 +209,6 @@ class Client {
  private:
   // Deadline and credentials of one call.
   void prepare(grpc::ClientContext* ctx, double deadline_seconds) const;
-  // attend's stream on its own completion queue; lent_slices counts the
-  // chunk slices gRPC holds of the caller's tensors.
-  grpc::Status stream_attend(const AttendCall& call, AttendReply* reply, grpc::ClientContext* ctx,
-                             grpc::CompletionQueue* cq, void* lent_slices);
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;

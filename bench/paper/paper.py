@@ -50,11 +50,9 @@ import csv
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -63,6 +61,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
+from train_alibi import start_server  # noqa: E402  (one copy of "a plsh-server on a free loopback port")
 
 # ------------------------------------------------------------------ config
 
@@ -591,17 +591,6 @@ def plots(records, cfg, out_dir):
     return written
 
 # -------------------------------------------------------------------- main
-
-
-def start_server(binary, threads):
-    proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--threads", str(threads)],
-                            stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        m = re.search(r" serving .*grpc=(\S+)", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return proc, m.group(1)
-    raise RuntimeError("plsh-server did not start")
 
 
 def main():

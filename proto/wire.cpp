@@ -18,8 +18,10 @@ struct EnumPair {
 
 constexpr EnumPair<DType, v1::DType> kDTypes[] = {
     {DType::kF32, v1::DTYPE_F32}, {DType::kF16, v1::DTYPE_F16}, {DType::kBF16, v1::DTYPE_BF16}};
-constexpr EnumPair<Mode, v1::Mode> kModes[] = {
-    {Mode::kExact, v1::MODE_EXACT}, {Mode::kLsh, v1::MODE_LSH}, {Mode::kWindow, v1::MODE_WINDOW}};
+constexpr EnumPair<Mode, v1::Mode> kModes[] = {{Mode::kExact, v1::MODE_EXACT},
+                                               {Mode::kLsh, v1::MODE_LSH},
+                                               {Mode::kWindow, v1::MODE_WINDOW},
+                                               {Mode::kFixedBlocks, v1::MODE_FIXED_BLOCKS}};
 constexpr EnumPair<LshAlgorithm, v1::LshAlgorithm> kLshAlgorithms[] = {
     {LshAlgorithm::kAuto, v1::LSH_ALGORITHM_AUTO},
     {LshAlgorithm::kPerSample, v1::LSH_ALGORITHM_PER_SAMPLE},

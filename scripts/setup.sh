@@ -32,6 +32,9 @@ test_packages=(
   # The torch client's tests and the training example (plsh_client.torch,
   # examples/train_alibi.py): Debian's PyTorch 1.13 (CPU) and matplotlib.
   python3-torch python3-matplotlib
+  # bench/paper/paper.py's corpus (and its ctest smoke run): the King James Bible, printed by
+  # `bible`; the text's copyright has expired (1611), the program is GPL-2+ (/usr/share/doc/bible-kjv/copyright).
+  bible-kjv
   prometheus curl
   python3-yaml docker-compose golang-go golang-github-masterminds-sprig-dev golang-github-ghodss-yaml-dev
   # tests/deploy/image_test.py: the image built with podman on debootstrap bases.

@@ -399,7 +399,8 @@ RunFn setup_bench(CLI::App& app) {
   app.add_option("--warmup", a->warmup, "seconds of the same load before each level is measured")->capture_default_str();
   app.add_option("--shape", a->shape, "B,N,H,Hkv,D: batch, sequence length (q and kv), heads, kv heads, head dim")
       ->capture_default_str();
-  app.add_option("--mode", a->mode, "exact, lsh or window (with --target-error and no --mode: window)")
+  app.add_option("--mode", a->mode,
+                 "exact, lsh, window or fixed_blocks (a biased baseline; with --target-error and no --mode: window)")
       ->capture_default_str()
       ->each([a](const std::string&) { a->mode_given = true; });
   app.add_option("--samples", a->samples, "lsh: hashes per head")->capture_default_str()->transform(decimal_integer(true));

@@ -61,7 +61,8 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_flag("--bf16-bits", a.bf16_bits,
                "read '<u2' (uint16) arrays as bfloat16 bit patterns, and write bf16 outputs the same way");
 
-  app.add_option("--mode", a.mode, "exact, lsh or window (with --target-error and no --mode: window)")
+  app.add_option("--mode", a.mode,
+                 "exact, lsh, window or fixed_blocks (a biased baseline; with --target-error and no --mode: window)")
       ->capture_default_str()
       ->each([&a](const std::string&) { a.mode_given = true; });
   app.add_option("--samples", a.options.samples, "lsh: hashes per head (s)")->capture_default_str()->transform(decimal_integer(true));

@@ -91,9 +91,9 @@ class KeyReach {
   explicit KeyReach(const AttentionParams& p) : p_(p) {
     if (p.mode == Mode::kWindow) {
       for (int64_t w : p.window) width_ = std::max(width_, w);
-    } else if (p.mode == Mode::kLsh) {
+    } else if (uses_draws(p.mode)) {
       for (int64_t h = 0; h < p.heads; ++h) {
-        const std::vector<Draw> d = draw_hashes(p.seed, h, p.sigma(h), p.samples, p.sampling);
+        const std::vector<Draw> d = head_draws(p, h);
         draws_.insert(draws_.end(), d.begin(), d.end());
       }
       // Longest pitches first: they reach furthest, and the scans below
@@ -109,7 +109,8 @@ class KeyReach {
       // mask_max_err (SPEC 6) finds the window's largest error, so that each
       // shard's estimate covers the same pairs as the unsharded one's.
       case Mode::kWindow: return width_ == kNoWindow ? kMin : sat_add(first, -width_);
-      case Mode::kLsh: {
+      case Mode::kLsh:
+      case Mode::kFixedBlocks: {
         int64_t best = kMax;
         for (const Draw& d : draws_) {
           if (!std::isfinite(d.pitch)) return kMin;
@@ -130,7 +131,8 @@ class KeyReach {
     switch (p_.mode) {
       case Mode::kExact: break;
       case Mode::kWindow: h = width_ == kNoWindow ? kMax : sat_add(last, sat_add(width_, 1)); break;
-      case Mode::kLsh: {
+      case Mode::kLsh:
+      case Mode::kFixedBlocks: {
         int64_t best = kMin;
         for (const Draw& d : draws_) {
           if (!std::isfinite(d.pitch)) {

@@ -74,8 +74,9 @@ class CpuBackend final : public Backend {
     if (p.memory != MemorySpace::kHost)
       return failed_precondition("memory = device, expected host memory: the cpu backend reads q, k, v and writes "
                                  "out through host pointers");
-    if (p.mode == Mode::kLsh && p.samples < 1)
-      return invalid_argument("samples = " + std::to_string(p.samples) + ", expected >= 1 in lsh mode");
+    if (uses_draws(p.mode) && p.samples < 1)
+      return invalid_argument("samples = " + std::to_string(p.samples) + ", expected >= 1 in " + mode_name(p.mode) +
+                              " mode");
     // BLAS takes int leading dimensions.
     for (auto [name, stride] : {std::pair{"q_row_stride", p.q_row_stride}, std::pair{"k_row_stride", p.k_row_stride},
                                 std::pair{"v_row_stride", p.v_row_stride}}) {
@@ -92,7 +93,7 @@ class CpuBackend final : public Backend {
   StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
     RETURN_IF_ERROR(supports(p));
     ASSIGN_OR_RETURN(Plan plan, start_plan(p, name(), limits));
-    if (p.mode == Mode::kLsh)
+    if (uses_draws(p.mode))
       plan.lsh_algorithm =
           p.lsh_algorithm != LshAlgorithm::kAuto ? p.lsh_algorithm : cpu::choose_lsh_algorithm(p, plan.draws);
     plan.forward_workspace.host_bytes = workspace_for(p, plan.threads, plan.lsh_algorithm);
@@ -104,8 +105,8 @@ class CpuBackend final : public Backend {
     return plan;
   }
 
-  // Every mode, dtype and shape the forward runs (exact, window, lsh with
-  // either algorithm: one function, SPEC section 8).
+  // Every mode, dtype and shape the forward runs (exact, window, lsh and
+  // fixed_blocks with either algorithm: one function, SPEC section 8).
   Status supports_backward(const AttentionParams& p) const override { return supports(p); }
 
   Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace, const ExecContext& ctx,
@@ -118,7 +119,7 @@ class CpuBackend final : public Backend {
     RETURN_IF_ERROR(check_backward_inputs(plan, g));
     RETURN_IF_ERROR(check_workspace(workspace, plan.backward_workspace, "cpu backend backward"));
     const AttentionParams& p = plan.params;
-    if (p.mode == Mode::kLsh && static_cast<int64_t>(plan.draws.size()) != p.heads)
+    if (uses_draws(p.mode) && static_cast<int64_t>(plan.draws.size()) != p.heads)
       return invalid_argument("cpu backend: the plan has draws for " + std::to_string(plan.draws.size()) +
                               " heads, expected " + std::to_string(p.heads));
     return cpu::backward(plan, g, workspace, ctx, stats);
@@ -148,7 +149,7 @@ class CpuBackend final : public Backend {
       cpu::Scratch& s = scratch[t];
       const cpu::TileJob job = tile_job(p, n);
       double f = 0;
-      if (p.mode != Mode::kLsh) {
+      if (!uses_draws(p.mode)) {
         f = cpu::exact_tile(p, job, s);
       } else {
         const std::vector<Draw>& d = plan.draws[static_cast<size_t>(job.h)];

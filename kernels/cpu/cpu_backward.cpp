@@ -80,7 +80,7 @@ void carve_scratch(const AttentionParams& p, Carver& c, BackwardScratch* s) {
   s->row_a = c.take<float>(D);
   s->row_b = c.take<float>(D);
   s->nearest = c.take<int64_t>(kBwdRowTile);
-  s->counts = c.take<int32_t>(p.mode == Mode::kLsh ? kBwdRowTile * (kBwdKeyTile + 1) : 0);
+  s->counts = c.take<int32_t>(uses_draws(p.mode) ? kBwdRowTile * (kBwdKeyTile + 1) : 0);
 }
 
 int64_t scratch_bytes(const AttentionParams& p) {
@@ -131,7 +131,7 @@ void query_reach(const Shared& sh, int64_t h, int64_t kp0, int64_t kp1, int64_t*
       *lo = saturating_add(kp0, -(w - 1));
       *hi = saturating_add(kp1 - 1, w);
     }
-  } else if (p.mode == Mode::kLsh) {
+  } else if (uses_draws(p.mode)) {
     *lo = std::numeric_limits<int64_t>::max();
     *hi = std::numeric_limits<int64_t>::min();
     for (const Draw& d : sh.draws[static_cast<size_t>(h)]) {
@@ -205,7 +205,7 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
   // The tile's keys [lo, hi) that these rows may see.
   int64_t lo = kp0, hi = kp1;
   int64_t width = kNoWindow;
-  if (p.mode == Mode::kLsh) {
+  if (uses_draws(p.mode)) {
     lsh_count_steps(sh.draws[static_cast<size_t>(h)], pos_first, rows, kp0, kp1, sc.counts, &lo, &hi);
   } else if (p.mode == Mode::kWindow) {
     width = p.window[static_cast<size_t>(h)];
@@ -228,7 +228,7 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
 
   float* s = sc.s;
   gemm_abt(rows, len, D, scale, q, ldq, k, ldk, s, len);
-  if (p.mode == Mode::kLsh) {
+  if (uses_draws(p.mode)) {
     add_lsh_log_weight(sh, sc.counts, rows, kp0, kp1, pos_first, lo, len, s);
   } else {
     for (int64_t r = 0; r < rows; ++r) sc.nearest[r] = nearest_key(p, pos_first + r);
@@ -332,7 +332,7 @@ BackwardBuffers carve_buffers(const AttentionParams& p, int threads, Carver& c) 
   b.row_d = c.take<float>(p.batch * p.heads * p.q_len);
   b.row_lse = c.take<float>(p.batch * p.heads * p.q_len);
   b.locks = c.take<std::mutex>(lock_count(p));
-  b.log_count = c.take<float>(p.mode == Mode::kLsh ? p.samples + 1 : 0);
+  b.log_count = c.take<float>(uses_draws(p.mode) ? p.samples + 1 : 0);
   return b;
 }
 
@@ -379,7 +379,7 @@ Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& w
       for (int64_t i = 0; i < n; ++i) locks[i].~mutex();
     }
   } destroy_locks{buf.locks, locks};
-  if (p.mode == Mode::kLsh) {
+  if (uses_draws(p.mode)) {
     buf.log_count[0] = kNegInf;
     for (int64_t c = 1; c <= p.samples; ++c)
       buf.log_count[c] = static_cast<float>(std::log(static_cast<double>(c) / static_cast<double>(p.samples)));
@@ -403,7 +403,7 @@ Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& w
       // Exact and window logits leave out -slope * nearest (AlibiBias);
       // lsh weighs by log(c / s) with nothing left out.
       const double shift =
-          p.mode == Mode::kLsh ? 0.0 : p.slopes[static_cast<size_t>(h)] * static_cast<double>(shift_distance);
+          uses_draws(p.mode) ? 0.0 : p.slopes[static_cast<size_t>(h)] * static_cast<double>(shift_distance);
       const int64_t stat = (b * p.heads + h) * p.q_len + i;
       row_d[stat] = static_cast<float>(dot);
       row_lse[stat] = static_cast<float>(lse + shift);

@@ -34,7 +34,7 @@ namespace plsh::cpu {
 // exact 30% more. 512-key tiles were no better than 256, which keeps S
 // (128 KiB at 128 rows) and a K or V tile (64 KiB at D = 64) within L2.
 inline constexpr int64_t kMaxRowTile = 128;
-inline int64_t row_tile(Mode mode) { return mode == Mode::kLsh ? 64 : kMaxRowTile; }
+inline int64_t row_tile(Mode mode) { return uses_draws(mode) ? 64 : kMaxRowTile; }
 inline constexpr int64_t kKeyTile = 256;
 
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();

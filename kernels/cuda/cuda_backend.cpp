@@ -165,7 +165,7 @@ class CudaBackend final : public Backend {
     // After a sticky error: UNAVAILABLE, so that "auto" falls back to the CPU.
     RETURN_IF_ERROR(health_.usable());
     const Status fused = fused_supported(p);
-    if (p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kBanded && !fused.ok())
+    if (uses_draws(p.mode) && p.lsh_algorithm == LshAlgorithm::kBanded && !fused.ok())
       return unimplemented("lsh_algorithm = banded runs on the cuda backend's fused kernel, which cannot take this "
                            "request (" + fused.message() + "), expected auto or per_sample");
     // 16-byte aligned GEMM operands (device tensors as given; host ones are
@@ -213,6 +213,7 @@ class CudaBackend final : public Backend {
       // window and banded lsh run on the fused kernels where they can.
       if (p.mode == Mode::kLsh)
         plan.lsh_algorithm = p.lsh_algorithm != LshAlgorithm::kAuto ? p.lsh_algorithm : cuda_lsh_algorithm(p, plan.draws);
+      if (p.mode == Mode::kFixedBlocks) plan.lsh_algorithm = LshAlgorithm::kPerSample;  // fused_supported: not fused
       const bool fused = p.mode == Mode::kLsh ? plan.lsh_algorithm == LshAlgorithm::kBanded : fused_supported(p).ok();
       if (fused) {
         RETURN_IF_ERROR(plan_fused(p, limits, cap, &plan));

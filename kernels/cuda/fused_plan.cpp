@@ -28,6 +28,9 @@ int64_t fused_backward_smem(const AttentionParams& p, int max_samples) {
 }
 
 Status fused_supported(const AttentionParams& p) {
+  // fixed_blocks' one deterministic draw per head runs per sample: the
+  // fused kernels know lsh's hashes and window's widths, not fixed blocks.
+  if (p.mode == Mode::kFixedBlocks) return unimplemented("the fused kernels do not run mode fixed_blocks");
   if (!fused_head_dim(p.head_dim))
     return unimplemented("the fused kernels are built for head_dim 64 and 128, got " + str(p.head_dim));
   if (p.mode == Mode::kLsh && p.samples > kFusedMaxHashes)

@@ -253,7 +253,8 @@ std::vector<LaneSetup> head_passes(const AttentionParams& p, const std::vector<s
     base.head = static_cast<int32_t>(h);
     base.slope = static_cast<float>(p.slopes[static_cast<size_t>(h)]);
     const double sigma = p.sigma(h);
-    if (p.mode == Mode::kLsh && std::isfinite(sigma)) {
+    // lsh and fixed_blocks: one pass per hash of the plan's draws.
+    if (uses_draws(p.mode) && std::isfinite(sigma)) {
       for (const Draw& d : draws[static_cast<size_t>(h)]) {
         LanePass l = base;
         l.rule = SpanRule::kSameBin;

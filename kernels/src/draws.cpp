@@ -39,6 +39,8 @@ std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t
   return draws;
 }
 
+Draw fixed_block_draw(double sigma) { return Draw{2.0 * sigma, 0.0}; }
+
 const char* sampling_name(Sampling s) { return name_of(kSamplingNames, s); }
 
 int64_t ash_shifts_per_pitch(int64_t samples) {

@@ -32,7 +32,7 @@ void estimate_head_masks(const AttentionParams& p, const PositionRange& range, i
   he->slope = p.slopes[static_cast<size_t>(h)];
   he->sigma = m.sigma;
   if (p.mode == Mode::kWindow) he->window = m.window;
-  if (p.mode == Mode::kLsh) {
+  if (uses_draws(p.mode)) {
     he->max_block = max_block_size(m.draws, range);
     if (p.return_draws) he->draws.assign(m.draws.begin(), m.draws.end());
   }
@@ -165,7 +165,7 @@ Status compute_estimates(const Plan& plan, const WorkspaceRef& workspace, const 
 namespace estimates_detail {
 
 int64_t head_estimate_bytes(const AttentionParams& p) {
-  const int64_t s = p.mode == Mode::kLsh ? p.samples : 0;
+  const int64_t s = uses_draws(p.mode) ? p.samples : 0;
   const int64_t wide = std::max(p.q_len, p.kv_len);
   const PositionRange r = position_range(p);
   // mask_max_err: the decay table (at most 2^20 doubles), the row sample,
@@ -183,7 +183,7 @@ int64_t head_estimate_bytes(const AttentionParams& p) {
 
 int64_t probe_task_bytes(const AttentionParams& p) {
   const int64_t rows = static_cast<int64_t>(kProbeRowsPerTask);
-  const int64_t s = p.mode == Mode::kLsh ? p.samples : 0;
+  const int64_t s = uses_draws(p.mode) ? p.samples : 0;
   // q transposed, k and v tiles, their norms, the scores, two logit rows,
   // the accumulators, and each row's sorted block edges.
   return 8 * (p.head_dim * rows + 2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile +

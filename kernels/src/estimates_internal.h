@@ -59,10 +59,10 @@ inline int64_t max_distance(const PositionRange& r) {
   return std::max(std::llabs(q_last - r.k_pos0), std::llabs(k_last - r.q_pos0));
 }
 
-// True when E is identically zero: a slope-0 head under lsh (L* = M~ = 1), or
-// a window wider than every distance in the request.
+// True when E is identically zero: a slope-0 head under lsh or fixed_blocks
+// (L* = M~ = 1), or a window wider than every distance in the request.
 inline bool mask_is_exact(const HeadMask& m, const PositionRange& r) {
-  if (m.mode == Mode::kLsh) return !std::isfinite(m.sigma);
+  if (uses_draws(m.mode)) return !std::isfinite(m.sigma);
   return m.window == kNoWindow || m.window > max_distance(r);
 }
 

@@ -200,7 +200,7 @@ HeadMask head_mask(const Plan& plan, int64_t h) {
   HeadMask m;
   m.mode = p.mode;
   m.sigma = p.sigma(h);
-  if (p.mode == Mode::kLsh && static_cast<size_t>(h) < plan.draws.size()) m.draws = plan.draws[static_cast<size_t>(h)];
+  if (uses_draws(p.mode) && static_cast<size_t>(h) < plan.draws.size()) m.draws = plan.draws[static_cast<size_t>(h)];
   if (p.mode == Mode::kWindow && !p.window.empty()) m.window = p.window[static_cast<size_t>(h)];
   return m;
 }

@@ -139,6 +139,10 @@ Status validate_options(const AttentionOptions& o) {
     return field_error("sampling", str(static_cast<int>(o.sampling)), "iid, stratified or ash");
   if (!(o.target_rel_err >= 0 && o.target_rel_err <= 1))
     return field_error("target_rel_err", str(o.target_rel_err), "in (0, 1] (0: no target)");
+  // A fixed baseline has no cheaper or dearer configuration to search.
+  if (o.target_rel_err > 0 && o.mode == Mode::kFixedBlocks)
+    return field_error("target_rel_err", str(o.target_rel_err),
+                       "0 in fixed_blocks mode (a fixed, biased baseline: nothing to search)");
   if (o.target_rel_err > 0 && o.estimates == false)
     return field_error("estimates", "false", "true with target_rel_err (the target is checked by the probe)");
   if (o.target_rel_err > 0 && o.mode != Mode::kExact && o.probe_rows < kMinTargetProbeRows)
@@ -213,7 +217,7 @@ StatusOr<AttentionParams> resolve_params(const AttentionOptions& o) {
   p.k_pos0 = o.k_pos0;
 
   p.mode = o.mode;
-  p.samples = o.mode == Mode::kLsh ? o.samples : 0;
+  p.samples = o.mode == Mode::kLsh ? o.samples : o.mode == Mode::kFixedBlocks ? 1 : 0;
   p.seed = o.seed;
   p.lsh_algorithm = o.lsh_algorithm;
   p.sampling = o.mode == Mode::kLsh ? o.sampling : Sampling::kIid;
@@ -261,6 +265,12 @@ void set_tensors(AttentionParams* p, const TensorRefs& t) {
   p->out = t.out;
   p->lse = t.lse;
   p->memory = t.memory;
+}
+
+std::vector<Draw> head_draws(const AttentionParams& p, int64_t h) {
+  if (p.mode == Mode::kLsh) return draw_hashes(p.seed, h, p.sigma(h), p.samples, p.sampling);
+  if (p.mode == Mode::kFixedBlocks) return {fixed_block_draw(p.sigma(h))};
+  return {};
 }
 
 StatusOr<AttentionParams> make_params(const AttentionOptions& o, const TensorRefs& t) {

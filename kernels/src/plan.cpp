@@ -10,14 +10,14 @@ namespace plsh {
 
 std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p) {
   std::vector<std::vector<Draw>> draws;
-  if (p.mode != Mode::kLsh) return draws;
+  if (!uses_draws(p.mode)) return draws;
   draws.reserve(static_cast<size_t>(p.heads));
-  for (int64_t h = 0; h < p.heads; ++h) draws.push_back(draw_hashes(p.seed, h, p.sigma(h), p.samples, p.sampling));
+  for (int64_t h = 0; h < p.heads; ++h) draws.push_back(head_draws(p, h));
   return draws;
 }
 
 int64_t draw_bytes(const AttentionParams& p) {
-  if (p.mode != Mode::kLsh) return 0;
+  if (!uses_draws(p.mode)) return 0;
   return p.heads * (static_cast<int64_t>(sizeof(std::vector<Draw>)) + p.samples * static_cast<int64_t>(sizeof(Draw)));
 }
 

@@ -135,7 +135,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
   if (R == 0) return;
   const int64_t D = p.head_dim;
   const size_t s = m.draws.size();
-  const double inv_s = m.mode == Mode::kLsh ? 1.0 / static_cast<double>(s) : 0.0;
+  const double inv_s = uses_draws(m.mode) ? 1.0 / static_cast<double>(s) : 0.0;
 
   // Per row: the exact output's online softmax (weights exp(logit - |d| /
   // sigma)), the bound's sums with their own online maximum (a_ij =
@@ -179,7 +179,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
       }
       row.max_v2 = keys->v2_prefix_max[static_cast<size_t>(row.keys - 1)];
     }
-    if (m.mode == Mode::kLsh) {
+    if (uses_draws(m.mode)) {
       for (const Draw& d : m.draws) {
         row.begins.push_back(block_begin(row.pos, d));
         row.ends.push_back(block_end(row.pos, d));
@@ -190,7 +190,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
     // Every key where M~ > 0 is visited whatever the reach (a block longer
     // than the reach is possible, if rare): the dropped keys all have
     // M~ = 0, which the tail bound assumes.
-    if (m.mode == Mode::kLsh && !row.begins.empty()) {
+    if (uses_draws(m.mode) && !row.begins.empty()) {
       row.lo = std::min(row.lo, std::clamp<int64_t>(row.begins.front() - p.k_pos0, 0, row.keys));
       row.hi = std::max(row.hi, std::clamp<int64_t>(row.ends.back() - p.k_pos0, 0, row.keys));
     } else if (m.mode == Mode::kWindow && m.window < (int64_t{1} << 60) && row.keys > 0) {
@@ -261,7 +261,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
           const int64_t distance = std::llabs(row.pos - x);
           const double lstar = decay(distance, m.sigma);
           double mask;
-          if (m.mode == Mode::kLsh) {
+          if (uses_draws(m.mode)) {
             // Hashes whose block holds x: begin <= x < end; x only grows.
             while (row.opened < s && row.begins[row.opened] <= x) ++row.opened;
             while (row.closed < s && row.ends[row.closed] <= x) ++row.closed;

@@ -284,7 +284,7 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
 void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose) {
   ProductScratch scratch;
   std::unique_ptr<BlockEdges> edges;
-  if (m.mode == Mode::kLsh) {
+  if (uses_draws(m.mode)) {
     const int64_t t0 = transpose ? r.k_pos0 : r.q_pos0, nt = transpose ? r.kv_len : r.q_len;
     edges = std::make_unique<BlockEdges>(m.draws, t0, nt, kEdgeCacheEntries);
   }
@@ -313,7 +313,7 @@ SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uin
   std::vector<double> between(static_cast<size_t>(on_keys ? r.q_len : r.kv_len));
   // Block edges over the query and the key range (kEdgeCacheEntries).
   std::unique_ptr<BlockEdges> query_edges, key_edges;
-  if (m.mode == Mode::kLsh) {
+  if (uses_draws(m.mode)) {
     query_edges = std::make_unique<BlockEdges>(m.draws, r.q_pos0, r.q_len, kEdgeCacheEntries);
     // The same range (the usual self-attention case): one set serves both.
     if (r.k_pos0 != r.q_pos0 || r.kv_len != r.q_len)

@@ -75,6 +75,12 @@ std::vector<Case> cases() {
        .sampling = Sampling::kAsh, .return_draws = true},
       true,
       {"--mode", "lsh", "--samples", "16", "--sampling", "ash", "--seed", "5", "--return-draws"});
+  // The biased fixed-blocks baseline (SPEC section 4), labelled as itself.
+  add("fixed_blocks_gqa_causal",
+      {.batch = 2, .q_len = 48, .kv_len = 48, .heads = 4, .kv_heads = 2, .head_dim = 8, .causal = true,
+       .mode = Mode::kFixedBlocks},
+      true,
+      {"--mode", "fixed_blocks", "--causal"});
   // An error-targeted request without --mode searches windows.
   add("targeted_window",
       {.batch = 1, .q_len = 200, .kv_len = 200, .heads = 2, .head_dim = 16, .causal = true, .slopes = {0.5, 0.25},
@@ -274,7 +280,7 @@ TEST(ComputeErrors, EachBadInputExitsWithOneLineNamingTheProblem) {
       {"H % Hkv != 0", in.args("q.npy", "k3.npy", "k3.npy"), 2,
        "INVALID_ARGUMENT: kv_heads = 3, expected a divisor of heads = 4"},
       {"rank 2", in.args("q_rank2.npy", "k.npy", "v.npy"), 2, "has rank 2"},
-      {"bad mode", with(plain, {"--mode", "fast"}), 2, "mode = 'fast', expected exact, lsh or window"},
+      {"bad mode", with(plain, {"--mode", "fast"}), 2, "mode = 'fast', expected exact, lsh, window or fixed_blocks"},
       {"samples 0", with(plain, {"--samples", "0"}), 2, "samples = 0, expected in [1, "},
       {"negative slope", with(plain, {"--slopes", "0.5,-0.5,0.1,0.1"}), 2, "slopes[1] = -0.5, expected a finite number >= 0"},
       {"wrong slope count", with(plain, {"--slopes", "0.5,0.25"}), 2, "slopes = 2 values, expected one per query head (4)"},

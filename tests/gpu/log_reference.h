@@ -17,9 +17,10 @@ namespace plsh::testing {
 // (logit = scale q.k - slope |d|): reference_attention multiplies
 // by exp(-slope |d|), which is 0 in double beyond |d| ~ 745 / slope, so it
 // has no answer for queries far from every key (a shard of a long
-// sequence). lsh has no bias (slope 0 inside blocks): the shared reference.
+// sequence). lsh and fixed_blocks have no bias (slope 0 inside blocks): the
+// shared reference.
 inline ReferenceOutput log_domain_reference(const AttentionParams& p) {
-  if (p.mode == Mode::kLsh) return reference_attention(p);
+  if (uses_draws(p.mode)) return reference_attention(p);
   ReferenceOutput r;
   const int64_t D = p.head_dim;
   r.out.assign(static_cast<size_t>(p.batch * p.q_len * p.heads * D), 0.0);

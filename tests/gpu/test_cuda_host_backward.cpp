@@ -226,7 +226,7 @@ class CudaBackwardOnHost : public ::testing::TestWithParam<BackwardPipelineCase>
 TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   const BackwardPipelineCase& c = GetParam();
   AttentionOptions o = testing::options_of(c, 99);
-  o.lsh_algorithm = c.mode == Mode::kLsh ? LshAlgorithm::kPerSample : LshAlgorithm::kAuto;
+  o.lsh_algorithm = uses_draws(c.mode) ? LshAlgorithm::kPerSample : LshAlgorithm::kAuto;
   testing::Problem pr = testing::make_problem(o, 5);
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   const AttentionParams& p = pr.params;
@@ -293,6 +293,10 @@ INSTANTIATE_TEST_SUITE_P(
         // sigma from 1.1 to 300 and a slope of 0; GQA; chunked over lanes and tiles.
         BackwardPipelineCase{{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true,
                               std::nullopt, 0, 16, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
+                             3, 4},
+        // fixed_blocks (SPEC section 4) runs on the same draws path: one pass per head.
+        BackwardPipelineCase{{"fixed_blocks_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32,
+                              Mode::kFixedBlocks, true, std::nullopt, 0, 0, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
                              3, 4},
         BackwardPipelineCase{{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
                               8, kAuto, {0.7, 0.02}},

@@ -199,6 +199,10 @@ INSTANTIATE_TEST_SUITE_P(
         PipelineCase{{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 16,
                       kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
                      3 * 150000, 4},
+        // fixed_blocks (SPEC section 4) runs on the same draws path: one pass per head.
+        PipelineCase{{"fixed_blocks_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kFixedBlocks,
+                      true, std::nullopt, 0, 0, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
+                     3 * 150000, 4},
         PipelineCase{{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0, 8, kAuto,
                       {0.7, 0.02}},
                      kRoomy, 1},

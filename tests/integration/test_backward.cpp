@@ -192,6 +192,60 @@ TEST_F(BackwardTest, ByContextMatchesFloat64ReferenceAndInProcessBitForBit) {
   }
 }
 
+// The experiments' baselines through the C++ client (SPEC section 4):
+// fixed_blocks (labelled so in the summary, one fixed hash per head) and no
+// bias (every slope 0) in exact and lsh, forward and backward against the
+// float64 reference, whose fixed-blocks mask is floor(p / 2 sigma) itself.
+TEST_F(BackwardTest, BaselinesForwardAndBackwardMatchFloat64Reference) {
+  Client c(server_->grpc_address());
+  struct Baseline {
+    const char* name;
+    Mode mode;
+    std::vector<double> slopes;
+  };
+  const Baseline baselines[] = {{"fixed_blocks", Mode::kFixedBlocks, {}},
+                                {"fixed_blocks_slopes", Mode::kFixedBlocks, {0.9, 0.05, 1.0 / 300, 0.0}},
+                                {"exact_no_bias", Mode::kExact, {0.0, 0.0, 0.0, 0.0}},
+                                {"lsh_no_bias", Mode::kLsh, {0.0, 0.0, 0.0, 0.0}}};
+  for (const Baseline& b : baselines) {
+    SCOPED_TRACE(b.name);
+    AttentionOptions o = odd_gqa_options(b.mode, true);
+    o.slopes = b.slopes;
+    o.return_draws = true;
+    const Problem p = make_problem(o, 13);
+    AttendReply forward;
+    grpc::Status s = c.attend(forward_call(p, true), &forward);
+    ASSERT_TRUE(s.ok()) << client::status_string(s);
+    EXPECT_EQ(forward.result.mode, b.mode);
+    if (b.mode == Mode::kFixedBlocks) {
+      EXPECT_EQ(forward.result.samples, 1);
+      ASSERT_EQ(forward.result.heads.size(), 4u);
+      for (const HeadEstimate& h : forward.result.heads) {
+        ASSERT_EQ(h.draws.size(), 1u);
+        EXPECT_EQ(h.draws[0].pitch, 2 * h.sigma);
+        EXPECT_EQ(h.draws[0].shift, 0.0);
+        // Its mask error is its bias: not 0 where the head has a slope.
+        if (h.slope > 0) {
+          EXPECT_GT(h.mask_max_err, 0.05) << "head " << h.head;
+        }
+      }
+    }
+    std::vector<uint8_t> out;
+    const StatusOr<AttentionParams> params = params_for(p, &out);
+    ASSERT_TRUE(params.ok());
+    const testing::ReferenceOutput ref = testing::reference_attention(*params);
+    EXPECT_LE(testing::compare(forward.out.data(), DType::kF32, ref.out).max_rel, 1e-5);
+
+    BackwardReply grads;
+    s = c.backward(by_context(p, forward.context_id), &grads);
+    ASSERT_TRUE(s.ok()) << client::status_string(s);
+    const testing::ReferenceGradients g = reference_gradients(p);
+    EXPECT_LE(testing::compare(grads.dq.data(), DType::kF32, g.dq).max_rel, 1e-5);
+    EXPECT_LE(testing::compare(grads.dk.data(), DType::kF32, g.dk).max_rel, 1e-5);
+    EXPECT_LE(testing::compare(grads.dv.data(), DType::kF32, g.dv).max_rel, 1e-5);
+  }
+}
+
 TEST_F(BackwardTest, HalfPrecisionWithFloat32GradientsMatchesInProcess) {
   Client c(server_->grpc_address());
   AttentionOptions o = odd_gqa_options(Mode::kLsh, true);

@@ -88,6 +88,7 @@ bool allowed(const AttentionParams& p, const std::vector<std::vector<Draw>>& dra
     case Mode::kExact: return true;
     case Mode::kWindow: return p.window[static_cast<size_t>(h)] == kNoWindow || std::llabs(i - j) < p.window[static_cast<size_t>(h)];
     case Mode::kLsh:
+    case Mode::kFixedBlocks:
       for (const Draw& d : draws[static_cast<size_t>(h)])
         if (bin_of(i, d) == bin_of(j, d)) return true;
       return false;
@@ -100,7 +101,10 @@ void check_sequence_keys(const AttentionOptions& o) {
   StatusOr<AttentionParams> p = resolve_params(o);
   ASSERT_TRUE(p.ok());
   std::vector<std::vector<Draw>> draws;
-  for (int64_t h = 0; h < p->heads; ++h) draws.push_back(draw_hashes(p->seed, h, p->sigma(h), p->samples));
+  // fixed_blocks by SPEC section 4's definition: pitch 2 sigma_h, shift 0.
+  for (int64_t h = 0; h < p->heads; ++h)
+    draws.push_back(p->mode == Mode::kFixedBlocks ? std::vector<Draw>{{2 * p->sigma(h), 0}}
+                                                  : draw_hashes(p->seed, h, p->sigma(h), p->samples));
   StatusOr<ShardPlan> plan = plan_kind(o, false, ShardKind::kSequence, 3);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   ASSERT_EQ(plan->kind, ShardKind::kSequence);
@@ -142,7 +146,7 @@ void check_sequence_keys(const AttentionOptions& o) {
 }
 
 TEST(ShardPlan, SequenceShardsCarryExactlyTheKeysTheirRowsMayAttend) {
-  for (Mode mode : {Mode::kExact, Mode::kWindow, Mode::kLsh})
+  for (Mode mode : {Mode::kExact, Mode::kWindow, Mode::kLsh, Mode::kFixedBlocks})
     for (bool causal : {false, true}) check_sequence_keys(base_options(mode, causal));
   // A head with slope 0 (one block, no window) reaches every key.
   AttentionOptions flat = base_options(Mode::kLsh, false);

@@ -52,6 +52,13 @@ double reference_weight(const AttentionParams& p, int64_t h, int64_t pos_q, int6
       for (const Draw& d : draws) same += bin_of(pos_q, d) == bin_of(pos_k, d) ? 1 : 0;
       return static_cast<double>(same) / static_cast<double>(draws.size());
     }
+    case Mode::kFixedBlocks: {
+      // SPEC section 4 as written, not through any Draw: blocks of width
+      // 2 sigma_h from position 0, bin(p) = floor(p / (2 sigma_h)).
+      if (slope == 0) return 1;
+      const double width = 2.0 * (1.0 / slope);
+      return std::floor(static_cast<double>(pos_q) / width) == std::floor(static_cast<double>(pos_k) / width) ? 1 : 0;
+    }
   }
   return 0;
 }
@@ -134,7 +141,7 @@ HeadWeights reference_weights(const AttentionParams& p, const std::vector<std::v
         double log_weight = -std::numeric_limits<double>::infinity();
         if (p.causal && pos_k > pos_q) {
           // not allowed
-        } else if (p.mode != Mode::kLsh) {
+        } else if (!uses_draws(p.mode)) {
           const double distance = std::fabs(static_cast<double>(pos_q - pos_k));
           const int64_t w = p.mode == Mode::kWindow ? p.window[static_cast<size_t>(h)] : kNoWindow;
           if (w == kNoWindow || distance < static_cast<double>(w))

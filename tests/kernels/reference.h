@@ -15,7 +15,9 @@ namespace plsh::testing {
 
 // The weight w_ij that multiplies exp(scale q_i.k_j) for head h between
 // absolute positions pos_q and pos_k, or 0 where the key is not allowed:
-// exact L*, window L* 1[|d| < W_h], lsh M~ (mean over the draws).
+// exact L*, window L* 1[|d| < W_h], lsh M~ (mean over the draws), fixed_blocks
+// 1[floor(pos_q / 2 sigma_h) == floor(pos_k / 2 sigma_h)] (SPEC section 4, from
+// the formula, not from any Draw).
 double reference_weight(const AttentionParams& p, int64_t h, int64_t pos_q, int64_t pos_k);
 
 struct ReferenceOutput {

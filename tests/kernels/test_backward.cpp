@@ -112,7 +112,9 @@ INSTANTIATE_TEST_SUITE_P(
                       FdCase{"window_causal", Mode::kWindow, true, std::nullopt, 0, 2},
                       FdCase{"window_noncausal_offsets", Mode::kWindow, false, int64_t{101}, 100, 3},
                       FdCase{"lsh_causal", Mode::kLsh, true, std::nullopt, 0, 0},
-                      FdCase{"lsh_noncausal_offsets", Mode::kLsh, false, int64_t{1001}, 1000, 0}),
+                      FdCase{"lsh_noncausal_offsets", Mode::kLsh, false, int64_t{1001}, 1000, 0},
+                      FdCase{"fixed_blocks_causal", Mode::kFixedBlocks, true, std::nullopt, 0, 0},
+                      FdCase{"fixed_blocks_noncausal_offsets", Mode::kFixedBlocks, false, int64_t{1001}, 1000, 0}),
     testing::CaseName());
 
 // ---- The CPU backend against the reference ---------------------------------
@@ -180,7 +182,7 @@ TEST_P(CpuBackward, MatchesFloat64Reference) {
   BackwardResult result;
   const Status s = forward_backward(*cpu, pr, 2, &plan, &result);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  if (c.mode == Mode::kLsh && c.algorithm != LshAlgorithm::kAuto) {
+  if (uses_draws(c.mode) && c.algorithm != LshAlgorithm::kAuto) {
     EXPECT_EQ(plan.lsh_algorithm, c.algorithm);
   }
   EXPECT_GT(result.flops, 0);
@@ -231,6 +233,19 @@ INSTANTIATE_TEST_SUITE_P(
         BackwardCase{"lsh_per_sample_noncausal_offsets_f32", 1, 97, 131, 2, 1, 59, kF32, Mode::kLsh, false,
                      int64_t{1030}, 1000, 16, LshAlgorithm::kPerSample, {0.2, 0.01}},
         BackwardCase{"lsh_n1_f32", 1, 1, 1, 2, 1, 40, kF32, Mode::kLsh, false, std::nullopt, 0, 4},
+        // fixed_blocks (SPEC section 4): the reference's floor(p / 2 sigma)
+        // mask; widths 2.2 to infinity, offsets mid-block, both algorithms.
+        BackwardCase{"fixed_blocks_banded_causal_1025_f32", 1, 1025, 1025, 2, 1, 40, kF32, Mode::kFixedBlocks, true,
+                     std::nullopt, 0, 0, LshAlgorithm::kBanded},
+        BackwardCase{"fixed_blocks_per_sample_offsets_gqa_f16", 2, 97, 131, 4, 2, 40, kF16, Mode::kFixedBlocks, true,
+                     int64_t{40}, 10, 0, LshAlgorithm::kPerSample, {0.9, 0.05, 1.0 / 300, 0.0}},
+        BackwardCase{"fixed_blocks_per_sample_noncausal_f32", 1, 300, 300, 4, 4, 59, kF32, Mode::kFixedBlocks, false,
+                     std::nullopt, 0, 0, LshAlgorithm::kPerSample},
+        // No bias (every slope 0): exact and lsh (one block, M~ = 1).
+        BackwardCase{"exact_no_bias_causal_f32", 1, 300, 300, 4, 2, 40, kF32, Mode::kExact, true, std::nullopt, 0, 0,
+                     LshAlgorithm::kAuto, {0.0, 0.0, 0.0, 0.0}},
+        BackwardCase{"lsh_no_bias_causal_f32", 1, 300, 300, 4, 2, 40, kF32, Mode::kLsh, true, std::nullopt, 0, 8,
+                     LshAlgorithm::kAuto, {0.0, 0.0, 0.0, 0.0}},
         // Gradient dtype float32 for 16-bit inputs; float32 out too.
         BackwardCase{"exact_bf16_in_f32_grads", 1, 97, 97, 2, 1, 40, kBF16, Mode::kExact, true, std::nullopt, 0, 0,
                      LshAlgorithm::kAuto, {}, 0, std::nullopt, kF32},

@@ -117,7 +117,7 @@ TEST_P(CpuVsReference, MatchesFloat64Reference) {
   EXPECT_EQ(cmp.bad_empty_rows, 0) << "of " << cmp.empty_rows << " rows without keys";
   EXPECT_EQ(cmp.empty_rows > 0, c.has_empty_rows) << cmp.empty_rows << " rows without keys";
   EXPECT_GT(stats.flops, 0);
-  if (c.mode == Mode::kLsh) {
+  if (uses_draws(c.mode)) {
     EXPECT_NE(stats.lsh_algorithm, LshAlgorithm::kAuto);
     if (c.algorithm != LshAlgorithm::kAuto) {
       EXPECT_EQ(stats.lsh_algorithm, c.algorithm);
@@ -202,12 +202,30 @@ std::vector<Case> cases() {
     v.push_back(lsh(make("lsh_" + t + "_n97_d128_h12_f16", L, 97, 97, 12, 12, 128, false, DType::kF16), a));
   }
   v.push_back(with_batch(lsh(make("lsh_auto_n97_d59_h8g2_causal_b2", L, 97, 97, 8, 2, 59, true), AU, 64), 2));
-  // slope 0 heads: no bias (exact, window) and one bin (lsh)
-  for (auto [m, tag] : {std::pair{E, "exact"}, std::pair{W, "window"}, std::pair{L, "lsh"}}) {
+  // fixed_blocks (SPEC section 4) against the reference's own floor(p /
+  // 2 sigma): both algorithms, GQA, causal and not, offsets that put the
+  // queries mid-block, 16-bit inputs; standard slopes give widths 4 .. 1024.
+  const Mode F = Mode::kFixedBlocks;
+  for (auto [a, tag] : {std::pair{PS, "per_sample"}, std::pair{BA, "banded"}}) {
+    const std::string t = tag;
+    v.push_back(lsh(make("fixed_blocks_" + t + "_n1025_d40_h8g2_causal", F, 1025, 1025, 8, 2, 40, true), a));
+    v.push_back(lsh(
+        with_offsets(make("fixed_blocks_" + t + "_nq60_nk97_d59_h12_causal_offsets", F, 60, 97, 12, 12, 59, true), 280,
+                     250),
+        a));
+    v.push_back(lsh(make("fixed_blocks_" + t + "_n97_d128_h8g2_bf16", F, 97, 97, 8, 2, 128, false, DType::kBF16), a));
+  }
+  // slope 0 heads: no bias (exact, window) and one bin (lsh, fixed_blocks)
+  for (auto [m, tag] :
+       {std::pair{E, "exact"}, std::pair{W, "window"}, std::pair{L, "lsh"}, std::pair{F, "fixed_blocks"}}) {
     Case z = make(std::string(tag) + "_slope0_n97_d40_h2_causal", m, 97, 97, 2, 2, 40, true);
     z.slopes = {0.0, 0.25};
     v.push_back(z);
   }
+  // No bias at all (the experiments' baseline: every slope 0).
+  Case none = make("exact_no_bias_n300_d40_h4_causal", E, 300, 300, 4, 4, 40, true);
+  none.slopes = {0.0, 0.0, 0.0, 0.0};
+  v.push_back(none);
   return v;
 }
 

@@ -230,6 +230,37 @@ TEST(Estimates, LshMaskMaxErrorMatchesDense) {
   }
 }
 
+// fixed_blocks' mask errors are its bias, L* - M with M from SPEC section
+// 4's floor(p / 2 sigma) (the reference's, not the plan's draws): never 0
+// where slope > 0 and a block boundary falls inside the request.
+TEST(Estimates, FixedBlocksMaskErrorsAreTheirBias) {
+  for (const Shape& shape : kShapes) {
+    const auto pr = make_problem(shape_options(shape, Mode::kFixedBlocks));
+    const AttentionParams& p = pr->params;
+    AttentionResult result;
+    ASSERT_TRUE(estimate(p, ExecContext{}, &result).ok());
+    ASSERT_EQ(result.heads.size(), kSlopes.size());
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const std::vector<std::vector<double>> e = dense_error(p, h);
+      EXPECT_NEAR(result.heads[h].mask_max_err, dense_max_abs(e), 1e-12) << "h " << h << " q_len " << p.q_len;
+      if (p.slopes[h] > 0) {
+        EXPECT_LE(result.heads[h].max_block, static_cast<int64_t>(std::ceil(2 / p.slopes[h])));
+      }
+    }
+    EXPECT_EQ(result.heads[0].max_block, 2) << "sigma 1: blocks of 2 positions";
+    EXPECT_GT(result.heads[0].mask_max_err, 0.3);
+    EXPECT_EQ(result.heads[4].mask_max_err, 0.0) << "slope 0: L* = M = 1";
+  }
+  // The spectral estimate of the bias, against a dense eigen-solve.
+  AttentionOptions o = mask_options(300, 300, true, {1.0 / 16});
+  o.mode = Mode::kFixedBlocks;
+  const auto pr = make_problem(o);
+  AttentionResult result;
+  ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
+  const double dense = dense_spectral_norm(dense_error(pr->params, 0));
+  EXPECT_NEAR(result.heads[0].mask_spectral_err, dense, 0.05 * dense);
+}
+
 TEST(Estimates, WindowMaskMaxErrorMatchesDense) {
   for (const Shape& shape : kShapes) {
     for (const int64_t width : {0, 1, 5, 40, 100000}) {  // 0: W from window_eps

@@ -244,6 +244,44 @@ TEST(Params, ModeSpecificErrors) {
   }
   o.window_width = 5;  // eps is not used when the width is given
   EXPECT_TRUE(validate_options(o).ok());
+
+  // fixed_blocks reads no samples (its one hash is fixed) and has nothing
+  // for a target to search.
+  o = valid_options();
+  o.mode = Mode::kFixedBlocks;
+  o.samples = 0;
+  EXPECT_TRUE(validate_options(o).ok());
+  o.target_rel_err = 0.1;
+  expect_refused(o, {"target_rel_err = 0.1", "fixed_blocks"});
+}
+
+// SPEC section 4's fixed-blocks baseline resolves to one hash per head,
+// pitch 2 sigma_h and shift 0, whatever samples, seed and sampling say.
+TEST(Params, FixedBlocksResolveToOneFixedHashPerHead) {
+  AttentionOptions o = valid_options();
+  o.mode = Mode::kFixedBlocks;
+  o.heads = o.kv_heads = 3;
+  o.slopes = {0.5, 1.0 / 48, 0.0};
+  o.samples = 64;
+  o.seed = 77;
+  o.sampling = Sampling::kAsh;
+  StatusOr<AttentionParams> p = resolve_params(o);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_EQ(p->samples, 1);
+  EXPECT_EQ(p->sampling, Sampling::kIid);
+  for (int64_t h = 0; h < 3; ++h) {
+    const std::vector<Draw> d = head_draws(*p, h);
+    ASSERT_EQ(d.size(), 1u);
+    EXPECT_EQ(d[0].pitch, 2 * p->sigma(h));
+    EXPECT_EQ(d[0].shift, 0.0);
+  }
+  EXPECT_EQ(head_draws(*p, 1)[0].pitch, 96.0);
+  EXPECT_TRUE(std::isinf(head_draws(*p, 2)[0].pitch));  // slope 0: one block
+  // Other seeds draw the same: the hash is not random.
+  o.seed = 78;
+  StatusOr<AttentionParams> q = resolve_params(o);
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(head_draws(*q, 0)[0].pitch, head_draws(*p, 0)[0].pitch);
 }
 
 TEST(Params, EstimateOptionErrors) {
@@ -278,11 +316,12 @@ TEST(Params, NullTensorsAreRefused) {
 
 TEST(Params, ParseErrorsNameTheValue) {
   expect_invalid(parse_dtype("f64").status(), {"dtype = 'f64'", "f32, f16 or bf16"});
-  expect_invalid(parse_mode("dense").status(), {"mode = 'dense'", "exact, lsh or window"});
+  expect_invalid(parse_mode("dense").status(), {"mode = 'dense'", "exact, lsh, window or fixed_blocks"});
   expect_invalid(parse_lsh_algorithm("fast").status(), {"lsh_algorithm = 'fast'", "auto, per_sample or banded"});
   EXPECT_EQ(*parse_dtype("bfloat16"), DType::kBF16);
   EXPECT_EQ(*parse_dtype("float16"), DType::kF16);
   EXPECT_EQ(*parse_mode("window"), Mode::kWindow);
+  EXPECT_EQ(*parse_mode("fixed_blocks"), Mode::kFixedBlocks);
   EXPECT_EQ(*parse_lsh_algorithm("per-sample"), LshAlgorithm::kPerSample);
 }
 

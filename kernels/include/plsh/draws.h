@@ -46,6 +46,12 @@ std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t
 // and sigma; kIid gives draw_hashes' draws bit for bit.
 std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t samples, Sampling sampling);
 
+// The fixed-blocks baseline's one hash (SPEC section 4, the paper's
+// --fixed_block_size): pitch 2 sigma (the Gamma(2, sigma) mean) and shift
+// 0, so that bin(p) = floor(p / (2 sigma)). Biased: its mask is not L*.
+// sigma = +inf (slope 0) gives an infinite pitch: one block, as lsh's.
+Draw fixed_block_draw(double sigma);
+
 // kAsh: hashes per pitch for s samples, r = max(1, floor(sqrt(s) / 2 + 1/2))
 // (s = 16: 2, 64: 4, 256: 8, 1024: 16). Fewer pitches trade pitch variance
 // for shift variance; measured best of r in {1, 2, 4, 8, 16, 32} at s = 64

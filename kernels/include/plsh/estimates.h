@@ -32,13 +32,14 @@ PositionRange position_range(const AttentionParams& p);
 // query and key positions.
 int64_t max_block_size(std::span<const Draw> draws, const PositionRange& r);
 
-// What E = L* - M~ is for one head: lsh (M~ the mean of the draws' bin
-// indicators) or window (M~ = L* 1[|d| < window]). L* = exp(-|d| / sigma).
+// What E = L* - M~ is for one head: lsh and fixed_blocks (M~ the mean of
+// the draws' bin indicators; for fixed_blocks E is its bias) or window
+// (M~ = L* 1[|d| < window]). L* = exp(-|d| / sigma).
 // A view: the draws stay the plan's.
 struct HeadMask {
   Mode mode = Mode::kLsh;
   double sigma = 0;               // +inf for slope 0
-  std::span<const Draw> draws;    // lsh: the plan's draws of this head
+  std::span<const Draw> draws;    // lsh, fixed_blocks: the plan's draws of this head
   int64_t window = kNoWindow;     // window
 };
 

@@ -20,7 +20,11 @@
 namespace plsh {
 
 enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
-enum class Mode : int { kExact = 0, kLsh = 1, kWindow = 2 };
+// kFixedBlocks is the paper's --fixed_block_size baseline (SPEC section 4):
+// one deterministic hash per head, pitch 2 sigma_h and shift 0, its mask used
+// as is. It is biased (M != L*) and is not a sampler: a baseline for
+// experiments, never an approximation of ALiBi.
+enum class Mode : int { kExact = 0, kLsh = 1, kWindow = 2, kFixedBlocks = 3 };
 // SPEC section 3: the two algorithms that compute the same lsh output.
 enum class LshAlgorithm : int { kAuto = 0, kPerSample = 1, kBanded = 2 };
 enum class MemorySpace : int { kHost = 0, kDevice = 1 };
@@ -31,13 +35,14 @@ inline constexpr EnumName<DType> kDTypeNames[] = {{DType::kF32, "f32"}, {DType::
 inline constexpr EnumName<DType> kDTypeAliases[] = {{DType::kF32, "float32"},  {DType::kF32, "fp32"},
                                                     {DType::kF16, "float16"},  {DType::kF16, "fp16"},
                                                     {DType::kBF16, "bfloat16"}};
-inline constexpr EnumName<Mode> kModeNames[] = {{Mode::kExact, "exact"}, {Mode::kLsh, "lsh"}, {Mode::kWindow, "window"}};
+inline constexpr EnumName<Mode> kModeNames[] = {
+    {Mode::kExact, "exact"}, {Mode::kLsh, "lsh"}, {Mode::kWindow, "window"}, {Mode::kFixedBlocks, "fixed_blocks"}};
 inline constexpr EnumName<LshAlgorithm> kLshAlgorithmNames[] = {
     {LshAlgorithm::kAuto, "auto"}, {LshAlgorithm::kPerSample, "per_sample"}, {LshAlgorithm::kBanded, "banded"}};
 inline constexpr EnumName<LshAlgorithm> kLshAlgorithmAliases[] = {{LshAlgorithm::kPerSample, "per-sample"}};
 
 const char* dtype_name(DType t);       // "f32", "f16", "bf16"
-const char* mode_name(Mode m);         // "exact", "lsh", "window"
+const char* mode_name(Mode m);         // "exact", "lsh", "window", "fixed_blocks"
 const char* lsh_algorithm_name(LshAlgorithm a);  // "auto", "per_sample", "banded"
 size_t dtype_bytes(DType t);
 StatusOr<DType> parse_dtype(const std::string& s);   // f32|float32|fp32|f16|float16|fp16|bf16|bfloat16
@@ -68,6 +73,12 @@ inline constexpr Sampling kDefaultSampling = Sampling::kIid;
 // (bench/RESULTS.md, "Accuracy users can choose").
 inline constexpr Mode kDefaultTargetMode = Mode::kWindow;
 
+// The modes whose positional weights are the mean M~ of the block masks of a
+// plan's draws (SPEC sections 3 and 4): lsh (s hashes drawn from the seed)
+// and fixed_blocks (one fixed hash per head). Every backend, the estimates
+// and the backward run both on one path; only the draws differ (head_draws).
+inline bool uses_draws(Mode m) { return m == Mode::kLsh || m == Mode::kFixedBlocks; }
+
 // kv_heads = 0 means one kv head per query head (no grouping).
 inline int64_t resolved_kv_heads(int64_t heads, int64_t kv_heads) { return kv_heads == 0 ? heads : kv_heads; }
 
@@ -88,7 +99,9 @@ struct AttentionOptions {
   std::optional<int64_t> q_pos0;       // default Nk - Nq
   int64_t k_pos0 = 0;                  // absolute position of key row 0
   Mode mode = Mode::kLsh;
-  int64_t samples = kDefaultSamples;   // lsh: hashes per head (s)
+  // lsh: hashes per head (s). fixed_blocks reads none of samples, seed and
+  // sampling: its one hash per head is fixed.
+  int64_t samples = kDefaultSamples;
   uint64_t seed = 0;                   // lsh: draws seed (SPEC section 5)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;
   Sampling sampling = kDefaultSampling;  // lsh: how the s hashes of a head depend on each other (SPEC 5)
@@ -142,7 +155,7 @@ struct AttentionParams {
   int64_t q_pos0 = 0, k_pos0 = 0;
 
   Mode mode = Mode::kLsh;
-  int64_t samples = 0;
+  int64_t samples = 0;          // hashes per head: lsh's s, 1 for fixed_blocks, 0 otherwise
   uint64_t seed = 0;
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;
   Sampling sampling = Sampling::kIid;
@@ -160,6 +173,12 @@ struct AttentionParams {
 };
 
 inline constexpr int64_t kNoWindow = INT64_MAX;
+
+// Head h's hashes under p's mode: lsh's s draws of p.sampling from p.seed
+// (SPEC section 5), fixed_blocks' one fixed_block_draw, none otherwise. The
+// one place that turns a mode into draws (plan_draws, the client's shard
+// planner).
+std::vector<Draw> head_draws(const AttentionParams& p, int64_t h);
 
 // Standard ALiBi slopes for H heads (Press et al.; BLOOM's rule when H is
 // not a power of two).

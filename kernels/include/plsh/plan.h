@@ -73,8 +73,8 @@ struct Plan {
   }
 };
 
-// The draws of every head for lsh params (SPEC section 5, by p.sampling),
-// nothing otherwise: the one place that calls draw_hashes for a request.
+// The draws of every head (head_draws) for lsh and fixed_blocks params,
+// nothing otherwise: what a request's plan holds.
 std::vector<std::vector<Draw>> plan_draws(const AttentionParams& p);
 
 // Host bytes of plan_draws(p): the one count of a request's draws, which

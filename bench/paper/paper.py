@@ -214,7 +214,7 @@ class Attention:
         import plsh_client.torch as pt
         if self.record is not None:
             self.record.append(tuple(t.detach().numpy().copy() for t in (q, k, v)))
-        opts = dict(mode=self.mode, causal=True, slopes=self.slopes, client=self.client)
+        opts = dict(mode=self.mode, causal=True, slopes=self.slopes, client=self.client, layout="bnhd")
         if self.mode == "lsh":
             opts.update(samples=self.samples, sampling=self.sampling,
                         seed=int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item()))

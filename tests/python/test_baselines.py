@@ -74,7 +74,7 @@ def test_python_client_fixed_blocks_is_the_deterministic_mask_and_says_so(server
 def test_torch_op_trains_on_the_baselines(server, mode, slopes):
     q, k, v = leaves(2)
     with Client(server.address) as c:
-        out = pt.attention(q, k, v, client=c, mode=mode, causal=True, slopes=slopes, seed=3)
+        out = pt.attention(q, k, v, client=c, mode=mode, causal=True, slopes=slopes, seed=3, layout="bnhd")
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
         out.backward(dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -113,7 +113,7 @@ def test_torch_op_passes_the_sampler_to_forward_and_recomputed_backward(server):
         iid, _ = c.attend(q0, k0, v0, **{**opts, "sampling": "iid"})
         for keep in (True, False):
             q, k, v = leaves(3)
-            out = pt.attention(q, k, v, client=c, keep_context=keep, **opts)
+            out = pt.attention(q, k, v, client=c, keep_context=keep, layout="bnhd", **opts)
             np.testing.assert_array_equal(out.detach().numpy(), want)
             out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(6)))
             grads[keep] = (q.grad, k.grad, v.grad)

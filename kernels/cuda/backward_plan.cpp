@@ -118,7 +118,7 @@ void backward_row_stats(const AttentionParams& p, const BackwardParams& g, const
 
 namespace {
 
-int64_t backward_work_bytes(const WorkspacePlan& w, const AttentionParams& p, int64_t slots) {
+int64_t backward_work_bytes(const WorkspaceSlots& w, const AttentionParams& p, int64_t slots) {
   return carve_backward_work(slots, w.tile_rows, w.key_cols, p.head_dim, static_cast<int64_t>(dtype_bytes(p.dtype)),
                              nullptr, nullptr, nullptr);
 }
@@ -139,7 +139,7 @@ StatusOr<CudaBackwardLayout> plan_backward_layout(const AttentionParams& p, cons
                               std::to_string(device_cap_bytes) + " bytes");
   const WorkspaceShape ws = workspace_shape(p);
   const int64_t T = std::min(kTileRows, p.q_len), Kc = std::min(kMaxKeyCols, p.kv_len);
-  ASSIGN_OR_RETURN(b.work, plan_workspace_for(ws, left, [&](int64_t slots) {
+  ASSIGN_OR_RETURN(b.work, size_workspace_for(ws, left, [&](int64_t slots) {
                      return carve_backward_work(slots, T, Kc, p.head_dim, ws.elem_bytes, nullptr, nullptr, nullptr);
                    }));
   b.work_bytes = backward_work_bytes(b.work, p, b.work.slots);
@@ -159,7 +159,7 @@ Status check_backward_layout_fits(const CudaLayout& layout, const AttentionParam
   const int64_t staging = carve_backward_staging(p, grad_bytes, nullptr, nullptr);
   if (staging > b.staging_bytes) return over("staging", staging, b.staging_bytes);
   if (layout.table_bytes > b.table_bytes) return over("tables", layout.table_bytes, b.table_bytes);
-  const WorkspacePlan& w = b.work;
+  const WorkspaceSlots& w = b.work;
   if (w.tile_rows != std::min(kTileRows, p.q_len) || w.key_cols < std::min(kMaxKeyCols, p.kv_len))
     return internal_error("cuda backend: the backward plan's tiles (" + std::to_string(w.tile_rows) + " x " +
                           std::to_string(w.key_cols) + ") do not fit the params' q_len and kv_len");

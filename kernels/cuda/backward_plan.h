@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/backward.h"
 #include "plsh/params.h"
 #include "plsh/status.h"

@@ -31,13 +31,19 @@
 #include "cuda/fused_plan.h"
 #include "cuda/fused_run.h"
 #include "cuda/transfer.h"
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
 
 namespace plsh::cuda {
 
 namespace {
+
+// The caller holds `bytes` of the pool for this run already: its workspace
+// carries the admission's hold (CudaBackend::allocate_device) of that many.
+bool held_by_caller(const WorkspaceRef& workspace, int64_t bytes) {
+  return workspace.device != nullptr && workspace.device_bytes >= bytes;
+}
 
 // Calls the backend runs at once: $PLSH_CUDA_MAX_CALLS (a server sets it to
 // its --workers), else 8. A call past them waits for one to end.
@@ -263,9 +269,31 @@ class CudaBackend final : public Backend {
            p.heads * static_cast<int64_t>(sizeof(LaneSetup));
   }
 
-  // The caller's workspace is not read yet: forward and backward reserve
-  // their device bytes from the pool and allocate their host tables, as
-  // the plan sized them (issue 22 leaves that change to this backend).
+  // The admission's device bytes: held against this backend's pool budget
+  // from the header on (RESOURCE_EXHAUSTED when the other requests hold
+  // too much), so that nothing is refused for device memory after the ack.
+  // What it returns is that hold, not memory: a forward or backward given it
+  // in WorkspaceRef::device takes its buffers from the pool within it, on
+  // the request's stream (stream-ordered, freed in order); one given none
+  // (tests, benchmarks) reserves for itself as it starts.
+  StatusOr<std::shared_ptr<void>> allocate_device(int64_t bytes) const override {
+    if (bytes <= 0) return std::shared_ptr<void>();
+    RETURN_IF_ERROR(health_.usable());
+    RETURN_IF_ERROR(pool_.reserve(bytes));
+    struct Hold {
+      DevicePool* pool;
+      int64_t bytes;
+    };
+    return std::shared_ptr<void>(new Hold{&pool_, bytes}, [](void* h) {
+      const Hold* hold = static_cast<const Hold*>(h);
+      hold->pool->unreserve(hold->bytes);
+      delete hold;
+    });
+  }
+
+  // The caller's host workspace is not read yet: forward and backward
+  // allocate their host tables as the plan sized them; their device bytes
+  // are the caller's hold (allocate_device) or a reservation of their own.
   Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
                  ForwardStats* stats) override;
   // The estimates' probe rows with the forward (issue 19): fused plans of
@@ -281,28 +309,30 @@ class CudaBackend final : public Backend {
                   BackwardStats* stats) override;
 
  private:
-  Status run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats,
+  Status run_forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats,
                      const std::vector<std::vector<int64_t>>* probe_rows = nullptr, ProbeRowsOut* probe_out = nullptr);
   // The fused path's plan: its layout (fused_plan.h) against the cap.
   Status plan_fused(const AttentionParams& p, const PlanLimits& limits, int64_t cap, Plan* plan) const;
   // run(stream) holding `device_bytes` of the pool, as with_handle without
   // a cuBLAS handle (the fused path has no GEMM call).
   template <typename Run>
-  Status with_stream(const ExecContext& ctx, int64_t device_bytes, Run&& run);
-  Status run_backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx, BackwardStats* stats);
+  Status with_stream(const ExecContext& ctx, const WorkspaceRef& workspace, int64_t device_bytes, Run&& run);
+  Status run_backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace, const ExecContext& ctx,
+                      BackwardStats* stats);
   // forward and backward around their run_*: the device's health before
   // and after, stale errors cleared, sticky ones recorded.
   template <typename Run>
   Status guarded(Run&& run, const ExecContext& ctx);
   // run(handle, stream) on the request's stream (ctx.stream, or the
-  // thread's default stream) holding `device_bytes` of the pool, so that
-  // concurrent requests together never exceed its budget, and a cuBLAS
+  // thread's default stream) holding `device_bytes` of the pool (the
+  // caller's hold when `workspace` has one that large: allocate_device), so
+  // that concurrent requests together never exceed its budget, and a cuBLAS
   // handle set to that stream. Whatever path leaves, the work run queued
   // drains before the handle goes back to another request (the buffers run
   // allocated free in stream order before that; after a stop that is at
   // most the steps in flight, StepPacer), and the bytes go back last.
   template <typename Run>
-  Status with_handle(const ExecContext& ctx, int64_t device_bytes, Run&& run);
+  Status with_handle(const ExecContext& ctx, const WorkspaceRef& workspace, int64_t device_bytes, Run&& run);
 
   // The plan's cuda layout; INVALID_ARGUMENT for another backend's plan.
   StatusOr<const CudaLayout*> layout_of(const Plan& plan) const {
@@ -406,10 +436,11 @@ Status CudaBackend::guarded(Run&& run, const ExecContext& ctx) {
 }
 
 template <typename Run>
-Status CudaBackend::with_handle(const ExecContext& ctx, int64_t device_bytes, Run&& run) {
+Status CudaBackend::with_handle(const ExecContext& ctx, const WorkspaceRef& workspace, int64_t device_bytes,
+                                Run&& run) {
   cudaStream_t stream = ctx.stream != nullptr ? static_cast<cudaStream_t>(ctx.stream) : cudaStreamPerThread;
   Reservation reservation(pool_);
-  RETURN_IF_ERROR(reservation.take(device_bytes));
+  if (!held_by_caller(workspace, device_bytes)) RETURN_IF_ERROR(reservation.take(device_bytes));
   ASSIGN_OR_RETURN(cublasHandle_t handle, acquire_handle());
   struct HandleGuard {
     CudaBackend* self;
@@ -425,10 +456,11 @@ Status CudaBackend::with_handle(const ExecContext& ctx, int64_t device_bytes, Ru
 }
 
 template <typename Run>
-Status CudaBackend::with_stream(const ExecContext& ctx, int64_t device_bytes, Run&& run) {
+Status CudaBackend::with_stream(const ExecContext& ctx, const WorkspaceRef& workspace, int64_t device_bytes,
+                                Run&& run) {
   cudaStream_t stream = ctx.stream != nullptr ? static_cast<cudaStream_t>(ctx.stream) : cudaStreamPerThread;
   Reservation reservation(pool_);
-  RETURN_IF_ERROR(reservation.take(device_bytes));
+  if (!held_by_caller(workspace, device_bytes)) RETURN_IF_ERROR(reservation.take(device_bytes));
   struct Drain {
     cudaStream_t stream;
     ~Drain() { (void)cudaStreamSynchronize(stream); }  // its error, if sticky, is read by guarded()
@@ -466,30 +498,28 @@ Status CudaBackend::plan_fused(const AttentionParams& p, const PlanLimits& limit
 
 Status CudaBackend::forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
                             ForwardStats* stats) {
-  (void)workspace;
-  return guarded([&] { return run_forward(plan, ctx, stats); }, ctx);
+  return guarded([&] { return run_forward(plan, workspace, ctx, stats); }, ctx);
 }
 
 Status CudaBackend::forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
                                        const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats,
                                        ProbeRowsOut* out) {
-  (void)workspace;
   if (!probes_with_forward(plan))
     return failed_precondition("cuda backend: the plan has no probe (lsh or window, estimates and probe rows, host "
                                "tensors, the fused path), expected forward()");
   if (static_cast<int64_t>(rows.size()) != plan.params.heads)
     return invalid_argument("cuda backend: probe rows for " + std::to_string(rows.size()) + " heads, expected " +
                             std::to_string(plan.params.heads));
-  return guarded([&] { return run_forward(plan, ctx, stats, &rows, out); }, ctx);
+  return guarded([&] { return run_forward(plan, workspace, ctx, stats, &rows, out); }, ctx);
 }
 
 Status CudaBackend::backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace,
                              const ExecContext& ctx, BackwardStats* stats) {
-  (void)workspace;
-  return guarded([&] { return run_backward(plan, g, ctx, stats); }, ctx);
+  return guarded([&] { return run_backward(plan, g, workspace, ctx, stats); }, ctx);
 }
 
-Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, ForwardStats* stats,
+Status CudaBackend::run_forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
+                                ForwardStats* stats,
                                 const std::vector<std::vector<int64_t>>* probe_rows, ProbeRowsOut* probe_out) {
   ASSIGN_OR_RETURN(const CudaLayout* layout, layout_of(plan));
   const AttentionParams& p = plan.params;
@@ -499,7 +529,7 @@ Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, Forwar
   if (layout->fused != nullptr) {
     RETURN_IF_ERROR(check_fused_fits(*layout->fused, p));
     if (p.memory == MemorySpace::kDevice) RETURN_IF_ERROR(check_device_tensors(p));
-    return with_stream(ctx, layout->fused_bytes, [&](cudaStream_t stream) {
+    return with_stream(ctx, workspace, layout->fused_bytes, [&](cudaStream_t stream) {
       return run_fused_forward(plan, *layout->fused, ctx, pool_, pinned_, stream, stats, probe_rows, probe_out);
     });
   }
@@ -509,20 +539,20 @@ Status CudaBackend::run_forward(const Plan& plan, const ExecContext& ctx, Forwar
     return internal_error("cuda backend: the plan charges " + std::to_string(plan.forward_workspace.device_bytes) +
                           " device bytes, its layout sized " + std::to_string(layout->device_bytes()));
   if (p.memory == MemorySpace::kDevice) RETURN_IF_ERROR(check_device_tensors(p));
-  return with_handle(ctx, layout->device_bytes(), [&](cublasHandle_t handle, cudaStream_t stream) {
+  return with_handle(ctx, workspace, layout->device_bytes(), [&](cublasHandle_t handle, cudaStream_t stream) {
     return run_cuda_forward(plan, *layout, ctx, pool_, handle, stream, stats);
   });
 }
 
-Status CudaBackend::run_backward(const Plan& plan, const BackwardParams& g, const ExecContext& ctx,
-                                 BackwardStats* stats) {
+Status CudaBackend::run_backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& workspace,
+                                 const ExecContext& ctx, BackwardStats* stats) {
   ASSIGN_OR_RETURN(const CudaLayout* layout, layout_of(plan));
   const AttentionParams& p = plan.params;
   if (layout->fused != nullptr) {
     RETURN_IF_ERROR(check_fused_backward_inputs(plan, g));
     RETURN_IF_ERROR(check_fused_backward_fits(*layout->fused, p, static_cast<int64_t>(dtype_bytes(g.grad_dtype))));
     if (p.memory == MemorySpace::kDevice) RETURN_IF_ERROR(check_device_tensors(p));
-    return with_stream(ctx, layout->fused->backward_bytes, [&](cudaStream_t stream) {
+    return with_stream(ctx, workspace, layout->fused->backward_bytes, [&](cudaStream_t stream) {
       return run_fused_backward(plan, *layout->fused, g, ctx, pool_, pinned_, stream, stats);
     });
   }
@@ -532,23 +562,9 @@ Status CudaBackend::run_backward(const Plan& plan, const BackwardParams& g, cons
     return internal_error("cuda backend: the plan charges " + std::to_string(plan.backward_workspace.device_bytes) +
                           " device bytes for the backward, its layout sized " +
                           std::to_string(layout->backward.device_bytes()));
-  return with_handle(ctx, layout->backward.device_bytes(), [&](cublasHandle_t handle, cudaStream_t stream) {
+  return with_handle(ctx, workspace, layout->backward.device_bytes(), [&](cublasHandle_t handle, cudaStream_t stream) {
     return run_cuda_backward(plan, *layout, g, ctx, pool_, handle, stream, stats);
   });
-}
-
-Status no_device_reason(std::string* why) {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) {
-    *why = std::string("no CUDA device: cudaGetDeviceCount: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
-    return failed_precondition(*why);
-  }
-  if (count == 0) {
-    *why = "no CUDA device: cudaGetDeviceCount found 0 devices";
-    return failed_precondition(*why);
-  }
-  return Status::Ok();
 }
 
 }  // namespace
@@ -568,52 +584,4 @@ std::unique_ptr<Backend> make_cuda_backend(std::string* why_not, const CudaBacke
   return backend;
 }
 
-StatusOr<std::vector<int64_t>> device_bins(const Draw& draw, const std::vector<int64_t>& positions, int device) {
-  std::string why;
-  RETURN_IF_ERROR(no_device_reason(&why));
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  const int64_t n = static_cast<int64_t>(positions.size());
-  std::vector<int64_t> bins(positions.size());
-  if (n == 0) return bins;
-  long long* d_pos = nullptr;
-  long long* d_out = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaMalloc(&d_pos, static_cast<size_t>(n) * 8));
-  struct Free {
-    long long** a;
-    long long** b;
-    ~Free() {
-      (void)cudaFree(*a);
-      (void)cudaFree(*b);
-    }
-  } guard{&d_pos, &d_out};
-  CUDA_RETURN_IF_ERROR(cudaMalloc(&d_out, static_cast<size_t>(n) * 8));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(d_pos, positions.data(), static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice));
-  RETURN_IF_ERROR(launch_bins(d_pos, d_out, n, draw.pitch, draw.shift, nullptr));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(bins.data(), d_out, static_cast<size_t>(n) * 8, cudaMemcpyDeviceToHost));
-  return bins;
-}
-
 }  // namespace plsh::cuda
-
-// The registry's entry point (plsh/backend.h): the versioned plugin struct.
-namespace {
-
-plsh::Backend* create_cuda_backend(char* why_not, size_t why_not_size) {
-  std::string why;
-  std::unique_ptr<plsh::Backend> backend = plsh::cuda::make_cuda_backend(&why);
-  if (backend == nullptr && why_not != nullptr && why_not_size > 0) {
-    const size_t n = std::min(why.size(), why_not_size - 1);
-    std::memcpy(why_not, why.data(), n);
-    why_not[n] = '\0';
-  }
-  return backend.release();
-}
-
-const plsh::PlshBackendPlugin kCudaPlugin = {plsh::kBackendApiVersion, plsh::backend_abi_fingerprint(), "cuda",
-                                             &create_cuda_backend};
-
-}  // namespace
-
-extern "C" __attribute__((visibility("default"))) const plsh::PlshBackendPlugin* plsh_backend_plugin() {
-  return &kCudaPlugin;
-}

@@ -5,7 +5,7 @@
 // libplsh_cuda.so, which the registry dlopens, and into a static library
 // that tests and benchmarks call directly.
 //   tile_plan.h           the tile arithmetic the device and the host tests share
-//   workspace_plan.h, tile_plan.cpp   host planning: reach, lanes, rounds, the workspace layout
+//   workspace_slots.h, tile_plan.cpp   host planning: reach, lanes, rounds, the workspace layout
 //   cuda_kernels.h/.cu    device kernels and their launchers
 //   device_memory.h       the memory pool, its reservations, stream-ordered buffers
 //   cuda_backend.cpp      the Backend: plan, then forward over the rounds
@@ -34,6 +34,10 @@ struct CudaBackendOptions {
 
 // nullptr, with the reason in *why_not, when no CUDA device can be used.
 std::unique_ptr<Backend> make_cuda_backend(std::string* why_not, const CudaBackendOptions& options = {});
+
+// OK when the runtime finds a CUDA device; otherwise FAILED_PRECONDITION,
+// with the reason also in *why (cudaGetDeviceCount's error, or no devices).
+Status no_device_reason(std::string* why);
 
 // bin(pos) of every position under one draw, evaluated on the device the way
 // the lsh masks evaluate it; for tests that the device agrees with bin_of.

@@ -59,7 +59,7 @@ Status run_cuda_backward(const Plan& plan, const CudaLayout& layout, const Backw
                            .heads = p.heads, .kv_heads = p.kv_heads, .head_dim = D, .q_pos0 = p.q_pos0,
                            .k_pos0 = p.k_pos0, .shape = span_shape(p)};
 
-  const WorkspacePlan& work = bl.work;
+  const WorkspaceSlots& work = bl.work;
   const int64_t T = work.tile_rows;
   DeviceBuffer work_buffer;
   BackwardRoundBuffers rb;

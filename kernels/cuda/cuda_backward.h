@@ -14,7 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/device_memory.h"
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/backend.h"
 #include "plsh/backward.h"
 #include "plsh/plan.h"

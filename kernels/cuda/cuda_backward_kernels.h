@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "cuda/backward_plan.h"
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/params.h"
 #include "plsh/status.h"
 

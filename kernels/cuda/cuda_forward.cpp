@@ -44,7 +44,7 @@ Status run_cuda_forward(const Plan& plan, const CudaLayout& layout, const ExecCo
   out.heads = p.heads;
   out.shape = pr.shape;
 
-  const WorkspacePlan& work = layout.work;
+  const WorkspaceSlots& work = layout.work;
   const int64_t T = work.tile_rows;
   const int64_t D = p.head_dim;
   DeviceBuffer work_buffer;

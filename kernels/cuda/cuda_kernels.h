@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/params.h"
 #include "plsh/status.h"
 

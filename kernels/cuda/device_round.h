@@ -14,7 +14,7 @@
 
 #include "cuda/device_memory.h"
 #include "cuda/step_events.h"
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/backend.h"
 #include "plsh/params.h"
 #include "plsh/status.h"
@@ -45,7 +45,7 @@ Status stage_qkv(const AttentionParams& p, const OperandLayout& ops, const Stage
 // slots by `carve` (carve_work, carve_backward_work) into the round's
 // slices and the chunk accumulators.
 template <typename RoundBuffersT>
-Status carve_work_buffer(DevicePool& pool, const WorkspacePlan& work, int64_t work_bytes, int64_t head_dim,
+Status carve_work_buffer(DevicePool& pool, const WorkspaceSlots& work, int64_t work_bytes, int64_t head_dim,
                          int64_t elem_bytes, cudaStream_t stream,
                          int64_t (*carve)(int64_t, int64_t, int64_t, int64_t, int64_t, char*, RoundBuffersT*, Accumulators*),
                          DeviceBuffer* buffer, RoundBuffersT* rb, Accumulators* acc) {
@@ -84,7 +84,7 @@ class DeviceRounds {
   DeviceRounds(const ExecContext& ctx, cudaStream_t stream) : ctx_(ctx), stream_(stream) {}
 
   template <typename OnRound, typename OnChunkEnd>
-  Status run(const WorkspacePlan& work, const std::vector<LaneSetup>& heads, const AttentionParams& p,
+  Status run(const WorkspaceSlots& work, const std::vector<LaneSetup>& heads, const AttentionParams& p,
              const SpanShape& shape, const TableBuffers& tables, Accumulators* acc, OnRound&& on_round,
              OnChunkEnd&& on_chunk_end) {
     const int64_t lanes = p.batch * p.heads, tiles = tile_count(shape);

@@ -1,7 +1,7 @@
 // The host side of the fused kernels (fused_forward.h, fused_backward.h):
 // which requests they take, their per-head tables, the kernel arguments from
 // a request's params, the device workspace they carve (forward and
-// backward, in one place beside workspace_plan.h's), and the cost model by
+// backward, in one place beside workspace_slots.h's), and the cost model by
 // which the CUDA backend's `auto` picks banded (fused) or per-sample lsh
 // (SPEC section 3, "CUDA: choosing the lsh algorithm"). Host code only.
 #pragma once
@@ -11,7 +11,7 @@
 
 #include "cuda/fused_probe.h"
 #include "cuda/fused_tile.h"
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/backward.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"

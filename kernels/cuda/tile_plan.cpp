@@ -1,4 +1,4 @@
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -192,18 +192,18 @@ ForwardGemms forward_gemms(const OperandLayout& o, int64_t tile_rows, int64_t ke
   return g;
 }
 
-StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& s, int64_t budget_bytes) {
+StatusOr<WorkspaceSlots> size_workspace(const WorkspaceShape& s, int64_t budget_bytes) {
   const int64_t T = std::min(kTileRows, s.q_len), Kc = std::min(kMaxKeyCols, s.kv_len);
-  return plan_workspace_for(s, budget_bytes, [&](int64_t slots) {
+  return size_workspace_for(s, budget_bytes, [&](int64_t slots) {
     return carve_work(slots, T, Kc, s.head_dim, s.elem_bytes, nullptr, nullptr, nullptr);
   });
 }
 
-StatusOr<WorkspacePlan> plan_workspace_for(const WorkspaceShape& s, int64_t budget_bytes,
+StatusOr<WorkspaceSlots> size_workspace_for(const WorkspaceShape& s, int64_t budget_bytes,
                                            const std::function<int64_t(int64_t slots)>& work_bytes) {
   if (s.lanes < 1 || s.q_len < 1 || s.kv_len < 1 || s.head_dim < 1 || s.elem_bytes < 1)
     return invalid_argument("workspace shape: lanes, q_len, kv_len, head_dim and elem_bytes must be >= 1");
-  WorkspacePlan p;
+  WorkspaceSlots p;
   p.tile_rows = std::min(kTileRows, s.q_len);
   p.key_cols = std::min(kMaxKeyCols, s.kv_len);
   const int64_t T = p.tile_rows;
@@ -396,7 +396,7 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
     return resource_exhausted("cuda workspace: staging (" + std::to_string(layout.staging_bytes) + " bytes) and lane tables (" +
                               std::to_string(layout.table_bytes) + " bytes) alone exceed the request's device memory of " +
                               std::to_string(device_cap_bytes) + " bytes");
-  ASSIGN_OR_RETURN(layout.work, plan_workspace(ws, left));
+  ASSIGN_OR_RETURN(layout.work, size_workspace(ws, left));
   layout.work_bytes = carve_work(layout.work.slots, layout.work.tile_rows, layout.work.key_cols, p.head_dim,
                                  ws.elem_bytes, nullptr, nullptr, nullptr);
   return layout;
@@ -416,7 +416,7 @@ Status check_layout_fits(const CudaLayout& layout, const AttentionParams& p) {
   }
   const int64_t tables = carve_tables(p.heads, layout.table_entries, layout.cublas_workspace_bytes, nullptr, nullptr);
   if (tables > layout.table_bytes) return over("tables", tables, layout.table_bytes);
-  const WorkspacePlan& w = layout.work;
+  const WorkspaceSlots& w = layout.work;
   if (w.tile_rows != std::min(kTileRows, p.q_len) || w.key_cols < std::min(kMaxKeyCols, p.kv_len))
     return internal_error("cuda backend: the plan's tiles (" + std::to_string(w.tile_rows) + " x " +
                           std::to_string(w.key_cols) + ") do not fit the params' q_len and kv_len");

@@ -40,7 +40,7 @@ struct WorkspaceShape {
   int64_t elem_bytes = 0;  // of q, k, v (and of the probabilities fed to the second GEMM)
 };
 
-struct WorkspacePlan {
+struct WorkspaceSlots {
   int64_t tile_rows = 0;        // T
   int64_t key_cols = 0;         // widest Kc
   int64_t bytes_per_slot = 0;   // every slice of the work buffer for one slot (work_slices)
@@ -192,10 +192,10 @@ ForwardGemms forward_gemms(const OperandLayout& o, int64_t tile_rows, int64_t ke
 
 // The largest chunk of (lanes x tiles) whose work buffer (carve_work) fits
 // `budget_bytes`; RESOURCE_EXHAUSTED when not even one tile fits.
-StatusOr<WorkspacePlan> plan_workspace(const WorkspaceShape& shape, int64_t budget_bytes);
+StatusOr<WorkspaceSlots> size_workspace(const WorkspaceShape& shape, int64_t budget_bytes);
 // The same for any work buffer whose bytes for a number of slots
 // work_bytes gives (the backward's, backward_plan.h).
-StatusOr<WorkspacePlan> plan_workspace_for(const WorkspaceShape& shape, int64_t budget_bytes,
+StatusOr<WorkspaceSlots> size_workspace_for(const WorkspaceShape& shape, int64_t budget_bytes,
                                            const std::function<int64_t(int64_t slots)>& work_bytes);
 
 // One lane's passes, as the planner needs them: per pass the rule and its
@@ -224,7 +224,7 @@ int64_t lane_table_entries(const SpanShape& shape, const std::vector<LaneSetup>&
 // with PlanLimits::backward: what plan.backward_workspace.device_bytes
 // counts is exactly what backward allocates.
 struct CudaBackwardLayout {
-  WorkspacePlan work;          // slots of carve_backward_work
+  WorkspaceSlots work;          // slots of carve_backward_work
   int64_t staging_bytes = 0;   // carve_backward_staging
   int64_t table_bytes = 0;     // carve_tables, as the forward's
   int64_t work_bytes = 0;      // carve_backward_work for work.slots
@@ -240,7 +240,7 @@ struct FusedLayout;
 // counts is exactly what forward allocates.
 struct CudaLayout : BackendLayout {
   std::vector<LaneSetup> heads;  // head_passes of the plan's draws
-  WorkspacePlan work;
+  WorkspaceSlots work;
   int64_t staging_bytes = 0;     // carve_staging (0 for device tensors)
   int64_t table_entries = 0;     // lane_table_entries of the largest chunk of lanes
   int64_t cublas_workspace_bytes = 0;  // cublas_workspace_for the cap
@@ -282,7 +282,7 @@ struct Chunk {
 };
 
 // How many chunks `lanes` lanes of `tiles` tiles make under `work`.
-inline int64_t chunk_count(const WorkspacePlan& work, int64_t lanes, int64_t tiles) {
+inline int64_t chunk_count(const WorkspaceSlots& work, int64_t lanes, int64_t tiles) {
   return ceil_div(lanes, work.lanes_per_chunk) * ceil_div(tiles, work.tiles_per_chunk);
 }
 
@@ -290,7 +290,7 @@ inline int64_t chunk_count(const WorkspacePlan& work, int64_t lanes, int64_t til
 // tile ranges of tiles_per_chunk inside, as the forward and the backward
 // (and their host emulations) run them; stops at the first error f returns.
 template <typename F>
-Status for_each_chunk(const WorkspacePlan& work, const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lanes,
+Status for_each_chunk(const WorkspaceSlots& work, const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lanes,
                       int64_t tiles, F&& f) {
   int64_t index = 0;
   for (int64_t lane0 = 0; lane0 < lanes; lane0 += work.lanes_per_chunk) {

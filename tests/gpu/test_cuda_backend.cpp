@@ -282,6 +282,47 @@ TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
   EXPECT_EQ(mem->budget_bytes, budget);
 }
 
+// The admission's device bytes (Backend::allocate_device) are held against
+// the pool's budget from the header on: a second hold past the budget is
+// RESOURCE_EXHAUSTED, the bytes come back when the hold goes, and a forward
+// given the hold runs inside it without reserving again (issue 22).
+TEST(CudaWorkspace, AllocateDeviceHoldsThePoolForTheRequest) {
+  const int64_t budget = int64_t{64} << 20;
+  REQUIRE_CUDA_BUDGET(backend, budget);
+  const AttentionOptions o{.q_len = 512, .kv_len = 512, .heads = 4, .head_dim = 64, .dtype = DType::kBF16,
+                           .causal = true, .mode = Mode::kExact, .estimates = false};
+  StatusOr<AttentionParams> p = resolve_params(o);
+  ASSERT_TRUE(p.ok());
+  StatusOr<Plan> plan = backend->plan(*p, PlanLimits{});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  const int64_t bytes = plan->workspace().device_bytes;
+  ASSERT_GT(bytes, 0);
+  StatusOr<std::shared_ptr<void>> hold = backend->allocate_device(bytes);
+  ASSERT_TRUE(hold.ok()) << hold.status().to_string();
+  EXPECT_EQ(backend->allocate_device(budget - bytes + 1).status().code(), StatusCode::kResourceExhausted);
+
+  const testing::RandomTensors t = testing::random_qkv(o, 21);
+  std::vector<uint8_t> out = testing::output_buffer(o);
+  Plan run = *plan;
+  ASSERT_TRUE(bind_tensors(&run.params, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost}).ok());
+  StatusOr<HostWorkspace> host = HostWorkspace::allocate(run.workspace().host_bytes);
+  ASSERT_TRUE(host.ok());
+  // The rest of the pool held elsewhere: a forward that reserved again
+  // would be refused; this one runs in the caller's hold.
+  StatusOr<std::shared_ptr<void>> rest = backend->allocate_device(budget - bytes);
+  ASSERT_TRUE(rest.ok()) << rest.status().to_string();
+  WorkspaceRef w = host->ref();
+  w.device = hold->get();
+  w.device_bytes = bytes;
+  const Status s = backend->forward(run, w, ExecContext{}, nullptr);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  const testing::ReferenceOutput ref = testing::reference_attention(run.params);
+  EXPECT_LE(compare(out.data(), o.dtype, ref.out).max_rel, tolerance(o.dtype));
+  rest->reset();
+  hold->reset();
+  EXPECT_TRUE(backend->allocate_device(budget).ok()) << "every hold given back";
+}
+
 // Device tensors whose rows are not 16-byte multiples are refused before
 // any GEMM sees them (a misaligned access would lose the context).
 TEST(CudaMemory, UnalignedDeviceTensorsAreRefused) {

@@ -19,7 +19,7 @@
 #include "cpu/cpu_backend.h"
 #include "cuda/backward_plan.h"
 #include "cuda/cuda_backend.h"
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "cuda_test_backend.h"
 #include "gpu_cases.h"
 #include "plsh/attention.h"

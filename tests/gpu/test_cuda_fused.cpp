@@ -18,7 +18,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/fused_host.h"
 #include "cuda/fused_plan.h"
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "cuda_test_backend.h"
 #include "fused_cases.h"
 #include "log_reference.h"

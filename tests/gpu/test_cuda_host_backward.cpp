@@ -25,7 +25,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "cuda/backward_plan.h"
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/attention.h"
 #include "plsh/backward.h"
 #include "plsh/numeric.h"
@@ -103,7 +103,7 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
   EXPECT_LE(carve_backward_work(bl.work.slots, bl.work.tile_rows, bl.work.key_cols, D, esz, work_buffer.data(), &rb, &acc),
             bl.work_bytes);
   const SpanShape shape = span_shape(p);
-  const WorkspacePlan& work = bl.work;
+  const WorkspaceSlots& work = bl.work;
   const int64_t T = work.tile_rows;
   const int64_t Dp = partial_pitch(D);
   const float scale = static_cast<float>(p.scale);

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "cpu/cpu_backend.h"
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/plan.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
@@ -49,9 +49,9 @@ struct Emulated {
 Emulated emulate(const AttentionParams& p, int64_t budget) {
   const SpanShape shape = span_shape(p);
   const std::vector<LaneSetup> heads = head_passes(p, plan_draws(p));
-  StatusOr<WorkspacePlan> plan_or = plan_workspace(workspace_shape(p), budget);
+  StatusOr<WorkspaceSlots> plan_or = size_workspace(workspace_shape(p), budget);
   EXPECT_TRUE(plan_or.ok()) << plan_or.status().to_string();
-  const WorkspacePlan plan = *plan_or;
+  const WorkspaceSlots plan = *plan_or;
   const int64_t T = plan.tile_rows, D = p.head_dim;
   Emulated e;
   e.out.assign(static_cast<size_t>(p.batch * p.q_len * p.heads * D), std::numeric_limits<double>::quiet_NaN());

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/workspace_plan.h"
+#include "cuda/workspace_slots.h"
 #include "plsh/plan.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
@@ -289,7 +289,7 @@ TEST(Workspace, FitsTheBudgetAndDoesNotGrowWithN) {
   const int64_t budget = int64_t{1} << 30;
   int64_t per_slot = 0;
   for (int64_t n : {int64_t{1} << 13, int64_t{1} << 17, int64_t{1} << 19, int64_t{1} << 24}) {
-    StatusOr<WorkspacePlan> p = plan_workspace(shape_for(n), budget);
+    StatusOr<WorkspaceSlots> p = size_workspace(shape_for(n), budget);
     ASSERT_TRUE(p.ok()) << p.status().to_string();
     const WorkspaceShape s = shape_for(n);
     auto carved = [&](int64_t slots) {
@@ -311,7 +311,7 @@ TEST(Workspace, FitsTheBudgetAndDoesNotGrowWithN) {
 TEST(Workspace, SmallProblemTakesOneChunk) {
   WorkspaceShape s = shape_for(1000);
   s.lanes = 4;
-  StatusOr<WorkspacePlan> p = plan_workspace(s, int64_t{1} << 32);
+  StatusOr<WorkspaceSlots> p = size_workspace(s, int64_t{1} << 32);
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->lanes_per_chunk, 4);
   EXPECT_EQ(p->tiles_per_chunk, ceil_div(1000, 64));
@@ -319,7 +319,7 @@ TEST(Workspace, SmallProblemTakesOneChunk) {
 
 TEST(Workspace, TightBudgetChunksOverLanes) {
   const WorkspaceShape s = shape_for(1 << 16);
-  StatusOr<WorkspacePlan> one = plan_workspace(s, 1 << 20);
+  StatusOr<WorkspaceSlots> one = size_workspace(s, 1 << 20);
   ASSERT_TRUE(one.ok());
   EXPECT_LE(one->bytes, 1 << 20);
   EXPECT_EQ(one->tiles_per_chunk, 1);
@@ -328,7 +328,7 @@ TEST(Workspace, TightBudgetChunksOverLanes) {
 }
 
 TEST(Workspace, RefusesABudgetBelowOneTile) {
-  StatusOr<WorkspacePlan> p = plan_workspace(shape_for(4096), 1000);
+  StatusOr<WorkspaceSlots> p = size_workspace(shape_for(4096), 1000);
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(p.status().code(), StatusCode::kResourceExhausted);
   EXPECT_NE(p.status().message().find("device memory"), std::string::npos) << p.status().message();
@@ -582,12 +582,12 @@ TEST(CudaGemm, BatchesNeverExceed65535Matrices) {
 TEST(Workspace, LaunchLimitsHoldForHugeBudgets) {
   WorkspaceShape s = shape_for(int64_t{1} << 20);
   s.lanes = 100000;
-  StatusOr<WorkspacePlan> p = plan_workspace(s, int64_t{1} << 50);
+  StatusOr<WorkspaceSlots> p = size_workspace(s, int64_t{1} << 50);
   ASSERT_TRUE(p.ok());
   EXPECT_LE(p->lanes_per_chunk, kMaxLanesPerChunk);
   EXPECT_LE(p->slots, kMaxSlots);
   WorkspaceShape bench = shape_for(int64_t{1} << 17);
-  StatusOr<WorkspacePlan> big = plan_workspace(bench, int64_t{50} << 30);  // half an H200's pool
+  StatusOr<WorkspaceSlots> big = size_workspace(bench, int64_t{50} << 30);  // half an H200's pool
   ASSERT_TRUE(big.ok());
   EXPECT_GT(big->slots, kMaxGemmBatch);
   EXPECT_GT(gemm_batches(big->slots).size(), 1u);

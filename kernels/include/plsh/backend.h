@@ -133,6 +133,8 @@ class Backend {
   // with the request, before the ack, and hands it to forward and backward
   // as WorkspaceRef::device. Freed when the last copy goes. Null for 0
   // bytes; backends without a device refuse more (FAILED_PRECONDITION).
+  // The CUDA backend's is a hold on its stream-ordered pool, not memory to
+  // write: its steps take their buffers from the pool within the hold.
   virtual StatusOr<std::shared_ptr<void>> allocate_device(int64_t bytes) const {
     if (bytes <= 0) return std::shared_ptr<void>();
     return failed_precondition("the " + name() + " backend has no device memory to allocate " + std::to_string(bytes) +

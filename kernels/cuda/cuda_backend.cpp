@@ -438,21 +438,20 @@ Status CudaBackend::guarded(Run&& run, const ExecContext& ctx) {
 template <typename Run>
 Status CudaBackend::with_handle(const ExecContext& ctx, const WorkspaceRef& workspace, int64_t device_bytes,
                                 Run&& run) {
-  cudaStream_t stream = ctx.stream != nullptr ? static_cast<cudaStream_t>(ctx.stream) : cudaStreamPerThread;
-  Reservation reservation(pool_);
-  if (!held_by_caller(workspace, device_bytes)) RETURN_IF_ERROR(reservation.take(device_bytes));
-  ASSIGN_OR_RETURN(cublasHandle_t handle, acquire_handle());
-  struct HandleGuard {
-    CudaBackend* self;
-    cublasHandle_t h;
-    cudaStream_t stream;
-    ~HandleGuard() {
-      (void)cudaStreamSynchronize(stream);  // its error, if sticky, is read by guarded()
-      self->release_handle(h);
-    }
-  } handle_guard{this, handle, stream};
-  CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle, stream));
-  return run(handle, stream);
+  return with_stream(ctx, workspace, device_bytes, [&](cudaStream_t stream) -> Status {
+    ASSIGN_OR_RETURN(cublasHandle_t handle, acquire_handle());
+    struct HandleGuard {
+      CudaBackend* self;
+      cublasHandle_t h;
+      cudaStream_t stream;
+      ~HandleGuard() {
+        (void)cudaStreamSynchronize(stream);  // drained before another request may have the handle
+        self->release_handle(h);
+      }
+    } handle_guard{this, handle, stream};
+    CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle, stream));
+    return run(handle, stream);
+  });
 }
 
 template <typename Run>

@@ -38,7 +38,8 @@ ctest_tally() {
 # UndefinedBehaviorSanitizer, without recovery: any report fails its test.
 # The integration and Python tests start this build's plsh-server. Not the
 # image test: it builds the image from the sources with podman, whatever the
-# build directory, so it would only repeat the first step's.
+# build directory, so it would only repeat the first step's. Nor the static
+# checks (label lint: mypy, flake8), which read sources, not binaries.
 sanitizer_tests() {
   local flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g1"
   cmake -S . -B "$asan_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPLSH_WITH_CUDA=OFF \
@@ -46,7 +47,7 @@ sanitizer_tests() {
   cmake --build "$asan_dir" -j"$jobs"
   ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1} \
   UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1} \
-    ctest --test-dir "$asan_dir" --output-on-failure -j"$jobs" --timeout 900 -LE image 2>&1 | tee "$asan_dir/ctest.log"
+    ctest --test-dir "$asan_dir" --output-on-failure -j"$jobs" --timeout 900 -LE 'image|lint' 2>&1 | tee "$asan_dir/ctest.log"
 }
 
 # 30 s of bench/soak.py's mixed load (valid requests of every mode checked

@@ -91,8 +91,9 @@ int main(int argc, char** argv) {
                     m.flops / m.median.cpu / 1e9);
       } else {
         std::printf("| %lld | %s | %.3f | %.3f | %.1fx | %.2e | %.1f | %.1f | %.1f |\n", static_cast<long long>(n),
-                    label.c_str(), m.median.wall, m.median.cpu, exact_s / m.median.wall, plsh::testing::compare(m.out.data(), plsh::DType::kF32, exact_out).rel_l2,
-                    m.flops / 1e9, m.flops / m.median.wall / 1e9, m.flops / m.median.cpu / 1e9);
+                    label.c_str(), m.median.wall, m.median.cpu, exact_s / m.median.wall,
+                    plsh::testing::compare(m.out.data(), plsh::DType::kF32, exact_out).rel_l2, m.flops / 1e9,
+                    m.flops / m.median.wall / 1e9, m.flops / m.median.cpu / 1e9);
       }
       std::fflush(stdout);
     }

@@ -67,17 +67,19 @@ int main(int argc, char** argv) {
       plsh::StatusOr<plsh::HostWorkspace> workspace = plsh::HostWorkspace::allocate(plan->workspace().host_bytes);
       die_unless(workspace.status());
       const plsh::WorkspaceRef w = workspace->ref();
-      const Timing fwd = median_of(flags.runs, [&] { die_unless(cpu->forward(*plan, w, plsh::ExecContext{}, nullptr)); });
+      const Timing fwd =
+          median_of(flags.runs, [&] { die_unless(cpu->forward(*plan, w, plsh::ExecContext{}, nullptr)); });
       plsh::BackwardStats stats;
-      const Timing bwd = median_of(flags.runs, [&] { die_unless(cpu->backward(*plan, *g, w, plsh::ExecContext{}, &stats)); });
+      const Timing bwd =
+          median_of(flags.runs, [&] { die_unless(cpu->backward(*plan, *g, w, plsh::ExecContext{}, &stats)); });
       std::string label = mode_name;
       if (o.mode == plsh::Mode::kLsh)
-        label += " s=" + std::to_string(flags.samples) + " (" + plsh::lsh_algorithm_name(plan->lsh_algorithm) +
-                 " forward)";
+        label +=
+            " s=" + std::to_string(flags.samples) + " (" + plsh::lsh_algorithm_name(plan->lsh_algorithm) + " forward)";
       if (o.mode == plsh::Mode::kWindow) label += " (eps 1e-4)";
-      std::printf("| %lld | %s | %.3f | %.3f | %.2fx | %.3f | %.3f | %.2fx | %.1f | %.1f |\n", static_cast<long long>(n),
-                  label.c_str(), fwd.wall, bwd.wall, bwd.wall / fwd.wall, fwd.cpu, bwd.cpu, bwd.cpu / fwd.cpu,
-                  stats.flops / 1e9, stats.flops / bwd.cpu / 1e9);
+      std::printf("| %lld | %s | %.3f | %.3f | %.2fx | %.3f | %.3f | %.2fx | %.1f | %.1f |\n",
+                  static_cast<long long>(n), label.c_str(), fwd.wall, bwd.wall, bwd.wall / fwd.wall, fwd.cpu, bwd.cpu,
+                  bwd.cpu / fwd.cpu, stats.flops / 1e9, stats.flops / bwd.cpu / 1e9);
       std::fflush(stdout);
     }
   }

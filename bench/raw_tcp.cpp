@@ -155,8 +155,10 @@ int main(int argc, char** argv) {
   const double cpu_per_transfer = (sender_cpu + receiver_cpu) / static_cast<double>(repeat);
   std::sort(seconds.begin(), seconds.end());
   const double best = seconds.front(), median = seconds[seconds.size() / 2];
-  std::printf("raw_tcp bytes=%lld chunk=%lld repeat=%lld best_s=%.4f median_s=%.4f best_mb_s=%.1f median_mb_s=%.1f cpu_s=%.3f\n",
-              bytes, chunk, repeat, best, median, 1e-6 * static_cast<double>(bytes) / best,
-              1e-6 * static_cast<double>(bytes) / median, cpu_per_transfer);
+  std::printf(
+      "raw_tcp bytes=%lld chunk=%lld repeat=%lld best_s=%.4f median_s=%.4f best_mb_s=%.1f median_mb_s=%.1f "
+      "cpu_s=%.3f\n",
+      bytes, chunk, repeat, best, median, 1e-6 * static_cast<double>(bytes) / best,
+      1e-6 * static_cast<double>(bytes) / median, cpu_per_transfer);
   return 0;
 }

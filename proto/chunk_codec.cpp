@@ -109,7 +109,7 @@ bool ChunkReader::read(const grpc::ByteBuffer& buffer) {
     uint64_t value = 0;
     if (field >= 1 && field <= 3) {
       if (wire_type != kVarint || !in.varint(&value)) return false;  // a mistyped field: protobuf's to judge
-      if (field == 1) tensor_ = static_cast<int32_t>(value);          // an enum: int32, as protobuf truncates it
+      if (field == 1) tensor_ = static_cast<int32_t>(value);         // an enum: int32, as protobuf truncates it
       if (field == 2) row_start_ = static_cast<int64_t>(value);
       if (field == 3) row_count_ = static_cast<int64_t>(value);
     } else if (field == 4) {
@@ -126,11 +126,20 @@ bool ChunkReader::read(const grpc::ByteBuffer& buffer) {
       // aside, and the server never looks at it). Groups go to protobuf.
       bool ok = false;
       switch (wire_type) {
-        case kVarint: ok = in.varint(&value); break;
-        case kFixed64: ok = in.skip(8); break;
-        case kFixed32: ok = in.skip(4); break;
-        case kLengthDelimited: ok = in.varint(&value) && in.skip(value); break;
-        default: break;
+        case kVarint:
+          ok = in.varint(&value);
+          break;
+        case kFixed64:
+          ok = in.skip(8);
+          break;
+        case kFixed32:
+          ok = in.skip(4);
+          break;
+        case kLengthDelimited:
+          ok = in.varint(&value) && in.skip(value);
+          break;
+        default:
+          break;
       }
       if (!ok) return false;
     }
@@ -186,9 +195,9 @@ grpc::ByteBuffer encode_chunk(int tensor, int64_t row_start, int64_t row_count, 
     if (release != nullptr) release(arg);
     return grpc::ByteBuffer(&first, 1);
   }
-  grpc::Slice slices[2] = {std::move(first),
-                           release != nullptr ? grpc::Slice(const_cast<void*>(data), bytes, release, arg)
-                                              : grpc::Slice(data, bytes, grpc::Slice::STATIC_SLICE)};
+  grpc::Slice slices[2] = {std::move(first), release != nullptr
+                                                 ? grpc::Slice(const_cast<void*>(data), bytes, release, arg)
+                                                 : grpc::Slice(data, bytes, grpc::Slice::STATIC_SLICE)};
   return grpc::ByteBuffer(slices, 2);
 }
 

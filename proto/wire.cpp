@@ -26,8 +26,9 @@ constexpr EnumPair<LshAlgorithm, v1::LshAlgorithm> kLshAlgorithms[] = {
     {LshAlgorithm::kAuto, v1::LSH_ALGORITHM_AUTO},
     {LshAlgorithm::kPerSample, v1::LSH_ALGORITHM_PER_SAMPLE},
     {LshAlgorithm::kBanded, v1::LSH_ALGORITHM_BANDED}};
-constexpr EnumPair<Sampling, v1::Sampling> kSamplings[] = {
-    {Sampling::kIid, v1::SAMPLING_IID}, {Sampling::kStratified, v1::SAMPLING_STRATIFIED}, {Sampling::kAsh, v1::SAMPLING_ASH}};
+constexpr EnumPair<Sampling, v1::Sampling> kSamplings[] = {{Sampling::kIid, v1::SAMPLING_IID},
+                                                           {Sampling::kStratified, v1::SAMPLING_STRATIFIED},
+                                                           {Sampling::kAsh, v1::SAMPLING_ASH}};
 
 template <class Value, class Wire, size_t N>
 Wire wire_of(const EnumPair<Value, Wire> (&table)[N], Value value, Wire otherwise) {
@@ -39,7 +40,8 @@ Wire wire_of(const EnumPair<Value, Wire> (&table)[N], Value value, Wire otherwis
 // INVALID_ARGUMENT "<field> = <shown>, expected A, B or C" for a value
 // outside the table.
 template <class Value, class Wire, size_t N>
-StatusOr<Value> value_of(const EnumPair<Value, Wire> (&table)[N], int wire, const char* field, const std::string& shown) {
+StatusOr<Value> value_of(const EnumPair<Value, Wire> (&table)[N], int wire, const char* field,
+                         const std::string& shown) {
   for (const auto& p : table)
     if (static_cast<int>(p.wire) == wire) return p.value;
   const google::protobuf::EnumDescriptor* names = google::protobuf::GetEnumDescriptor<Wire>();

@@ -35,8 +35,8 @@ Status Admission::Ticket::open(const std::multimap<grpc::string_ref, grpc::strin
   }
   if (a.draining()) return unavailable("server is shutting down; retry on another replica");
   if (open > a.options_.max_concurrent)
-    return resource_exhausted("open requests = " + std::to_string(open) + ", expected <= " +
-                              std::to_string(a.options_.max_concurrent) +
+    return resource_exhausted("open requests = " + std::to_string(open) +
+                              ", expected <= " + std::to_string(a.options_.max_concurrent) +
                               " (the server's --max-concurrent); retry later");
   if (client_) {
     RETURN_IF_ERROR(client_->open_stream());

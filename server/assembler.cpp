@@ -18,8 +18,15 @@ Assembler::Assembler(std::initializer_list<AssemblyTarget> targets) {
   for (const AssemblyTarget& t : targets) {
     if (count_ == kMaxTensors) break;
     // A tensor in shared memory is there whole: no chunks of it.
-    tensors_[count_++] = {t.tensor,    t.name,   t.data, t.shape.rows, t.shape.row_bytes,
-                          t.rows_expr, t.in_shm, {},     t.in_shm ? t.shape.rows : 0};
+    tensors_[count_++] = {t.tensor,
+                          t.name,
+                          t.data,
+                          t.shape.rows,
+                          t.shape.row_bytes,
+                          t.rows_expr,
+                          t.in_shm,
+                          {},
+                          t.in_shm ? t.shape.rows : 0};
   }
 }
 
@@ -40,12 +47,12 @@ StatusOr<uint8_t*> Assembler::accept(int tensor, int64_t start, int64_t count, s
     return invalid_argument(who + "the header placed " + t.name + " in shared memory (" + t.name +
                             "_shm), expected no chunks of it");
   if (start < 0 || start >= t.rows)
-    return invalid_argument(who + "row_start = " + std::to_string(start) + ", expected in [0, " + std::to_string(t.rows) +
-                            ") (" + t.rows_expr + ")");
+    return invalid_argument(who + "row_start = " + std::to_string(start) + ", expected in [0, " +
+                            std::to_string(t.rows) + ") (" + t.rows_expr + ")");
   if (count < 1 || count > t.rows - start)
-    return invalid_argument(who + "row_count = " + std::to_string(count) + " from row_start = " + std::to_string(start) +
-                            ", expected in [1, " + std::to_string(t.rows - start) + "] (" + t.rows_expr + " = " +
-                            std::to_string(t.rows) + " rows)");
+    return invalid_argument(who + "row_count = " + std::to_string(count) + " from row_start = " +
+                            std::to_string(start) + ", expected in [1, " + std::to_string(t.rows - start) + "] (" +
+                            t.rows_expr + " = " + std::to_string(t.rows) + " rows)");
   const int64_t end = start + count;
   const int64_t expected_bytes = count * t.row_bytes;
   if (data_bytes != static_cast<size_t>(expected_bytes))
@@ -90,7 +97,7 @@ StatusOr<uint8_t*> Assembler::accept(int tensor, int64_t start, int64_t count, s
 }
 
 Status Assembler::add(const v1::TensorChunk& chunk) {
-  ASSIGN_OR_RETURN(uint8_t* dst, accept(chunk.tensor(), chunk.row_start(), chunk.row_count(), chunk.data().size()));
+  ASSIGN_OR_RETURN(uint8_t * dst, accept(chunk.tensor(), chunk.row_start(), chunk.row_count(), chunk.data().size()));
   std::memcpy(dst, chunk.data().data(), chunk.data().size());
   return Status::Ok();
 }

@@ -53,9 +53,9 @@ class Assembler {
     uint8_t* data = nullptr;
     int64_t rows = 0;
     int64_t row_bytes = 0;
-    const char* rows_expr = "";          // "batch * q_len"
-    bool in_shm = false;                 // in shared memory: no chunks
-    std::map<int64_t, int64_t> ranges;   // start -> end (exclusive), disjoint, merged when adjacent
+    const char* rows_expr = "";         // "batch * q_len"
+    bool in_shm = false;                // in shared memory: no chunks
+    std::map<int64_t, int64_t> ranges;  // start -> end (exclusive), disjoint, merged when adjacent
     int64_t rows_received = 0;
   };
   TensorState tensors_[kMaxTensors];

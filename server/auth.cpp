@@ -34,11 +34,13 @@ std::array<uint8_t, 32> sha256(const void* data, size_t size) {
 
 StatusOr<std::string> read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return invalid_argument("--token-file = '" + echo_value(path, 256) + "': cannot read: " + std::strerror(errno));
+  if (!in)
+    return invalid_argument("--token-file = '" + echo_value(path, 256) + "': cannot read: " + std::strerror(errno));
   std::string bytes;
   bytes.resize(static_cast<size_t>(kMaxTokenFileBytes) + 1);
   in.read(bytes.data(), kMaxTokenFileBytes + 1);
-  if (in.bad()) return invalid_argument("--token-file = '" + echo_value(path, 256) + "': cannot read: " + std::strerror(errno));
+  if (in.bad())
+    return invalid_argument("--token-file = '" + echo_value(path, 256) + "': cannot read: " + std::strerror(errno));
   bytes.resize(static_cast<size_t>(in.gcount()));
   if (static_cast<std::streamsize>(bytes.size()) > kMaxTokenFileBytes)
     return invalid_argument("--token-file = '" + echo_value(path, 256) + "': larger than 1 MiB");
@@ -58,7 +60,10 @@ bool parse_hex_digest(const std::string& hex, std::array<uint8_t, 32>* out) {
     int byte = 0;
     for (size_t j = 0; j < 2; ++j) {
       const char ch = hex[2 * i + j];
-      const int v = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10 : -1;
+      const int v = ch >= '0' && ch <= '9'   ? ch - '0'
+                    : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10
+                    : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10
+                                             : -1;
       if (v < 0) return false;
       byte = byte * 16 + v;
     }
@@ -76,17 +81,24 @@ std::string methods_text(uint8_t methods) {
 
 }  // namespace
 
-
 const char* method_name(Method method) {
   switch (method) {
-    case Method::kAttend: return "Attend";
-    case Method::kAttendUnary: return "AttendUnary";
-    case Method::kGetInfo: return "GetInfo";
-    case Method::kAttendBackward: return "AttendBackward";
-    case Method::kReleaseContext: return "ReleaseContext";
-    case Method::kRegisterSharedMemory: return "RegisterSharedMemory";
-    case Method::kUnregisterSharedMemory: return "UnregisterSharedMemory";
-    case Method::kListSharedMemory: return "ListSharedMemory";
+    case Method::kAttend:
+      return "Attend";
+    case Method::kAttendUnary:
+      return "AttendUnary";
+    case Method::kGetInfo:
+      return "GetInfo";
+    case Method::kAttendBackward:
+      return "AttendBackward";
+    case Method::kReleaseContext:
+      return "ReleaseContext";
+    case Method::kRegisterSharedMemory:
+      return "RegisterSharedMemory";
+    case Method::kUnregisterSharedMemory:
+      return "UnregisterSharedMemory";
+    case Method::kListSharedMemory:
+      return "ListSharedMemory";
   }
   return "unknown";
 }
@@ -142,9 +154,9 @@ Status ClientState::reserve(const MemoryCharge& charge) {
                  "max_reserved_device_bytes"}};
   for (const auto& s : spaces)
     if (s.limit > 0 && s.requested > 0 && s.reserved + s.requested > s.limit)
-      return resource_exhausted("client '" + name_ + "': reserved " + s.space + " bytes = " + std::to_string(s.reserved) +
-                                " + " + std::to_string(s.requested) + " for this request, expected <= " +
-                                std::to_string(s.limit) + " (its " + s.field +
+      return resource_exhausted("client '" + name_ + "': reserved " + s.space +
+                                " bytes = " + std::to_string(s.reserved) + " + " + std::to_string(s.requested) +
+                                " for this request, expected <= " + std::to_string(s.limit) + " (its " + s.field +
                                 " in the token file); retry when its requests in flight finish");
   reserved_.host_bytes += charge.host_bytes;
   reserved_.device_bytes += charge.device_bytes;
@@ -185,14 +197,16 @@ StatusOr<TokenTable> parse_token_file(const std::string& text, const std::string
     // Not e.what(): it quotes the bytes it last read, which may be a digest.
     return invalid_argument(where + ": not valid JSON (error at byte " + std::to_string(e.byte) + ")");
   }
-  if (!doc.is_object()) return invalid_argument(where + ": expected a JSON object {\"version\": 1, \"clients\": [...]}");
+  if (!doc.is_object())
+    return invalid_argument(where + ": expected a JSON object {\"version\": 1, \"clients\": [...]}");
   for (auto it = doc.begin(); it != doc.end(); ++it)
     if (it.key() != "version" && it.key() != "clients")
       return invalid_argument(where + ": unknown field '" + echo_value(it.key()) + "', expected version and clients");
   if (doc.contains("version") && !(doc["version"].is_number_integer() && doc["version"].get<int64_t>() == 1))
     return invalid_argument(where + ": version = " + echo_value(doc["version"].dump()) + ", expected 1");
   if (!doc.contains("clients") || !doc["clients"].is_array())
-    return invalid_argument(where + ": clients is missing or not an array, expected \"clients\": [{\"name\": ..., \"sha256\": ...}]");
+    return invalid_argument(
+        where + ": clients is missing or not an array, expected \"clients\": [{\"name\": ..., \"sha256\": ...}]");
 
   TokenTable table;
   std::set<std::string> names;
@@ -208,18 +222,20 @@ StatusOr<TokenTable> parse_token_file(const std::string& text, const std::string
     client.name = c["name"].get<std::string>();
     at += " ('" + client.name + "')";
     if (!names.insert(client.name).second)
-      return invalid_argument(at + ": name is used by an earlier client, expected each name once (list a client's "
+      return invalid_argument(at +
+                              ": name is used by an earlier client, expected each name once (list a client's "
                               "tokens in its sha256 array)");
     for (auto it = c.begin(); it != c.end(); ++it) {
-      static const std::set<std::string> known = {"name", "sha256", "methods", "max_streams", "max_reserved_bytes",
-                                                  "max_reserved_device_bytes", "comment"};
+      static const std::set<std::string> known = {
+          "name", "sha256", "methods", "max_streams", "max_reserved_bytes", "max_reserved_device_bytes", "comment"};
       if (known.count(it.key()) == 0)
         return invalid_argument(at + ": unknown field '" + echo_value(it.key()) +
                                 "', expected name, sha256, methods, max_streams, max_reserved_bytes, "
                                 "max_reserved_device_bytes or comment");
     }
     // Tokens.
-    if (!c.contains("sha256")) return invalid_argument(at + ": sha256 is missing, expected the hex SHA-256 of each token");
+    if (!c.contains("sha256"))
+      return invalid_argument(at + ": sha256 is missing, expected the hex SHA-256 of each token");
     std::vector<nlohmann::json> digests;
     if (c["sha256"].is_string()) {
       digests.push_back(c["sha256"]);
@@ -245,7 +261,10 @@ StatusOr<TokenTable> parse_token_file(const std::string& text, const std::string
     // Methods.
     if (c.contains("methods")) {
       if (!c["methods"].is_array() || c["methods"].empty())
-        return invalid_argument(at + ": methods is not a non-empty array, expected some of Attend, AttendUnary, GetInfo, AttendBackward, ReleaseContext, the shared-memory methods (RegisterSharedMemory, UnregisterSharedMemory, ListSharedMemory), or \"*\"");
+        return invalid_argument(at +
+                                ": methods is not a non-empty array, expected some of Attend, AttendUnary, GetInfo, "
+                                "AttendBackward, ReleaseContext, the shared-memory methods (RegisterSharedMemory, "
+                                "UnregisterSharedMemory, ListSharedMemory), or \"*\"");
       client.methods = 0;
       for (const nlohmann::json& m : c["methods"]) {
         Method method{};
@@ -262,14 +281,17 @@ StatusOr<TokenTable> parse_token_file(const std::string& text, const std::string
       }
     }
     // Limits.
-    const std::pair<const char*, int64_t*> limits[] = {{"max_streams", &client.limits.max_streams},
-                                                       {"max_reserved_bytes", &client.limits.max_reserved_bytes},
-                                                       {"max_reserved_device_bytes", &client.limits.max_reserved_device_bytes}};
+    const std::pair<const char*, int64_t*> limits[] = {
+        {"max_streams", &client.limits.max_streams},
+        {"max_reserved_bytes", &client.limits.max_reserved_bytes},
+        {"max_reserved_device_bytes", &client.limits.max_reserved_device_bytes}};
     for (const auto& [field, value] : limits) {
       if (!c.contains(field)) continue;
       const nlohmann::json& v = c[field];
-      if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t{INT64_MAX} : v.get<int64_t>() < 0))
-        return invalid_argument(at + ": " + field + " = " + echo_value(v.dump()) + ", expected an integer >= 0 (0: no limit of its own)");
+      if (!v.is_number_integer() ||
+          (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t{INT64_MAX} : v.get<int64_t>() < 0))
+        return invalid_argument(at + ": " + field + " = " + echo_value(v.dump()) +
+                                ", expected an integer >= 0 (0: no limit of its own)");
       *value = v.get<int64_t>();
     }
     table.clients.push_back(std::move(client));
@@ -329,7 +351,8 @@ Authorization Authenticator::authorize(const std::multimap<grpc::string_ref, grp
   if (count == 0)
     return {nullptr, unauthenticated("no credentials, expected the metadata 'authorization: Bearer <token>'")};
   if (count > 1)
-    return {nullptr, unauthenticated(std::to_string(count) + " authorization metadata entries, expected one 'Bearer <token>'")};
+    return {nullptr,
+            unauthenticated(std::to_string(count) + " authorization metadata entries, expected one 'Bearer <token>'")};
   // RFC 6750: the scheme is case-insensitive; the token follows one or more spaces.
   const grpc::string_ref ref = first->second;
   const std::string_view value(ref.data(), ref.size());
@@ -354,7 +377,8 @@ Authorization Authenticator::authorize(const std::multimap<grpc::string_ref, grp
     found = equal ? i : found;
   }
   if (found == SIZE_MAX)
-    return {nullptr, unauthenticated("the bearer token is not valid on this server (unknown, or removed from its token file)")};
+    return {nullptr,
+            unauthenticated("the bearer token is not valid on this server (unknown, or removed from its token file)")};
   const size_t index = snap->table.tokens[found].client;
   const TokenTable::Client& client = snap->table.clients[index];
   if ((client.methods & static_cast<uint8_t>(method)) == 0)

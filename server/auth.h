@@ -54,8 +54,8 @@
 #include <vector>
 
 #include "plsh/status.h"
-#include "server/metrics.h"
 #include "server/memory_budget.h"
+#include "server/metrics.h"
 
 namespace plsh::server {
 
@@ -71,10 +71,14 @@ enum class Method : uint8_t {
   kReleaseContext = 1 << 7,
 };
 constexpr uint8_t kAllMethods = 255;
-inline constexpr Method kMethods[] = {Method::kAttend,         Method::kAttendUnary,
-                                      Method::kGetInfo,        Method::kAttendBackward,
-                                      Method::kReleaseContext, Method::kRegisterSharedMemory,
-                                      Method::kUnregisterSharedMemory, Method::kListSharedMemory};
+inline constexpr Method kMethods[] = {Method::kAttend,
+                                      Method::kAttendUnary,
+                                      Method::kGetInfo,
+                                      Method::kAttendBackward,
+                                      Method::kReleaseContext,
+                                      Method::kRegisterSharedMemory,
+                                      Method::kUnregisterSharedMemory,
+                                      Method::kListSharedMemory};
 const char* method_name(Method method);
 // "Attend" -> kAttend; false for any other name.
 bool parse_method(const std::string& name, Method* method);

@@ -58,21 +58,24 @@ StatusOr<GradRequest> check_backward_header(const v1::BackwardHeader& h, const R
   g.keep_context = h.keep_context();
   g.recompute_forward = h.recompute_forward();
   if (h.out_chunk_bytes() < 0)
-    return invalid_argument("out_chunk_bytes = " + std::to_string(h.out_chunk_bytes()) + ", expected >= 0 (0: server's largest)");
+    return invalid_argument("out_chunk_bytes = " + std::to_string(h.out_chunk_bytes()) +
+                            ", expected >= 0 (0: server's largest)");
   g.requested_chunk_bytes = h.out_chunk_bytes();
   switch (h.source_case()) {
     case v1::BackwardHeader::kContextId:
       if (h.context_id().empty())
         return invalid_argument("context_id is empty, expected the context_id of a forward's summary (keep_context)");
       if (g.recompute_forward)
-        return invalid_argument("recompute_forward = true with context_id: the context holds out and lse; expected it "
-                                "only with a stateless forward header");
+        return invalid_argument(
+            "recompute_forward = true with context_id: the context holds out and lse; expected it "
+            "only with a stateless forward header");
       g.context_id = h.context_id();
       break;
     case v1::BackwardHeader::kForward: {
       if (g.keep_context)
-        return invalid_argument("keep_context = true with a stateless backward (forward header): there is no context "
-                                "to keep; expected it only with context_id");
+        return invalid_argument(
+            "keep_context = true with a stateless backward (forward header): there is no context "
+            "to keep; expected it only with context_id");
       ASSIGN_OR_RETURN(Request forward, check_request(h.forward(), limits));
       // The forward's header as the backward reads it: planned for its
       // backward, out and lse in host buffers, no estimates, nothing kept.
@@ -155,7 +158,6 @@ class BackwardReactor final : public TypedStreamedCall<v1::BackwardRequest, v1::
   using TypedStreamedCall::TypedStreamedCall;
 
  private:
-
   // The forward this backward differentiates: the context, checked out at
   // once (no other backward, eviction or expiry meanwhile), or the
   // stateless header planned for its backward (the planning bound held).
@@ -203,7 +205,8 @@ class BackwardReactor final : public TypedStreamedCall<v1::BackwardRequest, v1::
         assembler_ = std::make_unique<Assembler>(std::initializer_list<AssemblyTarget>{q, k, v, dout});
       } else {
         const AssemblyTarget out{v1::TENSOR_OUT, "out", memory_.out, z.out, "batch * q_len"};
-        const AssemblyTarget lse{v1::TENSOR_LSE, "lse", reinterpret_cast<uint8_t*>(memory_.lse), z.lse, "batch * q_len"};
+        const AssemblyTarget lse{v1::TENSOR_LSE, "lse", reinterpret_cast<uint8_t*>(memory_.lse), z.lse,
+                                 "batch * q_len"};
         assembler_ = std::make_unique<Assembler>(std::initializer_list<AssemblyTarget>{q, k, v, out, lse, dout});
       }
     }
@@ -265,7 +268,7 @@ class BackwardReactor final : public TypedStreamedCall<v1::BackwardRequest, v1::
 }  // namespace
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* start_attend_backward(ServiceContext& s,
-                                                                                 grpc::CallbackServerContext* ctx) {
+                                                                                   grpc::CallbackServerContext* ctx) {
   return BackwardReactor::start<BackwardReactor>(s, ctx, "AttendBackward", "BackwardRequest");
 }
 

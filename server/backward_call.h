@@ -86,7 +86,7 @@ StatusOr<BackwardComputation> compute_backward(GradRequest& request, const Reque
 
 // The reactors, for AttentionService.
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* start_attend_backward(ServiceContext& s,
-                                                                                 grpc::CallbackServerContext* ctx);
+                                                                                   grpc::CallbackServerContext* ctx);
 grpc::ServerUnaryReactor* release_context(ServiceContext& s, grpc::CallbackServerContext* ctx,
                                           const v1::ReleaseContextRequest* request,
                                           v1::ReleaseContextResponse* response);

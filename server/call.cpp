@@ -46,9 +46,15 @@ void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Statu
     if (r.probe_rel_err) m.probe_relative_error(r.mode, *r.probe_rel_err);
     if (r.mask_max_err) m.mask_max_error(r.mode, *r.mask_max_err);
   }
-  nlohmann::json fields = {{"method", r.method}, {"id", r.id},           {"peer", r.peer},
-                           {"shape", r.shape},   {"mode", r.mode},       {"backend", r.backend},
-                           {"status", code},     {"total_s", total},     {"received_bytes", r.received_bytes},
+  nlohmann::json fields = {{"method", r.method},
+                           {"id", r.id},
+                           {"peer", r.peer},
+                           {"shape", r.shape},
+                           {"mode", r.mode},
+                           {"backend", r.backend},
+                           {"status", code},
+                           {"total_s", total},
+                           {"received_bytes", r.received_bytes},
                            {"sent_bytes", r.sent_bytes}};
   if (r.queued >= 0) fields["queued_s"] = r.queued;
   if (r.receiving >= 0) fields["receiving_s"] = r.receiving;
@@ -58,7 +64,8 @@ void record_request(ServiceContext& s, const RequestRecord& r, const grpc::Statu
   if (stop_reason != nullptr) fields["stop_reason"] = stop_reason;
   if (s.auth != nullptr) {
     fields["client"] = r.client;
-    m.client_request(r.client, r.method, code, static_cast<double>(r.received_bytes), static_cast<double>(r.sent_bytes));
+    m.client_request(r.client, r.method, code, static_cast<double>(r.received_bytes),
+                     static_cast<double>(r.sent_bytes));
   }
   const auto level = status.error_code() == grpc::StatusCode::INTERNAL ? spdlog::level::err : spdlog::level::info;
   log_event(level, "request", fields);
@@ -101,8 +108,9 @@ Status CallBase::admit_header(const v1::AttendHeader& header,
   // The regions first: they are held from here until close().
   RETURN_IF_ERROR(use_shared_memory(header, &request, s_.shm, owner()));
   if (request.keep_context && (s_.contexts == nullptr || !s_.contexts->enabled()))
-    return failed_precondition("keep_context = true, but this server keeps no contexts (--context-ttl 0); expected "
-                               "keep_context = false, or a stateless AttendBackward");
+    return failed_precondition(
+        "keep_context = true, but this server keeps no contexts (--context-ttl 0); expected "
+        "keep_context = false, or a stateless AttendBackward");
   ASSIGN_OR_RETURN(const int64_t planning, planning_bytes(request));
   RETURN_IF_ERROR(ticket_.plan(planning, [&] { return plan_request(&request, s_.limits); }));
   record_.id = request.id;

@@ -39,11 +39,11 @@ struct ServiceContext {
   RequestLimits limits;
   Metrics* metrics = nullptr;
   Scheduler* scheduler = nullptr;
-  Admission* admission = nullptr;        // who runs, with what memory (admission.h)
-  StreamWatchdog* watchdog = nullptr;    // null: streams are not watched
-  const Authenticator* auth = nullptr;   // for the unary calls outside CallBase; null: no token file
-  SharedMemoryRegistry* shm = nullptr;   // null (or disabled): no shared memory
-  ContextStore* contexts = nullptr;      // kept contexts (contexts.h); null: none are kept
+  Admission* admission = nullptr;       // who runs, with what memory (admission.h)
+  StreamWatchdog* watchdog = nullptr;   // null: streams are not watched
+  const Authenticator* auth = nullptr;  // for the unary calls outside CallBase; null: no token file
+  SharedMemoryRegistry* shm = nullptr;  // null (or disabled): no shared memory
+  ContextStore* contexts = nullptr;     // kept contexts (contexts.h); null: none are kept
 };
 
 using Clock = std::chrono::steady_clock;
@@ -116,7 +116,7 @@ class CallBase : public WatchedCall {
   const Clock::time_point deadline_;
   std::atomic<bool> cancel_{false};
   std::atomic<const char*> stop_reason_{nullptr};  // set when the server ended the call on purpose
-  std::atomic<bool> server_cancelled_{false};       // ...by cancelling it (TryCancel): the client gets CANCELLED
+  std::atomic<bool> server_cancelled_{false};      // ...by cancelling it (TryCancel): the client gets CANCELLED
   RequestRecord record_;
   Admission::Ticket ticket_;
   std::optional<Request> request_;

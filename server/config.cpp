@@ -16,7 +16,8 @@ std::string trust_config_error(const ServerConfig& c) {
     return c.tls_cert.empty() ? "--tls-key is set without --tls-cert, expected both or neither"
                               : "--tls-cert is set without --tls-key, expected both or neither";
   if (c.tls_client_auth != "none" && c.tls_client_ca.empty())
-    return "--tls-client-auth = " + c.tls_client_auth + " needs --tls-client-ca (the CA that signs client certificates)";
+    return "--tls-client-auth = " + c.tls_client_auth +
+           " needs --tls-client-ca (the CA that signs client certificates)";
   if (!c.tls_client_ca.empty() && c.tls_client_auth == "none")
     return "--tls-client-ca is set with --tls-client-auth = none, expected optional or require (or no --tls-client-ca)";
   if (c.tls_client_auth != "none" && !c.tls_enabled())

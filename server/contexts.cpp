@@ -13,9 +13,8 @@ namespace plsh::server {
 namespace {
 
 constexpr EnumName<ContextEnd> kContextEndNames[] = {
-    {ContextEnd::kExpired, "expired"},     {ContextEnd::kEvicted, "evicted"},
-    {ContextEnd::kReleased, "released"},   {ContextEnd::kConsumed, "consumed"},
-    {ContextEnd::kCancelled, "cancelled"}, {ContextEnd::kDrained, "drained"}};
+    {ContextEnd::kExpired, "expired"},   {ContextEnd::kEvicted, "evicted"},     {ContextEnd::kReleased, "released"},
+    {ContextEnd::kConsumed, "consumed"}, {ContextEnd::kCancelled, "cancelled"}, {ContextEnd::kDrained, "drained"}};
 
 // kContextEnds (contexts.h, for the metrics' labels) lists the same values
 // in the same order; a value added to one and not the other fails here.
@@ -201,8 +200,8 @@ Status ContextStore::gone_status_locked(const std::string& id, const std::string
   auto g = gone_.find(id);
   if (g == gone_.end() || g->second.owner != owner) return not_among_own(id);
   const double ago = std::chrono::duration<double>(Clock::now() - g->second.when).count();
-  return failed_precondition(name + ": " + context_end_name(g->second.why) + " " + g_text(ago, 3) + " s ago: " +
-                             g->second.detail);
+  return failed_precondition(name + ": " + context_end_name(g->second.why) + " " + g_text(ago, 3) +
+                             " s ago: " + g->second.detail);
 }
 
 StatusOr<std::shared_ptr<KeptContext>> ContextStore::check_out(const std::string& id, const std::string& owner,
@@ -273,8 +272,10 @@ Status ContextStore::reserve(const MemoryCharge& charge) {
       // the idle ones together must cover the shortfall.
       const MemoryCharge budget = budget_->budget();
       const MemoryCharge reserved = budget_->reserved();
-      const bool device_fits = charge.device_bytes <= 0 || reserved.device_bytes + charge.device_bytes <= budget.device_bytes;
-      const bool host_can_fit = reserved.host_bytes - idle_bytes_locked(nullptr) + charge.host_bytes <= budget.host_bytes;
+      const bool device_fits =
+          charge.device_bytes <= 0 || reserved.device_bytes + charge.device_bytes <= budget.device_bytes;
+      const bool host_can_fit =
+          reserved.host_bytes - idle_bytes_locked(nullptr) + charge.host_bytes <= budget.host_bytes;
       if (!device_fits || !host_can_fit) return status;
       auto oldest = oldest_idle_locked(nullptr);
       if (oldest == entries_.end()) return status;
@@ -299,8 +300,9 @@ Status ContextStore::reserve_for_client(ClientState& client, const MemoryCharge&
       const MemoryCharge reserved = client.reserved();
       const bool device_fits = limits.max_reserved_device_bytes <= 0 || charge.device_bytes <= 0 ||
                                reserved.device_bytes + charge.device_bytes <= limits.max_reserved_device_bytes;
-      const bool host_can_fit = limits.max_reserved_bytes <= 0 ||
-                                reserved.host_bytes - idle_bytes_locked(&owner) + charge.host_bytes <= limits.max_reserved_bytes;
+      const bool host_can_fit =
+          limits.max_reserved_bytes <= 0 ||
+          reserved.host_bytes - idle_bytes_locked(&owner) + charge.host_bytes <= limits.max_reserved_bytes;
       if (!device_fits || !host_can_fit) return status;
       auto oldest = oldest_idle_locked(&owner);
       if (oldest == entries_.end()) return status;

@@ -57,9 +57,9 @@
 
 #include "plsh/status.h"
 #include "server/auth.h"
+#include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/request.h"
-#include "server/memory_budget.h"
 
 namespace plsh::server {
 

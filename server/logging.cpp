@@ -18,8 +18,8 @@ std::string utc_now() {
   std::tm tm{};
   gmtime_r(&t, &tm);
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
-                tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(ms));
+  std::snprintf(buf, sizeof(buf), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(ms));
   return buf;
 }
 
@@ -52,7 +52,8 @@ Status init_logging(const std::string& level, const std::string& format) {
 void log_event(spdlog::level::level_enum level, const std::string& event, const nlohmann::json& fields) {
   if (!spdlog::should_log(level)) return;
   if (g_json) {
-    nlohmann::json line = {{"time", utc_now()}, {"level", spdlog::level::to_string_view(level).data()}, {"event", event}};
+    nlohmann::json line = {
+        {"time", utc_now()}, {"level", spdlog::level::to_string_view(level).data()}, {"event", event}};
     if (fields.is_object())
       for (auto it = fields.begin(); it != fields.end(); ++it) line[it.key()] = it.value();
     spdlog::log(level, "{}", line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));

@@ -3,8 +3,8 @@
 // event and its fields, so the two formats carry the same information.
 #pragma once
 
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 #include <string>
 

@@ -13,11 +13,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <climits>
 #include <condition_variable>
-#include <initializer_list>
 #include <csignal>
+#include <cstdio>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -96,7 +96,8 @@ class DeviceMemorySampler {
       std::unique_lock<std::mutex> lock(mutex_);
       do {
         if (const std::optional<plsh::DeviceMemory> m = backend->device_memory())
-          metrics->device_memory(backend->device(), static_cast<double>(m->used_bytes), static_cast<double>(m->total_bytes));
+          metrics->device_memory(backend->device(), static_cast<double>(m->used_bytes),
+                                 static_cast<double>(m->total_bytes));
       } while (!wake_.wait_for(lock, std::chrono::seconds(5), [this] { return stop_; }));
     });
   }
@@ -134,7 +135,8 @@ void arm_exit_timeout(double seconds) {
                                 "plsh-server: stopping took longer than --exit-timeout = %g s after the drain (still "
                                 "%s); exiting with status 3\n",
                                 seconds, g_exit_step.load());
-    if (n > 0) [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, line, static_cast<size_t>(std::min(n, 511)));
+    if (n > 0) [[maybe_unused]]
+      const ssize_t written = write(STDERR_FILENO, line, static_cast<size_t>(std::min(n, 511)));
     _exit(3);
   }).detach();
 }
@@ -200,13 +202,15 @@ int load_tokens(const plsh::server::ServerConfig& config, plsh::server::Metrics*
       plsh::server::Authenticator::load(config.token_file, metrics);
   if (!loaded.ok()) return startup_failed(loaded.status().to_string(), 2);
   *auth = std::move(loaded).value();
-  log_event(spdlog::level::info, "token_file_loaded", {{"file", config.token_file}, {"clients", (*auth)->client_count()}});
+  log_event(spdlog::level::info, "token_file_loaded",
+            {{"file", config.token_file}, {"clients", (*auth)->client_count()}});
   if (!install_reload_handler()) return startup_failed("cannot install the SIGHUP handler", 1);
   (*auth)->watch(config.token_reload_interval, g_reload_pipe[0]);
   if (!config.tls_enabled() && !is_loopback(config.listen))
-    log_event(spdlog::level::warn, "tokens_in_clear",
-              {{"listen", config.listen},
-               {"note", "bearer tokens cross the network unencrypted: set --tls-cert and --tls-key, or listen on loopback"}});
+    log_event(
+        spdlog::level::warn, "tokens_in_clear",
+        {{"listen", config.listen},
+         {"note", "bearer tokens cross the network unencrypted: set --tls-cert and --tls-key, or listen on loopback"}});
   return 0;
 }
 
@@ -232,8 +236,8 @@ std::unique_ptr<grpc::Server> build_server(const plsh::server::ServerConfig& con
   // most 1/8 of the memory budget spread over --max-concurrent streams: what
   // clients may push ahead of the service's reads waits in gRPC's buffers,
   // outside --memory-budget, and stays under an eighth of it.
-  const int64_t stream_window = std::clamp<int64_t>(config.memory_budget / (8 * config.max_concurrent),
-                                                    int64_t{64} << 10, int64_t{32} << 20);
+  const int64_t stream_window =
+      std::clamp<int64_t>(config.memory_budget / (8 * config.max_concurrent), int64_t{64} << 10, int64_t{32} << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, static_cast<int>(stream_window));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -265,10 +269,11 @@ void drain(int signal_number, const plsh::server::ServerConfig& config,
            const plsh::server::MemoryBudget& memory, plsh::server::Scheduler& scheduler,
            const plsh::server::ContextStore& contexts, grpc::Server* server, grpc::Server* health_server) {
   using plsh::server::log_event;
-  log_event(spdlog::level::info, "draining", {{"signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT"},
-                                             {"in_flight", service.open_requests()},
-                                             {"reserved_host_bytes", memory.reserved().host_bytes},
-                                             {"drain_timeout_s", config.drain_timeout}});
+  log_event(spdlog::level::info, "draining",
+            {{"signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT"},
+             {"in_flight", service.open_requests()},
+             {"reserved_host_bytes", memory.reserved().host_bytes},
+             {"drain_timeout_s", config.drain_timeout}});
   for (grpc::HealthCheckServiceInterface* h : health) {
     h->SetServingStatus(kServiceName, false);
     h->SetServingStatus("", false);
@@ -287,9 +292,10 @@ void drain(int signal_number, const plsh::server::ServerConfig& config,
   exit_step("stopping the workers (a computation that does not stop)");
   scheduler.stop();
   // Nothing held past the drain: tests read these.
-  log_event(spdlog::level::info, "stopped", {{"contexts", contexts.held()},
-                                            {"context_bytes", contexts.bytes()},
-                                            {"reserved_host_bytes", memory.reserved().host_bytes}});
+  log_event(spdlog::level::info, "stopped",
+            {{"contexts", contexts.held()},
+             {"context_bytes", contexts.bytes()},
+             {"reserved_host_bytes", memory.reserved().host_bytes}});
   exit_step("releasing gRPC and the backends (destructors, grpc_shutdown)");
 }
 
@@ -330,7 +336,8 @@ int main(int argc, char** argv) {
   plsh::BackendRegistry& registry = plsh::BackendRegistry::global();
   for (plsh::Backend* b : registry.backends())
     log_event(spdlog::level::info, "backend", {{"name", b->name()}, {"device", b->device()}});
-  for (const std::string& note : registry.notes()) log_event(spdlog::level::info, "backend_unavailable", {{"note", note}});
+  for (const std::string& note : registry.notes())
+    log_event(spdlog::level::info, "backend_unavailable", {{"note", note}});
   plsh::StatusOr<plsh::Backend*> chosen = registry.find(config.backend);
   if (!chosen.ok()) return startup_failed(chosen.status().to_string(), 1);
   metrics.set_build_info(PLSH_VERSION, (*chosen)->name(), (*chosen)->device());

@@ -129,7 +129,8 @@ struct ListenAddress {
 StatusOr<ListenAddress> resolve(const std::string& addr) {
   const size_t colon = addr.rfind(':');
   if (colon == std::string::npos || colon + 1 == addr.size())
-    return invalid_argument("metrics_listen = '" + addr + "', expected host:port (e.g. 127.0.0.1:9464, [::1]:9464), or off");
+    return invalid_argument("metrics_listen = '" + addr +
+                            "', expected host:port (e.g. 127.0.0.1:9464, [::1]:9464), or off");
   const std::string port = addr.substr(colon + 1);
   // getaddrinfo takes "99999" and the port wraps to 34463: check it here.
   if (port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos || std::stoi(port) > 65535)
@@ -168,25 +169,26 @@ StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::start(
   }
   // One polling thread (epoll on Linux) serves every connection: a slow or
   // silent client holds a connection slot, never a thread.
-  const unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG |
-                         (where->ipv6 ? MHD_USE_IPv6 : 0);
-  self->daemon_ = MHD_start_daemon(
-      flags, 0, nullptr, nullptr, &on_request, self.get(),                    //
-      MHD_OPTION_EXTERNAL_LOGGER, &on_library_message, self.get(),             // first, to hear about the rest
-      MHD_OPTION_SOCK_ADDR, reinterpret_cast<sockaddr*>(&where->address),      //
-      MHD_OPTION_CONNECTION_LIMIT, kMaxConnections,                            //
-      MHD_OPTION_LISTEN_BACKLOG_SIZE, kListenBacklog,                          //
-      MHD_OPTION_CONNECTION_TIMEOUT, kIdleTimeoutSeconds,                      //
-      MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemoryBytes,              //
-      MHD_OPTION_THREAD_STACK_SIZE, kThreadStackBytes,                         //
-      MHD_OPTION_NOTIFY_CONNECTION, &on_connection, self.get(),                //
-      MHD_OPTION_END);
+  const unsigned flags =
+      MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG | (where->ipv6 ? MHD_USE_IPv6 : 0);
+  self->daemon_ =
+      MHD_start_daemon(flags, 0, nullptr, nullptr, &on_request, self.get(),          //
+                       MHD_OPTION_EXTERNAL_LOGGER, &on_library_message, self.get(),  // first, to hear about the rest
+                       MHD_OPTION_SOCK_ADDR, reinterpret_cast<sockaddr*>(&where->address),  //
+                       MHD_OPTION_CONNECTION_LIMIT, kMaxConnections,                        //
+                       MHD_OPTION_LISTEN_BACKLOG_SIZE, kListenBacklog,                      //
+                       MHD_OPTION_CONNECTION_TIMEOUT, kIdleTimeoutSeconds,                  //
+                       MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemoryBytes,          //
+                       MHD_OPTION_THREAD_STACK_SIZE, kThreadStackBytes,                     //
+                       MHD_OPTION_NOTIFY_CONNECTION, &on_connection, self.get(),            //
+                       MHD_OPTION_END);
   {
     std::lock_guard<std::mutex> lock(self->messages_mutex_);
     self->starting_ = false;
     if (self->daemon_ == nullptr)
-      return unavailable("metrics_listen = '" + addr + "': cannot listen (" +
-                         (self->start_messages_.empty() ? std::string("libmicrohttpd gave no reason") : self->start_messages_) + ")");
+      return unavailable(
+          "metrics_listen = '" + addr + "': cannot listen (" +
+          (self->start_messages_.empty() ? std::string("libmicrohttpd gave no reason") : self->start_messages_) + ")");
   }
   const MHD_DaemonInfo* info = MHD_get_daemon_info(self->daemon_, MHD_DAEMON_INFO_BIND_PORT);
   self->bound_ = where->host + ":" + (info != nullptr ? std::to_string(info->port) : std::string("?"));

@@ -12,7 +12,8 @@
 namespace plsh::server {
 
 Status check_request_id(const std::string& id) {
-  if (id.size() > 128) return invalid_argument("request_id has " + std::to_string(id.size()) + " characters, expected <= 128");
+  if (id.size() > 128)
+    return invalid_argument("request_id has " + std::to_string(id.size()) + " characters, expected <= 128");
   for (unsigned char c : id)
     if (!std::isprint(c)) return invalid_argument("request_id has a non-printable byte, expected printable ASCII");
   return Status::Ok();
@@ -74,34 +75,37 @@ StatusOr<Request> check_request(const v1::AttendHeader& h, const RequestLimits& 
   // the plan a context would keep: its backward would differentiate
   // another configuration than the one that ran.
   if (r.keep_context && o.target_rel_err > 0)
-    return invalid_argument("keep_context = true with target_rel_err: the configuration is chosen while computing, so "
-                            "there is no plan to keep; expected one of them (run the chosen configuration, "
-                            "summary.target, with keep_context)");
+    return invalid_argument(
+        "keep_context = true with target_rel_err: the configuration is chosen while computing, so "
+        "there is no plan to keep; expected one of them (run the chosen configuration, "
+        "summary.target, with keep_context)");
   // A context holds its tensors for minutes; the client's shared memory is
   // the client's to change at any time.
   if (r.keep_context && (h.has_q_shm() || h.has_k_shm() || h.has_v_shm() || h.has_out_shm() || h.has_lse_shm()))
-    return invalid_argument("keep_context = true with tensors in shared memory (q_shm ... lse_shm): a kept context "
-                            "holds its own copies, expected the tensors in chunks for a forward that keeps its context");
+    return invalid_argument(
+        "keep_context = true with tensors in shared memory (q_shm ... lse_shm): a kept context "
+        "holds its own copies, expected the tensors in chunks for a forward that keeps its context");
 
   if (!h.backend().empty()) RETURN_IF_ERROR(check_backend_name(h.backend()));
   // "" and "auto" leave the choice to the server's --backend.
   r.backend_name = h.backend().empty() || h.backend() == "auto" ? limits.default_backend : h.backend();
   if (h.out_chunk_bytes() < 0)
-    return invalid_argument("out_chunk_bytes = " + std::to_string(h.out_chunk_bytes()) + ", expected >= 0 (0: server's largest)");
+    return invalid_argument("out_chunk_bytes = " + std::to_string(h.out_chunk_bytes()) +
+                            ", expected >= 0 (0: server's largest)");
 
   RETURN_IF_ERROR(validate_options(o));
 
   // The server's own limits (SPEC section 7: RESOURCE_EXHAUSTED).
   if (o.mode == Mode::kLsh && o.samples > limits.max_samples)
-    return resource_exhausted("samples = " + std::to_string(o.samples) + ", expected <= " +
-                              std::to_string(limits.max_samples) + " (the server's --max-samples)");
+    return resource_exhausted("samples = " + std::to_string(o.samples) +
+                              ", expected <= " + std::to_string(limits.max_samples) + " (the server's --max-samples)");
   if (o.mode == Mode::kLsh && target_max_samples(o) > limits.max_samples)
     return resource_exhausted("target_rel_err with lsh tries up to samples = " + std::to_string(target_max_samples(o)) +
                               ", expected <= " + std::to_string(limits.max_samples) + " (the server's --max-samples)");
   if (o.mode == Mode::kLsh && o.heads * target_max_samples(o) > limits.max_draws)
     return resource_exhausted("heads * samples = " + std::to_string(o.heads) + " * " +
-                              std::to_string(target_max_samples(o)) + " draws, expected <= " +
-                              std::to_string(limits.max_draws) +
+                              std::to_string(target_max_samples(o)) +
+                              " draws, expected <= " + std::to_string(limits.max_draws) +
                               " (the server's limit: the draws are made with the header, 16 bytes each)");
   // validate_options bounded every element count by 2^50, so these products fit.
   const int64_t tokens = o.batch * std::max(o.q_len, o.kv_len);
@@ -111,8 +115,8 @@ StatusOr<Request> check_request(const v1::AttendHeader& h, const RequestLimits& 
   r.shape = RequestShape::of(o);
   const RequestShape& z = r.shape;
   if (r.tensor_bytes() > limits.max_request_bytes)
-    return resource_exhausted("request needs " + std::to_string(r.tensor_bytes()) +
-                              " bytes (q + k + v + out" + (r.holds_lse() ? " + lse" : "") + "), expected <= " +
+    return resource_exhausted("request needs " + std::to_string(r.tensor_bytes()) + " bytes (q + k + v + out" +
+                              (r.holds_lse() ? " + lse" : "") + "), expected <= " +
                               std::to_string(limits.max_request_bytes) + " (the server's --max-request-bytes)");
 
   // Every message carries at least one row, so one row of each streamed
@@ -123,15 +127,16 @@ StatusOr<Request> check_request(const v1::AttendHeader& h, const RequestLimits& 
                                        shm.out ? 0 : z.out.row_bytes, r.return_lse && !shm.lse ? z.lse.row_bytes : 0});
   if (widest_row > payload_cap)
     return resource_exhausted("heads = " + std::to_string(o.heads) + ", head_dim = " + std::to_string(o.head_dim) +
-                              (r.return_lse ? " with return_lse" : "") + ": one row is " +
-                              std::to_string(widest_row) + " bytes, expected <= " + std::to_string(payload_cap) +
+                              (r.return_lse ? " with return_lse" : "") + ": one row is " + std::to_string(widest_row) +
+                              " bytes, expected <= " + std::to_string(payload_cap) +
                               " (the server's --max-message-bytes less framing)");
   if (summary_bytes(o) > payload_cap) {
     const bool draws = o.return_draws && o.mode == Mode::kLsh;
-    return resource_exhausted(std::string(draws ? "return_draws = true with " : "") + "heads = " +
-                              std::to_string(o.heads) + (draws ? " and samples = " + std::to_string(o.samples) : "") +
-                              ": the summary needs ~" + std::to_string(summary_bytes(o)) + " bytes, expected <= " +
-                              std::to_string(payload_cap) + " (the server's --max-message-bytes)");
+    return resource_exhausted(std::string(draws ? "return_draws = true with " : "") +
+                              "heads = " + std::to_string(o.heads) +
+                              (draws ? " and samples = " + std::to_string(o.samples) : "") + ": the summary needs ~" +
+                              std::to_string(summary_bytes(o)) + " bytes, expected <= " + std::to_string(payload_cap) +
+                              " (the server's --max-message-bytes)");
   }
   const int64_t wanted = h.out_chunk_bytes() == 0 ? payload_cap : std::min(h.out_chunk_bytes(), payload_cap);
   r.out_chunk_bytes = std::max({wanted, z.out.row_bytes, r.return_lse ? z.lse.row_bytes : 0});
@@ -167,8 +172,9 @@ Status use_shared_memory(const v1::AttendHeader& h, Request* r, SharedMemoryRegi
   const Request::InShm& in = r->in_shm;
   if (!(in.q || in.k || in.v || in.out || in.lse)) return Status::Ok();
   if (registry == nullptr || !registry->enabled())
-    return unimplemented("q_shm, k_shm, v_shm, out_shm, lse_shm: shared memory is off on this server (it runs "
-                         "without --shm-dir), expected the tensors in chunks");
+    return unimplemented(
+        "q_shm, k_shm, v_shm, out_shm, lse_shm: shared memory is off on this server (it runs "
+        "without --shm-dir), expected the tensors in chunks");
   const int64_t in_size = static_cast<int64_t>(dtype_bytes(r->options.dtype));
   const int64_t out_size = static_cast<int64_t>(dtype_bytes(r->options.out_dtype.value_or(r->options.dtype)));
   const struct {
@@ -197,8 +203,7 @@ Status use_shared_memory(const v1::AttendHeader& h, Request* r, SharedMemoryRegi
         return invalid_argument(std::string(name) + " overlaps " + input_names[i] +
                                 ", expected the outputs apart from the inputs");
   }
-  if (r->shared.out.overlaps(r->shared.lse))
-    return invalid_argument("out_shm overlaps lse_shm, expected them apart");
+  if (r->shared.out.overlaps(r->shared.lse)) return invalid_argument("out_shm overlaps lse_shm, expected them apart");
   return Status::Ok();
 }
 
@@ -211,10 +216,10 @@ Status check_shared_memory_intact(const Request& r) {
 }
 
 std::unique_ptr<Assembler> assemble_inputs(const Request& r, const RequestMemory& m) {
-  return std::make_unique<Assembler>(std::initializer_list<AssemblyTarget>{
-      {v1::TENSOR_Q, "q", m.q, r.shape.q, "batch * q_len", r.in_shm.q},
-      {v1::TENSOR_K, "k", m.k, r.shape.k, "batch * kv_len", r.in_shm.k},
-      {v1::TENSOR_V, "v", m.v, r.shape.v, "batch * kv_len", r.in_shm.v}});
+  return std::make_unique<Assembler>(
+      std::initializer_list<AssemblyTarget>{{v1::TENSOR_Q, "q", m.q, r.shape.q, "batch * q_len", r.in_shm.q},
+                                            {v1::TENSOR_K, "k", m.k, r.shape.k, "batch * kv_len", r.in_shm.k},
+                                            {v1::TENSOR_V, "v", m.v, r.shape.v, "batch * kv_len", r.in_shm.v}});
 }
 
 StatusOr<AttentionResult> compute_request(Request& request, const RequestMemory& memory, const ExecContext& ctx) {

@@ -48,10 +48,10 @@ struct Request {
   std::string backend_name = "auto";  // as asked: the header's, or the server's --backend
   AttentionOptions options;           // validated
   bool return_lse = false;
-  bool keep_context = false;          // the header's keep_context: its context stays for AttendBackward (contexts.h)
-  bool backward = false;              // planned for the backward too (keep_context, or a stateless AttendBackward)
-  RequestShape shape;                 // rows and row bytes of every tensor (plsh/shape.h)
-  int64_t out_chunk_bytes = 0;        // payload per output chunk, >= one row of out and of lse
+  bool keep_context = false;    // the header's keep_context: its context stays for AttendBackward (contexts.h)
+  bool backward = false;        // planned for the backward too (keep_context, or a stateless AttendBackward)
+  RequestShape shape;           // rows and row bytes of every tensor (plsh/shape.h)
+  int64_t out_chunk_bytes = 0;  // payload per output chunk, >= one row of out and of lse
 
   // Tensors the header placed in shared memory (AttendHeader.*_shm): no
   // chunks for them, no host memory for them.
@@ -73,13 +73,16 @@ struct Request {
   int64_t tokens() const { return shape.q.rows; }
   // q + k + v + out (+ the lse buffer): what --max-request-bytes bounds.
   int64_t tensor_bytes() const {
-    return shape.q.bytes() + shape.k.bytes() + shape.v.bytes() + shape.out.bytes() + (holds_lse() ? shape.lse.bytes() : 0);
+    return shape.q.bytes() + shape.k.bytes() + shape.v.bytes() + shape.out.bytes() +
+           (holds_lse() ? shape.lse.bytes() : 0);
   }
   // What goes over the wire, each way: the tensors not in shared memory.
   int64_t streamed_input_bytes() const {
     return (in_shm.q ? 0 : shape.q.bytes()) + (in_shm.k ? 0 : shape.k.bytes()) + (in_shm.v ? 0 : shape.v.bytes());
   }
-  int64_t streamed_output_bytes() const { return (in_shm.out ? 0 : shape.out.bytes()) + (in_shm.lse ? 0 : lse_bytes()); }
+  int64_t streamed_output_bytes() const {
+    return (in_shm.out ? 0 : shape.out.bytes()) + (in_shm.lse ? 0 : lse_bytes());
+  }
   // The block the admission grants it: the tensors the server holds
   // itself (the rest are in shared memory) and the plan's host workspace.
   MemoryLayout memory_layout() const;

@@ -6,7 +6,9 @@ namespace plsh::server {
 
 namespace {
 
-int64_t aligned(int64_t n) { return (n + MemoryLayout::kAlignment - 1) / MemoryLayout::kAlignment * MemoryLayout::kAlignment; }
+int64_t aligned(int64_t n) {
+  return (n + MemoryLayout::kAlignment - 1) / MemoryLayout::kAlignment * MemoryLayout::kAlignment;
+}
 
 // `bytes` of host memory, uninitialised: the assembler checks that every
 // input row is written, the kernels write every output row, and nothing

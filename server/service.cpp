@@ -30,7 +30,6 @@ class AttendReactor final : public TypedStreamedCall<v1::AttendRequest, v1::Atte
   using TypedStreamedCall::TypedStreamedCall;
 
  private:
-
   Status on_header(const v1::AttendHeader& header) override {
     if (request_) return invalid_argument("header received twice, expected exactly one header as the first message");
     RETURN_IF_ERROR(admit_header(header));
@@ -121,8 +120,8 @@ class UnaryReactor final : public grpc::ServerUnaryReactor, private CallBase {
     }
     const int64_t response_bytes = plan.streamed_output_bytes() + kMessageHeadroom + summary_bytes(plan.options);
     if (response_bytes > s_.limits.max_message_bytes)
-      return resource_exhausted("the response needs ~" + std::to_string(response_bytes) + " bytes, expected <= " +
-                                std::to_string(s_.limits.max_message_bytes) +
+      return resource_exhausted("the response needs ~" + std::to_string(response_bytes) +
+                                " bytes, expected <= " + std::to_string(s_.limits.max_message_bytes) +
                                 " (the server's --max-message-bytes); use the streaming Attend");
     return Status::Ok();
   }
@@ -213,8 +212,11 @@ bool AttentionService::authorize(grpc::CallbackServerContext* ctx, Method method
   if (status.ok()) return true;
   if (method == Method::kGetInfo)
     log_event(spdlog::level::info, "request",
-              {{"method", method_name(method)}, {"client", *client}, {"peer", ctx->peer()},
-               {"status", grpc_code_name(status.error_code())}, {"message", status.error_message()}});
+              {{"method", method_name(method)},
+               {"client", *client},
+               {"peer", ctx->peer()},
+               {"status", grpc_code_name(status.error_code())},
+               {"message", status.error_message()}});
   else
     log_shm_call(ctx, method, *client, "", a.status);
   reactor->Finish(status);

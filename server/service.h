@@ -58,10 +58,12 @@ class AttentionService final : public AttentionServiceBase {
   grpc::ServerUnaryReactor* UnregisterSharedMemory(grpc::CallbackServerContext* ctx,
                                                    const v1::UnregisterSharedMemoryRequest* request,
                                                    v1::UnregisterSharedMemoryResponse* response) override;
-  grpc::ServerUnaryReactor* ListSharedMemory(grpc::CallbackServerContext* ctx, const v1::ListSharedMemoryRequest* request,
+  grpc::ServerUnaryReactor* ListSharedMemory(grpc::CallbackServerContext* ctx,
+                                             const v1::ListSharedMemoryRequest* request,
                                              v1::ListSharedMemoryResponse* response) override;
   // backward_call.h.
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendBackward(grpc::CallbackServerContext* ctx) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendBackward(
+      grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* ReleaseContext(grpc::CallbackServerContext* ctx, const v1::ReleaseContextRequest* request,
                                            v1::ReleaseContextResponse* response) override;
 
@@ -78,8 +80,8 @@ class AttentionService final : public AttentionServiceBase {
   bool authorize(grpc::CallbackServerContext* ctx, Method method, grpc::ServerUnaryReactor* reactor,
                  std::string* client);
   // The shared-memory calls' log line and per-client count.
-  void log_shm_call(grpc::CallbackServerContext* ctx, Method method, const std::string& client, const std::string& region,
-                    const Status& status);
+  void log_shm_call(grpc::CallbackServerContext* ctx, Method method, const std::string& client,
+                    const std::string& region, const Status& status);
   // The shared-memory calls' one path: the token check, UNIMPLEMENTED on a
   // server without --shm-dir, work(registry, client), the log line (when
   // `region` is given: Register and Unregister) and the finish.

@@ -112,8 +112,8 @@ struct SharedMemoryRegistry::Region {
   ino_t inode = 0;
   uint8_t* map_base = nullptr;  // page-aligned mapping of [offset rounded down, offset + byte_size)
   size_t map_bytes = 0;
-  uint8_t* data = nullptr;      // the region's first byte
-  int slot = -1;                // its g_guard entry
+  uint8_t* data = nullptr;              // the region's first byte
+  int slot = -1;                        // its g_guard entry
   std::map<uint64_t, int64_t> holders;  // under the registry's mutex: request -> its uses of this region
 
   ~Region() {
@@ -128,19 +128,20 @@ struct SharedMemoryRegistry::Region {
   bool faulted() const { return slot >= 0 && g_guard[slot].faulted.load(std::memory_order_acquire) != 0; }
 };
 
-StatusOr<std::unique_ptr<SharedMemoryRegistry>> SharedMemoryRegistry::open(const std::string& dir,
-                                                                           int64_t max_mapped_bytes,
-                                                                           std::function<void(const Totals&)> on_change) {
+StatusOr<std::unique_ptr<SharedMemoryRegistry>> SharedMemoryRegistry::open(
+    const std::string& dir, int64_t max_mapped_bytes, std::function<void(const Totals&)> on_change) {
   if (dir.empty() || dir == "off")
     return std::unique_ptr<SharedMemoryRegistry>(new SharedMemoryRegistry(-1, 0, std::move(on_change)));
   const int fd = ::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0)
-    return invalid_argument("--shm-dir = '" + echo_value(dir) + "': cannot open the directory: " + std::strerror(errno));
+    return invalid_argument("--shm-dir = '" + echo_value(dir) +
+                            "': cannot open the directory: " + std::strerror(errno));
   if (!install_guard()) {
     close(fd);
     return internal_error("--shm-dir: cannot install the SIGBUS handler: " + std::string(std::strerror(errno)));
   }
-  auto registry = std::unique_ptr<SharedMemoryRegistry>(new SharedMemoryRegistry(fd, max_mapped_bytes, std::move(on_change)));
+  auto registry =
+      std::unique_ptr<SharedMemoryRegistry>(new SharedMemoryRegistry(fd, max_mapped_bytes, std::move(on_change)));
   {
     std::lock_guard<std::mutex> lock(registry->mu_);
     registry->publish_locked();  // the gauges start at 0, not absent
@@ -169,20 +170,24 @@ SharedMemoryRegistry::~SharedMemoryRegistry() {
 namespace {
 
 Status unimplemented_off() {
-  return unimplemented(
-      "shared memory is off on this server (it runs without --shm-dir): send the tensors in chunks");
+  return unimplemented("shared memory is off on this server (it runs without --shm-dir): send the tensors in chunks");
 }
 
 // errno of an open in the shared-memory directory -> a status that names no path.
 Status open_error(int error) {
   switch (error) {
-    case ENOENT: return not_found("key: no such file in the server's shared-memory directory");
-    case ELOOP: return invalid_argument("key: a symbolic link, expected a regular file (links are not followed)");
+    case ENOENT:
+      return not_found("key: no such file in the server's shared-memory directory");
+    case ELOOP:
+      return invalid_argument("key: a symbolic link, expected a regular file (links are not followed)");
     case EACCES:
-    case EPERM: return permission_denied("key: the server may not open the file for reading and writing");
+    case EPERM:
+      return permission_denied("key: the server may not open the file for reading and writing");
     case EMFILE:
-    case ENFILE: return resource_exhausted("the server has no file descriptors left for another region");
-    default: return invalid_argument("key: the file cannot be opened (" + std::string(std::strerror(error)) + ")");
+    case ENFILE:
+      return resource_exhausted("the server has no file descriptors left for another region");
+    default:
+      return invalid_argument("key: the file cannot be opened (" + std::string(std::strerror(error)) + ")");
   }
 }
 
@@ -205,7 +210,8 @@ StatusOr<int> open_checked(int dir_fd, const std::string& name, int64_t end) {
   if (S_ISLNK(st.st_mode))
     checked = invalid_argument("key: a symbolic link, expected a regular file (links are not followed)");
   else if (!S_ISREG(st.st_mode))
-    checked = invalid_argument("key: not a regular file (a directory, FIFO, socket or device), expected a regular file");
+    checked =
+        invalid_argument("key: not a regular file (a directory, FIFO, socket or device), expected a regular file");
   else if (st.st_uid != geteuid())
     checked = permission_denied("key: the file belongs to another user than the server's, expected the server's own");
   else if (st.st_mode & S_IWOTH)
@@ -377,12 +383,13 @@ StatusOr<SharedMemoryRegistry::Use> SharedMemoryRegistry::use(const std::string&
       return not_found(f + ".region = '" + echo_value(name) + "' is not registered (RegisterSharedMemory)");
     region = it->second;
     if (end > region->byte_size)
-      return invalid_argument(f + ".offset + byte_size = " + std::to_string(end) + ", expected <= " +
-                              std::to_string(region->byte_size) + " (region '" + name + "')");
+      return invalid_argument(f + ".offset + byte_size = " + std::to_string(end) +
+                              ", expected <= " + std::to_string(region->byte_size) + " (region '" + name + "')");
     if ((region->offset + offset) % alignment != 0)
       return invalid_argument(f + ".offset = " + std::to_string(offset) + ": the tensor starts at byte " +
-                              std::to_string(region->offset + offset) + " of the region's file, expected a multiple of " +
-                              std::to_string(alignment) + " (its element size)");
+                              std::to_string(region->offset + offset) +
+                              " of the region's file, expected a multiple of " + std::to_string(alignment) +
+                              " (its element size)");
     if (region->faulted())
       return failed_precondition(f + ": region '" + name +
                                  "' lost its memory (its file shrank while in use); unregister and register it again");

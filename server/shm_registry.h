@@ -72,7 +72,7 @@ class SharedMemoryRegistry {
   // Fails (INVALID_ARGUMENT naming --shm-dir) when the directory cannot be
   // opened. Installs the SIGBUS handler when enabled.
   static StatusOr<std::unique_ptr<SharedMemoryRegistry>> open(const std::string& dir, int64_t max_mapped_bytes,
-                                                               std::function<void(const Totals&)> on_change = {});
+                                                              std::function<void(const Totals&)> on_change = {});
   ~SharedMemoryRegistry();
 
   bool enabled() const { return dir_fd_ >= 0; }

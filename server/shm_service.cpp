@@ -60,18 +60,19 @@ grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(grpc::Callbac
 grpc::ServerUnaryReactor* AttentionService::ListSharedMemory(grpc::CallbackServerContext* ctx,
                                                              const v1::ListSharedMemoryRequest*,
                                                              v1::ListSharedMemoryResponse* response) {
-  return shm_call(ctx, Method::kListSharedMemory, nullptr, [response](SharedMemoryRegistry& shm, const std::string& client) {
-    ASSIGN_OR_RETURN(const std::vector<SharedMemoryRegistry::RegionInfo> regions, shm.list(client));
-    for (const SharedMemoryRegistry::RegionInfo& r : regions) {
-      v1::SharedMemoryRegion* out = response->add_regions();
-      out->set_name(r.name);
-      out->set_key(r.key);
-      out->set_offset(r.offset);
-      out->set_byte_size(r.byte_size);
-      out->set_requests(r.requests);
-    }
-    return Status::Ok();
-  });
+  return shm_call(ctx, Method::kListSharedMemory, nullptr,
+                  [response](SharedMemoryRegistry& shm, const std::string& client) {
+                    ASSIGN_OR_RETURN(const std::vector<SharedMemoryRegistry::RegionInfo> regions, shm.list(client));
+                    for (const SharedMemoryRegistry::RegionInfo& r : regions) {
+                      v1::SharedMemoryRegion* out = response->add_regions();
+                      out->set_name(r.name);
+                      out->set_key(r.key);
+                      out->set_offset(r.offset);
+                      out->set_byte_size(r.byte_size);
+                      out->set_requests(r.requests);
+                    }
+                    return Status::Ok();
+                  });
 }
 
 }  // namespace plsh::server

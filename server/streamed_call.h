@@ -84,9 +84,10 @@ class StreamedCall : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byte
         fail(cancelled("cancelled by the client"));
       } else {
         // A half-close, or bytes that do not parse as the request type.
-        fail(invalid_argument("the stream ended before the end message (closed by the client, or a message "
-                              "that is not " +
-                              request_type_article() + "), expected " + expected_next()));
+        fail(
+            invalid_argument("the stream ended before the end message (closed by the client, or a message "
+                             "that is not " +
+                             request_type_article() + "), expected " + expected_next()));
       }
       return;
     }
@@ -147,7 +148,6 @@ class StreamedCall : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byte
  protected:
   enum class Stage { kReading, kComputing, kSending, kFailed };
 
-
   // One message that is not a chunk the slice reader takes (a header, an
   // end, or a chunk in an encoding left to protobuf), in message_: parsed as
   // the call's request type and passed to dispatch().
@@ -176,10 +176,14 @@ class StreamedCall : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byte
   template <class Message, class OnHeader>
   Status dispatch(const Message& message, OnHeader&& on_header) {
     switch (message.kind_case()) {
-      case Message::kHeader: return on_header(message.header());
-      case Message::kChunk: return add_chunk(message.chunk());
-      case Message::kEnd: return end_of_input();
-      default: break;
+      case Message::kHeader:
+        return on_header(message.header());
+      case Message::kChunk:
+        return add_chunk(message.chunk());
+      case Message::kEnd:
+        return end_of_input();
+      default:
+        break;
     }
     return invalid_argument(std::string(request_type_) + " with no kind set, expected header, chunk or end");
   }

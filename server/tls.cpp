@@ -21,7 +21,9 @@ namespace {
 constexpr std::streamsize kMaxPemBytes = 1 << 20;
 
 // "--tls-cert = '/path'": how every message names a file.
-std::string named(const char* flag, const std::string& path) { return std::string(flag) + " = '" + echo_value(path, 256) + "'"; }
+std::string named(const char* flag, const std::string& path) {
+  return std::string(flag) + " = '" + echo_value(path, 256) + "'";
+}
 
 StatusOr<std::string> read_pem_file(const char* flag, const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -49,7 +51,9 @@ using BioPtr = std::unique_ptr<BIO, BioDeleter>;
 using X509Ptr = std::unique_ptr<X509, X509Deleter>;
 using KeyPtr = std::unique_ptr<EVP_PKEY, KeyDeleter>;
 
-BioPtr memory_bio(const std::string& bytes) { return BioPtr(BIO_new_mem_buf(bytes.data(), static_cast<int>(bytes.size()))); }
+BioPtr memory_bio(const std::string& bytes) {
+  return BioPtr(BIO_new_mem_buf(bytes.data(), static_cast<int>(bytes.size())));
+}
 
 // Never asks for a passphrase (OpenSSL's default callback would prompt on
 // the terminal): an encrypted key is refused instead.
@@ -122,7 +126,8 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> listener_credentials(const Se
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::SslServerCredentials(options);
   // gRPC keeps its own copy; ours need not stay in memory.
   OPENSSL_cleanse(key_pem.data(), key_pem.size());
-  OPENSSL_cleanse(options.pem_key_cert_pairs.front().private_key.data(), options.pem_key_cert_pairs.front().private_key.size());
+  OPENSSL_cleanse(options.pem_key_cert_pairs.front().private_key.data(),
+                  options.pem_key_cert_pairs.front().private_key.size());
   return credentials;
 }
 

@@ -35,7 +35,9 @@ void WatchedCall::enter(Phase p, int64_t bytes) {
 void WatchedCall::progress() { last_progress_ns.store(steady_now_ns()); }
 
 StreamWatchdog::StreamWatchdog(double idle_timeout_seconds, int64_t min_rate_bytes_per_second, Metrics* metrics)
-    : idle_ns_(static_cast<int64_t>(idle_timeout_seconds * 1e9)), min_rate_(min_rate_bytes_per_second), metrics_(metrics) {
+    : idle_ns_(static_cast<int64_t>(idle_timeout_seconds * 1e9)),
+      min_rate_(min_rate_bytes_per_second),
+      metrics_(metrics) {
   if (idle_ns_ > 0 || min_rate_ > 0) thread_ = std::thread([this] { run(); });
 }
 
@@ -103,7 +105,8 @@ void StreamWatchdog::sweep() {
                         : "the client took no output for " + seconds_text(idle) + " s";
       message += " (the server's --stream-idle-timeout " + seconds_text(idle_ns_) + " s); the request is dropped";
     } else if (min_rate_ > 0) {
-      const int64_t allowed = idle_ns_ + static_cast<int64_t>(static_cast<double>(bytes) / static_cast<double>(min_rate_) * 1e9);
+      const int64_t allowed =
+          idle_ns_ + static_cast<int64_t>(static_cast<double>(bytes) / static_cast<double>(min_rate_) * 1e9);
       if (elapsed > allowed) {
         reason = reading ? "receive_slow" : "send_slow";
         message = std::string(reading ? "receiving " : "sending ") + std::to_string(bytes) + " bytes took over " +

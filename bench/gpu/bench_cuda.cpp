@@ -62,11 +62,12 @@ struct Args {
 };
 
 [[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr,
-               "bench_cuda: %s\nusage: bench_cuda --n N --inputs DIR [--heads H] [--kv-heads HKV] [--dim D] "
-               "[--dtype bf16|f16|f32] [--samples S] [--seed X] [--modes lsh,lsh_per_sample,window,exact,lsh_estimates] "
-               "[--backward] [--warmup W] [--repeats R] [--max-seconds T] [--json FILE] [--write-out] [--noncausal]\n",
-               why);
+  std::fprintf(
+      stderr,
+      "bench_cuda: %s\nusage: bench_cuda --n N --inputs DIR [--heads H] [--kv-heads HKV] [--dim D] "
+      "[--dtype bf16|f16|f32] [--samples S] [--seed X] [--modes lsh,lsh_per_sample,window,exact,lsh_estimates] "
+      "[--backward] [--warmup W] [--repeats R] [--max-seconds T] [--json FILE] [--write-out] [--noncausal]\n",
+      why);
   std::exit(2);
 }
 
@@ -78,37 +79,55 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) usage(("missing value after " + k).c_str());
       return argv[++i];
     };
-    if (k == "--n") a.n = std::stoll(next());
-    else if (k == "--heads") a.heads = std::stoll(next());
-    else if (k == "--kv-heads") a.kv_heads = std::stoll(next());
-    else if (k == "--dim") a.dim = std::stoll(next());
-    else if (k == "--dtype") a.dtype = next();
-    else if (k == "--samples") a.samples = std::stoll(next());
-    else if (k == "--seed") a.seed = std::stoull(next());
-    else if (k == "--modes") a.modes = next();
-    else if (k == "--backward") a.backward = true;
-    else if (k == "--warmup") a.warmup = std::stoi(next());
-    else if (k == "--repeats") a.repeats = std::stoi(next());
-    else if (k == "--max-seconds") a.max_seconds = std::stod(next());
-    else if (k == "--inputs") a.inputs = next();
-    else if (k == "--json") a.json = next();
-    else if (k == "--write-out") a.write_out = true;
-    else if (k == "--noncausal") a.causal = false;
-    else if (k == "--help" || k == "-h") usage("help");
-    else usage(("unknown argument " + k).c_str());
+    if (k == "--n")
+      a.n = std::stoll(next());
+    else if (k == "--heads")
+      a.heads = std::stoll(next());
+    else if (k == "--kv-heads")
+      a.kv_heads = std::stoll(next());
+    else if (k == "--dim")
+      a.dim = std::stoll(next());
+    else if (k == "--dtype")
+      a.dtype = next();
+    else if (k == "--samples")
+      a.samples = std::stoll(next());
+    else if (k == "--seed")
+      a.seed = std::stoull(next());
+    else if (k == "--modes")
+      a.modes = next();
+    else if (k == "--backward")
+      a.backward = true;
+    else if (k == "--warmup")
+      a.warmup = std::stoi(next());
+    else if (k == "--repeats")
+      a.repeats = std::stoi(next());
+    else if (k == "--max-seconds")
+      a.max_seconds = std::stod(next());
+    else if (k == "--inputs")
+      a.inputs = next();
+    else if (k == "--json")
+      a.json = next();
+    else if (k == "--write-out")
+      a.write_out = true;
+    else if (k == "--noncausal")
+      a.causal = false;
+    else if (k == "--help" || k == "-h")
+      usage("help");
+    else
+      usage(("unknown argument " + k).c_str());
   }
   if (a.inputs.empty()) usage("--inputs DIR is required (q.bin, k.bin, v.bin from peers.py prepare)");
   if (a.repeats < 1) usage("--repeats must be >= 1");
   return a;
 }
 
-#define CHECK_CUDA(expr)                                                                                  \
-  do {                                                                                                    \
-    const cudaError_t e_ = (expr);                                                                        \
-    if (e_ != cudaSuccess) {                                                                              \
+#define CHECK_CUDA(expr)                                                                                   \
+  do {                                                                                                     \
+    const cudaError_t e_ = (expr);                                                                         \
+    if (e_ != cudaSuccess) {                                                                               \
       std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                                       \
-    }                                                                                                     \
+      std::exit(1);                                                                                        \
+    }                                                                                                      \
   } while (0)
 
 std::vector<char> read_file(const std::string& path, size_t bytes) {
@@ -120,7 +139,8 @@ std::vector<char> read_file(const std::string& path, size_t bytes) {
   std::vector<char> buf(bytes);
   f.read(buf.data(), static_cast<std::streamsize>(bytes));
   if (static_cast<size_t>(f.gcount()) != bytes) {
-    std::fprintf(stderr, "bench_cuda: %s has %lld bytes, expected %zu\n", path.c_str(), static_cast<long long>(f.gcount()), bytes);
+    std::fprintf(stderr, "bench_cuda: %s has %lld bytes, expected %zu\n", path.c_str(),
+                 static_cast<long long>(f.gcount()), bytes);
     std::exit(1);
   }
   return buf;
@@ -236,7 +256,8 @@ int main(int argc, char** argv) {
       std::vector<uint8_t> bytes(q_bytes);
       std::mt19937_64 rng(77);
       std::normal_distribution<float> n01;
-      for (size_t i = 0; i < q_bytes / esz; ++i) plsh::store_element(bytes.data(), *dtype, static_cast<int64_t>(i), n01(rng));
+      for (size_t i = 0; i < q_bytes / esz; ++i)
+        plsh::store_element(bytes.data(), *dtype, static_cast<int64_t>(i), n01(rng));
       return bytes;
     }();
     CHECK_CUDA(cudaMemcpy(d.dout, g.data(), q_bytes, cudaMemcpyHostToDevice));
@@ -313,11 +334,16 @@ int main(int argc, char** argv) {
     Timing bwd;
     plsh::BackwardStats bstats;
     if (fwd.status.ok() && limits.backward) {
-      const plsh::GradientRefs g{.dout = d.dout, .dq = d.dq, .dk = d.dk, .dv = d.dv, .grad_dtype = std::nullopt,
+      const plsh::GradientRefs g{.dout = d.dout,
+                                 .dq = d.dq,
+                                 .dk = d.dk,
+                                 .dv = d.dv,
+                                 .grad_dtype = std::nullopt,
                                  .memory = plsh::MemorySpace::kDevice};
       plsh::StatusOr<plsh::BackwardParams> bp = plsh::make_backward_params(plan->params, g);
       bwd.status = bp.status();
-      if (bp.ok()) bwd = time_calls(a, stream, [&] { return backend->backward(*plan, *bp, workspace->ref(), ctx, &bstats); });
+      if (bp.ok())
+        bwd = time_calls(a, stream, [&] { return backend->backward(*plan, *bp, workspace->ref(), ctx, &bstats); });
     }
     const plsh::Status status = fwd.status.ok() ? bwd.status : fwd.status;
     if (!status.ok()) {
@@ -348,8 +374,8 @@ int main(int argc, char** argv) {
            << ", \"runs\": " << fwd.ms.size() << ", \"flops_done\": " << done << ", \"dense_flops\": " << dense
            << ", \"workspace_bytes\": " << plan->forward_workspace.device_bytes;
       if (limits.backward)
-        json << ", \"bwd_ms\": " << bwd.median() << ", \"bwd_runs\": " << bwd.ms.size() << ", \"bwd_flops_done\": "
-             << bstats.flops;
+        json << ", \"bwd_ms\": " << bwd.median() << ", \"bwd_runs\": " << bwd.ms.size()
+             << ", \"bwd_flops_done\": " << bstats.flops;
       for (const auto& [k, v] : result.timings) json << ", \"timing_" << k << "_s\": " << v;
       json << ", \"device\": \"" << json_escape(backend->device()) << "\"" << json_params(*p) << "}\n";
       json.flush();

@@ -17,7 +17,7 @@ namespace plsh::bench {
 
 enum class Arrivals { kConstant, kPoisson };
 
-const char* arrivals_name(Arrivals a);              // "constant", "poisson"
+const char* arrivals_name(Arrivals a);  // "constant", "poisson"
 StatusOr<Arrivals> parse_arrivals(const std::string& s);
 
 class ArrivalSchedule {

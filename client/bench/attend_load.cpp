@@ -47,9 +47,12 @@ grpc::ChannelArguments channel_arguments(int connection) {
 
 double verify_tolerance(DType out_dtype) {
   switch (out_dtype) {
-    case DType::kF32: return 1e-5;
-    case DType::kF16: return 2e-3;
-    case DType::kBF16: return 1e-2;
+    case DType::kF32:
+      return 1e-5;
+    case DType::kF16:
+      return 2e-3;
+    case DType::kBF16:
+      return 1e-2;
   }
   return 0;
 }
@@ -66,8 +69,10 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
     return invalid_argument("connections = " + std::to_string(config.connections) + ", expected >= 1");
   if (!(config.verify_fraction >= 0 && config.verify_fraction <= 1))
     return invalid_argument("verify = " + std::to_string(config.verify_fraction) + ", expected a fraction in [0, 1]");
-  if (config.chunk_bytes < 0) return invalid_argument("chunk_bytes = " + std::to_string(config.chunk_bytes) + ", expected >= 0");
-  if (config.deadline < 0) return invalid_argument("deadline = " + std::to_string(config.deadline) + ", expected >= 0 seconds");
+  if (config.chunk_bytes < 0)
+    return invalid_argument("chunk_bytes = " + std::to_string(config.chunk_bytes) + ", expected >= 0");
+  if (config.deadline < 0)
+    return invalid_argument("deadline = " + std::to_string(config.deadline) + ", expected >= 0 seconds");
   RETURN_IF_ERROR(validate_options(config.options));
 
   std::unique_ptr<AttendLoad> load(new AttendLoad(config));
@@ -80,7 +85,8 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
   if (config.backward) {
     if (config.unary) return invalid_argument("backward and unary: a training step streams (Attend, AttendBackward)");
     if (config.shard)
-      return invalid_argument("backward and sharding: a kept context lives on one replica, expected one target with --backward");
+      return invalid_argument(
+          "backward and sharding: a kept context lives on one replica, expected one target with --backward");
     load->dout_ = random_tensor(o.batch * o.q_len * o.heads * o.head_dim, load->out_dtype_, config.input_seed, 3);
   }
   load->reference_size_ = static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(load->out_dtype_);
@@ -91,12 +97,14 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
     if (!made.ok()) return Status(static_cast<StatusCode>(made.error_code()), made.error_message());
     const grpc::Status info = load->sharded_->replica(0).info(&load->info_, 10);
     if (!info.ok())
-      return unavailable("target " + load->sharded_->replicas()[0] + ": GetInfo failed: " + client::status_string(info));
+      return unavailable("target " + load->sharded_->replicas()[0] +
+                         ": GetInfo failed: " + client::status_string(info));
   }
   for (int c = 0; !config.shard && c < config.connections; ++c) {
     std::shared_ptr<grpc::Channel> channel;
     std::string token;
-    const grpc::Status made = client::make_channel(config.target, config.channel, channel_arguments(c), &channel, &token);
+    const grpc::Status made =
+        client::make_channel(config.target, config.channel, channel_arguments(c), &channel, &token);
     if (!made.ok()) return invalid_argument(made.error_message());
     load->clients_.push_back(std::make_unique<client::Client>(std::move(channel), std::move(token)));
   }
@@ -109,7 +117,8 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
     if (config.unary) return invalid_argument("shm: AttendUnary is not used with shared memory, expected no --unary");
     if (config.shard) return invalid_argument("shm with sharding: shared memory is one host's, expected one target");
     if (config.backward)
-      return invalid_argument("shm with backward: a kept context holds its own copies, expected no --shm with --backward");
+      return invalid_argument(
+          "shm with backward: a kept context holds its own copies, expected no --shm with --backward");
     RETURN_IF_ERROR(load->setup_shared_memory());
   } else {
     // Written (faulted in) now, not in the first measured request.
@@ -159,7 +168,8 @@ Status AttendLoad::setup_shared_memory() {
   std::memcpy(shm_->data() + v_at_, v_.data(), v_.size());
   const grpc::Status registered = clients_.front()->register_shared_memory(key, key, 0, total);
   if (!registered.ok())
-    return Status(static_cast<StatusCode>(registered.error_code()), "shm: RegisterSharedMemory: " + registered.error_message());
+    return Status(static_cast<StatusCode>(registered.error_code()),
+                  "shm: RegisterSharedMemory: " + registered.error_message());
   shm_region_ = key;
   return Status::Ok();
 }

@@ -21,8 +21,8 @@
 #include "bench/load.h"
 #include "plsh/client.h"
 #include "plsh/params.h"
-#include "plsh/shared_memory.h"
 #include "plsh/sharding.h"
+#include "plsh/shared_memory.h"
 #include "plsh/status.h"
 
 namespace plsh::bench {
@@ -38,12 +38,12 @@ struct AttendLoadConfig {
   // Each request a training step: a forward that keeps its context, then
   // its backward by context id with dout ~ N(0, 1) (AttendBackward).
   bool backward = false;
-  int connections = 1;             // gRPC channels (TCP connections), shared round-robin by the workers
-  uint64_t input_seed = 0;         // seed of q, k, v ~ N(0, 1)
-  double verify_fraction = 0;      // share of responses checked, in [0, 1]
+  int connections = 1;                     // gRPC channels (TCP connections), shared round-robin by the workers
+  uint64_t input_seed = 0;                 // seed of q, k, v ~ N(0, 1)
+  double verify_fraction = 0;              // share of responses checked, in [0, 1]
   std::optional<double> verify_tolerance;  // default: verify_tolerance(out dtype)
-  int workers = 1;                 // the most requests in flight at once: one output buffer each
-  std::string shm_dir;             // shared memory: the server's --shm-dir as this process sees it; "": none
+  int workers = 1;                         // the most requests in flight at once: one output buffer each
+  std::string shm_dir;                     // shared memory: the server's --shm-dir as this process sees it; "": none
   // Each request cut across the replicas of `target` (a list or a dns:
   // name; plsh/sharding.h) instead of sent whole; `connections` and `unary`
   // do not apply.
@@ -98,8 +98,8 @@ class AttendLoad {
   std::vector<std::unique_ptr<client::Client>> clients_;
   std::unique_ptr<client::ShardedClient> sharded_;  // with config.shard
   std::vector<uint8_t> q_, k_, v_, dout_;
-  std::vector<float> reference_;   // [B, Nq, H, D] as float, the CPU backend's output
-  size_t reference_size_ = 0;      // output bytes in out dtype
+  std::vector<float> reference_;  // [B, Nq, H, D] as float, the CPU backend's output
+  size_t reference_size_ = 0;     // output bytes in out dtype
   DType out_dtype_ = DType::kF32;
   double tolerance_ = 0;
   double reference_seconds_ = 0;

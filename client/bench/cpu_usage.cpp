@@ -2,8 +2,8 @@
 
 #include <sched.h>
 #include <sys/resource.h>
-#include <unistd.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -17,7 +17,9 @@ namespace {
 constexpr double kBusy = 0.9;          // "saturated": rules 1-3
 constexpr double kClientShare = 0.25;  // rule 3
 
-double timeval_seconds(const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); }
+double timeval_seconds(const timeval& t) {
+  return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec);
+}
 
 std::string percent(double fraction) {
   char buf[32];
@@ -31,7 +33,8 @@ CpuSnapshot cpu_snapshot() {
   CpuSnapshot s;
   s.wall = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   rusage usage{};
-  if (getrusage(RUSAGE_SELF, &usage) == 0) s.process_cpu = timeval_seconds(usage.ru_utime) + timeval_seconds(usage.ru_stime);
+  if (getrusage(RUSAGE_SELF, &usage) == 0)
+    s.process_cpu = timeval_seconds(usage.ru_utime) + timeval_seconds(usage.ru_stime);
   // First line: "cpu  user nice system idle iowait irq softirq steal guest guest_nice".
   std::ifstream stat("/proc/stat");
   std::string line;
@@ -87,7 +90,8 @@ CpuUsage cpu_usage(const CpuSnapshot& begin, const CpuSnapshot& end, double max_
     u.reason = "a client worker thread was busy " + percent(u.max_thread_core) + " of the time";
   } else if (u.process_cores > kBusy * u.cores) {
     u.client_bound = true;
-    u.reason = "the client used " + percent(u.process_cores / u.cores) + " of its " + std::to_string(u.cores) + " cores";
+    u.reason =
+        "the client used " + percent(u.process_cores / u.cores) + " of its " + std::to_string(u.cores) + " cores";
   } else if (u.machine_busy > kBusy && client_share > kClientShare) {
     u.client_bound = true;
     u.reason = "the machine was " + percent(u.machine_busy) + " busy and the client took " + percent(client_share) +

@@ -20,10 +20,10 @@
 namespace plsh::bench {
 
 struct CpuSnapshot {
-  double wall = 0;             // steady clock, seconds
-  double process_cpu = 0;      // user + system of this process, seconds (getrusage)
-  double machine_busy = 0;     // /proc/stat jiffies not idle or iowait, all CPUs
-  double machine_total = 0;    // /proc/stat jiffies, all CPUs; 0 when unreadable
+  double wall = 0;           // steady clock, seconds
+  double process_cpu = 0;    // user + system of this process, seconds (getrusage)
+  double machine_busy = 0;   // /proc/stat jiffies not idle or iowait, all CPUs
+  double machine_total = 0;  // /proc/stat jiffies, all CPUs; 0 when unreadable
 };
 
 CpuSnapshot cpu_snapshot();
@@ -34,12 +34,12 @@ int usable_cores();
 
 struct CpuUsage {
   double wall_seconds = 0;
-  int cores = 0;                // usable_cores()
-  double process_cores = 0;     // client CPU seconds / wall seconds
-  double max_thread_core = 0;   // busiest worker thread's CPU seconds / wall seconds
-  double machine_busy = -1;     // fraction of all CPUs busy; -1 when /proc/stat is unreadable
+  int cores = 0;               // usable_cores()
+  double process_cores = 0;    // client CPU seconds / wall seconds
+  double max_thread_core = 0;  // busiest worker thread's CPU seconds / wall seconds
+  double machine_busy = -1;    // fraction of all CPUs busy; -1 when /proc/stat is unreadable
   bool client_bound = false;
-  std::string reason;           // which rule tripped, with the figures; empty when none
+  std::string reason;  // which rule tripped, with the figures; empty when none
 };
 
 // Applies the rule above to the interval [begin, end].

@@ -30,7 +30,7 @@ struct WorkerTally {
   int64_t tokens = 0, bytes_up = 0, bytes_down = 0;
   int64_t verified = 0, mismatches = 0;
   double max_verify_error = 0;
-  int64_t started = 0;                 // measured requests started
+  int64_t started = 0;                                           // measured requests started
   double first_start = std::numeric_limits<double>::infinity();  // seconds from the level start
   double last_start = -std::numeric_limits<double>::infinity();
   double last_end = -std::numeric_limits<double>::infinity();
@@ -86,21 +86,24 @@ struct Reported {
 // The distributions and the counts reported as they are: the one list that
 // merge() sums and run_level() copies, so that one added is added to both.
 constexpr Reported<Samples, Summary> kDistributions[] = {
-    {&WorkerTally::latency, &LevelResult::latency},     {&WorkerTally::queued, &LevelResult::queued},
-    {&WorkerTally::receiving, &LevelResult::receiving}, {&WorkerTally::computing, &LevelResult::computing},
-    {&WorkerTally::sending, &LevelResult::sending},     {&WorkerTally::forward, &LevelResult::forward},
-    {&WorkerTally::backward, &LevelResult::backward},   {&WorkerTally::lag, &LevelResult::lag},
+    {&WorkerTally::latency, &LevelResult::latency},
+    {&WorkerTally::queued, &LevelResult::queued},
+    {&WorkerTally::receiving, &LevelResult::receiving},
+    {&WorkerTally::computing, &LevelResult::computing},
+    {&WorkerTally::sending, &LevelResult::sending},
+    {&WorkerTally::forward, &LevelResult::forward},
+    {&WorkerTally::backward, &LevelResult::backward},
+    {&WorkerTally::lag, &LevelResult::lag},
     {&WorkerTally::backward_receiving, &LevelResult::backward_receiving}};
-constexpr Reported<int64_t, int64_t> kCounts[] = {
-    {&WorkerTally::ok, &LevelResult::ok},
-    {&WorkerTally::failed, &LevelResult::failed},
-    {&WorkerTally::warmup_ok, &LevelResult::warmup_ok},
-    {&WorkerTally::warmup_failed, &LevelResult::warmup_failed},
-    {&WorkerTally::rpcs, &LevelResult::rpcs},
-    {&WorkerTally::ok_rpcs, &LevelResult::ok_rpcs},
-    {&WorkerTally::late_starts, &LevelResult::late_starts},
-    {&WorkerTally::verified, &LevelResult::verified},
-    {&WorkerTally::mismatches, &LevelResult::mismatches}};
+constexpr Reported<int64_t, int64_t> kCounts[] = {{&WorkerTally::ok, &LevelResult::ok},
+                                                  {&WorkerTally::failed, &LevelResult::failed},
+                                                  {&WorkerTally::warmup_ok, &LevelResult::warmup_ok},
+                                                  {&WorkerTally::warmup_failed, &LevelResult::warmup_failed},
+                                                  {&WorkerTally::rpcs, &LevelResult::rpcs},
+                                                  {&WorkerTally::ok_rpcs, &LevelResult::ok_rpcs},
+                                                  {&WorkerTally::late_starts, &LevelResult::late_starts},
+                                                  {&WorkerTally::verified, &LevelResult::verified},
+                                                  {&WorkerTally::mismatches, &LevelResult::mismatches}};
 
 void WorkerTally::merge(const WorkerTally& w) {
   for (const auto& d : kDistributions) (this->*d.tally).merge(w.*d.tally);
@@ -120,11 +123,12 @@ void WorkerTally::merge(const WorkerTally& w) {
 
 }  // namespace
 
-LevelResult run_level(const LevelSpec& spec, const RequestFn& request, const ProgressFn& progress, double progress_interval) {
+LevelResult run_level(const LevelSpec& spec, const RequestFn& request, const ProgressFn& progress,
+                      double progress_interval) {
   const int workers = std::max(1, spec.concurrency);
   const bool open_loop = spec.rate.has_value();
   const bool by_count = spec.requests > 0;
-  const double measure_from = std::max(0.0, spec.warmup);          // seconds from the level start
+  const double measure_from = std::max(0.0, spec.warmup);  // seconds from the level start
   const double measure_until = measure_from + std::max(0.0, spec.duration);
 
   std::vector<WorkerTally> tallies(static_cast<size_t>(workers));
@@ -178,7 +182,8 @@ LevelResult run_level(const LevelSpec& spec, const RequestFn& request, const Pro
       const ArrivalSchedule::Arrival arrival = schedule->next();
       const Slot slot = claim(arrival.at);
       if (slot == Slot::kStop) break;
-      const Clock::time_point due = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(arrival.at));
+      const Clock::time_point due =
+          t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(arrival.at));
       std::this_thread::sleep_until(due);
       const Clock::time_point start = run_one(worker, tally, slot == Slot::kMeasured, due);
       if (slot == Slot::kMeasured) {
@@ -212,7 +217,8 @@ LevelResult run_level(const LevelSpec& spec, const RequestFn& request, const Pro
 
   std::vector<std::thread> threads;
   threads.reserve(static_cast<size_t>(workers));
-  for (int w = 0; w < workers; ++w) threads.emplace_back(open_loop ? std::function<void(int)>(open_worker) : closed_worker, w);
+  for (int w = 0; w < workers; ++w)
+    threads.emplace_back(open_loop ? std::function<void(int)>(open_worker) : closed_worker, w);
   for (std::thread& t : threads) t.join();
   const CpuSnapshot cpu_end = cpu_snapshot();
   if (monitor.joinable()) {

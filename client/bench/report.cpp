@@ -85,8 +85,8 @@ bool over_threshold(const LevelResult& level, double threshold_seconds) {
 
 std::string level_label(const LevelSpec& spec) {
   if (!spec.rate) return "concurrency " + std::to_string(spec.concurrency);
-  return "rate " + num(*spec.rate) + "/s " + arrivals_name(spec.arrivals) + " (at most " + std::to_string(spec.concurrency) +
-         " in flight)";
+  return "rate " + num(*spec.rate) + "/s " + arrivals_name(spec.arrivals) + " (at most " +
+         std::to_string(spec.concurrency) + " in flight)";
 }
 
 std::string progress_line(const LevelSpec& spec, const Progress& p) {
@@ -96,7 +96,8 @@ std::string progress_line(const LevelSpec& spec, const Progress& p) {
   } else {
     line += fixed(p.elapsed, 1) + " s";
     if (spec.duration > 0) line += " of " + fixed(spec.duration, 1);
-    if (spec.requests > 0) line += ", " + std::to_string(p.ok + p.failed) + " of " + std::to_string(spec.requests) + " requests";
+    if (spec.requests > 0)
+      line += ", " + std::to_string(p.ok + p.failed) + " of " + std::to_string(spec.requests) + " requests";
     line += "  ok " + std::to_string(p.ok) + "  failed " + std::to_string(p.failed);
     if (p.elapsed > 0) line += "  " + fixed(static_cast<double>(p.ok + p.failed) / p.elapsed, 1) + " req/s";
   }
@@ -105,8 +106,8 @@ std::string progress_line(const LevelSpec& spec, const Progress& p) {
 }
 
 std::string level_summary_line(const LevelResult& l) {
-  std::string line = level_label(l.spec) + ": ok " + std::to_string(l.ok) + ", failed " + std::to_string(l.failed) + ", " +
-                     fixed(l.requests_per_second, 1) + " req/s";
+  std::string line = level_label(l.spec) + ": ok " + std::to_string(l.ok) + ", failed " + std::to_string(l.failed) +
+                     ", " + fixed(l.requests_per_second, 1) + " req/s";
   if (l.latency.count > 0) line += ", p50 " + ms(l.latency.p50) + " ms, p99 " + ms(l.latency.p99) + " ms";
   if (l.cpu.client_bound) line += " (CLIENT-BOUND: " + l.cpu.reason + ")";
   return line;
@@ -119,10 +120,12 @@ std::string threshold_verdict(const RunReport& run) {
   const LevelResult* last_under = nullptr;
   for (const LevelResult& l : run.levels) {
     if (over_threshold(l, t)) {
-      std::string why = l.ok == 0      ? "no request succeeded"
-                        : l.failed > 0 ? std::to_string(l.failed) + " requests failed (p99 " + ms(l.latency.p99) + " ms)"
-                                       : "p99 " + ms(l.latency.p99) + " ms";
-      return "p99 threshold " + limit + " crossed at " + level_label(l.spec) + " (" + why + "); highest level under it: " +
+      std::string why = l.ok == 0 ? "no request succeeded"
+                        : l.failed > 0
+                            ? std::to_string(l.failed) + " requests failed (p99 " + ms(l.latency.p99) + " ms)"
+                            : "p99 " + ms(l.latency.p99) + " ms";
+      return "p99 threshold " + limit + " crossed at " + level_label(l.spec) + " (" + why +
+             "); highest level under it: " +
              (last_under ? level_label(last_under->spec) + " (p99 " + ms(last_under->latency.p99) + " ms)" : "none");
     }
     last_under = &l;
@@ -142,18 +145,21 @@ std::string text_report(const RunReport& run) {
       << pad("p99", 9) << pad("max", 9) << "\n";
   for (const LevelResult& l : run.levels) {
     const bool any = l.latency.count > 0;
-    out << pad(level_label(l.spec), label_width, true) << pad(std::to_string(l.ok), 8) << pad(std::to_string(l.failed), 8)
-        << pad(fixed(l.requests_per_second, 1), 10) << pad(fixed(l.tokens_per_second, 0), 12)
-        << pad(fixed(l.mb_up_per_second, 1), 10) << pad(fixed(l.mb_down_per_second, 1), 10)
-        << pad(any ? ms(l.latency.avg) : "-", 9) << pad(any ? ms(l.latency.p50) : "-", 9)
-        << pad(any ? ms(l.latency.p90) : "-", 9) << pad(any ? ms(l.latency.p95) : "-", 9)
-        << pad(any ? ms(l.latency.p99) : "-", 9) << pad(any ? ms(l.latency.max) : "-", 9) << "\n";
+    out << pad(level_label(l.spec), label_width, true) << pad(std::to_string(l.ok), 8)
+        << pad(std::to_string(l.failed), 8) << pad(fixed(l.requests_per_second, 1), 10)
+        << pad(fixed(l.tokens_per_second, 0), 12) << pad(fixed(l.mb_up_per_second, 1), 10)
+        << pad(fixed(l.mb_down_per_second, 1), 10) << pad(any ? ms(l.latency.avg) : "-", 9)
+        << pad(any ? ms(l.latency.p50) : "-", 9) << pad(any ? ms(l.latency.p90) : "-", 9)
+        << pad(any ? ms(l.latency.p95) : "-", 9) << pad(any ? ms(l.latency.p99) : "-", 9)
+        << pad(any ? ms(l.latency.max) : "-", 9) << "\n";
   }
   out << "server phases, ms avg / p50 / p99 (from the response summaries)\n";
   out << pad("load", label_width, true) << pad("queued", 24) << pad("receiving", 24) << pad("computing", 24)
       << pad("sending", 24) << "\n";
   for (const LevelResult& l : run.levels) {
-    auto cell = [](const Summary& s) { return s.count == 0 ? std::string("-") : ms(s.avg) + " / " + ms(s.p50) + " / " + ms(s.p99); };
+    auto cell = [](const Summary& s) {
+      return s.count == 0 ? std::string("-") : ms(s.avg) + " / " + ms(s.p50) + " / " + ms(s.p99);
+    };
     out << pad(level_label(l.spec), label_width, true) << pad(cell(l.queued), 24) << pad(cell(l.receiving), 24)
         << pad(cell(l.computing), 24) << pad(cell(l.sending), 24) << "\n";
   }
@@ -164,8 +170,11 @@ std::string text_report(const RunReport& run) {
     out << pad("load", label_width, true) << pad("forward (keeps context)", 26) << pad("backward (by context)", 26)
         << "\n";
     for (const LevelResult& l : run.levels) {
-      auto cell = [](const Summary& s) { return s.count == 0 ? std::string("-") : ms(s.avg) + " / " + ms(s.p50) + " / " + ms(s.p99); };
-      out << pad(level_label(l.spec), label_width, true) << pad(cell(l.forward), 26) << pad(cell(l.backward), 26) << "\n";
+      auto cell = [](const Summary& s) {
+        return s.count == 0 ? std::string("-") : ms(s.avg) + " / " + ms(s.p50) + " / " + ms(s.p99);
+      };
+      out << pad(level_label(l.spec), label_width, true) << pad(cell(l.forward), 26) << pad(cell(l.backward), 26)
+          << "\n";
     }
   }
   for (const LevelResult& l : run.levels) {
@@ -173,21 +182,22 @@ std::string text_report(const RunReport& run) {
     for (const auto& [code, n] : l.codes) {
       if (code == "OK") continue;
       const auto m = l.first_error.find(code);
-      out << at << n << " x " << code << (m != l.first_error.end() && !m->second.empty() ? " (first: " + m->second + ")" : "")
-          << "\n";
+      out << at << n << " x " << code
+          << (m != l.first_error.end() && !m->second.empty() ? " (first: " + m->second + ")" : "") << "\n";
     }
-    out << at << "client CPU " << fixed(l.cpu.process_cores, 2) << " cores of " << l.cpu.cores << ", busiest worker thread "
-        << fixed(100 * l.cpu.max_thread_core, 0) << "%";
+    out << at << "client CPU " << fixed(l.cpu.process_cores, 2) << " cores of " << l.cpu.cores
+        << ", busiest worker thread " << fixed(100 * l.cpu.max_thread_core, 0) << "%";
     if (l.cpu.machine_busy >= 0) out << ", machine " << fixed(100 * l.cpu.machine_busy, 0) << "% busy";
     out << "\n";
-    if (l.cpu.client_bound) out << at << "CLIENT-BOUND: " << l.cpu.reason << "; these figures measure the client, not the server\n";
+    if (l.cpu.client_bound)
+      out << at << "CLIENT-BOUND: " << l.cpu.reason << "; these figures measure the client, not the server\n";
     if (l.spec.rate && l.late_starts > 0)
       out << at << l.late_starts << " of " << (l.ok + l.failed) << " requests started more than " << ms(kLateSeconds)
           << " ms late (lag p99 " << ms(l.lag.p99) << " ms, max " << ms(l.lag.max)
           << " ms): the in-flight cap or the client's CPU held the schedule back\n";
     if (l.verified > 0)
-      out << at << "verified " << l.verified << " responses, " << l.mismatches << " mismatches (max error " << num(l.max_verify_error)
-          << ")\n";
+      out << at << "verified " << l.verified << " responses, " << l.mismatches << " mismatches (max error "
+          << num(l.max_verify_error) << ")\n";
     if (l.warmup_ok + l.warmup_failed > 0)
       out << at << "warmup: " << l.warmup_ok << " ok, " << l.warmup_failed << " failed (not in the figures)\n";
     if (l.server_counters) {
@@ -197,10 +207,11 @@ std::string text_report(const RunReport& run) {
         total += n;
         codes += (codes.empty() ? "" : ", ") + code + " " + fixed(n, 0);
       }
-      out << at << "server's plsh_requests_total rose by " << fixed(total, 0) << (codes.empty() ? "" : " (" + codes + ")")
-          << "; this client sent " << (l.rpcs > 0 ? l.rpcs : l.ok + l.failed + l.warmup_ok + l.warmup_failed)
-          << " (warmup included): "
-          << (server_counts_agree(l) ? "agrees" : "DIFFERS (other clients on this server, or requests it never saw)") << "\n";
+      out << at << "server's plsh_requests_total rose by " << fixed(total, 0)
+          << (codes.empty() ? "" : " (" + codes + ")") << "; this client sent "
+          << (l.rpcs > 0 ? l.rpcs : l.ok + l.failed + l.warmup_ok + l.warmup_failed) << " (warmup included): "
+          << (server_counts_agree(l) ? "agrees" : "DIFFERS (other clients on this server, or requests it never saw)")
+          << "\n";
     }
   }
   const std::string verdict = threshold_verdict(run);
@@ -219,9 +230,9 @@ json level_json(const LevelResult& l, const std::optional<double>& p99_threshold
   j["codes"] = l.codes;
   j["errors"] = l.first_error;
   j["warmup"] = {{"ok", l.warmup_ok}, {"failed", l.warmup_failed}};
-  j["throughput"] = {{"requests_per_s", l.requests_per_second},   {"ok_per_s", l.ok_per_second},
-                     {"started_per_s", l.started_per_second},     {"tokens_per_s", l.tokens_per_second},
-                     {"mb_up_per_s", l.mb_up_per_second},         {"mb_down_per_s", l.mb_down_per_second}};
+  j["throughput"] = {{"requests_per_s", l.requests_per_second}, {"ok_per_s", l.ok_per_second},
+                     {"started_per_s", l.started_per_second},   {"tokens_per_s", l.tokens_per_second},
+                     {"mb_up_per_s", l.mb_up_per_second},       {"mb_down_per_s", l.mb_down_per_second}};
   j["latency_ms"] = summary_json(l.latency, true);
   j["server_ms"] = {{"queued", summary_json(l.queued, false)},
                     {"receiving", summary_json(l.receiving, false)},
@@ -289,7 +300,8 @@ json report_json(const RunReport& run) {
 
 std::string report_csv(const RunReport& run) {
   std::ostringstream out;
-  out << "concurrency,rate,arrivals,window_s,ok,failed,codes,warmup_ok,warmup_failed,requests_per_s,ok_per_s,started_per_s,"
+  out << "concurrency,rate,arrivals,window_s,ok,failed,codes,warmup_ok,warmup_failed,requests_per_s,ok_per_s,started_"
+         "per_s,"
          "tokens_per_s,mb_up_per_s,mb_down_per_s,avg_ms,min_ms,p50_ms,p90_ms,p95_ms,p99_ms,max_ms,"
          "queued_avg_ms,queued_p50_ms,queued_p99_ms,receiving_avg_ms,receiving_p50_ms,receiving_p99_ms,"
          "computing_avg_ms,computing_p50_ms,computing_p99_ms,sending_avg_ms,sending_p50_ms,sending_p99_ms,"
@@ -298,18 +310,19 @@ std::string report_csv(const RunReport& run) {
          "backward_p99_ms\n";
   for (const LevelResult& l : run.levels) {
     out << l.spec.concurrency << ',' << (l.spec.rate ? num(*l.spec.rate) : "") << ','
-        << (l.spec.rate ? arrivals_name(l.spec.arrivals) : "") << ',' << num(l.window_seconds) << ',' << l.ok << ',' << l.failed
-        << ',' << codes_text(l.codes, false) << ',' << l.warmup_ok << ',' << l.warmup_failed << ','
+        << (l.spec.rate ? arrivals_name(l.spec.arrivals) : "") << ',' << num(l.window_seconds) << ',' << l.ok << ','
+        << l.failed << ',' << codes_text(l.codes, false) << ',' << l.warmup_ok << ',' << l.warmup_failed << ','
         << num(l.requests_per_second) << ',' << num(l.ok_per_second) << ',' << num(l.started_per_second) << ','
         << num(l.tokens_per_second) << ',' << num(l.mb_up_per_second) << ',' << num(l.mb_down_per_second);
-    for (double Summary::*f : {&Summary::avg, &Summary::min, &Summary::p50, &Summary::p90, &Summary::p95, &Summary::p99, &Summary::max})
+    for (double Summary::*f :
+         {&Summary::avg, &Summary::min, &Summary::p50, &Summary::p90, &Summary::p95, &Summary::p99, &Summary::max})
       out << ',' << opt_ms(l.latency, f);
     for (const Summary* s : {&l.queued, &l.receiving, &l.computing, &l.sending})
       for (double Summary::*f : {&Summary::avg, &Summary::p50, &Summary::p99}) out << ',' << opt_ms(*s, f);
-    out << ',' << (l.spec.rate ? std::to_string(l.late_starts) : "") << ',' << (l.spec.rate ? opt_ms(l.lag, &Summary::p99) : "")
-        << ',' << l.verified << ',' << l.mismatches << ',' << num(l.max_verify_error) << ',' << num(l.cpu.process_cores) << ','
-        << num(l.cpu.max_thread_core) << ',' << (l.cpu.machine_busy >= 0 ? num(l.cpu.machine_busy) : "") << ','
-        << (l.cpu.client_bound ? "true" : "false");
+    out << ',' << (l.spec.rate ? std::to_string(l.late_starts) : "") << ','
+        << (l.spec.rate ? opt_ms(l.lag, &Summary::p99) : "") << ',' << l.verified << ',' << l.mismatches << ','
+        << num(l.max_verify_error) << ',' << num(l.cpu.process_cores) << ',' << num(l.cpu.max_thread_core) << ','
+        << (l.cpu.machine_busy >= 0 ? num(l.cpu.machine_busy) : "") << ',' << (l.cpu.client_bound ? "true" : "false");
     for (const Summary* s : {&l.forward, &l.backward})
       for (double Summary::*f : {&Summary::avg, &Summary::p50, &Summary::p99}) out << ',' << opt_ms(*s, f);
     out << "\n";

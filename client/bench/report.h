@@ -14,11 +14,11 @@ namespace plsh::bench {
 
 struct RunReport {
   std::string target;
-  std::string started_at;             // UTC, ISO 8601
-  nlohmann::ordered_json config;      // the request and load flags as run
-  nlohmann::ordered_json server;      // GetInfo: version, backends, limits
-  nlohmann::ordered_json client;      // host, cores, input bytes, reference time
-  std::vector<LevelResult> levels;    // in run order
+  std::string started_at;               // UTC, ISO 8601
+  nlohmann::ordered_json config;        // the request and load flags as run
+  nlohmann::ordered_json server;        // GetInfo: version, backends, limits
+  nlohmann::ordered_json client;        // host, cores, input bytes, reference time
+  std::vector<LevelResult> levels;      // in run order
   std::optional<double> p99_threshold;  // seconds (--p99-threshold)
 };
 

@@ -61,10 +61,12 @@ StatusOr<std::string> http_get(const std::string& addr, const std::string& path,
   char buf[16384];
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now()).count();
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now()).count();
     pollfd p{s.fd, POLLIN, 0};
     if (left <= 0 || poll(&p, 1, static_cast<int>(left)) <= 0)
-      return deadline_exceeded("metrics " + addr + ": no complete answer within " + std::to_string(timeout_seconds) + " s");
+      return deadline_exceeded("metrics " + addr + ": no complete answer within " + std::to_string(timeout_seconds) +
+                               " s");
     const ssize_t n = recv(s.fd, buf, sizeof buf, 0);
     if (n < 0) return unavailable("metrics " + addr + ": recv failed: " + std::strerror(errno));
     if (n == 0) break;
@@ -102,10 +104,14 @@ StatusOr<ServerCounters> scrape_counters(const std::string& metrics_addr) {
   ServerCounters c;
   for (const auto& [sample, value] : parse_prometheus(text)) {
     const std::string name = base_name(sample);
-    if (name == "plsh_requests_total") c.requests_by_code[label(sample, "code")] += value;
-    else if (name == "plsh_tokens_total") c.tokens += value;
-    else if (name == "plsh_received_bytes_total") c.received_bytes += value;
-    else if (name == "plsh_sent_bytes_total") c.sent_bytes += value;
+    if (name == "plsh_requests_total")
+      c.requests_by_code[label(sample, "code")] += value;
+    else if (name == "plsh_tokens_total")
+      c.tokens += value;
+    else if (name == "plsh_received_bytes_total")
+      c.received_bytes += value;
+    else if (name == "plsh_sent_bytes_total")
+      c.sent_bytes += value;
   }
   return c;
 }

@@ -37,12 +37,12 @@ namespace {
 // compute's flags, then attend's own.
 struct AttendArgs : ComputeCliArgs {
   std::string target = "127.0.0.1:50051";
-  client::ChannelOptions channel;  // TLS and the bearer token
-  std::string wire_dtype;    // f32 | f16 | bf16; empty: the inputs' dtype
-  int64_t chunk_bytes = 0;   // 0: the largest the server allows
-  double deadline = 0;       // seconds; 0: none
-  ShardCliArgs sharding;     // --shards, --shard-by: with a list of targets
-  bool shm = false;          // tensors through a shared-memory file instead of the socket
+  client::ChannelOptions channel;    // TLS and the bearer token
+  std::string wire_dtype;            // f32 | f16 | bf16; empty: the inputs' dtype
+  int64_t chunk_bytes = 0;           // 0: the largest the server allows
+  double deadline = 0;               // seconds; 0: none
+  ShardCliArgs sharding;             // --shards, --shard-by: with a list of targets
+  bool shm = false;                  // tensors through a shared-memory file instead of the socket
   std::string shm_dir = "/dev/shm";  // the server's --shm-dir, as this process sees it
 };
 
@@ -138,8 +138,7 @@ int attend(const AttendArgs& args) {
     StatusOr<NpyArray> read = read_npy(args.backward.dout_path, NpyReadOptions{args.attention.bf16_bits});
     if (!read.ok()) return report_error("attend", read.status());
     dout = std::move(read).value();
-    if (Status s = check_dout(&dout, args.backward.dout_path, in); !s.ok())
-      return report_error("attend", s);
+    if (Status s = check_dout(&dout, args.backward.dout_path, in); !s.ok()) return report_error("attend", s);
   }
   if (args.shm && wants_sharding(args.target, args.sharding))
     return report_error("attend", invalid_argument("--shm with a list of targets or --shards: shared memory is one "
@@ -148,15 +147,17 @@ int attend(const AttendArgs& args) {
     return report_error("attend", invalid_argument("--shm with --dout: a kept context holds its own copies of the "
                                                    "tensors, expected no --shm for a backward"));
   if (backward && wants_sharding(args.target, args.sharding))
-    return report_error("attend", invalid_argument("--dout with a list of targets or --shards: a kept context lives on one "
-                                                   "replica, expected one --target for a backward"));
+    return report_error("attend",
+                        invalid_argument("--dout with a list of targets or --shards: a kept context lives on one "
+                                         "replica, expected one --target for a backward"));
   const DType grad_dtype = grad_dtype_flag->value_or(file_dtype);
   const double load_seconds = seconds_since(t_start);
   DType wire = file_dtype;
   if (!args.wire_dtype.empty()) {
     StatusOr<DType> parsed = parse_dtype(args.wire_dtype);
     if (!parsed.ok())
-      return report_error("attend", invalid_argument("--wire-dtype = '" + args.wire_dtype + "', expected f32, f16 or bf16"));
+      return report_error("attend",
+                          invalid_argument("--wire-dtype = '" + args.wire_dtype + "', expected f32, f16 or bf16"));
     wire = *parsed;
   }
   std::vector<uint8_t> q, k, v;
@@ -197,9 +198,11 @@ int attend(const AttendArgs& args) {
     reply = std::move(sharded.reply);
     sharding = std::move(sharded.sharding);
   } else {
-    if (const grpc::Status s = client::Client::connect(args.target, args.channel, &c); !s.ok()) return report_rpc_error(s);
+    if (const grpc::Status s = client::Client::connect(args.target, args.channel, &c); !s.ok())
+      return report_rpc_error(s);
     if (args.shm) {
-      if (const grpc::Status s = SharedCall::setup(*c, args.shm_dir, &call, &shared); !s.ok()) return report_rpc_error(s);
+      if (const grpc::Status s = SharedCall::setup(*c, args.shm_dir, &call, &shared); !s.ok())
+        return report_rpc_error(s);
     }
     status = c->attend(call, &reply);
   }
@@ -263,12 +266,9 @@ int attend(const AttendArgs& args) {
     if (sharding) meta["sharding"] = sharding_json(*sharding);
     if (backward) {
       meta["backward"] = backward_to_json(grads.result, grad_dtype);
-      meta["backward"]["server"] = {{"request_id", grads.request_id},
-                                    {"context_id", grads.context_id},
-                                    {"timings", timings_json(grads.timings)},
-                                    {"messages", grads.messages},
-                                    {"sent_bytes", grads.sent_bytes},
-                                    {"received_bytes", grads.received_bytes}};
+      meta["backward"]["server"] = {{"request_id", grads.request_id},         {"context_id", grads.context_id},
+                                    {"timings", timings_json(grads.timings)}, {"messages", grads.messages},
+                                    {"sent_bytes", grads.sent_bytes},         {"received_bytes", grads.received_bytes}};
     }
     if (Status s = write_meta_file(args.outputs.meta_path, meta); !s.ok()) return report_error("attend", s);
   }
@@ -285,7 +285,8 @@ RunFn setup_attend(CLI::App& app) {
       ->capture_default_str();
   add_shard_flags(app, args->sharding);
   add_connection_flags(app, args->channel);
-  app.add_option("--wire-dtype", args->wire_dtype, "dtype of q, k, v on the wire: f32, f16 or bf16 (default: the files')")
+  app.add_option("--wire-dtype", args->wire_dtype,
+                 "dtype of q, k, v on the wire: f32, f16 or bf16 (default: the files')")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   app.add_option("--chunk-bytes", args->chunk_bytes, "payload bytes per message (0: the server's largest)")
       ->capture_default_str()

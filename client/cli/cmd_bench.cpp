@@ -38,9 +38,9 @@ namespace {
 
 struct BenchArgs {
   std::string target = "127.0.0.1:50051";
-  client::ChannelOptions channel;   // TLS and the bearer token
-  std::string concurrency;          // "4" or "1,2,4,8"
-  std::string rate;                 // "50" or "10,20,40" requests/s
+  client::ChannelOptions channel;  // TLS and the bearer token
+  std::string concurrency;         // "4" or "1,2,4,8"
+  std::string rate;                // "50" or "10,20,40" requests/s
   std::string arrivals = "constant";
   std::optional<double> duration;   // seconds per level
   std::optional<int64_t> requests;  // requests per level
@@ -49,7 +49,7 @@ struct BenchArgs {
   std::string mode = mode_name(AttentionOptions{}.mode);
   int64_t samples = kDefaultSamples;
   std::string sampling = sampling_name(kDefaultSampling);
-  double target_error = 0;          // > 0: error-targeted requests
+  double target_error = 0;  // > 0: error-targeted requests
   bool mode_given = false;
   bool causal = false;
   std::string wire_dtype = "f32";
@@ -66,11 +66,11 @@ struct BenchArgs {
   std::string json_path, csv_path;
   uint64_t seed = 0;
   std::optional<double> p99_threshold_ms;
-  std::string metrics;              // host:port of the server's /metrics
+  std::string metrics;  // host:port of the server's /metrics
   bool quiet = false;
-  bool shm = false;                 // inputs and outputs in a shared-memory file (same host)
-  std::string shm_dir = "/dev/shm"; // the server's --shm-dir as this process sees it
-  ShardCliArgs sharding;            // --shards, --shard-by: with a list of targets
+  bool shm = false;                  // inputs and outputs in a shared-memory file (same host)
+  std::string shm_dir = "/dev/shm";  // the server's --shm-dir as this process sees it
+  ShardCliArgs sharding;             // --shards, --shard-by: with a list of targets
 };
 
 // Default cap on requests in flight for --rate without --concurrency: the
@@ -192,7 +192,8 @@ Status bench(const BenchArgs& a, int* exit_code) {
   if (a.duration && a.requests) return invalid_argument("duration and requests: give one of them, not both");
   if (a.duration && !(*a.duration > 0))
     return invalid_argument("duration = " + std::to_string(*a.duration) + ", expected > 0 seconds");
-  if (a.requests && *a.requests < 1) return invalid_argument("requests = " + std::to_string(*a.requests) + ", expected >= 1");
+  if (a.requests && *a.requests < 1)
+    return invalid_argument("requests = " + std::to_string(*a.requests) + ", expected >= 1");
   if (!(a.warmup >= 0)) return invalid_argument("warmup = " + std::to_string(a.warmup) + ", expected >= 0 seconds");
   if (a.p99_threshold_ms && !(*a.p99_threshold_ms > 0))
     return invalid_argument("p99_threshold = " + std::to_string(*a.p99_threshold_ms) + ", expected > 0 milliseconds");
@@ -225,7 +226,9 @@ Status bench(const BenchArgs& a, int* exit_code) {
   config.verify_tolerance = a.verify_tolerance;
   config.shard = wants_sharding(a.target, a.sharding);
   config.sharding = sharding_options(a.sharding);
-  if (config.shard && a.unary) return invalid_argument("unary: AttendUnary sends one request whole, expected no --unary with --shards or a list of targets");
+  if (config.shard && a.unary)
+    return invalid_argument(
+        "unary: AttendUnary sends one request whole, expected no --unary with --shards or a list of targets");
 
   std::vector<bench::LevelSpec> levels;
   bench::LevelSpec base;
@@ -251,7 +254,8 @@ Status bench(const BenchArgs& a, int* exit_code) {
       levels.push_back(l);
     }
   } else {
-    ASSIGN_OR_RETURN(const std::vector<int64_t> cs, parse_int_list("concurrency", a.concurrency.empty() ? "1" : a.concurrency));
+    ASSIGN_OR_RETURN(const std::vector<int64_t> cs,
+                     parse_int_list("concurrency", a.concurrency.empty() ? "1" : a.concurrency));
     for (int64_t c : cs) {
       bench::LevelSpec l = base;
       l.concurrency = static_cast<int>(c);
@@ -260,7 +264,8 @@ Status bench(const BenchArgs& a, int* exit_code) {
   }
   for (const bench::LevelSpec& l : levels) {
     if (l.concurrency > 4096)
-      return invalid_argument("concurrency = " + std::to_string(l.concurrency) + ", expected at most 4096 (one thread each)");
+      return invalid_argument("concurrency = " + std::to_string(l.concurrency) +
+                              ", expected at most 4096 (one thread each)");
     config.workers = std::max(config.workers, l.concurrency);  // one output buffer per request in flight
   }
   if (a.shm) config.shm_dir = a.shm_dir;
@@ -293,36 +298,40 @@ Status bench(const BenchArgs& a, int* exit_code) {
   run.target = a.target;
   run.started_at = utc_now();
   if (a.p99_threshold_ms) run.p99_threshold = *a.p99_threshold_ms / 1e3;
-  run.config = {{"shape", {{"batch", o.batch}, {"n", o.q_len}, {"heads", o.heads}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim}}},
-                {"mode", mode_name(o.mode)},
-                {"samples", o.samples},
-                {"sampling", sampling_name(o.sampling)},
-                {"target_rel_err", o.target_rel_err},
-                {"causal", o.causal},
-                {"wire_dtype", dtype_name(o.dtype)},
-                {"window_width", o.window_width},
-                {"estimates", o.estimates},
-                {"backend", a.backend},
-                {"rpc", a.unary ? "AttendUnary" : a.backward ? "Attend+AttendBackward" : "Attend"},
-                {"chunk_bytes", a.chunk_bytes},
-                {"deadline_s", a.deadline},
-                {"connections", a.connections},
-                {"shared_memory", a.shm},
-                {"seed", a.seed},
-                {"verify", a.verify},
-                {"duration_s", base.duration > 0 ? nlohmann::ordered_json(base.duration) : nlohmann::ordered_json(nullptr)},
-                {"requests", base.requests > 0 ? nlohmann::ordered_json(base.requests) : nlohmann::ordered_json(nullptr)},
-                {"warmup_s", a.warmup}};
-  if (config.shard)
-    run.config["sharding"] = {{"shards", a.sharding.shards}, {"by", a.sharding.by}};
+  run.config = {
+      {"shape",
+       {{"batch", o.batch}, {"n", o.q_len}, {"heads", o.heads}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim}}},
+      {"mode", mode_name(o.mode)},
+      {"samples", o.samples},
+      {"sampling", sampling_name(o.sampling)},
+      {"target_rel_err", o.target_rel_err},
+      {"causal", o.causal},
+      {"wire_dtype", dtype_name(o.dtype)},
+      {"window_width", o.window_width},
+      {"estimates", o.estimates},
+      {"backend", a.backend},
+      {"rpc", a.unary      ? "AttendUnary"
+              : a.backward ? "Attend+AttendBackward"
+                           : "Attend"},
+      {"chunk_bytes", a.chunk_bytes},
+      {"deadline_s", a.deadline},
+      {"connections", a.connections},
+      {"shared_memory", a.shm},
+      {"seed", a.seed},
+      {"verify", a.verify},
+      {"duration_s", base.duration > 0 ? nlohmann::ordered_json(base.duration) : nlohmann::ordered_json(nullptr)},
+      {"requests", base.requests > 0 ? nlohmann::ordered_json(base.requests) : nlohmann::ordered_json(nullptr)},
+      {"warmup_s", a.warmup}};
+  if (config.shard) run.config["sharding"] = {{"shards", a.sharding.shards}, {"by", a.sharding.by}};
   run.server = server_json(load->server_info());
-  run.client = {{"host", host_name()},
-                {"cores", bench::usable_cores()},
-                {"input_bytes", load->input_bytes()},
-                {"output_bytes", load->output_bytes()},
-                {"tokens_per_request", load->tokens()},
-                {"verify_tolerance", a.verify > 0 ? nlohmann::ordered_json(load->tolerance()) : nlohmann::ordered_json(nullptr)},
-                {"reference_s", load->reference_seconds()}};
+  run.client = {
+      {"host", host_name()},
+      {"cores", bench::usable_cores()},
+      {"input_bytes", load->input_bytes()},
+      {"output_bytes", load->output_bytes()},
+      {"tokens_per_request", load->tokens()},
+      {"verify_tolerance", a.verify > 0 ? nlohmann::ordered_json(load->tolerance()) : nlohmann::ordered_json(nullptr)},
+      {"reference_s", load->reference_seconds()}};
 
   // 3. The levels, in order; a sweep with a threshold stops at the first
   // level over it (the levels after it would only be further over).
@@ -341,8 +350,8 @@ Status bench(const BenchArgs& a, int* exit_code) {
     if (!a.metrics.empty()) {
       ASSIGN_OR_RETURN(counters_before, bench::scrape_counters(a.metrics));
     }
-    bench::LevelResult result =
-        bench::run_level(spec, [&load](int worker, int64_t index) { return load->call(worker, index); }, progress, tty ? 0.25 : 5.0);
+    bench::LevelResult result = bench::run_level(
+        spec, [&load](int worker, int64_t index) { return load->call(worker, index); }, progress, tty ? 0.25 : 5.0);
     // The server counts a request before its final status goes out, so
     // every request of the level is in the counters once run_level returns.
     if (counters_before) {
@@ -392,24 +401,29 @@ RunFn setup_bench(CLI::App& app) {
                  "(default 1; 64 with --rate)");
   app.add_option("--rate", a->rate, "open loop: requests per second, one value or a sweep '10,20,40'");
   app.add_option("--arrivals", a->arrivals, "open loop arrivals: constant or poisson")->capture_default_str();
-  app.add_option_function<double>("--duration", [a](const double& v) { a->duration = v; },
-                                  "seconds measured per level (default 10)");
-  app.add_option_function<int64_t>("--requests", [a](const int64_t& v) { a->requests = v; }, "requests measured per level")
+  app.add_option_function<double>(
+      "--duration", [a](const double& v) { a->duration = v; }, "seconds measured per level (default 10)");
+  app.add_option_function<int64_t>(
+         "--requests", [a](const int64_t& v) { a->requests = v; }, "requests measured per level")
       ->transform(decimal_integer(true));
-  app.add_option("--warmup", a->warmup, "seconds of the same load before each level is measured")->capture_default_str();
+  app.add_option("--warmup", a->warmup, "seconds of the same load before each level is measured")
+      ->capture_default_str();
   app.add_option("--shape", a->shape, "B,N,H,Hkv,D: batch, sequence length (q and kv), heads, kv heads, head dim")
       ->capture_default_str();
   app.add_option("--mode", a->mode,
                  "exact, lsh, window or fixed_blocks (a biased baseline; with --target-error and no --mode: window)")
       ->capture_default_str()
       ->each([a](const std::string&) { a->mode_given = true; });
-  app.add_option("--samples", a->samples, "lsh: hashes per head")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--samples", a->samples, "lsh: hashes per head")
+      ->capture_default_str()
+      ->transform(decimal_integer(true));
   app.add_option("--sampling", a->sampling, "lsh: iid, stratified or ash")->capture_default_str();
   app.add_option("--target-error", a->target_error,
                  "error-targeted requests: the relative error each must stay under (0: off)")
       ->capture_default_str();
   app.add_flag("--causal", a->causal, "causal attention");
-  app.add_option("--wire-dtype", a->wire_dtype, "dtype of q, k, v and out on the wire: f32, f16 or bf16")->capture_default_str();
+  app.add_option("--wire-dtype", a->wire_dtype, "dtype of q, k, v and out on the wire: f32, f16 or bf16")
+      ->capture_default_str();
   app.add_option("--window-width", a->window_width, "window: one width for every head (0: from the server's eps)")
       ->capture_default_str()
       ->transform(decimal_integer(true));
@@ -428,16 +442,18 @@ RunFn setup_bench(CLI::App& app) {
       ->transform(decimal_integer(true));
   app.add_option("--verify", a->verify, "share of responses checked against this process's CPU result, in [0, 1]")
       ->capture_default_str();
-  app.add_option_function<double>("--verify-tolerance", [a](const double& v) { a->verify_tolerance = v; },
-                                  "largest max|out - ref| / max|ref| that matches (default 1e-5 f32, 2e-3 f16, 1e-2 bf16)");
+  app.add_option_function<double>(
+      "--verify-tolerance", [a](const double& v) { a->verify_tolerance = v; },
+      "largest max|out - ref| / max|ref| that matches (default 1e-5 f32, 2e-3 f16, 1e-2 bf16)");
   app.add_option("--json", a->json_path, "write the results as JSON (schema: client/bench/README.md)");
   app.add_option("--csv", a->csv_path, "write one CSV line per level (columns: client/bench/README.md)");
   app.add_option("--seed", a->seed, "seed of the inputs, the lsh draws, Poisson arrivals and the verified share")
       ->capture_default_str()
       ->transform(decimal_integer(false));
-  app.add_option_function<double>("--p99-threshold", [a](const double& v) { a->p99_threshold_ms = v; },
-                                  "milliseconds: stop the sweep at the first level whose p99 exceeds it (or that has "
-                                  "failures) and report the last level under it; exit 1 when no level is under it");
+  app.add_option_function<double>(
+      "--p99-threshold", [a](const double& v) { a->p99_threshold_ms = v; },
+      "milliseconds: stop the sweep at the first level whose p99 exceeds it (or that has "
+      "failures) and report the last level under it; exit 1 when no level is under it");
   app.add_option("--metrics", a->metrics,
                  "the server's metrics address host:port: report its plsh_requests_total change per level next to "
                  "this client's counts");
@@ -456,5 +472,6 @@ RunFn setup_bench(CLI::App& app) {
 }  // namespace
 }  // namespace plsh::cli
 
-PLSH_REGISTER_COMMAND(bench, "Load-test a plsh-server: latency percentiles, throughput and server phases per load level",
+PLSH_REGISTER_COMMAND(bench,
+                      "Load-test a plsh-server: latency percentiles, throughput and server phases per load level",
                       plsh::cli::setup_bench);

@@ -52,8 +52,8 @@ inline Status check_dout(NpyArray* dout_array, const std::string& path, const At
 
 // dq (q's shape), dk and dv (k's), bnhd buffers, to --dq, --dk, --dv in
 // grad_dtype and the files' layout; the first failure stops it.
-inline Status write_gradients(const BackwardCliArgs& paths, DType grad_dtype, const AttentionInputs& in,
-                              const void* dq, const void* dk, const void* dv) {
+inline Status write_gradients(const BackwardCliArgs& paths, DType grad_dtype, const AttentionInputs& in, const void* dq,
+                              const void* dk, const void* dv) {
   const AttentionOptions& o = in.options;
   RETURN_IF_ERROR(write_in_layout(paths.dq_path, grad_dtype, output_shape(o, in.batched), dq, in.layout));
   RETURN_IF_ERROR(write_in_layout(paths.dk_path, grad_dtype, kv_shape(o, in.batched), dk, in.layout));

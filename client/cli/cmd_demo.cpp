@@ -22,12 +22,12 @@ namespace plsh::cli {
 namespace {
 
 struct DemoArgs {
-  int64_t n = 4096;        // q_len = kv_len
+  int64_t n = 4096;  // q_len = kv_len
   int64_t heads = 8;
   int64_t head_dim = 64;
   int64_t samples = kDefaultSamples;
-  uint64_t seed = 0;       // of q, k, v and of the lsh draws
-  bool causal = false;     // as plsh attend and compute (and SDPA's is_causal)
+  uint64_t seed = 0;    // of q, k, v and of the lsh draws
+  bool causal = false;  // as plsh attend and compute (and SDPA's is_causal)
   double window_eps = kDefaultWindowEps;
   std::string backend = "auto";
   int64_t threads = 0;
@@ -130,9 +130,11 @@ void print_per_head(const AttentionResult& r) {
 Status demo(const DemoArgs& a) {
   // Sizes and options first, before allocating anything of their size.
   for (Mode mode : {Mode::kWindow, Mode::kLsh}) RETURN_IF_ERROR(validate_options(demo_options(a, mode)));
-  if (a.target_error != 0) RETURN_IF_ERROR(validate_options(demo_options(a, kDefaultTargetMode, Sampling::kIid, a.target_error)));
+  if (a.target_error != 0)
+    RETURN_IF_ERROR(validate_options(demo_options(a, kDefaultTargetMode, Sampling::kIid, a.target_error)));
   RETURN_IF_ERROR(check_backend_name(a.backend));
-  if (a.threads < 0) return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
+  if (a.threads < 0)
+    return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
   const int64_t count = a.n * a.heads * a.head_dim;
   const std::vector<float> q = normal_tensor(count, a.seed, 0);
   const std::vector<float> k = normal_tensor(count, a.seed, 1);
@@ -151,8 +153,8 @@ Status demo(const DemoArgs& a) {
               ", %s, standard ALiBi slopes, seed %" PRIu64 "\n",
               a.n, a.heads, a.head_dim, a.causal ? "causal" : "not causal", a.seed);
   std::printf("backend: %s (%s)\n\n", exact.result.backend.c_str(), exact.result.device.c_str());
-  std::printf("%-16s %-8s %-10s %-12s %-15s %-12s %-12s %-22s %-12s %s\n", "run", "samples", "compute s",
-              "estimates s", "rel L2 vs exact", "mask max", "spectral", "probe rel err", "probe upper", "FLOPs/dense");
+  std::printf("%-16s %-8s %-10s %-12s %-15s %-12s %-12s %-22s %-12s %s\n", "run", "samples", "compute s", "estimates s",
+              "rel L2 vs exact", "mask max", "spectral", "probe rel err", "probe upper", "FLOPs/dense");
   const std::string target_name = "target " + sci(a.target_error);
   const std::pair<const ModeRun*, std::string> runs[] = {
       {&exact, "exact"}, {&window, "window"}, {&lsh, "lsh iid"}, {&ash, "lsh ash"}, {&targeted, target_name}};
@@ -177,11 +179,12 @@ Status demo(const DemoArgs& a) {
     for (size_t i = 0; i < t.attempts.size(); ++i) {
       const TargetAttempt& at = t.attempts[i];
       std::string what = mode_name(at.mode);
-      if (at.mode == Mode::kWindow) what += " eps " + sci(std::exp(-at.window_scale)) + " (W <= " + std::to_string(at.window_max) + ")";
+      if (at.mode == Mode::kWindow)
+        what += " eps " + sci(std::exp(-at.window_scale)) + " (W <= " + std::to_string(at.window_max) + ")";
       if (at.mode == Mode::kLsh) what += " s " + std::to_string(at.samples);
-      std::printf("  %s%-34s probe %s, upper %s, %.2f GFLOP, %.3f s%s\n", static_cast<int64_t>(i) == t.chosen ? "* " : "  ",
-                  what.c_str(), sci(at.rel_err).c_str(), sci(at.rel_err_upper).c_str(), at.flops / 1e9, at.seconds,
-                  at.met ? "  <= target" : "");
+      std::printf("  %s%-34s probe %s, upper %s, %.2f GFLOP, %.3f s%s\n",
+                  static_cast<int64_t>(i) == t.chosen ? "* " : "  ", what.c_str(), sci(at.rel_err).c_str(),
+                  sci(at.rel_err_upper).c_str(), at.flops / 1e9, at.seconds, at.met ? "  <= target" : "");
     }
   }
   std::printf(
@@ -201,16 +204,25 @@ Status demo(const DemoArgs& a) {
 
 RunFn setup_demo(CLI::App& app) {
   auto a = std::make_shared<DemoArgs>();
-  app.add_option("--n", a->n, "sequence length (queries = keys)")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--n", a->n, "sequence length (queries = keys)")
+      ->capture_default_str()
+      ->transform(decimal_integer(true));
   app.add_option("--heads", a->heads, "heads")->capture_default_str()->transform(decimal_integer(true));
   app.add_option("--head-dim", a->head_dim, "head dimension")->capture_default_str()->transform(decimal_integer(true));
-  app.add_option("--samples", a->samples, "lsh hashes per head")->capture_default_str()->transform(decimal_integer(true));
-  app.add_option("--seed", a->seed, "seed of q, k, v and of the draws")->capture_default_str()->transform(decimal_integer(false));
+  app.add_option("--samples", a->samples, "lsh hashes per head")
+      ->capture_default_str()
+      ->transform(decimal_integer(true));
+  app.add_option("--seed", a->seed, "seed of q, k, v and of the draws")
+      ->capture_default_str()
+      ->transform(decimal_integer(false));
   app.add_flag("--causal", a->causal, "causal masking (off by default, as in plsh attend and compute)");
-  app.add_flag_callback("--no-causal", [a] { a->causal = false; }, "every query sees every key (the default)");
+  app.add_flag_callback(
+      "--no-causal", [a] { a->causal = false; }, "every query sees every key (the default)");
   app.add_option("--window-eps", a->window_eps, "window mode: W_h = ceil(sigma_h ln(1/eps))")->capture_default_str();
   app.add_option("--backend", a->backend, backend_names_text())->capture_default_str();
-  app.add_option("--threads", a->threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--threads", a->threads, "CPU threads (0: all cores)")
+      ->capture_default_str()
+      ->transform(decimal_integer(true));
   app.add_flag("--per-head", a->per_head, "also print the estimates of every head");
   app.add_option("--target-error", a->target_error, "the error-targeted row's target (0: leave the row out)")
       ->capture_default_str();

@@ -17,7 +17,7 @@ namespace {
 struct HealthArgs {
   std::string target = "127.0.0.1:50051";
   client::ChannelOptions channel;  // TLS
-  std::string service;  // "": the whole server; or "plsh.v1.Attention"
+  std::string service;             // "": the whole server; or "plsh.v1.Attention"
   double deadline = 5;
 };
 

@@ -35,8 +35,9 @@ void int64_as_numbers(const google::protobuf::Message& m, nlohmann::ordered_json
     if (!j->contains(f->name()) || f->is_map()) continue;
     nlohmann::ordered_json& value = (*j)[f->name()];
     auto number = [f](const nlohmann::ordered_json& text) {
-      return f->cpp_type() == FieldDescriptor::CPPTYPE_INT64 ? nlohmann::ordered_json(std::stoll(text.get<std::string>()))
-                                                             : nlohmann::ordered_json(std::stoull(text.get<std::string>()));
+      return f->cpp_type() == FieldDescriptor::CPPTYPE_INT64
+                 ? nlohmann::ordered_json(std::stoll(text.get<std::string>()))
+                 : nlohmann::ordered_json(std::stoull(text.get<std::string>()));
     };
     if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
       if (!f->is_repeated()) {

@@ -48,5 +48,6 @@ int report_error(const std::string& command, const Status& status);
 
 }  // namespace plsh::cli
 
-#define PLSH_REGISTER_COMMAND(name, description, setup) \
-  [[maybe_unused]] static const bool plsh_command_registered_##name = ::plsh::cli::register_command(#name, description, setup)
+#define PLSH_REGISTER_COMMAND(name, description, setup)               \
+  [[maybe_unused]] static const bool plsh_command_registered_##name = \
+      ::plsh::cli::register_command(#name, description, setup)

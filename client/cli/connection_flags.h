@@ -14,7 +14,8 @@ namespace plsh::cli {
 inline void add_connection_flags(CLI::App& app, client::ChannelOptions& o, bool tokens = true) {
   app.add_flag("--tls", o.tls, "connect with TLS, trusting the system's CA roots (implied by the other --tls-* flags)");
   app.add_option("--tls-ca", o.tls_ca, "PEM file of the CA(s) the server's certificate must chain to (implies --tls)");
-  app.add_option("--tls-cert", o.tls_cert, "PEM file of this client's certificate, for servers that ask for one (needs --tls-key)");
+  app.add_option("--tls-cert", o.tls_cert,
+                 "PEM file of this client's certificate, for servers that ask for one (needs --tls-key)");
   app.add_option("--tls-key", o.tls_key, "PEM file of this client's private key");
   app.add_option("--tls-server-name", o.tls_server_name,
                  "name the server's certificate must carry (default: the host of --target)");

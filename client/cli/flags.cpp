@@ -6,8 +6,8 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -55,8 +55,11 @@ CLI::Validator decimal_integer(bool allow_negative) {
 std::string backend_names_text() { return names_text(kBackendNames); }
 
 void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
-  app.add_option("--q", a.q_path, "queries, .npy [B, Nq, H, D] or [Nq, H, D] (--layout bhnd: [B, H, Nq, D]), float32 or float16")->required();
-  app.add_option("--k", a.k_path, "keys, .npy [B, Nk, Hkv, D] (H % Hkv == 0; bhnd: [B, Hkv, Nk, D]), same dtype as q")->required();
+  app.add_option("--q", a.q_path,
+                 "queries, .npy [B, Nq, H, D] or [Nq, H, D] (--layout bhnd: [B, H, Nq, D]), float32 or float16")
+      ->required();
+  app.add_option("--k", a.k_path, "keys, .npy [B, Nk, Hkv, D] (H % Hkv == 0; bhnd: [B, Hkv, Nk, D]), same dtype as q")
+      ->required();
   app.add_option("--v", a.v_path, "values, .npy, same shape and dtype as k")->required();
   app.add_flag("--bf16-bits", a.bf16_bits,
                "read '<u2' (uint16) arrays as bfloat16 bit patterns, and write bf16 outputs the same way");
@@ -65,8 +68,12 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
                  "exact, lsh, window or fixed_blocks (a biased baseline; with --target-error and no --mode: window)")
       ->capture_default_str()
       ->each([&a](const std::string&) { a.mode_given = true; });
-  app.add_option("--samples", a.options.samples, "lsh: hashes per head (s)")->capture_default_str()->transform(decimal_integer(true));
-  app.add_option("--seed", a.options.seed, "lsh: seed of the hash draws (uint64)")->capture_default_str()->transform(decimal_integer(false));
+  app.add_option("--samples", a.options.samples, "lsh: hashes per head (s)")
+      ->capture_default_str()
+      ->transform(decimal_integer(true));
+  app.add_option("--seed", a.options.seed, "lsh: seed of the hash draws (uint64)")
+      ->capture_default_str()
+      ->transform(decimal_integer(false));
   app.add_flag("--causal", a.options.causal, "mask keys after the query's position");
   app.add_option("--slopes", a.slopes, "ALiBi slope per query head, comma-separated (default: the standard slopes)");
   app.add_option_function<double>(
@@ -84,10 +91,14 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
       ->capture_default_str()
       ->transform(decimal_integer(true));
   app.add_option_function<int64_t>(
-         "--q-pos0", [&a](const int64_t& v) { a.options.q_pos0 = v; }, "absolute position of query row 0 (default Nk - Nq)")
+         "--q-pos0", [&a](const int64_t& v) { a.options.q_pos0 = v; },
+         "absolute position of query row 0 (default Nk - Nq)")
       ->transform(decimal_integer(true));
-  app.add_option("--k-pos0", a.options.k_pos0, "absolute position of key row 0")->capture_default_str()->transform(decimal_integer(true));
-  app.add_option("--probe-rows", a.options.probe_rows, "rows per head computed exactly for the probe estimate (0: none)")
+  app.add_option("--k-pos0", a.options.k_pos0, "absolute position of key row 0")
+      ->capture_default_str()
+      ->transform(decimal_integer(true));
+  app.add_option("--probe-rows", a.options.probe_rows,
+                 "rows per head computed exactly for the probe estimate (0: none)")
       ->capture_default_str()
       ->transform(decimal_integer(true));
   app.add_flag("--no-estimates", a.no_estimates, "skip the error estimates (lsh and window)");
@@ -96,14 +107,17 @@ void add_attention_flags(CLI::App& app, AttentionCliArgs& a) {
   app.add_flag("--return-hashes", a.options.return_draws, "the former name of --return-draws")->group("");
   app.add_option("--out-dtype", a.out_dtype, "f32, f16 or bf16 (default: the inputs' dtype)");
   app.add_option("--backend", a.backend, backend_names_text())->capture_default_str();
-  app.add_option("--threads", a.threads, "CPU threads (0: all cores)")->capture_default_str()->transform(decimal_integer(true));
+  app.add_option("--threads", a.threads, "CPU threads (0: all cores)")
+      ->capture_default_str()
+      ->transform(decimal_integer(true));
   app.add_option("--layout", a.layout,
                  "axes of every .npy in and out: bnhd [B, N, H, D] (plsh's, FlashAttention's) or bhnd [B, H, N, D] "
                  "(scaled_dot_product_attention's)")
       ->capture_default_str()
       ->check(CLI::IsMember({"bnhd", "bhnd"}));
-  app.add_flag("--no-layout-check", a.no_layout_check,
-               "accept shapes that look transposed (q's positions are k's heads, or more heads than positions) as given");
+  app.add_flag(
+      "--no-layout-check", a.no_layout_check,
+      "accept shapes that look transposed (q's positions are k's heads, or more heads than positions) as given");
 }
 
 void add_output_flags(CLI::App& app, OutputCliArgs& a) {
@@ -118,7 +132,8 @@ void add_backward_flags(CLI::App& app, BackwardCliArgs& a) {
   app.add_option("--dq", a.dq_path, "backward: dLoss/dq, .npy [B, Nq, H, D] (or [Nq, H, D])");
   app.add_option("--dk", a.dk_path, "backward: dLoss/dk, .npy [B, Nk, Hkv, D], summed over each kv head's query heads");
   app.add_option("--dv", a.dv_path, "backward: dLoss/dv, .npy [B, Nk, Hkv, D], summed likewise");
-  app.add_option("--grad-dtype", a.grad_dtype, "backward: f32, f16 or bf16 for dq, dk, dv (default: the inputs' dtype)");
+  app.add_option("--grad-dtype", a.grad_dtype,
+                 "backward: f32, f16 or bf16 for dq, dk, dv (default: the inputs' dtype)");
 }
 
 StatusOr<std::optional<DType>> check_backward_args(const BackwardCliArgs& a, bool bf16_bits) {
@@ -126,7 +141,8 @@ StatusOr<std::optional<DType>> check_backward_args(const BackwardCliArgs& a, boo
       {"--dout", &a.dout_path}, {"--dq", &a.dq_path}, {"--dk", &a.dk_path}, {"--dv", &a.dv_path}};
   if (!a.requested()) {
     if (!a.grad_dtype.empty())
-      return invalid_argument("--grad-dtype = '" + a.grad_dtype + "' without the backward, expected it with --dout, "
+      return invalid_argument("--grad-dtype = '" + a.grad_dtype +
+                              "' without the backward, expected it with --dout, "
                               "--dq, --dk and --dv");
     return std::optional<DType>{};
   }
@@ -144,7 +160,8 @@ StatusOr<std::optional<DType>> check_backward_args(const BackwardCliArgs& a, boo
   StatusOr<DType> t = parse_dtype(a.grad_dtype);
   if (!t.ok()) return invalid_argument("grad_" + t.status().message());
   if (*t == DType::kBF16 && !bf16_bits)
-    return invalid_argument("grad_dtype = bf16 needs --bf16-bits (.npy has no bfloat16; it is written as '<u2' bit patterns)");
+    return invalid_argument(
+        "grad_dtype = bf16 needs --bf16-bits (.npy has no bfloat16; it is written as '<u2' bit patterns)");
   return std::optional<DType>{*t};
 }
 
@@ -188,11 +205,13 @@ StatusOr<AttentionOptions> options_from_args(const AttentionCliArgs& a) {
   if (!a.out_dtype.empty()) {
     ASSIGN_OR_RETURN(DType out, parse_dtype(a.out_dtype));
     if (out == DType::kBF16 && !a.bf16_bits)
-      return invalid_argument("out_dtype = bf16 needs --bf16-bits (.npy has no bfloat16; it is written as '<u2' bit patterns)");
+      return invalid_argument(
+          "out_dtype = bf16 needs --bf16-bits (.npy has no bfloat16; it is written as '<u2' bit patterns)");
     o.out_dtype = out;
   }
   RETURN_IF_ERROR(check_backend_name(a.backend));
-  if (a.threads < 0) return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
+  if (a.threads < 0)
+    return invalid_argument("threads = " + std::to_string(a.threads) + ", expected >= 0 (0: all cores)");
   if (!std::isfinite(o.window_eps))
     return invalid_argument("window_eps = " + g_text(o.window_eps, 17) + ", expected in (0, 1)");
   return o;
@@ -279,7 +298,8 @@ Status apply_shapes(const NpyArray& q, const NpyArray& k, const NpyArray& v, con
   // kv_heads = 0 would mean "same as heads" to the library; an empty kv
   // head axis must be reported as such instead.
   o->kv_heads = k.shape[x.h];
-  if (o->kv_heads == 0) return invalid_argument(k_name + ": kv_heads = 0 (shape " + shape_string(k.shape) + "), expected >= 1");
+  if (o->kv_heads == 0)
+    return invalid_argument(k_name + ": kv_heads = 0 (shape " + shape_string(k.shape) + "), expected >= 1");
   o->dtype = q.dtype;
   return Status::Ok();
 }
@@ -292,17 +312,19 @@ Status check_layout_plausible(const AttentionOptions& o, const std::vector<int64
   const Layout other = layout == Layout::kBnhd ? Layout::kBhnd : Layout::kBnhd;
   const std::string read_as = std::string(name_of(kLayoutNames, layout)) + " " + form_of(layout, batched);
   const std::string fix = std::string("pass --layout ") + name_of(kLayoutNames, other) + " if every file is " +
-                          form_of(other, batched) + ", transpose the one that is not, or --no-layout-check if the "
+                          form_of(other, batched) +
+                          ", transpose the one that is not, or --no-layout-check if the "
                           "shapes are meant";
   const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   if (o.q_len == kv_heads && o.heads == o.kv_len && o.q_len != o.heads) {
     const std::string suspect = o.heads > o.q_len ? q_name : k_name + " and " + v_name;
-    return invalid_argument(q_name + " " + shape_string(q_shape) + " read as " + read_as + " has " +
-                            std::to_string(o.q_len) + " positions and " + std::to_string(o.heads) + " heads, and " +
-                            k_name + ", " + v_name + " " + shape_string(k_shape) + " have " + std::to_string(o.kv_len) +
-                            " positions and " + std::to_string(kv_heads) + " heads: one side's positions are the "
-                            "other's heads, so " + suspect + " is probably in the other layout (" +
-                            name_of(kLayoutNames, other) + "); " + fix);
+    return invalid_argument(
+        q_name + " " + shape_string(q_shape) + " read as " + read_as + " has " + std::to_string(o.q_len) +
+        " positions and " + std::to_string(o.heads) + " heads, and " + k_name + ", " + v_name + " " +
+        shape_string(k_shape) + " have " + std::to_string(o.kv_len) + " positions and " + std::to_string(kv_heads) +
+        " heads: one side's positions are the "
+        "other's heads, so " +
+        suspect + " is probably in the other layout (" + name_of(kLayoutNames, other) + "); " + fix);
   }
   if (o.slopes.empty() && o.heads > o.q_len && kv_heads > o.kv_len) {
     const std::string text = q_name + " " + shape_string(q_shape) + ", " + k_name + " and " + v_name + " " +
@@ -329,8 +351,8 @@ StatusOr<AttentionInputs> load_attention_inputs(const AttentionCliArgs& a) {
   RETURN_IF_ERROR(apply_shapes(in.q, in.k, in.v, a.q_path, a.k_path, a.v_path, &in.options, &in.batched, in.layout));
   if (!a.no_layout_check) {
     std::string warning;
-    RETURN_IF_ERROR(check_layout_plausible(in.options, in.q.shape, in.k.shape, a.q_path, a.k_path, a.v_path, in.layout,
-                                           &warning));
+    RETURN_IF_ERROR(
+        check_layout_plausible(in.options, in.q.shape, in.k.shape, a.q_path, a.k_path, a.v_path, in.layout, &warning));
     if (!warning.empty()) std::fprintf(stderr, "plsh: warning: %s\n", warning.c_str());
   }
   RETURN_IF_ERROR(validate_options(in.options));

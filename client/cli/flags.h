@@ -32,8 +32,8 @@ inline constexpr int64_t kMaxPlausibleHeads = 256;
 // What the attention flags hold after parsing; strings stay strings until
 // options_from_args() turns them into typed options with Status errors.
 struct AttentionCliArgs {
-  std::string q_path, k_path, v_path;   // .npy: [B, N, H, D] or [N, H, D]
-  bool bf16_bits = false;               // read/write '<u2' arrays as bfloat16 bit patterns
+  std::string q_path, k_path, v_path;  // .npy: [B, N, H, D] or [N, H, D]
+  bool bf16_bits = false;              // read/write '<u2' arrays as bfloat16 bit patterns
   // The flags that set an option as it is (--samples, --seed, --causal,
   // --scale, --window-eps, --window-width, --q-pos0, --k-pos0, --probe-rows,
   // --return-draws) are bound to it directly, with the library's defaults;
@@ -41,17 +41,17 @@ struct AttentionCliArgs {
   // not restated here.
   AttentionOptions options;
   std::string mode = mode_name(AttentionOptions{}.mode);  // exact | lsh | window
-  std::string slopes;                   // "a,b,..." one per query head; empty: standard ALiBi slopes
+  std::string slopes;                                     // "a,b,..." one per query head; empty: standard ALiBi slopes
   std::string lsh_algorithm = lsh_algorithm_name(AttentionOptions{}.lsh_algorithm);  // auto | per_sample | banded
-  std::string sampling = sampling_name(kDefaultSampling);  // lsh: iid | stratified | ash
-  double target_error = 0;              // > 0: error-targeted request (target_rel_err)
-  bool mode_given = false;              // --mode was on the command line (a target without it searches windows)
+  std::string sampling = sampling_name(kDefaultSampling);                            // lsh: iid | stratified | ash
+  double target_error = 0;  // > 0: error-targeted request (target_rel_err)
+  bool mode_given = false;  // --mode was on the command line (a target without it searches windows)
   bool no_estimates = false;
-  std::string out_dtype;                // f32 | f16 | bf16; empty: the inputs' dtype
-  std::string backend = "auto";         // one of plsh::kBackendNames
-  int64_t threads = 0;                  // CPU threads; 0: all cores
-  std::string layout = "bnhd";          // of every .npy in and out: bnhd | bhnd
-  bool no_layout_check = false;         // accept shapes that look transposed as given
+  std::string out_dtype;         // f32 | f16 | bf16; empty: the inputs' dtype
+  std::string backend = "auto";  // one of plsh::kBackendNames
+  int64_t threads = 0;           // CPU threads; 0: all cores
+  std::string layout = "bnhd";   // of every .npy in and out: bnhd | bhnd
+  bool no_layout_check = false;  // accept shapes that look transposed as given
 };
 
 // Where the results go.
@@ -70,9 +70,7 @@ struct BackwardCliArgs {
   std::string dv_path;     // .npy, [B, Nk, Hkv, D] (or [Nk, Hkv, D])
   std::string grad_dtype;  // f32 | f16 | bf16; empty: the inputs' dtype
 
-  bool requested() const {
-    return !dout_path.empty() || !dq_path.empty() || !dk_path.empty() || !dv_path.empty();
-  }
+  bool requested() const { return !dout_path.empty() || !dq_path.empty() || !dk_path.empty() || !dv_path.empty(); }
 };
 
 // An integer flag's transform: base 10 only (CLI11 alone would read "010"
@@ -116,8 +114,8 @@ Status check_output_paths(const OutputCliArgs& args);
 Status check_output_path(const char* flag, const std::string& path);
 
 struct AttentionInputs {
-  NpyArray q, k, v;     // in plsh's bnhd, whatever the files' layout
-  bool batched = true;  // the inputs had a batch axis (rank 4); outputs keep the same form
+  NpyArray q, k, v;               // in plsh's bnhd, whatever the files' layout
+  bool batched = true;            // the inputs had a batch axis (rank 4); outputs keep the same form
   Layout layout = Layout::kBnhd;  // the files'
   AttentionOptions options;
 };

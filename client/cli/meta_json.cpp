@@ -10,7 +10,9 @@
 namespace plsh::cli {
 
 namespace {
-nlohmann::ordered_json number(double v) { return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); }
+nlohmann::ordered_json number(double v) {
+  return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr);
+}
 
 // {name: seconds}, as both the forward's and the backward's results keep them.
 nlohmann::ordered_json timings_to_json(const std::map<std::string, double>& timings) {
@@ -30,17 +32,18 @@ nlohmann::ordered_json probe_to_json(const ProbeEstimate& p) {
 }
 
 nlohmann::ordered_json head_to_json(const HeadEstimate& h) {
-  nlohmann::ordered_json j = {{"head", h.head},
-                      {"slope", number(h.slope)},
-                      {"sigma", number(h.sigma)},
-                      {"window", h.window == kNoWindow ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(h.window)},
-                      {"max_block", h.max_block},
-                      {"mask_max_err", number(h.mask_max_err)},
-                      {"mask_rows_checked", h.mask_rows_checked},
-                      {"mask_rows_sampled", h.mask_rows_sampled},
-                      {"mask_spectral_err", number(h.mask_spectral_err)},
-                      {"spectral_iterations", h.spectral_iterations},
-                      {"probe", probe_to_json(h.probe)}};
+  nlohmann::ordered_json j = {
+      {"head", h.head},
+      {"slope", number(h.slope)},
+      {"sigma", number(h.sigma)},
+      {"window", h.window == kNoWindow ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(h.window)},
+      {"max_block", h.max_block},
+      {"mask_max_err", number(h.mask_max_err)},
+      {"mask_rows_checked", h.mask_rows_checked},
+      {"mask_rows_sampled", h.mask_rows_sampled},
+      {"mask_spectral_err", number(h.mask_spectral_err)},
+      {"spectral_iterations", h.spectral_iterations},
+      {"probe", probe_to_json(h.probe)}};
   if (!h.draws.empty()) {
     nlohmann::ordered_json draws = nlohmann::ordered_json::array();
     for (const Draw& d : h.draws) draws.push_back({number(d.pitch), number(d.shift)});
@@ -66,28 +69,31 @@ nlohmann::ordered_json target_to_json(const TargetReport& t) {
     j["seconds"] = number(a.seconds);
     attempts.push_back(std::move(j));
   }
-  return {{"target_rel_err", number(t.target_rel_err)}, {"met", t.met}, {"chosen", t.chosen}, {"attempts", std::move(attempts)}};
+  return {{"target_rel_err", number(t.target_rel_err)},
+          {"met", t.met},
+          {"chosen", t.chosen},
+          {"attempts", std::move(attempts)}};
 }
 
 nlohmann::ordered_json result_to_json(const AttentionResult& r) {
   nlohmann::ordered_json heads = nlohmann::ordered_json::array();
   for (const HeadEstimate& h : r.heads) heads.push_back(head_to_json(h));
   nlohmann::ordered_json meta = {{"format", "plsh-meta/1"},
-          {"mode", mode_name(r.mode)},
-          {"samples", r.samples},
-          {"seed", r.seed},
-          {"backend", r.backend},
-          {"device", r.device},
-          {"lsh_algorithm", lsh_algorithm_name(r.lsh_algorithm)},
-          {"sampling", sampling_name(r.sampling)},
-          {"flops", number(r.flops)},
-          {"dense_flops", number(r.dense_flops)},
-          {"timings", timings_to_json(r.timings)},
-          {"summary",
-           {{"mask_max_err", number(r.mask_max_err)},
-            {"mask_spectral_err", number(r.mask_spectral_err)},
-            {"probe", probe_to_json(r.probe)}}},
-          {"heads", std::move(heads)}};
+                                 {"mode", mode_name(r.mode)},
+                                 {"samples", r.samples},
+                                 {"seed", r.seed},
+                                 {"backend", r.backend},
+                                 {"device", r.device},
+                                 {"lsh_algorithm", lsh_algorithm_name(r.lsh_algorithm)},
+                                 {"sampling", sampling_name(r.sampling)},
+                                 {"flops", number(r.flops)},
+                                 {"dense_flops", number(r.dense_flops)},
+                                 {"timings", timings_to_json(r.timings)},
+                                 {"summary",
+                                  {{"mask_max_err", number(r.mask_max_err)},
+                                   {"mask_spectral_err", number(r.mask_spectral_err)},
+                                   {"probe", probe_to_json(r.probe)}}},
+                                 {"heads", std::move(heads)}};
   if (r.target.target_rel_err > 0) meta["target"] = target_to_json(r.target);
   return meta;
 }

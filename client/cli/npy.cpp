@@ -84,10 +84,14 @@ class HeaderReader {
       std::string key;
       if (!read_string(&key)) return fail(error, "expected a quoted key in the header dict");
       std::optional<HeaderValue>* slot = nullptr;
-      if (key == "descr") slot = descr;
-      else if (key == "fortran_order") slot = fortran;
-      else if (key == "shape") slot = shape;
-      else return fail(error, "unexpected header key '" + key + "' (expected descr, fortran_order, shape)");
+      if (key == "descr")
+        slot = descr;
+      else if (key == "fortran_order")
+        slot = fortran;
+      else if (key == "shape")
+        slot = shape;
+      else
+        return fail(error, "unexpected header key '" + key + "' (expected descr, fortran_order, shape)");
       if (slot->has_value()) return fail(error, "header key '" + key + "' appears twice");
       if (!expect(':')) return fail(error, "expected ':' after key '" + key + "'");
       HeaderValue value;
@@ -256,7 +260,8 @@ StatusOr<size_t> parse_header(std::string_view dict, const std::string& name, co
   std::string error;
   HeaderReader reader(dict);
   if (!reader.read(&descr, &fortran, &shape, &error)) return bad(name, "malformed .npy header: " + error);
-  if (!descr || !fortran || !shape) return bad(name, "malformed .npy header: needs the keys descr, fortran_order and shape");
+  if (!descr || !fortran || !shape)
+    return bad(name, "malformed .npy header: needs the keys descr, fortran_order and shape");
   if (descr->kind == HeaderValue::kList) return bad(name, "structured dtype, expected '<f4' or '<f2'");
   if (descr->kind != HeaderValue::kString) return bad(name, "malformed .npy header: descr is not a string");
   if (fortran->kind != HeaderValue::kBool) return bad(name, "malformed .npy header: fortran_order is not True/False");
@@ -297,8 +302,8 @@ StatusOr<NpyArray> parse_npy(std::string_view bytes, const std::string& name, co
   ASSIGN_OR_RETURN(const Preamble pre, parse_preamble(bytes, bytes.size(), name));
   NpyArray a;
   std::string descr;
-  ASSIGN_OR_RETURN(const size_t want,
-                   parse_header(bytes.substr(pre.header_offset, pre.data_offset - pre.header_offset), name, options, &a, &descr));
+  ASSIGN_OR_RETURN(const size_t want, parse_header(bytes.substr(pre.header_offset, pre.data_offset - pre.header_offset),
+                                                   name, options, &a, &descr));
   RETURN_IF_ERROR(check_data_size(bytes.size() - pre.data_offset, want, a, descr, name));
   a.data.assign(bytes.begin() + static_cast<std::ptrdiff_t>(pre.data_offset), bytes.end());
   return a;
@@ -310,7 +315,8 @@ StatusOr<NpyArray> read_npy(const std::string& path, const NpyReadOptions& optio
   std::error_code ec;
   const auto kind = std::filesystem::status(path, ec).type();
   if (kind == std::filesystem::file_type::not_found) return invalid_argument(path + ": no such file");
-  if (kind == std::filesystem::file_type::directory) return invalid_argument(path + ": is a directory, expected a .npy file");
+  if (kind == std::filesystem::file_type::directory)
+    return invalid_argument(path + ": is a directory, expected a .npy file");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) return invalid_argument(path + ": cannot open: " + std::strerror(errno));
   const std::streamoff end = in.tellg();

@@ -24,8 +24,8 @@
 namespace plsh::cli {
 
 struct ShardCliArgs {
-  int64_t shards = 0;          // 0: automatic
-  std::string by = "auto";     // auto | heads | sequence
+  int64_t shards = 0;       // 0: automatic
+  std::string by = "auto";  // auto | heads | sequence
 };
 
 // True when the request goes through the sharding client: a list of
@@ -41,8 +41,9 @@ inline void add_shard_flags(CLI::App& app, ShardCliArgs& a) {
                  "4 MiB, else one")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--shard-by", a.by, "heads (whole GQA groups), sequence (query rows and the keys they reach) or auto "
-                                     "(whichever sends fewer bytes per shard)")
+  app.add_option("--shard-by", a.by,
+                 "heads (whole GQA groups), sequence (query rows and the keys they reach) or auto "
+                 "(whichever sends fewer bytes per shard)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "heads", "sequence"}));
 }
@@ -55,7 +56,11 @@ inline client::ShardingOptions sharding_options(const ShardCliArgs& a) {
 }
 
 inline nlohmann::ordered_json timings_json(const client::ServerTimings& t) {
-  return {{"queued", t.queued}, {"receiving", t.receiving}, {"computing", t.computing}, {"sending", t.sending}, {"total", t.total}};
+  return {{"queued", t.queued},
+          {"receiving", t.receiving},
+          {"computing", t.computing},
+          {"sending", t.sending},
+          {"total", t.total}};
 }
 
 inline nlohmann::ordered_json sharding_json(const client::ShardingSummary& s) {

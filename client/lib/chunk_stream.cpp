@@ -99,8 +99,9 @@ grpc::Status ChunkStream::take(int tensor, int64_t row_start, int64_t row_count,
   Output* out = nullptr;
   for (Output& o : *outputs_)
     if (o.tensor == tensor) out = &o;
-  if (out == nullptr) return protocol_error("an output chunk of " + v1::Tensor_Name(static_cast<v1::Tensor>(tensor)) +
-                                            ", which this call does not take");
+  if (out == nullptr)
+    return protocol_error("an output chunk of " + v1::Tensor_Name(static_cast<v1::Tensor>(tensor)) +
+                          ", which this call does not take");
   // In row order, each row once: the server's contract.
   if (row_start != out->rows_received || row_count < 1 || row_count > out->shape.rows - out->rows_received ||
       static_cast<int64_t>(bytes) != row_count * out->shape.row_bytes)
@@ -207,8 +208,10 @@ grpc::Status ChunkStream::stream(grpc::ClientContext* ctx, grpc::CompletionQueue
     if (e == kWritten || e == kWritesDone) {
       write_pending_ = false;
       out_message_.Clear();
-      if (!ok) failed_write_ = true;  // the server closed the stream: its status says why
-      else if (reading && protocol.ok()) write_next(lent);
+      if (!ok)
+        failed_write_ = true;  // the server closed the stream: its status says why
+      else if (reading && protocol.ok())
+        write_next(lent);
     } else if (e == kRead) {
       read_pending = false;
       if (!ok) {

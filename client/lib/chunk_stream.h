@@ -32,12 +32,12 @@ class ChunkStream {
  public:
   struct Input {
     v1::Tensor tensor;
-    const void* data;   // shape.bytes(), the caller's, until run() returns
+    const void* data;  // shape.bytes(), the caller's, until run() returns
     TensorShape shape;
   };
   struct Output {
     v1::Tensor tensor;
-    void* data;         // shape.bytes()
+    void* data;  // shape.bytes()
     TensorShape shape;
     int64_t rows_received = 0;
   };

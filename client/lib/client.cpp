@@ -19,8 +19,9 @@ namespace {
 
 void set_deadline(grpc::ClientContext* ctx, double seconds) {
   if (seconds > 0)
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(seconds)));
+    ctx->set_deadline(
+        std::chrono::system_clock::now() +
+        std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(seconds)));
 }
 
 grpc::Status invalid(const std::string& what) { return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what); }
@@ -37,11 +38,10 @@ grpc::Status read_small_file(const char* name, const std::string& path, std::str
   return grpc::Status::OK;
 }
 
-
 grpc::Status fill_timings(const v1::Summary& s, AttendReply* reply) {
-  reply->timings = ServerTimings{s.timings().queued_seconds(), s.timings().receiving_seconds(),
-                                 s.timings().computing_seconds(), s.timings().sending_seconds(),
-                                 s.timings().total_seconds()};
+  reply->timings =
+      ServerTimings{s.timings().queued_seconds(), s.timings().receiving_seconds(), s.timings().computing_seconds(),
+                    s.timings().sending_seconds(), s.timings().total_seconds()};
   StatusOr<AttentionResult> result = wire::result_from_summary(s);
   if (!result.ok()) return protocol_error("summary: " + result.status().message());
   reply->result = std::move(result).value();
@@ -58,23 +58,11 @@ grpc::Status fill_timings(const v1::Summary& s, AttendReply* reply) {
 }  // namespace
 
 std::string status_code_name(grpc::StatusCode code) {
-  static const char* const names[] = {"OK",
-                                      "CANCELLED",
-                                      "UNKNOWN",
-                                      "INVALID_ARGUMENT",
-                                      "DEADLINE_EXCEEDED",
-                                      "NOT_FOUND",
-                                      "ALREADY_EXISTS",
-                                      "PERMISSION_DENIED",
-                                      "RESOURCE_EXHAUSTED",
-                                      "FAILED_PRECONDITION",
-                                      "ABORTED",
-                                      "OUT_OF_RANGE",
-                                      "UNIMPLEMENTED",
-                                      "INTERNAL",
-                                      "UNAVAILABLE",
-                                      "DATA_LOSS",
-                                      "UNAUTHENTICATED"};
+  static const char* const names[] = {
+      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS", "UNAUTHENTICATED"};
   const int c = static_cast<int>(code);
   return c >= 0 && c < static_cast<int>(std::size(names)) ? names[c] : "UNKNOWN";
 }
@@ -130,8 +118,7 @@ grpc::ChannelArguments default_channel_arguments() {
 grpc::Status make_channel(const std::string& target, const ChannelOptions& o, grpc::ChannelArguments args,
                           std::shared_ptr<grpc::Channel>* channel, std::string* token) {
   token->clear();
-  if (!o.token.empty() && !o.token_file.empty())
-    return invalid("token and token_file are both set, expected one");
+  if (!o.token.empty() && !o.token_file.empty()) return invalid("token and token_file are both set, expected one");
   if (!o.token.empty()) {
     *token = o.token;
   } else if (!o.token_file.empty()) {
@@ -147,8 +134,9 @@ grpc::Status make_channel(const std::string& target, const ChannelOptions& o, gr
   for (size_t i = 0; i < token->size(); ++i) {
     const unsigned char ch = static_cast<unsigned char>((*token)[i]);
     if (ch < 0x21 || ch > 0x7e)
-      return invalid(std::string(o.token.empty() ? "token_file" : "token") + ": byte " + std::to_string(i) +
-                     " of the token is not visible ASCII (a space, a control character or non-ASCII), expected one word");
+      return invalid(
+          std::string(o.token.empty() ? "token_file" : "token") + ": byte " + std::to_string(i) +
+          " of the token is not visible ASCII (a space, a control character or non-ASCII), expected one word");
   }
 
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
@@ -186,7 +174,8 @@ Client::Client(std::shared_ptr<grpc::Channel> channel, std::string token)
   stub_ = v1::Attention::NewStub(channel_);
 }
 
-grpc::Status Client::connect(const std::string& target, const ChannelOptions& options, std::unique_ptr<Client>* client) {
+grpc::Status Client::connect(const std::string& target, const ChannelOptions& options,
+                             std::unique_ptr<Client>* client) {
   std::shared_ptr<grpc::Channel> channel;
   std::string token;
   if (grpc::Status s = make_channel(target, options, default_channel_arguments(), &channel, &token); !s.ok()) return s;
@@ -198,7 +187,6 @@ void Client::prepare(grpc::ClientContext* ctx, double deadline_seconds) const {
   set_deadline(ctx, deadline_seconds);
   if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
 }
-
 
 grpc::Status Client::attend(const AttendCall& call, AttendReply* reply) {
   *reply = AttendReply{};
@@ -232,11 +220,11 @@ grpc::Status Client::attend(const AttendCall& call, AttendReply* reply) {
   grpc::ClientContext ctx;
   prepare(&ctx, call.deadline_seconds);
   ChunkStream stream(channel_, "/plsh.v1.Attention/Attend", call.chunk_bytes);
-  const grpc::Status status = stream.run(
-      &ctx, serialize_message(header), std::move(inputs), &outputs,
-      response_reader<v1::AttendResponse>("an AttendResponse", &summary, [](const v1::AttendResponse& r) {
-        return r.has_out_chunk() ? &r.out_chunk() : nullptr;
-      }));
+  const grpc::Status status =
+      stream.run(&ctx, serialize_message(header), std::move(inputs), &outputs,
+                 response_reader<v1::AttendResponse>("an AttendResponse", &summary, [](const v1::AttendResponse& r) {
+                   return r.has_out_chunk() ? &r.out_chunk() : nullptr;
+                 }));
   stream.traffic().copy_to(&reply->sent_bytes, &reply->received_bytes, &reply->messages, &reply->largest_message_bytes);
   if (!status.ok()) return status;
   if (!summary) return protocol_error("stream ended OK without a summary");
@@ -260,7 +248,8 @@ grpc::Status Client::attend_unary(const AttendCall& call, AttendReply* reply) {
   const grpc::Status status = stub_->AttendUnary(&ctx, request, &response);
   if (!status.ok()) return status;
   reply->messages = 2;
-  reply->largest_message_bytes = std::max<int64_t>(reply->largest_message_bytes, static_cast<int64_t>(response.ByteSizeLong()));
+  reply->largest_message_bytes =
+      std::max<int64_t>(reply->largest_message_bytes, static_cast<int64_t>(response.ByteSizeLong()));
   const bool out_streamed = !call.out_shm.set();
   const bool lse_streamed = call.return_lse && !call.lse_shm.set();
   if (static_cast<int64_t>(response.out().size()) != (out_streamed ? z.out.bytes() : 0))

@@ -175,7 +175,8 @@ AttentionResult merge_results(const AttentionOptions& options, const ShardPlan& 
 
 const char* pooling_note(ShardKind kind) {
   switch (kind) {
-    case ShardKind::kSingle: return "one shard: the server's estimates as they came";
+    case ShardKind::kSingle:
+      return "one shard: the server's estimates as they came";
     case ShardKind::kHeads:
       return "heads: each head's estimates come whole from its shard (mask_max_err as unsharded; the probe samples "
              "its rows from the shard's seed); the request's probe rel_err pools heads weighted by probe rows x mean "

@@ -104,11 +104,13 @@ class KeyReach {
 
   int64_t lo(int64_t first) const {
     switch (p_.mode) {
-      case Mode::kExact: return kMin;
+      case Mode::kExact:
+        return kMin;
       // One key beyond the window too: the nearest key outside it, where
       // mask_max_err (SPEC 6) finds the window's largest error, so that each
       // shard's estimate covers the same pairs as the unsharded one's.
-      case Mode::kWindow: return width_ == kNoWindow ? kMin : sat_add(first, -width_);
+      case Mode::kWindow:
+        return width_ == kNoWindow ? kMin : sat_add(first, -width_);
       case Mode::kLsh:
       case Mode::kFixedBlocks: {
         int64_t best = kMax;
@@ -129,8 +131,11 @@ class KeyReach {
   int64_t hi(int64_t last) const {
     int64_t h = kMax;
     switch (p_.mode) {
-      case Mode::kExact: break;
-      case Mode::kWindow: h = width_ == kNoWindow ? kMax : sat_add(last, sat_add(width_, 1)); break;
+      case Mode::kExact:
+        break;
+      case Mode::kWindow:
+        h = width_ == kNoWindow ? kMax : sat_add(last, sat_add(width_, 1));
+        break;
       case Mode::kLsh:
       case Mode::kFixedBlocks: {
         int64_t best = kMin;
@@ -168,7 +173,7 @@ std::vector<ShardSpec> sequence_shards(const AttentionParams& p, const RowBytes&
   const int64_t k_first = p.k_pos0, k_end = p.k_pos0 + p.kv_len;
   std::vector<int64_t> key_lo(static_cast<size_t>(tiles), kMin), key_hi(static_cast<size_t>(tiles), kMin);
   auto row_end_of = [&](int64_t tile) { return std::min(p.q_len, tile * row_align); };  // tile: one past
-  auto first_key = [&](int64_t tile) {  // key row of tile's first query
+  auto first_key = [&](int64_t tile) {                                                  // key row of tile's first query
     int64_t& v = key_lo[static_cast<size_t>(tile)];
     if (v == kMin) v = std::clamp(reach.lo(p.q_pos0 + tile * row_align), k_first, k_end) - k_first;
     return v;
@@ -210,8 +215,10 @@ std::vector<ShardSpec> sequence_shards(const AttentionParams& p, const RowBytes&
   int64_t lo = 0, hi = cost(0, tiles);
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (cut(mid, nullptr)) hi = mid;
-    else lo = mid + 1;
+    if (cut(mid, nullptr))
+      hi = mid;
+    else
+      lo = mid + 1;
   }
   std::vector<ShardSpec> shards;
   cut(lo, &shards);
@@ -243,9 +250,15 @@ StatusOr<ShardPlan> plan_kind(const AttentionOptions& options, bool return_lse, 
   plan.slopes = p.slopes;
   plan.q_pos0 = p.q_pos0;
   switch (kind) {
-    case ShardKind::kSingle: plan.shards = {whole_request(p, z)}; break;
-    case ShardKind::kHeads: plan.shards = head_shards(p, z, parts); break;
-    case ShardKind::kSequence: plan.shards = sequence_shards(p, z, parts, row_align); break;
+    case ShardKind::kSingle:
+      plan.shards = {whole_request(p, z)};
+      break;
+    case ShardKind::kHeads:
+      plan.shards = head_shards(p, z, parts);
+      break;
+    case ShardKind::kSequence:
+      plan.shards = sequence_shards(p, z, parts, row_align);
+      break;
   }
   // A cut into one piece is the request itself.
   if (plan.shards.size() == 1) {
@@ -269,11 +282,14 @@ StatusOr<ShardPlan> plan_shards(const AttentionOptions& options, bool return_lse
   std::string why;
   if (parts == 0) {
     const int64_t bytes = whole.max_shard_bytes;
-    const int64_t by_size = sharding.min_shard_bytes > 0 ? std::max<int64_t>(1, bytes / sharding.min_shard_bytes) : replicas;
+    const int64_t by_size =
+        sharding.min_shard_bytes > 0 ? std::max<int64_t>(1, bytes / sharding.min_shard_bytes) : replicas;
     parts = std::min(replicas, by_size);
     why = "automatic: " + std::to_string(replicas) + (replicas == 1 ? " replica" : " replicas") + ", " + mib(bytes) +
-          " in and out" + (by_size < replicas ? " keeps " + std::to_string(by_size) + " shard(s) of at least " + mib(sharding.min_shard_bytes)
-                              : "") +
+          " in and out" +
+          (by_size < replicas
+               ? " keeps " + std::to_string(by_size) + " shard(s) of at least " + mib(sharding.min_shard_bytes)
+               : "") +
           "; ";
   } else {
     why = "asked for " + std::to_string(parts) + " shard(s); ";
@@ -314,12 +330,13 @@ StatusOr<ShardPlan> plan_shards(const AttentionOptions& options, bool return_lse
          << mib(plan.max_shard_bytes) << " in and out, " << mib(plan.sent_bytes) << " sent in all";
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (i == best) continue;
-    reason << "; " << shard_kind_name(kinds[i]) << " would give " << candidates[i].shards.size() << " with largest " << mib(candidates[i].max_shard_bytes) << ", "
-           << mib(candidates[i].sent_bytes) << " sent";
+    reason << "; " << shard_kind_name(kinds[i]) << " would give " << candidates[i].shards.size() << " with largest "
+           << mib(candidates[i].max_shard_bytes) << ", " << mib(candidates[i].sent_bytes) << " sent";
   }
   if (static_cast<int64_t>(plan.shards.size()) < parts)
     reason << " (fewer than " << parts << ": "
-           << (kinds[best] == ShardKind::kHeads ? "one kv head per shard at least" : "one row tile of 128 per shard at least")
+           << (kinds[best] == ShardKind::kHeads ? "one kv head per shard at least"
+                                                : "one row tile of 128 per shard at least")
            << ")";
   plan.reason = reason.str();
   return plan;
@@ -328,7 +345,8 @@ StatusOr<ShardPlan> plan_shards(const AttentionOptions& options, bool return_lse
 AttentionOptions shard_options(const AttentionOptions& options, const ShardPlan& plan, const ShardSpec& s) {
   AttentionOptions o = options;
   switch (plan.kind) {
-    case ShardKind::kSingle: break;
+    case ShardKind::kSingle:
+      break;
     case ShardKind::kHeads:
       o.heads = s.head_end - s.head_begin;
       o.kv_heads = s.kv_head_end - s.kv_head_begin;

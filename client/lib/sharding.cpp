@@ -25,7 +25,9 @@ using Clock = std::chrono::steady_clock;
 // long (it is still tried when no other replica is left).
 constexpr auto kDownFor = std::chrono::seconds(5);
 
-double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 grpc::Status to_grpc(const Status& s) {
   return s.ok() ? grpc::Status::OK : grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
@@ -68,15 +70,16 @@ grpc::Status resolve_dns(const std::string& item, std::vector<std::string>* out,
     port = rest.substr(colon + 1);
   }
   if (host.empty() || port.empty() || port.find_first_not_of("0123456789") != std::string::npos)
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "target = '" + echo_value(item) + "', expected dns:///host:port (or dns://authority/host:port)");
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        "target = '" + echo_value(item) + "', expected dns:///host:port (or dns://authority/host:port)");
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   if (const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0)
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "target = '" + echo_value(item) + "': cannot resolve " + echo_value(host) + ": " + gai_strerror(rc));
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "target = '" + echo_value(item) + "': cannot resolve " +
+                                                           echo_value(host) + ": " + gai_strerror(rc));
   for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
     char text[INET6_ADDRSTRLEN] = {};
     if (a->ai_family == AF_INET) {
@@ -97,12 +100,14 @@ bool retryable(grpc::StatusCode code) {
     case grpc::StatusCode::UNAVAILABLE:         // down, unreachable, draining
     case grpc::StatusCode::RESOURCE_EXHAUSTED:  // its queue or budget is full; another may have room
     case grpc::StatusCode::ABORTED:
-    case grpc::StatusCode::INTERNAL:            // a bug on that replica, or a broken stream
+    case grpc::StatusCode::INTERNAL:  // a bug on that replica, or a broken stream
     case grpc::StatusCode::UNKNOWN:
-    case grpc::StatusCode::CANCELLED:           // the replica cancelled (we never do)
-    case grpc::StatusCode::DEADLINE_EXCEEDED:   // the replica's own stream timeouts (the call's deadline is checked apart)
+    case grpc::StatusCode::CANCELLED:          // the replica cancelled (we never do)
+    case grpc::StatusCode::DEADLINE_EXCEEDED:  // the replica's own stream timeouts (the call's deadline is checked
+                                               // apart)
       return true;
-    default: return false;
+    default:
+      return false;
   }
 }
 
@@ -161,9 +166,12 @@ ShardInputs gather(const AttendCall& call, const AttentionParams& p, const Shard
       in.k.resize(static_cast<size_t>(p.batch * keys * kv_row));
       in.v.resize(in.k.size());
       for (int64_t b = 0; b < p.batch; ++b) {
-        std::memcpy(in.q.data() + b * rows * q_row, q + (b * p.q_len + s.row_begin) * q_row, static_cast<size_t>(rows * q_row));
-        std::memcpy(in.k.data() + b * keys * kv_row, k + (b * p.kv_len + s.key_begin) * kv_row, static_cast<size_t>(keys * kv_row));
-        std::memcpy(in.v.data() + b * keys * kv_row, v + (b * p.kv_len + s.key_begin) * kv_row, static_cast<size_t>(keys * kv_row));
+        std::memcpy(in.q.data() + b * rows * q_row, q + (b * p.q_len + s.row_begin) * q_row,
+                    static_cast<size_t>(rows * q_row));
+        std::memcpy(in.k.data() + b * keys * kv_row, k + (b * p.kv_len + s.key_begin) * kv_row,
+                    static_cast<size_t>(keys * kv_row));
+        std::memcpy(in.v.data() + b * keys * kv_row, v + (b * p.kv_len + s.key_begin) * kv_row,
+                    static_cast<size_t>(keys * kv_row));
       }
       in.q_ptr = in.q.data();
       in.k_ptr = in.k.data();
@@ -202,14 +210,16 @@ void stitch(const AttentionParams& p, const ShardPlan& plan, const ShardSpec& s,
 
 // Per shard head: mean ||out_i||^2 over the shard's rows (the probe's weights).
 std::vector<double> out_mean_square(const AttentionParams& p, int64_t heads, const AttendReply& part) {
-  const int64_t rows = static_cast<int64_t>(part.out.size() / dtype_bytes(p.out_dtype)) / std::max<int64_t>(1, heads * p.head_dim);
+  const int64_t rows =
+      static_cast<int64_t>(part.out.size() / dtype_bytes(p.out_dtype)) / std::max<int64_t>(1, heads * p.head_dim);
   std::vector<double> sums(static_cast<size_t>(heads), 0.0);
   std::vector<float> row(static_cast<size_t>(heads * p.head_dim));
   for (int64_t r = 0; r < rows; ++r) {
     load_row(part.out.data(), p.out_dtype, r * heads * p.head_dim, heads * p.head_dim, row.data());
     for (int64_t h = 0; h < heads; ++h) {
       double s = 0;
-      for (int64_t d = 0; d < p.head_dim; ++d) s += static_cast<double>(row[h * p.head_dim + d]) * row[h * p.head_dim + d];
+      for (int64_t d = 0; d < p.head_dim; ++d)
+        s += static_cast<double>(row[h * p.head_dim + d]) * row[h * p.head_dim + d];
       sums[static_cast<size_t>(h)] += s;
     }
   }
@@ -262,7 +272,8 @@ grpc::Status ShardedClient::connect(const std::string& targets, const ChannelOpt
 
 grpc::Status ShardedClient::connect(const std::vector<std::string>& replicas, const ChannelOptions& options,
                                     std::unique_ptr<ShardedClient>* client) {
-  if (replicas.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "replicas: none, expected at least one");
+  if (replicas.empty())
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "replicas: none, expected at least one");
   std::unique_ptr<ShardedClient> c(new ShardedClient());
   for (const std::string& target : replicas) {
     std::unique_ptr<Client> one;
@@ -368,11 +379,13 @@ void ShardedClient::run_shard(Run& run, size_t index) {
     run.largest[index] = std::max(run.largest[index], reply.largest_message_bytes);
     report.attempts = attempt;
     if (s.ok()) {
-      const int64_t expected_out = run.params.batch * (spec.row_end - spec.row_begin) * (spec.head_end - spec.head_begin) *
-                                   run.params.head_dim * static_cast<int64_t>(dtype_bytes(run.params.out_dtype));
+      const int64_t expected_out = run.params.batch * (spec.row_end - spec.row_begin) *
+                                   (spec.head_end - spec.head_begin) * run.params.head_dim *
+                                   static_cast<int64_t>(dtype_bytes(run.params.out_dtype));
       if (reply.out_dtype != run.params.out_dtype || static_cast<int64_t>(reply.out.size()) != expected_out) {
-        run.status[index] = grpc::Status(grpc::StatusCode::INTERNAL, "shard " + std::to_string(index + 1) + " from " +
-                                                                         replicas_[r] + ": output of the wrong size or dtype");
+        run.status[index] =
+            grpc::Status(grpc::StatusCode::INTERNAL, "shard " + std::to_string(index + 1) + " from " + replicas_[r] +
+                                                         ": output of the wrong size or dtype");
         run.failed.store(true);
         return;
       }
@@ -401,10 +414,11 @@ void ShardedClient::run_shard(Run& run, size_t index) {
     tried[r] = true;
     const bool out_of_time = run.deadline != Clock::time_point::max() && end >= run.deadline;
     if (!retryable(s.error_code()) || out_of_time || attempt >= run.max_attempts) {
-      run.status[index] = grpc::Status(
-          s.error_code(), "shard " + std::to_string(index + 1) + " of " + std::to_string(run.plan.shards.size()) + " on " +
-                              replicas_[r] + (attempt > 1 ? " (attempt " + std::to_string(attempt) + ")" : "") + ": " +
-                              s.error_message());
+      run.status[index] =
+          grpc::Status(s.error_code(), "shard " + std::to_string(index + 1) + " of " +
+                                           std::to_string(run.plan.shards.size()) + " on " + replicas_[r] +
+                                           (attempt > 1 ? " (attempt " + std::to_string(attempt) + ")" : "") + ": " +
+                                           s.error_message());
       run.failed.store(true);
       return;
     }
@@ -444,7 +458,8 @@ grpc::Status ShardedClient::attend(const AttendCall& call, const ShardingOptions
   if (!params.ok()) return to_grpc(params.status());
   ShardingOptions sharding = options;
   if (sharding.row_align == 0) sharding.row_align = servers_row_align();
-  StatusOr<ShardPlan> plan = plan_shards(call.options, call.return_lse, sharding, static_cast<int64_t>(replicas_.size()));
+  StatusOr<ShardPlan> plan =
+      plan_shards(call.options, call.return_lse, sharding, static_cast<int64_t>(replicas_.size()));
   if (!plan.ok()) return to_grpc(plan.status());
   if (call.q == nullptr || call.k == nullptr || call.v == nullptr)
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "q, k or v = null, expected host tensors");
@@ -465,7 +480,8 @@ grpc::Status ShardedClient::attend(const AttendCall& call, const ShardingOptions
     run.first_replica = next_first_++ % replicas_.size();
   }
   if (call.deadline_seconds > 0)
-    run.deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(call.deadline_seconds));
+    run.deadline =
+        start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(call.deadline_seconds));
   run.max_attempts = sharding.max_attempts > 0 ? sharding.max_attempts : static_cast<int>(replicas_.size()) + 1;
   AttendReply& merged = reply->reply;
   run.merged = &merged;

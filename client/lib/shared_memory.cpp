@@ -19,7 +19,8 @@ grpc::Status invalid(const std::string& what) { return grpc::Status(grpc::Status
 bool plain_name(const std::string& key) {
   if (key.empty() || key.size() > 255 || key[0] == '.') return false;
   for (char c : key)
-    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '.' || c == '-'))
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '.' ||
+          c == '-'))
       return false;
   return true;
 }
@@ -42,9 +43,10 @@ grpc::Status SharedMemoryFile::create(const std::string& dir, const std::string&
     const int error = errno;
     close(fd);
     unlink(f->path_.c_str());
-    return grpc::Status(error == ENOSPC || error == ENOMEM ? grpc::StatusCode::RESOURCE_EXHAUSTED
-                                                          : grpc::StatusCode::FAILED_PRECONDITION,
-                        std::string(what) + " " + f->path_ + " (" + std::to_string(bytes) + " bytes): " + std::strerror(error));
+    return grpc::Status(
+        error == ENOSPC || error == ENOMEM ? grpc::StatusCode::RESOURCE_EXHAUSTED
+                                           : grpc::StatusCode::FAILED_PRECONDITION,
+        std::string(what) + " " + f->path_ + " (" + std::to_string(bytes) + " bytes): " + std::strerror(error));
   };
   // posix_fallocate rather than ftruncate alone: on tmpfs the pages are
   // reserved now, so a full /dev/shm fails here, not as SIGBUS later.

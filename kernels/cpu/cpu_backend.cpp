@@ -2,8 +2,8 @@
 
 #include <sys/utsname.h>
 
-#include <algorithm>
 #include <cblas.h>
+#include <algorithm>
 #include <limits>
 #include <mutex>
 #include <new>
@@ -72,8 +72,9 @@ class CpuBackend final : public Backend {
 
   Status supports(const AttentionParams& p) const override {
     if (p.memory != MemorySpace::kHost)
-      return failed_precondition("memory = device, expected host memory: the cpu backend reads q, k, v and writes "
-                                 "out through host pointers");
+      return failed_precondition(
+          "memory = device, expected host memory: the cpu backend reads q, k, v and writes "
+          "out through host pointers");
     if (uses_draws(p.mode) && p.samples < 1)
       return invalid_argument("samples = " + std::to_string(p.samples) + ", expected >= 1 in " + mode_name(p.mode) +
                               " mode");
@@ -114,8 +115,9 @@ class CpuBackend final : public Backend {
     if (plan.backend != name())
       return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cpu backend");
     if (!plan.backward)
-      return failed_precondition("cpu backend: the plan was made without PlanLimits::backward, expected a plan "
-                                 "whose backward workspace is sized (and charged)");
+      return failed_precondition(
+          "cpu backend: the plan was made without PlanLimits::backward, expected a plan "
+          "whose backward workspace is sized (and charged)");
     RETURN_IF_ERROR(check_backward_inputs(plan, g));
     RETURN_IF_ERROR(check_workspace(workspace, plan.backward_workspace, "cpu backend backward"));
     const AttentionParams& p = plan.params;

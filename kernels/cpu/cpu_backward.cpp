@@ -90,12 +90,15 @@ int64_t scratch_bytes(const AttentionParams& p) {
   return counting.used();
 }
 
-int64_t job_count(const AttentionParams& p) { return p.batch * p.kv_heads * ((p.kv_len + kBwdKeyTile - 1) / kBwdKeyTile); }
+int64_t job_count(const AttentionParams& p) {
+  return p.batch * p.kv_heads * ((p.kv_len + kBwdKeyTile - 1) / kBwdKeyTile);
+}
 int64_t lock_count(const AttentionParams& p) { return p.batch * p.heads * ((p.q_len + kBwdRowTile - 1) / kBwdRowTile); }
 
 int64_t saturating_add(int64_t a, int64_t b) {
   int64_t r = 0;
-  if (__builtin_add_overflow(a, b, &r)) return b > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+  if (__builtin_add_overflow(a, b, &r))
+    return b > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
   return r;
 }
 
@@ -112,11 +115,11 @@ struct Shared {
   const AttentionParams& p;
   const BackwardParams& g;
   const std::vector<std::vector<Draw>>& draws;  // lsh: the plan's
-  float* dq_acc;             // [B, Nq, H, D] scale * sum_j dS_ij k_j
-  const float* row_d;        // [B, H, Nq] D_i = dO_i . O_i
-  const float* row_lse;      // [B, H, Nq] lse_i as the logits see it (+ slope * nearest for exact/window)
-  std::mutex* locks;         // [B, H, ceil(Nq / R)]: one per query tile of dq_acc
-  const float* log_count;    // lsh: [s + 1] log(c / s), -inf for c = 0
+  float* dq_acc;                                // [B, Nq, H, D] scale * sum_j dS_ij k_j
+  const float* row_d;                           // [B, H, Nq] D_i = dO_i . O_i
+  const float* row_lse;    // [B, H, Nq] lse_i as the logits see it (+ slope * nearest for exact/window)
+  std::mutex* locks;       // [B, H, ceil(Nq / R)]: one per query tile of dq_acc
+  const float* log_count;  // lsh: [s + 1] log(c / s), -inf for c = 0
 };
 
 // Query positions [*lo, *hi) that may see some key of positions [kp0, kp1)
@@ -251,8 +254,8 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
   gemm_atb_acc(len, D, rows, scale, dp, len, q, ldq, sc.dk + c0 * D, D);
   gemm_ab(rows, D, len, scale, dp, len, k, ldk, sc.dq, D);
   {
-    std::lock_guard<std::mutex> lock(sh.locks[(job.b * p.heads + h) * ((p.q_len + kBwdRowTile - 1) / kBwdRowTile) +
-                                             i0 / kBwdRowTile]);
+    std::lock_guard<std::mutex> lock(
+        sh.locks[(job.b * p.heads + h) * ((p.q_len + kBwdRowTile - 1) / kBwdRowTile) + i0 / kBwdRowTile]);
     for (int64_t r = 0; r < rows; ++r) {
       float* acc = sh.dq_acc + ((job.b * p.q_len + i0 + r) * p.heads + h) * D;
       const float* part = sc.dq + r * D;
@@ -395,8 +398,7 @@ Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& w
     const int64_t shift_distance = nearest_key(p, p.q_pos0 + i);
     for (int64_t h = 0; h < p.heads; ++h) {
       load_row(g.out, g.out_dtype, b * g.o_batch_stride + i * g.o_row_stride + h * g.o_head_stride, D, s.row_a);
-      load_row(g.dout, g.out_dtype, b * g.do_batch_stride + i * g.do_row_stride + h * g.do_head_stride, D,
-               s.row_b);
+      load_row(g.dout, g.out_dtype, b * g.do_batch_stride + i * g.do_row_stride + h * g.do_head_stride, D, s.row_b);
       double dot = 0;
       for (int64_t x = 0; x < D; ++x) dot += static_cast<double>(s.row_a[x]) * s.row_b[x];
       const double lse = g.lse[b * g.lse_batch_stride + i * g.lse_row_stride + h];

@@ -78,8 +78,7 @@ double lsh_per_sample_tile(const AttentionParams& p, const TileJob& job, const s
   return flops;
 }
 
-double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws,
-                       Scratch& scratch) {
+double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws, Scratch& scratch) {
   const int64_t dim = p.head_dim;
   const int64_t samples = static_cast<int64_t>(draws.size());
   const SliceView qv = q_slice(p, job.b, job.h), kv = k_slice(p, job.b, job.h), vv = v_slice(p, job.b, job.h);
@@ -146,8 +145,10 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
         const int64_t first_masked = p.causal ? std::clamp<int64_t>(pos_first + r - tile_pos + 1, 0, len) : len;
         for (int64_t c = 0; c < first_masked; ++c) {
           running += cr[c];
-          if (running == 0) sr[c] = kNegInf;
-          else sr[c] += log_count[running];
+          if (running == 0)
+            sr[c] = kNegInf;
+          else
+            sr[c] += log_count[running];
         }
         std::fill(sr + first_masked, sr + len, kNegInf);
       }

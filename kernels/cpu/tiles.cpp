@@ -3,7 +3,6 @@
 #include <cblas.h>
 #include <omp.h>
 
-
 // The exp and max loops below vectorise only if GCC may if-convert float
 // compares, i.e. without trapping-math (we never unmask FP exceptions).
 #if defined(__GNUC__) && !defined(__clang__)

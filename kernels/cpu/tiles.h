@@ -100,20 +100,20 @@ struct BlockRect {
 // call (carve_scratch).
 struct Scratch {
   // Rows below are row_tile(mode).
-  float* q = nullptr;            // [rows, D] widened query rows (f16/bf16 only)
-  float* k = nullptr;            // [kKeyTile, D] widened key rows (f16/bf16 only)
-  float* v = nullptr;            // [kKeyTile, D] widened value rows (f16/bf16 only)
-  float* s = nullptr;            // [rows, kKeyTile] logits, then probabilities
-  float* acc = nullptr;          // [rows, D] sum_j w_ij exp(s_ij - m_i) v_j
-  float* row_max = nullptr;      // [rows] running max logit m_i
-  float* row_sum = nullptr;      // [rows] sum_j w_ij exp(s_ij - m_i)
-  double* lse_shift = nullptr;   // [rows] added to the row's lse at the end
-  float* out_row = nullptr;      // [D]
+  float* q = nullptr;           // [rows, D] widened query rows (f16/bf16 only)
+  float* k = nullptr;           // [kKeyTile, D] widened key rows (f16/bf16 only)
+  float* v = nullptr;           // [kKeyTile, D] widened value rows (f16/bf16 only)
+  float* s = nullptr;           // [rows, kKeyTile] logits, then probabilities
+  float* acc = nullptr;         // [rows, D] sum_j w_ij exp(s_ij - m_i) v_j
+  float* row_max = nullptr;     // [rows] running max logit m_i
+  float* row_sum = nullptr;     // [rows] sum_j w_ij exp(s_ij - m_i)
+  double* lse_shift = nullptr;  // [rows] added to the row's lse at the end
+  float* out_row = nullptr;     // [D]
   // Banded lsh (BandedWeights): the blocks of every hash that meet the
   // tile's rows, and per key tile the counts c_ij as a 2D difference array.
-  BlockRect* rects = nullptr;    // [s * (rows + 1)] at most
-  int32_t* counts = nullptr;     // [rows + 1, kKeyTile + 1]
-  float* log_count = nullptr;    // [s + 1]: log(c / s), -inf for c = 0
+  BlockRect* rects = nullptr;  // [s * (rows + 1)] at most
+  int32_t* counts = nullptr;   // [rows + 1, kKeyTile + 1]
+  float* log_count = nullptr;  // [s + 1]: log(c / s), -inf for c = 0
 };
 
 // Carves one Scratch for these params (and the lsh algorithm in use) from
@@ -145,8 +145,8 @@ inline RowState fresh_state(Scratch& s, int64_t rows, int64_t dim) {
 // to S ([rows, len], leading dimension len) for keys [jt, jt + len) and sets
 // disallowed entries to -inf. Returns the GEMM FLOPs done.
 template <typename AddBias>
-double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, const SliceView& v, int64_t j0,
-              int64_t j1, float scale, AddBias&& add_bias, Scratch& scratch, RowState state);
+double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, const SliceView& v, int64_t j0, int64_t j1,
+              float scale, AddBias&& add_bias, Scratch& scratch, RowState state);
 
 // Writes rows [i0, i0 + rows) of head h, batch b: out = acc / sum and
 // lse = max + log(sum) + lse_shift; a row that saw no allowed key (sum 0)
@@ -176,9 +176,9 @@ inline void key_rows_of(const AttentionParams& p, int64_t pos_lo, int64_t pos_hi
 // into lse in double. The forward (exact_tile) and the backward share it.
 struct AlibiBias {
   const AttentionParams& p;
-  int64_t width;           // the head's window W_h, or kNoWindow
-  double slope;            // m_h
-  int64_t pos_first;       // position of query row 0
+  int64_t width;      // the head's window W_h, or kNoWindow
+  double slope;       // m_h
+  int64_t pos_first;  // position of query row 0
   int64_t rows;
   const int64_t* nearest;  // [rows]
   void operator()(float* s, int64_t jt, int64_t len) const;
@@ -192,8 +192,7 @@ struct TileJob {
 // Per-tile kernels (return the GEMM FLOPs done). They read p and write
 // p.out / p.lse for their rows only, so tiles run concurrently.
 double exact_tile(const AttentionParams& p, const TileJob& job, Scratch& scratch);
-double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws,
-                       Scratch& scratch);
+double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws, Scratch& scratch);
 // Checks ctx between samples: a tile is s times the work of an exact
 // tile's block, and s may be large. On a stop it returns early, leaving its
 // rows unwritten; the caller then returns ctx's status.
@@ -243,8 +242,8 @@ StatusOr<double> run_jobs(int threads, int64_t total, const ExecContext& ctx, Jo
 LshAlgorithm choose_lsh_algorithm(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws);
 
 template <typename AddBias>
-double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, const SliceView& v, int64_t j0,
-              int64_t j1, float scale, AddBias&& add_bias, Scratch& scratch, RowState state) {
+double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, const SliceView& v, int64_t j0, int64_t j1,
+              float scale, AddBias&& add_bias, Scratch& scratch, RowState state) {
   const int64_t dim = k.dim;
   double flops = 0;
   float* s = scratch.s;

@@ -10,8 +10,9 @@ namespace plsh::cuda {
 
 Status check_backward_support(const AttentionParams& p) {
   if (p.memory != MemorySpace::kHost)
-    return unimplemented("the cuda backend's backward takes host tensors (staged), not memory = device; expected "
-                         "host tensors or backend = cpu");
+    return unimplemented(
+        "the cuda backend's backward takes host tensors (staged), not memory = device; expected "
+        "host tensors or backend = cpu");
   if (p.out_dtype != p.dtype)
     return unimplemented(std::string("the cuda backend's backward needs out_dtype = dtype (its GEMMs read dout in the "
                                      "dtype of q, k, v), got out_dtype = ") +
@@ -106,9 +107,11 @@ void backward_row_stats(const AttentionParams& p, const BackwardParams& g, const
       const int64_t g_row = (b * p.heads + h) * p.q_len;
       for (int64_t i = 0; i < p.q_len; ++i) {
         load_row(g.out, g.out_dtype, b * g.o_batch_stride + i * g.o_row_stride + h * g.o_head_stride, D, o.data());
-        load_row(g.dout, g.out_dtype, b * g.do_batch_stride + i * g.do_row_stride + h * g.do_head_stride, D, d_o.data());
+        load_row(g.dout, g.out_dtype, b * g.do_batch_stride + i * g.do_row_stride + h * g.do_head_stride, D,
+                 d_o.data());
         double dot = 0;
-        for (int64_t x = 0; x < D; ++x) dot += static_cast<double>(o[static_cast<size_t>(x)]) * d_o[static_cast<size_t>(x)];
+        for (int64_t x = 0; x < D; ++x)
+          dot += static_cast<double>(o[static_cast<size_t>(x)]) * d_o[static_cast<size_t>(x)];
         row_d[g_row + i] = static_cast<float>(dot);
         row_lse[g_row + i] = row_lse_for(g.lse[b * g.lse_batch_stride + i * g.lse_row_stride + h], terms,
                                          nearest_key_distance(shape, i));
@@ -148,13 +151,15 @@ StatusOr<CudaBackwardLayout> plan_backward_layout(const AttentionParams& p, cons
 
 Status check_backward_layout_fits(const CudaLayout& layout, const AttentionParams& p, int64_t grad_bytes) {
   if (!layout.has_backward)
-    return failed_precondition("cuda backend: the plan was made without PlanLimits::backward, expected a plan whose "
-                               "backward workspace is sized (and charged)");
+    return failed_precondition(
+        "cuda backend: the plan was made without PlanLimits::backward, expected a plan whose "
+        "backward workspace is sized (and charged)");
   RETURN_IF_ERROR(check_layout_fits(layout, p));  // the tables and passes the rounds read
   const CudaBackwardLayout& b = layout.backward;
   auto over = [](const char* what, int64_t need, int64_t planned) {
     return internal_error(std::string("cuda backend: backward would carve ") + std::to_string(need) + " bytes of " +
-                          what + " from the plan's " + std::to_string(planned) + ": the plan was made for other params");
+                          what + " from the plan's " + std::to_string(planned) +
+                          ": the plan was made for other params");
   };
   const int64_t staging = carve_backward_staging(p, grad_bytes, nullptr, nullptr);
   if (staging > b.staging_bytes) return over("staging", staging, b.staging_bytes);

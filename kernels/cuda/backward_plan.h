@@ -56,18 +56,18 @@ struct BackwardRoundBuffers {
   const void** k_ptr = nullptr;
   const void** v_ptr = nullptr;
   const void** dout_ptr = nullptr;
-  float** score_ptr = nullptr;   // S, then dP
-  void** prob_ptr = nullptr;     // P
-  void** ds_ptr = nullptr;       // dS
-  float** dq_ptr = nullptr;      // dQ shares
-  float** dk_ptr = nullptr;      // dK shares
-  float** dv_ptr = nullptr;      // dV shares
-  float* scores = nullptr;   // [slot][T][Kp] float32
-  char* probs = nullptr;     // [slot][T][Kp] input dtype
-  char* ds = nullptr;        // [slot][T][Kp] input dtype
-  float* dq_part = nullptr;  // [slot][T][Dp]
-  float* dk_part = nullptr;  // [slot][Kc][Dp]
-  float* dv_part = nullptr;  // [slot][Kc][Dp]
+  float** score_ptr = nullptr;  // S, then dP
+  void** prob_ptr = nullptr;    // P
+  void** ds_ptr = nullptr;      // dS
+  float** dq_ptr = nullptr;     // dQ shares
+  float** dk_ptr = nullptr;     // dK shares
+  float** dv_ptr = nullptr;     // dV shares
+  float* scores = nullptr;      // [slot][T][Kp] float32
+  char* probs = nullptr;        // [slot][T][Kp] input dtype
+  char* ds = nullptr;           // [slot][T][Kp] input dtype
+  float* dq_part = nullptr;     // [slot][T][Dp]
+  float* dk_part = nullptr;     // [slot][Kc][Dp]
+  float* dv_part = nullptr;     // [slot][Kc][Dp]
 };
 
 // The backward work buffer for `slots` slots: the round's slices and the

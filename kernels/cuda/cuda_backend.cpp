@@ -11,8 +11,8 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
-#include <condition_variable>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -164,7 +164,8 @@ class CudaBackend final : public Backend {
       health_.record(e, "in cudaMemGetInfo");
       return std::nullopt;
     }
-    return DeviceMemory{static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes), pool_.budget()};
+    return DeviceMemory{static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes),
+                        pool_.budget()};
   }
 
   Status supports(const AttentionParams& p) const override {
@@ -172,8 +173,10 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(health_.usable());
     const Status fused = fused_supported(p);
     if (uses_draws(p.mode) && p.lsh_algorithm == LshAlgorithm::kBanded && !fused.ok())
-      return unimplemented("lsh_algorithm = banded runs on the cuda backend's fused kernel, which cannot take this "
-                           "request (" + fused.message() + "), expected auto or per_sample");
+      return unimplemented(
+          "lsh_algorithm = banded runs on the cuda backend's fused kernel, which cannot take this "
+          "request (" +
+          fused.message() + "), expected auto or per_sample");
     // 16-byte aligned GEMM operands (device tensors as given; host ones are
     // staged with padded rows), leading dimensions within cuBLAS's int.
     RETURN_IF_ERROR(check_operands(p));
@@ -199,9 +202,10 @@ class CudaBackend final : public Backend {
     // device tensors; the cuBLAS pipeline's also needs host tensors.
     if (fused_supported(p).ok() && !(p.mode == Mode::kLsh && p.lsh_algorithm == LshAlgorithm::kPerSample)) {
       if (p.out_dtype != p.dtype)
-        return unimplemented(std::string("the cuda backend's backward needs out_dtype = dtype (its kernels read dout in "
-                                         "the dtype of q, k, v), got out_dtype = ") +
-                             dtype_name(p.out_dtype) + ", dtype = " + dtype_name(p.dtype) + "; expected backend = cpu");
+        return unimplemented(
+            std::string("the cuda backend's backward needs out_dtype = dtype (its kernels read dout in "
+                        "the dtype of q, k, v), got out_dtype = ") +
+            dtype_name(p.out_dtype) + ", dtype = " + dtype_name(p.dtype) + "; expected backend = cpu");
       return Status::Ok();
     }
     return check_backward_support(p);
@@ -218,7 +222,8 @@ class CudaBackend final : public Backend {
       // lsh: the algorithm (SPEC section 3's cost model for auto); exact,
       // window and banded lsh run on the fused kernels where they can.
       if (p.mode == Mode::kLsh)
-        plan.lsh_algorithm = p.lsh_algorithm != LshAlgorithm::kAuto ? p.lsh_algorithm : cuda_lsh_algorithm(p, plan.draws);
+        plan.lsh_algorithm =
+            p.lsh_algorithm != LshAlgorithm::kAuto ? p.lsh_algorithm : cuda_lsh_algorithm(p, plan.draws);
       if (p.mode == Mode::kFixedBlocks) plan.lsh_algorithm = LshAlgorithm::kPerSample;  // fused_supported: not fused
       const bool fused = p.mode == Mode::kLsh ? plan.lsh_algorithm == LshAlgorithm::kBanded : fused_supported(p).ok();
       if (fused) {
@@ -294,8 +299,7 @@ class CudaBackend final : public Backend {
   // The caller's host workspace is not read yet: forward and backward
   // allocate their host tables as the plan sized them; their device bytes
   // are the caller's hold (allocate_device) or a reservation of their own.
-  Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
-                 ForwardStats* stats) override;
+  Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats) override;
   // The estimates' probe rows with the forward (issue 19): fused plans of
   // lsh and window on host tensors, planned with their probe.
   bool probes_with_forward(const Plan& plan) const override {
@@ -339,7 +343,8 @@ class CudaBackend final : public Backend {
     if (plan.backend != name())
       return invalid_argument("plan made by backend '" + plan.backend + "', expected a plan of the cuda backend");
     const auto* layout = dynamic_cast<const CudaLayout*>(plan.layout.get());
-    if (layout == nullptr) return invalid_argument("cuda backend: the plan has no cuda layout, expected CudaBackend::plan's");
+    if (layout == nullptr)
+      return invalid_argument("cuda backend: the plan has no cuda layout, expected CudaBackend::plan's");
     return layout;
   }
 
@@ -356,7 +361,8 @@ class CudaBackend final : public Backend {
     CUBLAS_RETURN_IF_ERROR(cublasCreate(&h));
     // fp32 inputs stay fp32 on the tensor cores' side too: no TF32. A handle
     // that cannot be set up is destroyed, not leaked.
-    const Status math = cublas_status(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode", __FILE__, __LINE__);
+    const Status math =
+        cublas_status(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode", __FILE__, __LINE__);
     if (!math.ok()) {
       (void)cublasDestroy(h);
       return math;
@@ -395,8 +401,9 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(supports_backward(p));
     if (g.memory != p.memory || g.out == nullptr || g.lse == nullptr || g.dout == nullptr || g.dq == nullptr ||
         g.dk == nullptr || g.dv == nullptr)
-      return invalid_argument("cuda backend: backward tensors missing or not in the plan's memory space, expected "
-                              "make_backward_params' for this plan");
+      return invalid_argument(
+          "cuda backend: backward tensors missing or not in the plan's memory space, expected "
+          "make_backward_params' for this plan");
     return Status::Ok();
   }
 
@@ -504,8 +511,9 @@ Status CudaBackend::forward_with_probe(const Plan& plan, const std::vector<std::
                                        const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats,
                                        ProbeRowsOut* out) {
   if (!probes_with_forward(plan))
-    return failed_precondition("cuda backend: the plan has no probe (lsh or window, estimates and probe rows, host "
-                               "tensors, the fused path), expected forward()");
+    return failed_precondition(
+        "cuda backend: the plan has no probe (lsh or window, estimates and probe rows, host "
+        "tensors, the fused path), expected forward()");
   if (static_cast<int64_t>(rows.size()) != plan.params.heads)
     return invalid_argument("cuda backend: probe rows for " + std::to_string(rows.size()) + " heads, expected " +
                             std::to_string(plan.params.heads));
@@ -518,8 +526,8 @@ Status CudaBackend::backward(const Plan& plan, const BackwardParams& g, const Wo
 }
 
 Status CudaBackend::run_forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
-                                ForwardStats* stats,
-                                const std::vector<std::vector<int64_t>>* probe_rows, ProbeRowsOut* probe_out) {
+                                ForwardStats* stats, const std::vector<std::vector<int64_t>>* probe_rows,
+                                ProbeRowsOut* probe_out) {
   ASSIGN_OR_RETURN(const CudaLayout* layout, layout_of(plan));
   const AttentionParams& p = plan.params;
   if (p.q == nullptr || p.out == nullptr)

@@ -47,17 +47,28 @@ Status run_cuda_backward(const Plan& plan, const CudaLayout& layout, const Backw
   RETURN_IF_ERROR(stage_qkv(p, ops, st.qkv, stream));
   // dout is dense [B, Nq, H, D] in the dtype of q (check_backward_support).
   RETURN_IF_ERROR(stage_rows(st.dout, ops.q_hs, g.dout, p.batch * p.q_len * p.heads, D, esz, stream));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.row_d, row_terms.data(), static_cast<size_t>(rows) * 4,
-                                       cudaMemcpyHostToDevice, stream));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(st.row_d, row_terms.data(), static_cast<size_t>(rows) * 4, cudaMemcpyHostToDevice, stream));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.row_lse, row_terms.data() + rows, static_cast<size_t>(rows) * 4,
                                        cudaMemcpyHostToDevice, stream));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dk_acc, 0, static_cast<size_t>(st.kv_elems) * 4, stream));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st.dv_acc, 0, static_cast<size_t>(st.kv_elems) * 4, stream));
 
-  const BackwardProblem pr{.q = st.qkv.q, .k = st.qkv.k, .v = st.qkv.v, .dout = st.dout, .operands = ops,
-                           .row_d = st.row_d, .row_lse = st.row_lse, .dk_acc = st.dk_acc, .dv_acc = st.dv_acc,
-                           .heads = p.heads, .kv_heads = p.kv_heads, .head_dim = D, .q_pos0 = p.q_pos0,
-                           .k_pos0 = p.k_pos0, .shape = span_shape(p)};
+  const BackwardProblem pr{.q = st.qkv.q,
+                           .k = st.qkv.k,
+                           .v = st.qkv.v,
+                           .dout = st.dout,
+                           .operands = ops,
+                           .row_d = st.row_d,
+                           .row_lse = st.row_lse,
+                           .dk_acc = st.dk_acc,
+                           .dv_acc = st.dv_acc,
+                           .heads = p.heads,
+                           .kv_heads = p.kv_heads,
+                           .head_dim = D,
+                           .q_pos0 = p.q_pos0,
+                           .k_pos0 = p.k_pos0,
+                           .shape = span_shape(p)};
 
   const WorkspaceSlots& work = bl.work;
   const int64_t T = work.tile_rows;

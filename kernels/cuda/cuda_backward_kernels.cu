@@ -36,8 +36,8 @@ __global__ void backward_build_round_kernel(BackwardProblem pr, Round round, con
 // forward's result. One block per slot (slot_view); rows another tile owns
 // get P = 0, so that they add nothing to dK, dV.
 template <typename TP>
-__global__ void __launch_bounds__(kThreads) backward_probs_kernel(BackwardProblem pr, int64_t key_cols,
-                                                                  const LanePass* lanes, BackwardRoundBuffers rb) {
+__global__ void __launch_bounds__(kThreads)
+    backward_probs_kernel(BackwardProblem pr, int64_t key_cols, const LanePass* lanes, BackwardRoundBuffers rb) {
   const SlotView v = slot_view(rb.desc, lanes, pr.shape, pr.k_pos0, key_cols);
   TP* probs = reinterpret_cast<TP*>(rb.probs);
   const float* row_lse = pr.row_lse + lane_of(pr, v.l) * pr.shape.q_len;
@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(kThreads) backward_probs_kernel(BackwardProble
 
 // dS = P * (dP - D_i), dP in the scores slice; zero on rows another tile owns.
 template <typename TP>
-__global__ void __launch_bounds__(kThreads) backward_ds_kernel(BackwardProblem pr, int64_t key_cols,
-                                                               const LanePass* lanes, BackwardRoundBuffers rb) {
+__global__ void __launch_bounds__(kThreads)
+    backward_ds_kernel(BackwardProblem pr, int64_t key_cols, const LanePass* lanes, BackwardRoundBuffers rb) {
   const int64_t slot = blockIdx.x;
   const TileDesc d = rb.desc[slot];
   const LanePass l = lanes[d.lane];
@@ -80,8 +80,8 @@ __global__ void __launch_bounds__(kThreads) backward_ds_kernel(BackwardProblem p
 }
 
 // The chunk's dq accumulators += each slot's dQ share over its owned rows.
-__global__ void __launch_bounds__(kThreads) dq_merge_kernel(BackwardProblem pr, const LanePass* lanes,
-                                                            BackwardRoundBuffers rb, Accumulators a) {
+__global__ void __launch_bounds__(kThreads)
+    dq_merge_kernel(BackwardProblem pr, const LanePass* lanes, BackwardRoundBuffers rb, Accumulators a) {
   const int64_t slot = blockIdx.x;
   const TileDesc d = rb.desc[slot];
   const int64_t acc_lane = lanes[d.lane].acc_lane;
@@ -100,8 +100,8 @@ __global__ void __launch_bounds__(kThreads) dq_merge_kernel(BackwardProblem pr, 
 }
 
 // dk_acc, dv_acc += each slot's shares for its valid keys.
-__global__ void __launch_bounds__(kThreads) kv_scatter_kernel(BackwardProblem pr, int64_t key_cols,
-                                                              const LanePass* lanes, BackwardRoundBuffers rb) {
+__global__ void __launch_bounds__(kThreads)
+    kv_scatter_kernel(BackwardProblem pr, int64_t key_cols, const LanePass* lanes, BackwardRoundBuffers rb) {
   const int64_t slot = blockIdx.x;
   const TileDesc d = rb.desc[slot];
   const LanePass l = lanes[d.lane];
@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(kThreads) kv_scatter_kernel(BackwardProblem pr
 }
 
 template <typename TG>
-__global__ void __launch_bounds__(kThreads) dq_finalize_kernel(TG* dq, int64_t q_len, int64_t heads, int64_t head_dim,
-                                                               int64_t lane0, Accumulators a) {
+__global__ void __launch_bounds__(kThreads)
+    dq_finalize_kernel(TG* dq, int64_t q_len, int64_t heads, int64_t head_dim, int64_t lane0, Accumulators a) {
   AccRow r;
   if (!acc_row(a, q_len, heads, lane0, &r)) return;
   const int lane = threadIdx.x % 32;

@@ -84,8 +84,8 @@ inline Status cublas_status(cublasStatus_t e, const char* call, const char* file
   // worth keeping: a recoverable one there would fail the next launch check.
   const cudaError_t last = cudaGetLastError();
   const StatusCode code = e == CUBLAS_STATUS_ALLOC_FAILED ? StatusCode::kResourceExhausted
-                          : is_sticky_error(last)        ? StatusCode::kUnavailable
-                                                         : StatusCode::kInternal;
+                          : is_sticky_error(last)         ? StatusCode::kUnavailable
+                                                          : StatusCode::kInternal;
   return Status(code, std::string(call) + " failed at " + file + ":" + std::to_string(line) + ": " +
                           cublasGetStatusName(e) + " (" + cublasGetStatusString(e) + ")" +
                           (last != cudaSuccess ? "; CUDA: " + cuda_error_text(last) : std::string()));

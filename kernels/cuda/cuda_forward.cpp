@@ -50,12 +50,14 @@ Status run_cuda_forward(const Plan& plan, const CudaLayout& layout, const ExecCo
   DeviceBuffer work_buffer;
   RoundBuffers rb;
   Accumulators acc;
-  RETURN_IF_ERROR(carve_work_buffer(pool, work, layout.work_bytes, D, esz, stream, carve_work, &work_buffer, &rb, &acc));
+  RETURN_IF_ERROR(
+      carve_work_buffer(pool, work, layout.work_bytes, D, esz, stream, carve_work, &work_buffer, &rb, &acc));
 
   const std::vector<LaneSetup>& heads = layout.heads;
   DeviceBuffer table_buffer;
   TableBuffers tables;
-  RETURN_IF_ERROR(carve_table_buffer(pool, layout, layout.table_bytes, p.heads, handle, stream, &table_buffer, &tables));
+  RETURN_IF_ERROR(
+      carve_table_buffer(pool, layout, layout.table_bytes, p.heads, handle, stream, &table_buffer, &tables));
   std::vector<HeadLse> lse_terms(static_cast<size_t>(p.heads));
   for (int64_t h = 0; h < p.heads; ++h) lse_terms[static_cast<size_t>(h)] = head_lse(p, heads[static_cast<size_t>(h)]);
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tables.head_lse, lse_terms.data(), lse_terms.size() * sizeof(HeadLse),

@@ -29,8 +29,8 @@ __global__ void build_round_kernel(DeviceProblem pr, Round round, const LanePass
 // the row max m and the sum of the rounded P. One block per slot
 // (slot_view); rows another tile owns get P = 0, m = -inf and a sum of 0.
 template <typename TP>
-__global__ void __launch_bounds__(kThreads) masked_softmax_kernel(DeviceProblem pr, int64_t key_cols,
-                                                                  const LanePass* lanes, RoundBuffers rb) {
+__global__ void __launch_bounds__(kThreads)
+    masked_softmax_kernel(DeviceProblem pr, int64_t key_cols, const LanePass* lanes, RoundBuffers rb) {
   const SlotView v = slot_view(rb.desc, lanes, pr.shape, pr.k_pos0, key_cols);
   TP* probs = reinterpret_cast<TP*>(rb.probs);
   float* row_max = rb.row_max + v.slot * v.T;
@@ -80,8 +80,8 @@ __global__ void __launch_bounds__(kThreads) masked_softmax_kernel(DeviceProblem 
 // Folds one round's partial outputs into the running per-row accumulators
 // (online log-sum-exp; SPEC section 3's merge, over samples and key chunks).
 // Each row of a lane has one owner tile per round, so no two warps meet.
-__global__ void __launch_bounds__(kThreads) merge_kernel(DeviceProblem pr, const LanePass* lanes, RoundBuffers rb,
-                                                         Accumulators a) {
+__global__ void __launch_bounds__(kThreads)
+    merge_kernel(DeviceProblem pr, const LanePass* lanes, RoundBuffers rb, Accumulators a) {
   const int64_t slot = blockIdx.x;
   const TileDesc d = rb.desc[slot];
   const int64_t acc_lane = lanes[d.lane].acc_lane;
@@ -135,7 +135,8 @@ __global__ void bins_kernel(const long long* pos, long long* out, int64_t n, dou
 
 Status launch_build_round(const DeviceProblem& pr, const Round& round, const LanePass* lanes, const RoundBuffers& rb,
                           cudaStream_t stream) {
-  return launch("build_round_kernel", ceil_div(round.slots, kThreads), 1, stream, build_round_kernel, pr, round, lanes, rb);
+  return launch("build_round_kernel", ceil_div(round.slots, kThreads), 1, stream, build_round_kernel, pr, round, lanes,
+                rb);
 }
 
 Status launch_masked_softmax(DType dtype, const DeviceProblem& pr, const Round& round, const LanePass* lanes,

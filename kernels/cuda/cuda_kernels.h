@@ -34,7 +34,7 @@ struct DeviceOutput {
   int64_t o_bs = 0, o_rs = 0, o_hs = 0;
   int64_t lse_bs = 0, lse_rs = 0;
   int64_t heads = 0;
-  SpanShape shape;       // for each row's nearest key (row_lse)
+  SpanShape shape;  // for each row's nearest key (row_lse)
 };
 
 // Each returns the launch's error (configuration errors; faults surface at

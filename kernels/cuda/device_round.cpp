@@ -10,9 +10,12 @@ namespace {
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
-    case DType::kF16: return CUDA_R_16F;
-    case DType::kBF16: return CUDA_R_16BF;
-    case DType::kF32: break;
+    case DType::kF16:
+      return CUDA_R_16F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF32:
+      break;
   }
   return CUDA_R_32F;
 }
@@ -66,8 +69,8 @@ StatusOr<std::vector<Round>> begin_chunk(const ExecContext& ctx, const SpanShape
   table->clear();
   std::vector<Round> rounds = plan_rounds(shape, c.setups, c.tile0, c.tile1, table);
   if (static_cast<int64_t>(table->size()) > tables.entries)
-    return internal_error("cuda backend: lane table of " + std::to_string(table->size()) + " entries exceeds the plan's " +
-                          std::to_string(tables.entries));
+    return internal_error("cuda backend: lane table of " + std::to_string(table->size()) +
+                          " entries exceeds the plan's " + std::to_string(tables.entries));
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(tables.lanes, table->data(), table->size() * sizeof(LanePass), cudaMemcpyHostToDevice, stream));
   acc->row0 = c.tile0 * shape.tile_rows;

@@ -47,7 +47,8 @@ Status stage_qkv(const AttentionParams& p, const OperandLayout& ops, const Stage
 template <typename RoundBuffersT>
 Status carve_work_buffer(DevicePool& pool, const WorkspaceSlots& work, int64_t work_bytes, int64_t head_dim,
                          int64_t elem_bytes, cudaStream_t stream,
-                         int64_t (*carve)(int64_t, int64_t, int64_t, int64_t, int64_t, char*, RoundBuffersT*, Accumulators*),
+                         int64_t (*carve)(int64_t, int64_t, int64_t, int64_t, int64_t, char*, RoundBuffersT*,
+                                          Accumulators*),
                          DeviceBuffer* buffer, RoundBuffersT* rb, Accumulators* acc) {
   RETURN_IF_ERROR(buffer->allocate(pool, work_bytes, stream));
   carve(work.slots, work.tile_rows, work.key_cols, head_dim, elem_bytes, buffer->get(), rb, acc);

@@ -21,9 +21,12 @@ inline constexpr int kWarps = kThreads / 32;
 template <typename F>
 auto dispatch_dtype(DType t, F&& f) {
   switch (t) {
-    case DType::kF16: return f(__half{});
-    case DType::kBF16: return f(__nv_bfloat16{});
-    case DType::kF32: break;
+    case DType::kF16:
+      return f(__half{});
+    case DType::kBF16:
+      return f(__nv_bfloat16{});
+    case DType::kF32:
+      break;
   }
   return f(float{});
 }
@@ -35,11 +38,17 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -84,7 +93,8 @@ __device__ __forceinline__ int64_t round_slot(const SpanShape& shape, const Roun
 // slices, at the byte offsets of `o` (slot_operands,
 // backward_slot_operands).
 template <typename Problem, typename Buffers, typename Operands>
-__device__ __forceinline__ void set_slot_pointers(const Problem& pr, const Buffers& rb, int64_t slot, const Operands& o) {
+__device__ __forceinline__ void set_slot_pointers(const Problem& pr, const Buffers& rb, int64_t slot,
+                                                  const Operands& o) {
   rb.q_ptr[slot] = pr.q + o.q;
   rb.k_ptr[slot] = pr.k + o.k;
   rb.v_ptr[slot] = pr.v + o.v;

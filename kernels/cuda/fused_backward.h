@@ -28,11 +28,11 @@ struct BwdSmem {
   // (ldmatrix's banks), float32 kPPitch apart on the f32 path.
   static constexpr int kSP = Cfg::kTC ? kFusedKeys + 8 : Cfg::kPPitch;
   using PS = S;
-  S* k = nullptr;     // [kFusedKeys][kPitch]
+  S* k = nullptr;  // [kFusedKeys][kPitch]
   S* v = nullptr;
-  S* q = nullptr;     // [kFusedRows][kPitch]
+  S* q = nullptr;  // [kFusedRows][kPitch]
   S* dout = nullptr;
-  PS* p = nullptr;    // [kFusedRows][kSP]
+  PS* p = nullptr;  // [kFusedRows][kSP]
   PS* ds = nullptr;
   float* lse2 = nullptr;  // [kFusedRows]
   float* dsum = nullptr;  // [kFusedRows]: D_i
@@ -88,9 +88,8 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
     x.lanes([&](int lane) {
       Lane& L = st(w, lane);
       PLSH_UNROLL
-      for (int dt = 0; dt < Cfg::kDT; ++dt)
-        PLSH_UNROLL
-        for (int i = 0; i < 4; ++i) L.dk[dt][i] = L.dv[dt][i] = 0;
+      for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+      for (int i = 0; i < 4; ++i) L.dk[dt][i] = L.dv[dt][i] = 0;
       L.tiles = 0;
     });
   });
@@ -125,18 +124,19 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
         const WarpKeys wk = fused_warp_keys(x, a, head, sm.blocks, rf, rl, first, last, kt);
         auto put = [&](PS* tile, int lane, int nt, int i, float value) {
           PS* at = tile + (rf + frag_row(lane, i >> 1)) * kSP + nt * 8 + frag_col(lane, i & 1);
-          if constexpr (Cfg::kTC) *at = float_to_bits(elem, value);
-          else *at = value;
+          if constexpr (Cfg::kTC)
+            *at = float_to_bits(elem, value);
+          else
+            *at = value;
         };
         if (wk.empty) {
           x.lanes([&](int lane) {
             PLSH_UNROLL
-            for (int nt = 0; nt < Cfg::kNT; ++nt)
-              PLSH_UNROLL
-              for (int i = 0; i < 4; ++i) {
-                put(sm.p, lane, nt, i, 0.0f);
-                put(sm.ds, lane, nt, i, 0.0f);
-              }
+            for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+            for (int i = 0; i < 4; ++i) {
+              put(sm.p, lane, nt, i, 0.0f);
+              put(sm.ds, lane, nt, i, 0.0f);
+            }
           });
           return;
         }
@@ -149,9 +149,8 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
           PLSH_UNROLL
           for (int half = 0; half < 2; ++half) L.row[half] = fused_row(a, head, row0 + rf + frag_row(lane, half));
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt)
-            PLSH_UNROLL
-            for (int i = 0; i < 4; ++i) L.s[nt][i] = L.dp[nt][i] = 0;
+          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+          for (int i = 0; i < 4; ++i) L.s[nt][i] = L.dp[nt][i] = 0;
         });
         if constexpr (Cfg::kTC) {
           fused_abt_tc_smem<Cfg>(x, sm.q, rf, sm.k, s_acc, tmp);
@@ -163,17 +162,16 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
           const int rr[2] = {rf + frag_row(lane, 0), rf + frag_row(lane, 1)};
           fused_logits<Cfg::kNT>(a, head, wk, sm.blocks, lane, L.row, rr, L.s, L.w);
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt)
-            PLSH_UNROLL
-            for (int i = 0; i < 4; ++i) {
-              const float x2 = L.s[nt][i];
-              const float lse2 = sm.lse2[rr[i >> 1]];
-              // A logit may pass its row's lse by rounding, never far.
-              float p = x2 == -INFINITY ? 0.0f : exp2f(fminf(x2 - lse2, 64.0f));
-              if (head.rule == FusedRule::kHashes) p *= L.w[nt][i];
-              L.s[nt][i] = p;
-              put(sm.p, lane, nt, i, p);
-            }
+          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+          for (int i = 0; i < 4; ++i) {
+            const float x2 = L.s[nt][i];
+            const float lse2 = sm.lse2[rr[i >> 1]];
+            // A logit may pass its row's lse by rounding, never far.
+            float p = x2 == -INFINITY ? 0.0f : exp2f(fminf(x2 - lse2, 64.0f));
+            if (head.rule == FusedRule::kHashes) p *= L.w[nt][i];
+            L.s[nt][i] = p;
+            put(sm.p, lane, nt, i, p);
+          }
         });
         if constexpr (Cfg::kTC) {
           fused_abt_tc_smem<Cfg>(x, sm.dout, rf, sm.v, dp_acc, tmp);
@@ -183,12 +181,11 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
         x.lanes([&](int lane) {
           Lane& L = st(w, lane);
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt)
-            PLSH_UNROLL
-            for (int i = 0; i < 4; ++i) {
-              const float ds = L.s[nt][i] * (L.dp[nt][i] - sm.dsum[rf + frag_row(lane, i >> 1)]);
-              put(sm.ds, lane, nt, i, ds);
-            }
+          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+          for (int i = 0; i < 4; ++i) {
+            const float ds = L.s[nt][i] * (L.dp[nt][i] - sm.dsum[rf + frag_row(lane, i >> 1)]);
+            put(sm.ds, lane, nt, i, ds);
+          }
         });
       });
       x.sync();
@@ -205,8 +202,10 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
               x, [&](int kk) { fused_load_a(x, sm.ds, kSP, w * 16, kk, true, tmp); }, sm.q, 0,
               [&](int lane, int dt) { return st(w, lane).dk[dt]; }, tmp);
         } else {
-          fused_atb_simt<Cfg, Cfg::kDT>(x, sm.p, w * 16, sm.dout, 0, [&](int lane, int dt) { return st(w, lane).dv[dt]; });
-          fused_atb_simt<Cfg, Cfg::kDT>(x, sm.ds, w * 16, sm.q, 0, [&](int lane, int dt) { return st(w, lane).dk[dt]; });
+          fused_atb_simt<Cfg, Cfg::kDT>(x, sm.p, w * 16, sm.dout, 0,
+                                        [&](int lane, int dt) { return st(w, lane).dv[dt]; });
+          fused_atb_simt<Cfg, Cfg::kDT>(x, sm.ds, w * 16, sm.q, 0,
+                                        [&](int lane, int dt) { return st(w, lane).dk[dt]; });
         }
         const int rf = w * 16;
         if (row0 + rf >= a.q_len) return;
@@ -214,13 +213,12 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
           x.lanes([&](int lane) {
             Lane& L = st(w, lane);
             PLSH_UNROLL
-            for (int dt = 0; dt < 2; ++dt)
-              PLSH_UNROLL
-              for (int i = 0; i < 4; ++i) L.dq[dt][i] = 0;
+            for (int dt = 0; dt < 2; ++dt) PLSH_UNROLL
+            for (int i = 0; i < 4; ++i) L.dq[dt][i] = 0;
           });
           if constexpr (Cfg::kTC) {
-            fused_ab_tc<Cfg, 2>(x, [&](int kk) { fused_load_a(x, sm.ds, kSP, rf, kk, false, tmp); }, sm.k, 16 * c, dq_acc,
-                                tmp);
+            fused_ab_tc<Cfg, 2>(
+                x, [&](int kk) { fused_load_a(x, sm.ds, kSP, rf, kk, false, tmp); }, sm.k, 16 * c, dq_acc, tmp);
           } else {
             fused_pb_simt<Cfg, 2>(x, sm.ds + rf * kSP, sm.k, 16 * c, dq_acc);
           }

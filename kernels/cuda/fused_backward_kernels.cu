@@ -101,7 +101,8 @@ struct DeviceBackwardSteps {
                                                static_cast<int>(smem)),
                           "cudaFuncSetAttribute(fused_backward_kernel)", __FILE__, __LINE__)))
         return false;
-      const dim3 grid(static_cast<unsigned>(key_tiles), static_cast<unsigned>(a.kv_heads), static_cast<unsigned>(a.batch));
+      const dim3 grid(static_cast<unsigned>(key_tiles), static_cast<unsigned>(a.kv_heads),
+                      static_cast<unsigned>(a.batch));
       fused_backward_kernel<Cfg><<<grid, kFusedThreads, static_cast<size_t>(smem), stream>>>(a, kt0);
       return launched("fused_backward_kernel");
     });

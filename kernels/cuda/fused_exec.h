@@ -115,9 +115,12 @@ PLSH_HD inline float unpack_hi(T t, uint32_t r) {
 
 // Stores one value of the output dtype (DType as int: 0 f32, 1 f16, 2 bf16).
 PLSH_HD inline void store_out(void* base, int32_t dtype, int64_t at, float x) {
-  if (dtype == 0) static_cast<float*>(base)[at] = x;
-  else if (dtype == 1) static_cast<uint16_t*>(base)[at] = float_to_bits(F16{}, x);
-  else static_cast<uint16_t*>(base)[at] = float_to_bits(Bf16{}, x);
+  if (dtype == 0)
+    static_cast<float*>(base)[at] = x;
+  else if (dtype == 1)
+    static_cast<uint16_t*>(base)[at] = float_to_bits(F16{}, x);
+  else
+    static_cast<uint16_t*>(base)[at] = float_to_bits(Bf16{}, x);
 }
 
 // ---- mma.sync m16n8k16 fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16") ----
@@ -142,12 +145,18 @@ struct DeviceExec {
   __device__ __forceinline__ static int warp_id() { return static_cast<int>(threadIdx.x / 32); }
 
   template <typename F>
-  __device__ __forceinline__ void threads(F&& f) { f(static_cast<int>(threadIdx.x)); }
+  __device__ __forceinline__ void threads(F&& f) {
+    f(static_cast<int>(threadIdx.x));
+  }
   __device__ __forceinline__ void sync() { __syncthreads(); }
   template <typename F>
-  __device__ __forceinline__ void warps(F&& f) { f(warp_id()); }
+  __device__ __forceinline__ void warps(F&& f) {
+    f(warp_id());
+  }
   template <typename F>
-  __device__ __forceinline__ void lanes(F&& f) { f(lane_id()); }
+  __device__ __forceinline__ void lanes(F&& f) {
+    f(lane_id());
+  }
   __device__ __forceinline__ void syncwarp() { __syncwarp(); }
 
   template <typename Ref>
@@ -323,8 +332,10 @@ struct HostExec {
   }
 
   void copy16(void* dst, const void* src, bool valid) {
-    if (valid) std::memcpy(dst, src, 16);
-    else std::memset(dst, 0, 16);
+    if (valid)
+      std::memcpy(dst, src, 16);
+    else
+      std::memset(dst, 0, 16);
   }
   void commit() {}
   template <int N>

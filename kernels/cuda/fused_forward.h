@@ -25,7 +25,7 @@ namespace plsh::cuda {
 template <typename Cfg>
 struct FwdSmem {
   using S = typename Cfg::Storage;
-  S* q = nullptr;                // [kFusedRows][kPitch]
+  S* q = nullptr;  // [kFusedRows][kPitch]
   // [kFusedKeys][kPitch] per stage. Two members and a select, not an array:
   // an array indexed by the runtime stage would live in local memory.
   S* k0 = nullptr;
@@ -65,15 +65,15 @@ struct FwdSmem {
 // One lane's registers across the key tiles.
 template <typename Cfg>
 struct FwdLane {
-  float o[Cfg::kDT][4];       // O, C layout
-  float s[Cfg::kNT][4];       // S, then the logits, then P
-  float w[Cfg::kNT][4];       // kHashes: c_ij
-  float m[2], l[2];           // rows g and g + 8: running max (base 2), this lane's share of the sum
-  float tile_max[2];          // this key tile's max of each row, then the quad's
-  uint32_t qf[Cfg::kKQ][4];   // Q's A fragments (tensor cores)
-  uint32_t tmp[8];            // ldmatrix and P fragments in flight
+  float o[Cfg::kDT][4];      // O, C layout
+  float s[Cfg::kNT][4];      // S, then the logits, then P
+  float w[Cfg::kNT][4];      // kHashes: c_ij
+  float m[2], l[2];          // rows g and g + 8: running max (base 2), this lane's share of the sum
+  float tile_max[2];         // this key tile's max of each row, then the quad's
+  uint32_t qf[Cfg::kKQ][4];  // Q's A fragments (tensor cores)
+  uint32_t tmp[8];           // ldmatrix and P fragments in flight
   FusedRow row[2];
-  unsigned long long tiles;   // (warp, key tile) products run
+  unsigned long long tiles;  // (warp, key tile) products run
 };
 
 template <typename Cfg, typename X>
@@ -87,8 +87,9 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
 
   fused_load_rows<Cfg>(x, sm.q, a.q, b * a.q_bs + h * a.q_hs, a.q_rs, row0, a.q_len, kFusedRows);
   x.commit();
-  const KeyRange keys = head.rule == FusedRule::kHashes ? fused_setup_blocks(x, a, head, t, sm.bins, sm.edges, sm.blocks)
-                                                        : fused_alibi_keys(a, head, t);
+  const KeyRange keys = head.rule == FusedRule::kHashes
+                            ? fused_setup_blocks(x, a, head, t, sm.bins, sm.edges, sm.blocks)
+                            : fused_alibi_keys(a, head, t);
   const TileSpan span = fused_key_tiles(keys);
   const int64_t k_base = b * a.k_bs + hk * a.k_hs, v_base = b * a.v_bs + hk * a.v_hs;
   auto load_kv = [&](int64_t kt, int stage) {
@@ -110,19 +111,18 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
       }
       L.tiles = 0;
       PLSH_UNROLL
-      for (int dt = 0; dt < Cfg::kDT; ++dt)
-        PLSH_UNROLL
-        for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
+      for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+      for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
     });
   });
   // Q has landed (the K/V group may still fly); its fragments to registers.
-  if (span.begin < span.end) x.template wait<1>();
-  else x.template wait<0>();
+  if (span.begin < span.end)
+    x.template wait<1>();
+  else
+    x.template wait<0>();
   x.sync();
   if constexpr (Cfg::kTC) {
-    x.warps([&](int w) {
-      fused_a_frags<Cfg>(x, sm.q, w * 16, [&](int lane, int kk) { return st(w, lane).qf[kk]; });
-    });
+    x.warps([&](int w) { fused_a_frags<Cfg>(x, sm.q, w * 16, [&](int lane, int kk) { return st(w, lane).qf[kk]; }); });
   }
 
   for (int64_t kt = span.begin; kt < span.end; ++kt) {
@@ -145,9 +145,8 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
         Lane& L = st(w, lane);
         ++L.tiles;
         PLSH_UNROLL
-        for (int nt = 0; nt < Cfg::kNT; ++nt)
-          PLSH_UNROLL
-          for (int i = 0; i < 4; ++i) L.s[nt][i] = 0;
+        for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+        for (int i = 0; i < 4; ++i) L.s[nt][i] = 0;
       });
       if constexpr (Cfg::kTC) {
         fused_abt_tc<Cfg>(
@@ -165,9 +164,8 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
         for (int half = 0; half < 2; ++half) {
           float m = -INFINITY;
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt)
-            PLSH_UNROLL
-            for (int j = 0; j < 2; ++j) m = fmaxf(m, L.s[nt][2 * half + j]);
+          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+          for (int j = 0; j < 2; ++j) m = fmaxf(m, L.s[nt][2 * half + j]);
           L.tile_max[half] = m;
         }
       });
@@ -183,21 +181,19 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
           L.l[half] *= rs.alpha;
           if (pv) {
             PLSH_UNROLL
-            for (int dt = 0; dt < Cfg::kDT; ++dt)
-              PLSH_UNROLL
-              for (int j = 0; j < 2; ++j) L.o[dt][2 * half + j] *= rs.alpha;
+            for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+            for (int j = 0; j < 2; ++j) L.o[dt][2 * half + j] *= rs.alpha;
           }
           float sum = 0;
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt)
-            PLSH_UNROLL
-            for (int j = 0; j < 2; ++j) {
-              float& e = L.s[nt][2 * half + j];
-              float p = e == -INFINITY ? 0.0f : fused_prob(e, rs.m_new);
-              if (head.rule == FusedRule::kHashes) p *= L.w[nt][2 * half + j];
-              e = p;
-              sum += p;
-            }
+          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+          for (int j = 0; j < 2; ++j) {
+            float& e = L.s[nt][2 * half + j];
+            float p = e == -INFINITY ? 0.0f : fused_prob(e, rs.m_new);
+            if (head.rule == FusedRule::kHashes) p *= L.w[nt][2 * half + j];
+            e = p;
+            sum += p;
+          }
           L.l[half] += sum;
         }
       });
@@ -206,16 +202,20 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
       if constexpr (Cfg::kTC) {
         auto tmp = [&](int lane) { return st(w, lane).tmp; };
         fused_ab_tc<Cfg, Cfg::kDT>(
-            x, [&](int kk) { fused_pack_a<Cfg>(x, kk, [&](int lane, int nt) { return st(w, lane).s[nt]; }, tmp); },
+            x,
+            [&](int kk) {
+              fused_pack_a<Cfg>(
+                  x, kk, [&](int lane, int nt) { return st(w, lane).s[nt]; }, tmp);
+            },
             sm.v(stage), 0, [&](int lane, int dt) { return st(w, lane).o[dt]; }, tmp);
       } else {
         float* prow = sm.p + w * 16 * Cfg::kPPitch;
         x.lanes([&](int lane) {
           Lane& L = st(w, lane);
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt)
-            PLSH_UNROLL
-            for (int i = 0; i < 4; ++i) prow[frag_row(lane, i >> 1) * Cfg::kPPitch + nt * 8 + frag_col(lane, i & 1)] = L.s[nt][i];
+          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+          for (int i = 0; i < 4; ++i)
+            prow[frag_row(lane, i >> 1) * Cfg::kPPitch + nt * 8 + frag_col(lane, i & 1)] = L.s[nt][i];
         });
         x.syncwarp();
         fused_pb_simt<Cfg, Cfg::kDT>(x, prow, reinterpret_cast<const float*>(sm.v(stage)), 0,
@@ -241,17 +241,19 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
         if (a.stats_only) {
           if (lane % 4 == 0)
             a.row_lse2[(b * a.heads + h) * a.q_len + i] =
-                l > 0.0f ? static_cast<float>(static_cast<double>(L.m[half]) + log2(static_cast<double>(l))) : -INFINITY;
+                l > 0.0f ? static_cast<float>(static_cast<double>(L.m[half]) + log2(static_cast<double>(l)))
+                         : -INFINITY;
           continue;
         }
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         const int64_t at = b * a.o_bs + i * a.o_rs + h * a.o_hs;
         PLSH_UNROLL
-        for (int dt = 0; dt < Cfg::kDT; ++dt)
-          PLSH_UNROLL
-          for (int j = 0; j < 2; ++j) store_out(a.out, a.out_dtype, at + dt * 8 + frag_col(lane, j), L.o[dt][2 * half + j] * inv);
+        for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+        for (int j = 0; j < 2; ++j)
+          store_out(a.out, a.out_dtype, at + dt * 8 + frag_col(lane, j), L.o[dt][2 * half + j] * inv);
         if (a.lse != nullptr && lane % 4 == 0)
-          a.lse[b * a.lse_bs + i * a.lse_rs + h] = static_cast<float>(fused_lse(L.m[half], l, head, L.row[half].nearest));
+          a.lse[b * a.lse_bs + i * a.lse_rs + h] =
+              static_cast<float>(fused_lse(L.m[half], l, head, L.row[half].nearest));
       }
     });
   });

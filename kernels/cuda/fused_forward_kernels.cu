@@ -13,8 +13,8 @@ namespace plsh::cuda {
 namespace {
 
 template <typename Cfg>
-__global__ void __launch_bounds__(kFusedThreads) fused_forward_kernel(FusedArgs a, int64_t tile_begin, int64_t tile_end,
-                                                                      int64_t batch_begin) {
+__global__ void __launch_bounds__(kFusedThreads)
+    fused_forward_kernel(FusedArgs a, int64_t tile_begin, int64_t tile_end, int64_t batch_begin) {
   extern __shared__ __align__(16) unsigned char smem[];
   DeviceExec x;
   const int64_t t = tile_end - 1 - static_cast<int64_t>(blockIdx.x);
@@ -42,13 +42,14 @@ Status launch_fused_forward(DType dtype, int64_t head_dim, const FusedArgs& a, i
   return dispatch_fused(dtype, head_dim, none, [&](auto cfg) -> Status {
     using Cfg = decltype(cfg);
     const int64_t smem = fused_forward_smem_bytes<Cfg>(a.max_samples);
-    RETURN_IF_ERROR(fused_launch_check("fused_forward_kernel", tile_end - tile_begin, a.heads, batch_end - batch_begin, smem));
+    RETURN_IF_ERROR(
+        fused_launch_check("fused_forward_kernel", tile_end - tile_begin, a.heads, batch_end - batch_begin, smem));
     CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(fused_forward_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(smem)));
     const dim3 grid(static_cast<unsigned>(tile_end - tile_begin), static_cast<unsigned>(a.heads),
                     static_cast<unsigned>(batch_end - batch_begin));
-    fused_forward_kernel<Cfg><<<grid, kFusedThreads, static_cast<size_t>(smem), stream>>>(a, tile_begin, tile_end,
-                                                                                          batch_begin);
+    fused_forward_kernel<Cfg>
+        <<<grid, kFusedThreads, static_cast<size_t>(smem), stream>>>(a, tile_begin, tile_end, batch_begin);
     return cuda_status(cudaGetLastError(), "launch of fused_forward_kernel", __FILE__, __LINE__);
   });
 }

@@ -38,7 +38,8 @@ inline bool fused_forward_on_host(DType dtype, int64_t head_dim, const FusedArgs
 }
 
 // The probe's CTAs and merge on the host.
-inline bool fused_probe_on_host(DType dtype, int64_t head_dim, const FusedArgs& a, const ProbeArgs& pa, int64_t groups) {
+inline bool fused_probe_on_host(DType dtype, int64_t head_dim, const FusedArgs& a, const ProbeArgs& pa,
+                                int64_t groups) {
   const bool ran = dispatch_fused(dtype, head_dim, false, [&](auto cfg) {
     using Cfg = decltype(cfg);
     std::vector<unsigned char> smem(static_cast<size_t>(fused_probe_smem_bytes<Cfg>(a.max_samples)));

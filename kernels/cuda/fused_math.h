@@ -22,10 +22,10 @@ struct FusedCfg {
   // Shared-memory rows padded by 16 bytes: ldmatrix's 8 rows of 16 bytes
   // then fall in 8 distinct groups of 4 banks (pitch 272 bytes at d = 128).
   static constexpr int kPitch = D + 16 / static_cast<int>(sizeof(Storage));
-  static constexpr int kNT = kFusedKeys / 8;  // n8 tiles of a warp's S (16 x 64)
-  static constexpr int kDT = D / 8;           // n8 tiles of a warp's O (16 x D)
-  static constexpr int kKQ = D / 16;          // k16 steps of Q K^T
-  static constexpr int kKP = kFusedKeys / 16; // k16 steps of P V
+  static constexpr int kNT = kFusedKeys / 8;      // n8 tiles of a warp's S (16 x 64)
+  static constexpr int kDT = D / 8;               // n8 tiles of a warp's O (16 x D)
+  static constexpr int kKQ = D / 16;              // k16 steps of Q K^T
+  static constexpr int kKP = kFusedKeys / 16;     // k16 steps of P V
   static constexpr int kPPitch = kFusedKeys + 4;  // f32 path: a warp's P rows in shared memory
   static constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(Storage));
   static constexpr int kChunksPerRow = static_cast<int>(kRowBytes / 16);
@@ -69,10 +69,13 @@ PLSH_HD void fused_load_rows(X& x, typename Cfg::Storage* dst, const void* tenso
 // columns + 8 (m >> 1).
 template <typename Cfg, typename X, typename Out>
 PLSH_HD void fused_a_frags(X& x, const typename Cfg::Storage* tile, int r0, Out&& out) {
-PLSH_UNROLL
+  PLSH_UNROLL
   for (int kk = 0; kk < Cfg::kKQ; ++kk)
-    x.ldsm_x4([&](int lane) { return tile + (r0 + lane % 8 + 8 * ((lane / 8) & 1)) * Cfg::kPitch + kk * 16 + 8 * (lane / 16); },
-              [&](int lane) { return out(lane, kk); }, false);
+    x.ldsm_x4(
+        [&](int lane) {
+          return tile + (r0 + lane % 8 + 8 * ((lane / 8) & 1)) * Cfg::kPitch + kk * 16 + 8 * (lane / 16);
+        },
+        [&](int lane) { return out(lane, kk); }, false);
 }
 
 // S (16 x 64, C layout: s[nt][i]) = A B^T, A a warp's 16 rows in A
@@ -89,15 +92,18 @@ PLSH_HD void fused_abt_tc(X& x, Prepare&& prepare, AFrag&& a, const typename Cfg
     prepare(kk);
     PLSH_UNROLL
     for (int np = 0; np < Cfg::kNT / 2; ++np) {
-      x.ldsm_x4([&](int lane) {
-                  const int m = lane / 8;
-                  return b_tile + (np * 16 + 8 * (m >> 1) + lane % 8) * Cfg::kPitch + kk * 16 + 8 * (m & 1);
-                },
-                tmp, false);
-      x.mma(t, [&](int lane) { return acc(lane, 2 * np); }, [&](int lane) { return a(lane, kk); },
-            [&](int lane) { return tmp(lane); });
-      x.mma(t, [&](int lane) { return acc(lane, 2 * np + 1); }, [&](int lane) { return a(lane, kk); },
-            [&](int lane) { return tmp(lane) + 2; });
+      x.ldsm_x4(
+          [&](int lane) {
+            const int m = lane / 8;
+            return b_tile + (np * 16 + 8 * (m >> 1) + lane % 8) * Cfg::kPitch + kk * 16 + 8 * (m & 1);
+          },
+          tmp, false);
+      x.mma(
+          t, [&](int lane) { return acc(lane, 2 * np); }, [&](int lane) { return a(lane, kk); },
+          [&](int lane) { return tmp(lane); });
+      x.mma(
+          t, [&](int lane) { return acc(lane, 2 * np + 1); }, [&](int lane) { return a(lane, kk); },
+          [&](int lane) { return tmp(lane) + 2; });
     }
   }
 }
@@ -110,10 +116,11 @@ PLSH_HD void fused_abt_tc_smem(X& x, const typename Cfg::Storage* a_tile, int r0
   fused_abt_tc<Cfg>(
       x,
       [&](int kk) {
-        x.ldsm_x4([&](int lane) {
-                    return a_tile + (r0 + lane % 8 + 8 * ((lane / 8) & 1)) * Cfg::kPitch + kk * 16 + 8 * (lane / 16);
-                  },
-                  [&](int lane) { return tmp(lane) + 4; }, false);
+        x.ldsm_x4(
+            [&](int lane) {
+              return a_tile + (r0 + lane % 8 + 8 * ((lane / 8) & 1)) * Cfg::kPitch + kk * 16 + 8 * (lane / 16);
+            },
+            [&](int lane) { return tmp(lane) + 4; }, false);
       },
       [&](int lane, int) -> const uint32_t* { return tmp(lane) + 4; }, b_tile, acc, tmp);
 }
@@ -131,15 +138,18 @@ PLSH_HD void fused_ab_tc(X& x, PrepareA&& prepare_a, const typename Cfg::Storage
     prepare_a(kk);
     PLSH_UNROLL
     for (int dp = 0; dp < kN8 / 2; ++dp) {
-      x.ldsm_x4([&](int lane) {
-                  const int m = lane / 8;
-                  return b_tile + (kk * 16 + 8 * (m & 1) + lane % 8) * Cfg::kPitch + col0 + dp * 16 + 8 * (m >> 1);
-                },
-                tmp, true);
-      x.mma(t, [&](int lane) { return acc(lane, 2 * dp); }, [&](int lane) { return tmp(lane) + 4; },
-            [&](int lane) { return tmp(lane); });
-      x.mma(t, [&](int lane) { return acc(lane, 2 * dp + 1); }, [&](int lane) { return tmp(lane) + 4; },
-            [&](int lane) { return tmp(lane) + 2; });
+      x.ldsm_x4(
+          [&](int lane) {
+            const int m = lane / 8;
+            return b_tile + (kk * 16 + 8 * (m & 1) + lane % 8) * Cfg::kPitch + col0 + dp * 16 + 8 * (m >> 1);
+          },
+          tmp, true);
+      x.mma(
+          t, [&](int lane) { return acc(lane, 2 * dp); }, [&](int lane) { return tmp(lane) + 4; },
+          [&](int lane) { return tmp(lane); });
+      x.mma(
+          t, [&](int lane) { return acc(lane, 2 * dp + 1); }, [&](int lane) { return tmp(lane) + 4; },
+          [&](int lane) { return tmp(lane) + 2; });
     }
   }
 }
@@ -200,10 +210,10 @@ PLSH_HD void fused_load_a(X& x, const uint16_t* tile, int pitch, int r0, int kk,
 template <typename Cfg, typename X, typename Acc>
 PLSH_HD void fused_abt_simt(X& x, const float* a_tile, int r0, const float* b_tile, Acc&& acc) {
   x.lanes([&](int lane) {
-PLSH_UNROLL
+    PLSH_UNROLL
     for (int nt = 0; nt < Cfg::kNT; ++nt) {
       float* c = acc(lane, nt);
-PLSH_UNROLL
+      PLSH_UNROLL
       for (int i = 0; i < 4; ++i) {
         const float* ar = a_tile + (r0 + frag_row(lane, i >> 1)) * Cfg::kPitch;
         const float* br = b_tile + (nt * 8 + frag_col(lane, i & 1)) * Cfg::kPitch;
@@ -218,10 +228,10 @@ PLSH_UNROLL
 template <typename Cfg, int kN8, typename X, typename Acc>
 PLSH_HD void fused_pb_simt(X& x, const float* p_rows, const float* b_tile, int col0, Acc&& acc) {
   x.lanes([&](int lane) {
-PLSH_UNROLL
+    PLSH_UNROLL
     for (int dt = 0; dt < kN8; ++dt) {
       float* c = acc(lane, dt);
-PLSH_UNROLL
+      PLSH_UNROLL
       for (int i = 0; i < 4; ++i) {
         const float* pr = p_rows + frag_row(lane, i >> 1) * Cfg::kPPitch;
         const int col = col0 + dt * 8 + frag_col(lane, i & 1);
@@ -259,9 +269,9 @@ PLSH_HD void fused_atb_simt(X& x, const float* a_tile, int r0, const float* b_ti
 // pair in one bin, counted in n_all, or none).
 struct WarpKeys {
   int32_t c0 = 0, c1 = -1;
-  bool empty = true;        // no pair of the warp's rows and these keys is allowed
-  uint64_t mixed = 0;       // kHashes: hashes whose bins split the rectangle
-  float n_all = 0;          // kHashes: hashes with every pair in one bin
+  bool empty = true;   // no pair of the warp's rows and these keys is allowed
+  uint64_t mixed = 0;  // kHashes: hashes whose bins split the rectangle
+  float n_all = 0;     // kHashes: hashes with every pair in one bin
 };
 
 PLSH_HD inline int lowest_bit(uint64_t m) {
@@ -283,8 +293,8 @@ PLSH_HD inline int bit_count(uint32_t m) {
 // the tile's rows; FusedRow of both) and key tile kt can count, warp-uniform
 // (lanes split the hashes between them, then ballot).
 template <typename X>
-PLSH_HD WarpKeys fused_warp_keys(X& x, const FusedArgs& a, const FusedHead& h, const FusedBlock* blocks, int rf,
-                                 int rl, const FusedRow& first, const FusedRow& last, int64_t kt) {
+PLSH_HD WarpKeys fused_warp_keys(X& x, const FusedArgs& a, const FusedHead& h, const FusedBlock* blocks, int rf, int rl,
+                                 const FusedRow& first, const FusedRow& last, int64_t kt) {
   WarpKeys wk;
   wk.c0 = static_cast<int32_t>(kt * kFusedKeys);
   wk.c1 = static_cast<int32_t>(min64(kt * kFusedKeys + kFusedKeys, a.kv_len) - 1);
@@ -321,42 +331,38 @@ template <int kNT>
 PLSH_HD void fused_logits(const FusedArgs& a, const FusedHead& h, const WarpKeys& wk, const FusedBlock* blocks,
                           int lane, const FusedRow* rows, const int* rr, float (*s)[4], float (*w)[4]) {
   if (h.rule == FusedRule::kAlibi) {
-PLSH_UNROLL
-    for (int nt = 0; nt < kNT; ++nt)
-PLSH_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const FusedRow& r = rows[i >> 1];
-        const int32_t j = wk.c0 + nt * 8 + frag_col(lane, i & 1);
-        const int32_t dist = r.anchor > j ? r.anchor - j : j - r.anchor;
-        const bool ok = j <= r.limit && dist < r.window_left;
-        s[nt][i] = ok ? s[nt][i] * a.scale2 - static_cast<float>(dist) * h.slope2 : -INFINITY;
-      }
+    PLSH_UNROLL
+    for (int nt = 0; nt < kNT; ++nt) PLSH_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const FusedRow& r = rows[i >> 1];
+      const int32_t j = wk.c0 + nt * 8 + frag_col(lane, i & 1);
+      const int32_t dist = r.anchor > j ? r.anchor - j : j - r.anchor;
+      const bool ok = j <= r.limit && dist < r.window_left;
+      s[nt][i] = ok ? s[nt][i] * a.scale2 - static_cast<float>(dist) * h.slope2 : -INFINITY;
+    }
     return;
   }
-PLSH_UNROLL
-  for (int nt = 0; nt < kNT; ++nt)
-PLSH_UNROLL
-    for (int i = 0; i < 4; ++i) w[nt][i] = wk.n_all;
+  PLSH_UNROLL
+  for (int nt = 0; nt < kNT; ++nt) PLSH_UNROLL
+  for (int i = 0; i < 4; ++i) w[nt][i] = wk.n_all;
   for (uint64_t m = wk.mixed; m != 0; m &= m - 1) {
     const int k = lowest_bit(m);
     const FusedBlock b0 = blocks[k * kFusedRows + rr[0]], b1 = blocks[k * kFusedRows + rr[1]];
-PLSH_UNROLL
-    for (int nt = 0; nt < kNT; ++nt)
-PLSH_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const FusedBlock& b = (i >> 1) ? b1 : b0;
-        const int32_t j = wk.c0 + nt * 8 + frag_col(lane, i & 1);
-        w[nt][i] += (j >= b.begin && j < b.end) ? 1.0f : 0.0f;
-      }
-  }
-PLSH_UNROLL
-  for (int nt = 0; nt < kNT; ++nt)
-PLSH_UNROLL
+    PLSH_UNROLL
+    for (int nt = 0; nt < kNT; ++nt) PLSH_UNROLL
     for (int i = 0; i < 4; ++i) {
+      const FusedBlock& b = (i >> 1) ? b1 : b0;
       const int32_t j = wk.c0 + nt * 8 + frag_col(lane, i & 1);
-      const bool ok = j <= rows[i >> 1].limit && w[nt][i] > 0.0f;
-      s[nt][i] = ok ? s[nt][i] * a.scale2 : -INFINITY;
+      w[nt][i] += (j >= b.begin && j < b.end) ? 1.0f : 0.0f;
     }
+  }
+  PLSH_UNROLL
+  for (int nt = 0; nt < kNT; ++nt) PLSH_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    const int32_t j = wk.c0 + nt * 8 + frag_col(lane, i & 1);
+    const bool ok = j <= rows[i >> 1].limit && w[nt][i] > 0.0f;
+    s[nt][i] = ok ? s[nt][i] * a.scale2 : -INFINITY;
+  }
 }
 
 // The hash rule's blocks of query tile t of head h (every row, every hash)

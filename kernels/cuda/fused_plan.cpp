@@ -34,13 +34,14 @@ Status fused_supported(const AttentionParams& p) {
   if (!fused_head_dim(p.head_dim))
     return unimplemented("the fused kernels are built for head_dim 64 and 128, got " + str(p.head_dim));
   if (p.mode == Mode::kLsh && p.samples > kFusedMaxHashes)
-    return unimplemented("the fused lsh kernel holds at most " + str(kFusedMaxHashes) + " hashes per head on chip, got samples = " +
-                         str(p.samples));
+    return unimplemented("the fused lsh kernel holds at most " + str(kFusedMaxHashes) +
+                         " hashes per head on chip, got samples = " + str(p.samples));
   if (p.kv_len > INT32_MAX - 2 * kFusedKeys || p.q_len > INT32_MAX - 2 * kFusedRows)
-    return unimplemented("the fused kernels index rows in 32 bits, got q_len = " + str(p.q_len) + ", kv_len = " + str(p.kv_len));
+    return unimplemented("the fused kernels index rows in 32 bits, got q_len = " + str(p.q_len) +
+                         ", kv_len = " + str(p.kv_len));
   if (p.heads > 65535 || p.batch > 65535)
-    return unimplemented("the fused kernels' grid holds at most 65535 heads and batch items, got heads = " + str(p.heads) +
-                         ", batch = " + str(p.batch));
+    return unimplemented("the fused kernels' grid holds at most 65535 heads and batch items, got heads = " +
+                         str(p.heads) + ", batch = " + str(p.batch));
   const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
   if (p.memory == MemorySpace::kDevice) {
     // Rows are read 16 bytes at a time (cp.async): every row start aligned.
@@ -102,7 +103,8 @@ FusedTables fused_tables(const AttentionParams& p, const std::vector<std::vector
   return t;
 }
 
-FusedArgs fused_args(const AttentionParams& p, const FusedTables& t, const FusedHead* head_table, const double* hashes) {
+FusedArgs fused_args(const AttentionParams& p, const FusedTables& t, const FusedHead* head_table,
+                     const double* hashes) {
   FusedArgs a;
   a.q = p.q, a.k = p.k, a.v = p.v, a.out = p.out, a.lse = p.lse;
   a.q_bs = p.q_batch_stride, a.q_rs = p.q_row_stride, a.q_hs = p.q_head_stride;
@@ -234,8 +236,8 @@ void fused_probe_groups(const AttentionParams& p, const std::vector<std::vector<
 
 Status check_fused_fits(const FusedLayout& f, const AttentionParams& p) {
   if (static_cast<int64_t>(f.tables.heads.size()) != p.heads)
-    return internal_error("cuda backend: the plan has fused tables for " + str(static_cast<int64_t>(f.tables.heads.size())) +
-                          " heads, the params " + str(p.heads));
+    return internal_error("cuda backend: the plan has fused tables for " +
+                          str(static_cast<int64_t>(f.tables.heads.size())) + " heads, the params " + str(p.heads));
   const int64_t need = carve_fused_forward(p, f.tables, nullptr, nullptr) + (f.probe ? f.probe_layout.bytes : 0);
   if (need > f.forward_bytes)
     return internal_error("cuda backend: the fused forward would carve " + str(need) + " bytes from the plan's " +
@@ -269,11 +271,11 @@ namespace {
 
 // Rates the model assumes on an H200 until bench/gpu/run.sh measures them
 // (SPEC section 3, "CUDA: choosing the lsh algorithm").
-constexpr double kFusedFlopsPerS = 3.0e14;      // mma.sync bf16 at ~40% of the dense peak
-constexpr double kAluOpsPerS = 1.6e13;          // 32-bit integer/compare ops (64 per SM per clock)
-constexpr double kBytesPerS = 4.0e12;           // device memory
-constexpr double kLaunchS = 5e-6;               // one kernel or cuBLAS call
-constexpr double kPerSampleBytesPerPair = 12;   // fp32 score written and read, P written and read
+constexpr double kFusedFlopsPerS = 3.0e14;     // mma.sync bf16 at ~40% of the dense peak
+constexpr double kAluOpsPerS = 1.6e13;         // 32-bit integer/compare ops (64 per SM per clock)
+constexpr double kBytesPerS = 4.0e12;          // device memory
+constexpr double kLaunchS = 5e-6;              // one kernel or cuBLAS call
+constexpr double kPerSampleBytesPerPair = 12;  // fp32 score written and read, P written and read
 
 }  // namespace
 
@@ -313,9 +315,11 @@ LshCosts cuda_lsh_costs(const AttentionParams& p, const std::vector<std::vector<
     fused_weight_ops += pairs * (2 + 3 * mean);  // the count per element: the mixed hashes' interval tests
   }
   fused_pairs *= lanes, fused_weight_ops *= lanes, ps_pairs *= lanes;
-  c.per_sample_s = ps_pairs * (4 * D / kFusedFlopsPerS + kPerSampleBytesPerPair / kBytesPerS) + 5 * ps_rounds * kLaunchS;
-  c.banded_s = fused_supported(p).ok() ? fused_pairs * 4 * D / kFusedFlopsPerS + fused_weight_ops / kAluOpsPerS + kLaunchS
-                                       : std::numeric_limits<double>::infinity();
+  c.per_sample_s =
+      ps_pairs * (4 * D / kFusedFlopsPerS + kPerSampleBytesPerPair / kBytesPerS) + 5 * ps_rounds * kLaunchS;
+  c.banded_s = fused_supported(p).ok()
+                   ? fused_pairs * 4 * D / kFusedFlopsPerS + fused_weight_ops / kAluOpsPerS + kLaunchS
+                   : std::numeric_limits<double>::infinity();
   return c;
 }
 

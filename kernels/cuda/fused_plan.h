@@ -93,8 +93,8 @@ int64_t carve_fused_backward(const AttentionParams& p, const FusedTables& t, int
 struct FusedProbeLayout {
   int64_t max_groups = 0;  // every head's sample cut by batch items and 64 rows
   int64_t max_rows = 0;
-  int32_t splits = 1;      // key splits per group: about 4 CTAs per SM in all
-  int64_t bytes = 0;       // carve_fused_probe
+  int32_t splits = 1;  // key splits per group: about 4 CTAs per SM in all
+  int64_t bytes = 0;   // carve_fused_probe
 };
 FusedProbeLayout plan_fused_probe(const AttentionParams& p, int sm_count);
 struct FusedProbeBuffers {
@@ -130,7 +130,7 @@ Status check_fused_backward_fits(const FusedLayout& f, const AttentionParams& p,
 // take for p with these draws, and the choice of `auto` (banded where the
 // fused kernel runs p and costs less).
 struct LshCosts {
-  double banded_s = 0;      // +inf where fused_supported refuses p
+  double banded_s = 0;  // +inf where fused_supported refuses p
   double per_sample_s = 0;
 };
 LshCosts cuda_lsh_costs(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws);

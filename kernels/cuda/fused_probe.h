@@ -53,7 +53,7 @@ struct ProbeSmem {
   S* v1 = nullptr;
   float* vnorm0 = nullptr;  // [kFusedKeys]: ||v_j||^2 per stage
   float* vnorm1 = nullptr;
-  float* p = nullptr;       // f32 path
+  float* p = nullptr;            // f32 path
   FusedBlock* blocks = nullptr;  // [max_samples][kFusedRows]
   int32_t* rows = nullptr;       // [kFusedRows]: the group's query rows
   int64_t bytes = 0;
@@ -80,8 +80,8 @@ template <typename Cfg>
 struct ProbeLane {
   float o[Cfg::kDT][4];
   float s[Cfg::kNT][4];
-  float w[Cfg::kNT][4];    // lsh: c_ij
-  float m[2], l[2];        // exact softmax, base 2
+  float w[Cfg::kNT][4];         // lsh: c_ij
+  float m[2], l[2];             // exact softmax, base 2
   float ma[2], num[2], den[2];  // the bound's sums under their own max (base 2)
   float vmax[2];
   float tmax[2], tmax_a[2];
@@ -113,14 +113,16 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
   const float inv_s = hashes ? 1.0f / static_cast<float>(head.samples) : 0.0f;
 
   x.threads([&](int tid) {
-    if (tid < kFusedRows) sm.rows[tid] = tid < g.rows ? pa.row_index[g.first + tid] : pa.row_index[g.first + g.rows - 1];
+    if (tid < kFusedRows)
+      sm.rows[tid] = tid < g.rows ? pa.row_index[g.first + tid] : pa.row_index[g.first + g.rows - 1];
   });
   x.sync();
   // Q's gathered rows, 16 bytes a thread.
   x.threads([&](int tid) {
     for (int c = tid; c < kFusedRows * Cfg::kChunksPerRow; c += kFusedThreads) {
       const int r = c / Cfg::kChunksPerRow, piece = c % Cfg::kChunksPerRow;
-      const S* src = static_cast<const S*>(a.q) + b * a.q_bs + static_cast<int64_t>(sm.rows[r]) * a.q_rs + g.head * a.q_hs;
+      const S* src =
+          static_cast<const S*>(a.q) + b * a.q_bs + static_cast<int64_t>(sm.rows[r]) * a.q_rs + g.head * a.q_hs;
       x.copy16(reinterpret_cast<unsigned char*>(sm.q + r * Cfg::kPitch) + 16 * piece,
                reinterpret_cast<const unsigned char*>(src) + 16 * piece, r < g.rows);
     }
@@ -162,9 +164,8 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
         L.l[half] = L.num[half] = L.den[half] = L.vmax[half] = 0;
       }
       PLSH_UNROLL
-      for (int dt = 0; dt < Cfg::kDT; ++dt)
-        PLSH_UNROLL
-        for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
+      for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+      for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
     });
   });
   for (int64_t kt = span.begin; kt < span.end; ++kt) {
@@ -181,7 +182,8 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
       if (tid >= kFusedKeys) return;
       const S* vr = sm.v(stage) + tid * Cfg::kPitch;
       float n2 = 0;
-      for (int d = 0; d < Cfg::D; ++d) n2 += bits_to_float(typename Cfg::Elem{}, vr[d]) * bits_to_float(typename Cfg::Elem{}, vr[d]);
+      for (int d = 0; d < Cfg::D; ++d)
+        n2 += bits_to_float(typename Cfg::Elem{}, vr[d]) * bits_to_float(typename Cfg::Elem{}, vr[d]);
       sm.vnorm(stage)[tid] = n2;
     });
     x.sync();
@@ -195,13 +197,13 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
       x.lanes([&](int lane) {
         Lane& L = st(w, lane);
         PLSH_UNROLL
-        for (int nt = 0; nt < Cfg::kNT; ++nt)
-          PLSH_UNROLL
-          for (int i = 0; i < 4; ++i) L.s[nt][i] = 0;
+        for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+        for (int i = 0; i < 4; ++i) L.s[nt][i] = 0;
       });
       if constexpr (Cfg::kTC) {
-        fused_abt_tc_smem<Cfg>(x, sm.q, rf, sm.k(stage), [&](int lane, int nt) { return st(w, lane).s[nt]; },
-                               [&](int lane) { return st(w, lane).tmp; });
+        fused_abt_tc_smem<Cfg>(
+            x, sm.q, rf, sm.k(stage), [&](int lane, int nt) { return st(w, lane).s[nt]; },
+            [&](int lane) { return st(w, lane).tmp; });
       } else {
         fused_abt_simt<Cfg>(x, sm.q, rf, sm.k(stage), [&](int lane, int nt) { return st(w, lane).s[nt]; });
       }
@@ -212,32 +214,30 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
         if (hashes) {
           float scratch[Cfg::kNT][4];
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt)
-            PLSH_UNROLL
-            for (int i = 0; i < 4; ++i) scratch[nt][i] = 0;
+          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+          for (int i = 0; i < 4; ++i) scratch[nt][i] = 0;
           fused_logits<Cfg::kNT>(a, head, wk, sm.blocks, lane, L.row, rr, scratch, L.w);  // counts only
         }
         PLSH_UNROLL
         for (int half = 0; half < 2; ++half) L.tmax[half] = L.tmax_a[half] = -INFINITY;
         PLSH_UNROLL
-        for (int nt = 0; nt < Cfg::kNT; ++nt)
-          PLSH_UNROLL
-          for (int i = 0; i < 4; ++i) {
-            const FusedRow& r = L.row[i >> 1];
-            const int32_t j = static_cast<int32_t>(kt * kFusedKeys) + nt * 8 + frag_col(lane, i & 1);
-            const int32_t dist = r.anchor > j ? r.anchor - j : j - r.anchor;
-            const bool ok = j <= r.limit;
-            const float xa = L.s[nt][i] * a.scale2;
-            const float lstar = exp2f(-slope2 * static_cast<float>(dist));
-            const float mask = hashes ? L.w[nt][i] * inv_s : (dist < r.window_left ? lstar : 0.0f);
-            L.w[nt][i] = ok ? mask : -1.0f;  // -1: not allowed
-            L.s[nt][i] = ok ? xa - slope2 * static_cast<float>(dist) : -INFINITY;
-            if (ok) {
-              L.tmax[i >> 1] = fmaxf(L.tmax[i >> 1], L.s[nt][i]);
-              L.tmax_a[i >> 1] = fmaxf(L.tmax_a[i >> 1], xa);
-              L.vmax[i >> 1] = fmaxf(L.vmax[i >> 1], sm.vnorm(stage)[nt * 8 + frag_col(lane, i & 1)]);
-            }
+        for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          const FusedRow& r = L.row[i >> 1];
+          const int32_t j = static_cast<int32_t>(kt * kFusedKeys) + nt * 8 + frag_col(lane, i & 1);
+          const int32_t dist = r.anchor > j ? r.anchor - j : j - r.anchor;
+          const bool ok = j <= r.limit;
+          const float xa = L.s[nt][i] * a.scale2;
+          const float lstar = exp2f(-slope2 * static_cast<float>(dist));
+          const float mask = hashes ? L.w[nt][i] * inv_s : (dist < r.window_left ? lstar : 0.0f);
+          L.w[nt][i] = ok ? mask : -1.0f;  // -1: not allowed
+          L.s[nt][i] = ok ? xa - slope2 * static_cast<float>(dist) : -INFINITY;
+          if (ok) {
+            L.tmax[i >> 1] = fmaxf(L.tmax[i >> 1], L.s[nt][i]);
+            L.tmax_a[i >> 1] = fmaxf(L.tmax_a[i >> 1], xa);
+            L.vmax[i >> 1] = fmaxf(L.vmax[i >> 1], sm.vnorm(stage)[nt * 8 + frag_col(lane, i & 1)]);
           }
+        }
       });
       PLSH_UNROLL
       for (int half = 0; half < 2; ++half) {
@@ -256,33 +256,31 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
           L.num[half] *= ra.alpha;
           L.den[half] *= ra.alpha;
           PLSH_UNROLL
-          for (int dt = 0; dt < Cfg::kDT; ++dt)
-            PLSH_UNROLL
-            for (int j = 0; j < 2; ++j) L.o[dt][2 * half + j] *= rs.alpha;
+          for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+          for (int j = 0; j < 2; ++j) L.o[dt][2 * half + j] *= rs.alpha;
           float sum = 0, num = 0, den = 0;
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt)
-            PLSH_UNROLL
-            for (int j = 0; j < 2; ++j) {
-              float& e = L.s[nt][2 * half + j];
-              const float mask = L.w[nt][2 * half + j];
-              if (e == -INFINITY) {
-                e = 0;
-                continue;
-              }
-              const float dist_part = e;  // xa - slope2 dist
-              const float p = fused_prob(dist_part, rs.m_new);
-              // a relative to its own max: 2^(xa - m_a), xa = e + slope2 dist.
-              const int32_t jj = static_cast<int32_t>(kt * kFusedKeys) + nt * 8 + frag_col(lane, j);
-              const FusedRow& r = L.row[half];
-              const float dist = static_cast<float>(r.anchor > jj ? r.anchor - jj : jj - r.anchor);
-              const float av = exp2f(e + slope2 * dist - ra.m_new);
-              const float lstar = exp2f(-slope2 * dist);
-              num += av * fabsf(lstar - mask);
-              den += av * mask;
-              e = p;
-              sum += p;
+          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+          for (int j = 0; j < 2; ++j) {
+            float& e = L.s[nt][2 * half + j];
+            const float mask = L.w[nt][2 * half + j];
+            if (e == -INFINITY) {
+              e = 0;
+              continue;
             }
+            const float dist_part = e;  // xa - slope2 dist
+            const float p = fused_prob(dist_part, rs.m_new);
+            // a relative to its own max: 2^(xa - m_a), xa = e + slope2 dist.
+            const int32_t jj = static_cast<int32_t>(kt * kFusedKeys) + nt * 8 + frag_col(lane, j);
+            const FusedRow& r = L.row[half];
+            const float dist = static_cast<float>(r.anchor > jj ? r.anchor - jj : jj - r.anchor);
+            const float av = exp2f(e + slope2 * dist - ra.m_new);
+            const float lstar = exp2f(-slope2 * dist);
+            num += av * fabsf(lstar - mask);
+            den += av * mask;
+            e = p;
+            sum += p;
+          }
           L.l[half] += sum;
           L.num[half] += num;
           L.den[half] += den;
@@ -300,10 +298,9 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
         float* prow = sm.p + w * 16 * Cfg::kPPitch;
         x.lanes([&](int lane) {
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt)
-            PLSH_UNROLL
-            for (int i = 0; i < 4; ++i)
-              prow[frag_row(lane, i >> 1) * Cfg::kPPitch + nt * 8 + frag_col(lane, i & 1)] = st(w, lane).s[nt][i];
+          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+          for (int i = 0; i < 4; ++i)
+            prow[frag_row(lane, i >> 1) * Cfg::kPPitch + nt * 8 + frag_col(lane, i & 1)] = st(w, lane).s[nt][i];
         });
         x.syncwarp();
         fused_pb_simt<Cfg, Cfg::kDT>(x, prow, reinterpret_cast<const float*>(sm.v(stage)), 0,
@@ -332,9 +329,8 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
         if (r >= g.rows) continue;
         float* out = pa.partial + ((group * pa.splits + split) * kFusedRows + r) * probe_floats(Cfg::D);
         PLSH_UNROLL
-        for (int dt = 0; dt < Cfg::kDT; ++dt)
-          PLSH_UNROLL
-          for (int j = 0; j < 2; ++j) out[6 + dt * 8 + frag_col(lane, j)] = L.o[dt][2 * half + j];
+        for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+        for (int j = 0; j < 2; ++j) out[6 + dt * 8 + frag_col(lane, j)] = L.o[dt][2 * half + j];
         if (lane % 4 == 0) {
           out[0] = L.m[half];
           out[1] = L.l[half];

@@ -27,11 +27,11 @@ int64_t step_rows_for(const AttentionParams& p) {
 
 // The tables to the device, and the FLOP counter zeroed.
 Status upload_tables(const FusedTables& t, const FusedForwardBuffers& fb, cudaStream_t stream) {
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(fb.heads, t.heads.data(), t.heads.size() * sizeof(FusedHead),
-                                       cudaMemcpyHostToDevice, stream));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(fb.heads, t.heads.data(), t.heads.size() * sizeof(FusedHead), cudaMemcpyHostToDevice, stream));
   if (!t.hashes.empty())
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(fb.hashes, t.hashes.data(), t.hashes.size() * sizeof(double),
-                                         cudaMemcpyHostToDevice, stream));
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(fb.hashes, t.hashes.data(), t.hashes.size() * sizeof(double), cudaMemcpyHostToDevice, stream));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fb.tiles_done, 0, sizeof(unsigned long long), stream));
   return Status::Ok();
 }
@@ -72,8 +72,8 @@ Status run_fused_probe(const AttentionParams& p, const FusedLayout& fused, const
   if (groups.empty()) return Status::Ok();
   FusedProbeBuffers pb;
   carve_fused_probe(p, l, base, &pb);
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pb.groups, groups.data(), groups.size() * sizeof(ProbeGroup),
-                                       cudaMemcpyHostToDevice, stream));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(pb.groups, groups.data(), groups.size() * sizeof(ProbeGroup), cudaMemcpyHostToDevice, stream));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pb.row_index, row_index.data(), row_index.size() * sizeof(int32_t),
                                        cudaMemcpyHostToDevice, stream));
   ProbeArgs pa;
@@ -256,7 +256,8 @@ Status run_fused_backward(const Plan& plan, const FusedLayout& fused, const Back
   RETURN_IF_ERROR(ctx.check_stop());
   // Pacing only: every pair of every head, 5 products, spread evenly.
   const double chunk_flops = 10.0 * static_cast<double>(p.batch * p.heads) * static_cast<double>(p.q_len) *
-                             static_cast<double>(p.kv_len) * static_cast<double>(p.head_dim) / static_cast<double>(chunks);
+                             static_cast<double>(p.kv_len) * static_cast<double>(p.head_dim) /
+                             static_cast<double>(chunks);
   auto between = [&](int64_t chunk, int64_t) -> Status {
     RETURN_IF_ERROR(ctx.check_stop());
     return paced.add_round(chunk, 0, 1, chunk_flops);

@@ -9,11 +9,11 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <vector>
 #include "cuda/device_memory.h"
 #include "cuda/fused_plan.h"
 #include "cuda/transfer.h"
-#include <cstdint>
-#include <vector>
 
 #include "plsh/backend.h"
 #include "plsh/backward.h"
@@ -27,7 +27,8 @@ namespace plsh::cuda {
 // probe_out (Backend::forward_with_probe).
 Status run_fused_forward(const Plan& plan, const FusedLayout& fused, const ExecContext& ctx, DevicePool& pool,
                          PinnedPool& pinned, cudaStream_t stream, ForwardStats* stats,
-                         const std::vector<std::vector<int64_t>>* probe_rows = nullptr, ProbeRowsOut* probe_out = nullptr);
+                         const std::vector<std::vector<int64_t>>* probe_rows = nullptr,
+                         ProbeRowsOut* probe_out = nullptr);
 
 Status run_fused_backward(const Plan& plan, const FusedLayout& fused, const BackwardParams& g, const ExecContext& ctx,
                           DevicePool& pool, PinnedPool& pinned, cudaStream_t stream, BackwardStats* stats);

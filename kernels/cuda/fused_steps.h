@@ -29,8 +29,8 @@ struct FusedRowTermsArgs {
   const float* lse = nullptr;  // [B, Nq, H]
   int64_t lse_bs = 0, lse_rs = 0;
   int64_t head_dim = 0;
-  float* row_d = nullptr;      // [B * H][Nq]
-  float* row_lse2 = nullptr;   // [B * H][Nq]
+  float* row_d = nullptr;     // [B * H][Nq]
+  float* row_lse2 = nullptr;  // [B * H][Nq]
 };
 
 // Row i of lane g = b * H + h: its part of D_i = dO_i . O_i over columns
@@ -64,7 +64,7 @@ struct FarTiles {
 PLSH_HD inline FarTiles fused_far_tiles(const FusedArgs& a) {
   FarTiles f{{0, 0}, {0, 0}};
   const int64_t tiles = fused_tiles(a.q_len, kFusedRows);
-  const int64_t before = min64(a.q_len, max64(0, -a.qk_offset));  // rows [0, before)
+  const int64_t before = min64(a.q_len, max64(0, -a.qk_offset));           // rows [0, before)
   const int64_t after = max64(0, min64(a.q_len, a.kv_len - a.qk_offset));  // rows [after, Nq)
   if (before > 0) f.before = {0, fused_tiles(before, kFusedRows)};
   if (after < a.q_len) f.after = {after / kFusedRows, tiles};

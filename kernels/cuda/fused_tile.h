@@ -48,13 +48,13 @@ enum class FusedRule : int32_t {
 // One query head as the fused kernels read it (a device table, [H]).
 struct FusedHead {
   FusedRule rule = FusedRule::kAlibi;
-  int32_t samples = 0;     // kHashes: s
-  float slope2 = 0;        // slope * log2(e): kAlibi's bias on the logits in base 2; kHashes: the probe's L*
+  int32_t samples = 0;  // kHashes: s
+  float slope2 = 0;     // slope * log2(e): kAlibi's bias on the logits in base 2; kHashes: the probe's L*
   int32_t pad = 0;
-  int64_t window = 0;      // kAlibi: keys with |d| < window; kNoWindow: every key
-  int64_t hash0 = 0;       // kHashes: the head's first pitch/shift pair in FusedArgs::hashes
-  double lse_offset = 0;   // kHashes: -log(s) (M~ = c / s)
-  double slope = 0;        // m_h in double, for lse (-slope * nearest; nearest is 0 under kHashes)
+  int64_t window = 0;     // kAlibi: keys with |d| < window; kNoWindow: every key
+  int64_t hash0 = 0;      // kHashes: the head's first pitch/shift pair in FusedArgs::hashes
+  double lse_offset = 0;  // kHashes: -log(s) (M~ = c / s)
+  double slope = 0;       // m_h in double, for lse (-slope * nearest; nearest is 0 under kHashes)
 };
 
 // What the forward and backward kernels read, by value (FlashAttention's
@@ -72,13 +72,13 @@ struct FusedArgs {
   int64_t o_bs = 0, o_rs = 0, o_hs = 0;
   int64_t lse_bs = 0, lse_rs = 0;
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, head_group = 1;
-  int64_t qk_offset = 0;    // q_pos0 - k_pos0: query row i sits at key row i + qk_offset
-  int64_t q_pos0 = 0;       // absolute position of query row 0 (the bins read it)
+  int64_t qk_offset = 0;  // q_pos0 - k_pos0: query row i sits at key row i + qk_offset
+  int64_t q_pos0 = 0;     // absolute position of query row 0 (the bins read it)
   int64_t k_pos0 = 0;
   int32_t causal = 0;
-  int32_t out_dtype = 0;    // DType of out
-  float scale2 = 0;         // softmax scale * log2(e)
-  int32_t max_samples = 0;  // the most hashes of any head (shared-memory sizing)
+  int32_t out_dtype = 0;                  // DType of out
+  float scale2 = 0;                       // softmax scale * log2(e)
+  int32_t max_samples = 0;                // the most hashes of any head (shared-memory sizing)
   const FusedHead* head_table = nullptr;  // [H]
   const double* hashes = nullptr;         // [sum of samples][2]: pitch, shift
   // The backward's statistics pass (fused_forward.h with stats_only): m +
@@ -118,8 +118,8 @@ struct FusedRow {
   int32_t anchor = 0;
   int32_t limit = -1;
   int32_t window_left = 0;
-  int32_t valid = 0;        // row < Nq
-  int64_t nearest = 0;      // distance to the nearest key (lse adds -slope * nearest back)
+  int32_t valid = 0;    // row < Nq
+  int64_t nearest = 0;  // distance to the nearest key (lse adds -slope * nearest back)
 };
 
 PLSH_HD inline FusedRow fused_row(const FusedArgs& a, const FusedHead& h, int64_t i) {
@@ -196,22 +196,26 @@ PLSH_HD inline int32_t fused_key_row(const FusedArgs& a, int64_t pos) {
 // [rows] holds the tile's bins of this hash (sorted: bins grow with the
 // position); first_begin and last_end are the blocks' edges (positions) of
 // the tile's first and last valid rows. Returns row r's block.
-PLSH_HD inline FusedBlock fused_block_of_row(const FusedArgs& a, const int64_t* bins, int rows, int r,
-                                             int64_t row0_pos, int64_t first_begin, int64_t last_end) {
+PLSH_HD inline FusedBlock fused_block_of_row(const FusedArgs& a, const int64_t* bins, int rows, int r, int64_t row0_pos,
+                                             int64_t first_begin, int64_t last_end) {
   const int64_t b = bins[r];
   // First and last rows with this bin (binary searches on the sorted bins).
   int lo = 0, hi = r;
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (bins[mid] < b) lo = mid + 1;
-    else hi = mid;
+    if (bins[mid] < b)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   const int first = lo;
   lo = r, hi = rows - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (bins[mid] > b) hi = mid - 1;
-    else lo = mid;
+    if (bins[mid] > b)
+      hi = mid - 1;
+    else
+      lo = mid;
   }
   const int last = lo;
   const int64_t begin = first == 0 ? first_begin : row0_pos + first;
@@ -300,15 +304,19 @@ PLSH_HD inline TileSpan fused_query_tiles(const int32_t* spans, int64_t tiles, i
   int64_t lo = 0, hi = tiles;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (spans[2 * mid + 1] > kt) hi = mid;
-    else lo = mid + 1;
+    if (spans[2 * mid + 1] > kt)
+      hi = mid;
+    else
+      lo = mid + 1;
   }
   const int64_t first = lo;
   hi = tiles;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (spans[2 * mid] > kt) hi = mid;
-    else lo = mid + 1;
+    if (spans[2 * mid] > kt)
+      hi = mid;
+    else
+      lo = mid + 1;
   }
   return {first, lo > first ? lo : first};
 }

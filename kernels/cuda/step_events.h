@@ -64,8 +64,10 @@ inline StepPacer::Hooks event_hooks(const StepEvents& events, cudaStream_t strea
   hooks.check_stop = [&ctx] { return ctx.check_stop(); };
   hooks.progress = ctx.progress;
   hooks.pause = [](int polls) {
-    if (polls < 64) std::this_thread::yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (polls < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
   };
   return hooks;
 }
@@ -88,8 +90,8 @@ class PacedRounds {
   // work; done once it has run: that chunk's share of its rounds.
   Status add_round(int64_t chunk, size_t round, size_t rounds, double flops) {
     flops_ += flops;
-    return pacer_->add(flops, (static_cast<double>(chunk) + static_cast<double>(round + 1) / static_cast<double>(rounds)) /
-                                  chunks_);
+    return pacer_->add(
+        flops, (static_cast<double>(chunk) + static_cast<double>(round + 1) / static_cast<double>(rounds)) / chunks_);
   }
 
   // The last step (what was queued after the rounds: the copies back) is

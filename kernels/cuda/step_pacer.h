@@ -34,11 +34,11 @@ inline constexpr int kStepsInFlight = 2;
 class StepPacer {
  public:
   struct Hooks {
-    std::function<Status(int slot)> record;          // record event `slot` after all work queued so far
-    std::function<StatusOr<bool>(int slot)> done;    // has the GPU passed event `slot`? An error: a step failed
-    std::function<Status()> check_stop;              // CANCELLED / DEADLINE_EXCEEDED when the work should stop
-    std::function<void(double)> progress;            // may be empty: the fraction of the work the GPU finished
-    std::function<void(int polls)> pause;            // between two polls of one event
+    std::function<Status(int slot)> record;        // record event `slot` after all work queued so far
+    std::function<StatusOr<bool>(int slot)> done;  // has the GPU passed event `slot`? An error: a step failed
+    std::function<Status()> check_stop;            // CANCELLED / DEADLINE_EXCEEDED when the work should stop
+    std::function<void(double)> progress;          // may be empty: the fraction of the work the GPU finished
+    std::function<void(int polls)> pause;          // between two polls of one event
   };
 
   StepPacer(int max_in_flight, double step_flops, Hooks hooks)

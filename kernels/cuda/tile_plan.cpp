@@ -108,8 +108,8 @@ Status check_operands(const AttentionParams& p) {
     if (p.memory == MemorySpace::kHost) {
       // The staging copy pads rows of a dense tensor (one 2D copy).
       if (x.hs != p.head_dim || x.rs != x.heads * p.head_dim || x.bs != x.rows * x.rs)
-        return unimplemented(std::string(x.name) + " is not dense [B, N, H, D] (strides " + std::to_string(x.bs) + ", " +
-                             std::to_string(x.rs) + ", " + std::to_string(x.hs) +
+        return unimplemented(std::string(x.name) + " is not dense [B, N, H, D] (strides " + std::to_string(x.bs) +
+                             ", " + std::to_string(x.rs) + ", " + std::to_string(x.hs) +
                              "): the cuda backend stages dense host tensors only");
       continue;
     }
@@ -125,7 +125,8 @@ Status check_operands(const AttentionParams& p) {
                              "need 16-byte aligned device rows; pass host tensors (staged with padded rows) or a " +
                              "head_dim that is a multiple of " + std::to_string(kOperandAlign / esz));
     if (reinterpret_cast<uintptr_t>(x.data) % static_cast<uintptr_t>(kOperandAlign) != 0)
-      return unimplemented(std::string(x.name) + " device pointer is not 16-byte aligned, expected the start of an "
+      return unimplemented(std::string(x.name) +
+                           " device pointer is not 16-byte aligned, expected the start of an "
                            "allocation or an offset that is a multiple of 16 bytes");
   }
   return Status::Ok();
@@ -177,7 +178,8 @@ int64_t request_device_cap(int64_t pool_budget, int64_t limit_bytes) {
 
 std::vector<GemmBatch> gemm_batches(int64_t slots) {
   std::vector<GemmBatch> batches;
-  for (int64_t first = 0; first < slots; first += kMaxGemmBatch) batches.push_back({first, std::min(kMaxGemmBatch, slots - first)});
+  for (int64_t first = 0; first < slots; first += kMaxGemmBatch)
+    batches.push_back({first, std::min(kMaxGemmBatch, slots - first)});
   return batches;
 }
 
@@ -200,7 +202,7 @@ StatusOr<WorkspaceSlots> size_workspace(const WorkspaceShape& s, int64_t budget_
 }
 
 StatusOr<WorkspaceSlots> size_workspace_for(const WorkspaceShape& s, int64_t budget_bytes,
-                                           const std::function<int64_t(int64_t slots)>& work_bytes) {
+                                            const std::function<int64_t(int64_t slots)>& work_bytes) {
   if (s.lanes < 1 || s.q_len < 1 || s.kv_len < 1 || s.head_dim < 1 || s.elem_bytes < 1)
     return invalid_argument("workspace shape: lanes, q_len, kv_len, head_dim and elem_bytes must be >= 1");
   WorkspaceSlots p;
@@ -332,8 +334,10 @@ std::vector<Round> plan_rounds(const SpanShape& shape, const std::vector<LaneSet
             while (lo < hi) {
               const int64_t mid = lo + (hi - lo) / 2;
               const KeySpan sp = tile_key_span(shape, l.reach, mid);
-              if (sp.end - sp.begin > c * cols) hi = mid;
-              else lo = mid + 1;
+              if (sp.end - sp.begin > c * cols)
+                hi = mid;
+              else
+                lo = mid + 1;
             }
             first = lo;
           }
@@ -352,7 +356,8 @@ std::vector<Round> plan_rounds(const SpanShape& shape, const std::vector<LaneSet
   return rounds;
 }
 
-std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lane0, int64_t lane1) {
+std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lane0,
+                                   int64_t lane1) {
   std::vector<LaneSetup> setups(static_cast<size_t>(lane1 - lane0));
   for (int64_t g = lane0; g < lane1; ++g) {
     LaneSetup& s = setups[static_cast<size_t>(g - lane0)];
@@ -393,8 +398,9 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
   const WorkspaceShape ws = workspace_shape(p);
   const int64_t left = device_cap_bytes - layout.staging_bytes - layout.table_bytes;
   if (left <= 0)
-    return resource_exhausted("cuda workspace: staging (" + std::to_string(layout.staging_bytes) + " bytes) and lane tables (" +
-                              std::to_string(layout.table_bytes) + " bytes) alone exceed the request's device memory of " +
+    return resource_exhausted("cuda workspace: staging (" + std::to_string(layout.staging_bytes) +
+                              " bytes) and lane tables (" + std::to_string(layout.table_bytes) +
+                              " bytes) alone exceed the request's device memory of " +
                               std::to_string(device_cap_bytes) + " bytes");
   ASSIGN_OR_RETURN(layout.work, size_workspace(ws, left));
   layout.work_bytes = carve_work(layout.work.slots, layout.work.tile_rows, layout.work.key_cols, p.head_dim,
@@ -404,8 +410,9 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
 
 Status check_layout_fits(const CudaLayout& layout, const AttentionParams& p) {
   auto over = [](const char* what, int64_t need, int64_t planned) {
-    return internal_error(std::string("cuda backend: forward would carve ") + std::to_string(need) + " bytes of " + what +
-                          " from the plan's " + std::to_string(planned) + ": the plan was made for other params");
+    return internal_error(std::string("cuda backend: forward would carve ") + std::to_string(need) + " bytes of " +
+                          what + " from the plan's " + std::to_string(planned) +
+                          ": the plan was made for other params");
   };
   if (static_cast<int64_t>(layout.heads.size()) != p.heads)
     return internal_error("cuda backend: the plan has passes for " + std::to_string(layout.heads.size()) +

@@ -109,19 +109,19 @@ struct SpanShape {
 
 // One lane in one pass, as the device reads it.
 struct LanePass {
-  int32_t acc_lane = 0;     // lane index within the chunk's accumulators
-  int32_t batch = 0;        // b
-  int32_t head = 0;         // query head h
+  int32_t acc_lane = 0;  // lane index within the chunk's accumulators
+  int32_t batch = 0;     // b
+  int32_t head = 0;      // query head h
   SpanRule rule = SpanRule::kAll;
-  int64_t reach = -1;       // max |pos_q - pos_k| the rule allows; -1: unbounded
-  double pitch = 0;         // kSameBin: delta
-  double shift = 0;         // kSameBin: u
-  float slope = 0;          // kAll, kWindow: ALiBi slope m_h
+  int64_t reach = -1;  // max |pos_q - pos_k| the rule allows; -1: unbounded
+  double pitch = 0;    // kSameBin: delta
+  double shift = 0;    // kSameBin: u
+  float slope = 0;     // kAll, kWindow: ALiBi slope m_h
   int32_t pad = 0;
-  int64_t window = 0;       // kWindow: keys with |d| < window
-  int64_t tile_begin = 0;   // this round's tiles of the lane: [tile_begin, tile_end)
+  int64_t window = 0;      // kWindow: keys with |d| < window
+  int64_t tile_begin = 0;  // this round's tiles of the lane: [tile_begin, tile_end)
   int64_t tile_end = 0;
-  int64_t slot_begin = 0;   // batch slot of tile_begin
+  int64_t slot_begin = 0;  // batch slot of tile_begin
 };
 
 // One uniform batch: every (lane, tile) of it computes chunk `chunk` of its
@@ -137,13 +137,13 @@ struct Round {
 
 // What the device derives for one slot of a round.
 struct TileDesc {
-  int32_t lane = 0;          // index into the LanePass table
+  int32_t lane = 0;  // index into the LanePass table
   int32_t pad = 0;
-  int64_t row0 = 0;          // first query row the GEMM reads (T rows)
-  int64_t own_begin = 0;     // query rows this tile writes
+  int64_t row0 = 0;       // first query row the GEMM reads (T rows)
+  int64_t own_begin = 0;  // query rows this tile writes
   int64_t own_end = 0;
-  int64_t col0 = 0;          // first key row the GEMM reads (Kc rows)
-  int64_t valid_begin = 0;   // key rows of this chunk that count
+  int64_t col0 = 0;         // first key row the GEMM reads (Kc rows)
+  int64_t valid_begin = 0;  // key rows of this chunk that count
   int64_t valid_end = 0;
 };
 
@@ -221,9 +221,12 @@ PLSH_HD inline bool pair_allowed(const LanePass& l, bool causal, int64_t pq, int
   if (causal && pk > pq) return false;
   const int64_t d = pq > pk ? pq - pk : pk - pq;
   switch (l.rule) {
-    case SpanRule::kAll: return true;
-    case SpanRule::kWindow: return d < l.window;
-    case SpanRule::kSameBin: return span_bin(pq, l.pitch, l.shift) == span_bin(pk, l.pitch, l.shift);
+    case SpanRule::kAll:
+      return true;
+    case SpanRule::kWindow:
+      return d < l.window;
+    case SpanRule::kSameBin:
+      return span_bin(pq, l.pitch, l.shift) == span_bin(pk, l.pitch, l.shift);
   }
   return false;
 }

@@ -67,10 +67,11 @@ void parallel_copy(void* dst, const void* src, int64_t n, int threads) {
     return;
   }
   const int64_t each = (n + pieces - 1) / pieces;
-#pragma omp parallel for num_threads(static_cast<int>(pieces)) schedule(static, 1)
+#pragma omp parallel for num_threads(static_cast <int>(pieces)) schedule(static, 1)
   for (int64_t i = 0; i < pieces; ++i) {
     const int64_t at = i * each, len = std::min(each, n - at);
-    if (len > 0) std::memcpy(static_cast<char*>(dst) + at, static_cast<const char*>(src) + at, static_cast<size_t>(len));
+    if (len > 0)
+      std::memcpy(static_cast<char*>(dst) + at, static_cast<const char*>(src) + at, static_cast<size_t>(len));
   }
 }
 
@@ -98,8 +99,10 @@ Status Transfers::wait(cudaEvent_t e) {
     if (q != cudaErrorNotReady) CUDA_RETURN_IF_ERROR(q);
     (void)cudaGetLastError();  // "not yet" is no error to keep
     RETURN_IF_ERROR(ctx_.check_stop());
-    if (polls < 64) std::this_thread::yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (polls < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
 

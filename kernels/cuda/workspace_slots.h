@@ -33,7 +33,7 @@ int64_t key_cols_for(int64_t width, int64_t kv_len);
 
 // Sizes that bound the device workspace, whatever N is.
 struct WorkspaceShape {
-  int64_t lanes = 0;      // B * H
+  int64_t lanes = 0;  // B * H
   int64_t q_len = 0;
   int64_t kv_len = 0;
   int64_t head_dim = 0;
@@ -77,7 +77,7 @@ class Carver {
 // One round's slices of the work buffer (device pointers on the GPU).
 struct RoundBuffers {
   TileDesc* desc = nullptr;
-  const void** q_ptr = nullptr;     // cuBLAS pointer arrays, one entry per slot
+  const void** q_ptr = nullptr;  // cuBLAS pointer arrays, one entry per slot
   const void** k_ptr = nullptr;
   const void** v_ptr = nullptr;
   float** score_ptr = nullptr;
@@ -92,9 +92,9 @@ struct RoundBuffers {
 
 // The running per-row accumulators of a chunk of lanes and tiles.
 struct Accumulators {
-  float* acc = nullptr;      // [lane][row][D]
-  float* acc_max = nullptr;  // [lane][row]
-  float* acc_sum = nullptr;  // [lane][row]
+  float* acc = nullptr;       // [lane][row][D]
+  float* acc_max = nullptr;   // [lane][row]
+  float* acc_sum = nullptr;   // [lane][row]
   int64_t row0 = 0;           // first query row of the chunk
   int64_t rows_per_lane = 0;  // tiles_per_chunk * T
 };
@@ -196,7 +196,7 @@ StatusOr<WorkspaceSlots> size_workspace(const WorkspaceShape& shape, int64_t bud
 // The same for any work buffer whose bytes for a number of slots
 // work_bytes gives (the backward's, backward_plan.h).
 StatusOr<WorkspaceSlots> size_workspace_for(const WorkspaceShape& shape, int64_t budget_bytes,
-                                           const std::function<int64_t(int64_t slots)>& work_bytes);
+                                            const std::function<int64_t(int64_t slots)>& work_bytes);
 
 // One lane's passes, as the planner needs them: per pass the rule and its
 // parameters (acc_lane, batch and head filled, tiles and slots not).
@@ -224,11 +224,11 @@ int64_t lane_table_entries(const SpanShape& shape, const std::vector<LaneSetup>&
 // with PlanLimits::backward: what plan.backward_workspace.device_bytes
 // counts is exactly what backward allocates.
 struct CudaBackwardLayout {
-  WorkspaceSlots work;          // slots of carve_backward_work
-  int64_t staging_bytes = 0;   // carve_backward_staging
-  int64_t table_bytes = 0;     // carve_tables, as the forward's
-  int64_t work_bytes = 0;      // carve_backward_work for work.slots
-  int64_t fused_bytes = 0;     // the fused backward: carve_fused_backward (fused_plan.h); the rest 0
+  WorkspaceSlots work;        // slots of carve_backward_work
+  int64_t staging_bytes = 0;  // carve_backward_staging
+  int64_t table_bytes = 0;    // carve_tables, as the forward's
+  int64_t work_bytes = 0;     // carve_backward_work for work.slots
+  int64_t fused_bytes = 0;    // the fused backward: carve_fused_backward (fused_plan.h); the rest 0
   int64_t device_bytes() const { return fused_bytes > 0 ? fused_bytes : staging_bytes + table_bytes + work_bytes; }
 };
 
@@ -241,13 +241,13 @@ struct FusedLayout;
 struct CudaLayout : BackendLayout {
   std::vector<LaneSetup> heads;  // head_passes of the plan's draws
   WorkspaceSlots work;
-  int64_t staging_bytes = 0;     // carve_staging (0 for device tensors)
-  int64_t table_entries = 0;     // lane_table_entries of the largest chunk of lanes
+  int64_t staging_bytes = 0;           // carve_staging (0 for device tensors)
+  int64_t table_entries = 0;           // lane_table_entries of the largest chunk of lanes
   int64_t cublas_workspace_bytes = 0;  // cublas_workspace_for the cap
-  int64_t table_bytes = 0;       // carve_tables
-  int64_t work_bytes = 0;        // carve_work for work.slots
-  bool has_backward = false;     // planned with PlanLimits::backward
-  CudaBackwardLayout backward;   // then: the backward's layout
+  int64_t table_bytes = 0;             // carve_tables
+  int64_t work_bytes = 0;              // carve_work for work.slots
+  bool has_backward = false;           // planned with PlanLimits::backward
+  CudaBackwardLayout backward;         // then: the backward's layout
   // The fused kernels run this request (fused_plan.h): their tables and
   // carve_fused_forward's bytes, and none of the cuBLAS pipeline's above.
   std::shared_ptr<const FusedLayout> fused;
@@ -270,7 +270,8 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
 // The lanes [lane0, lane1) of a chunk (lane g = batch item g / H, head
 // g % H), each a copy of its head's passes pointed at its accumulator slot
 // and batch item.
-std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lane0, int64_t lane1);
+std::vector<LaneSetup> chunk_lanes(const std::vector<LaneSetup>& heads, int64_t num_heads, int64_t lane0,
+                                   int64_t lane1);
 
 // One chunk of a request's work: lanes [lane0, lane1) (their passes in
 // `setups`, chunk_lanes) by tiles [tile0, tile1); `index` counts the chunks
@@ -317,8 +318,10 @@ PLSH_HD inline int64_t find_lane(const LanePass* lanes, int64_t lane_begin, int6
   int64_t lo = lane_begin, hi = lane_end - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (lanes[mid].slot_begin <= slot) lo = mid;
-    else hi = mid - 1;
+    if (lanes[mid].slot_begin <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }

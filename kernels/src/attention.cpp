@@ -139,7 +139,8 @@ StatusOr<BackwardResult> run_backward(Backend& backend, const Plan& plan, const 
 StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const Plan& plan, const GradientRefs& grads,
                                                      const WorkspaceRef& workspace, const ExecContext& ctx) {
   if (grads.out != nullptr || grads.lse != nullptr)
-    return invalid_argument("grads.out and grads.lse must be null for run_forward_backward: the forward's own are used");
+    return invalid_argument(
+        "grads.out and grads.lse must be null for run_forward_backward: the forward's own are used");
   if (plan.params.lse == nullptr)
     return invalid_argument("lse = null, expected the plan's lse bound: the backward reads the forward's lse");
   // The backward's tensors are checked before the forward runs: a bad dout
@@ -154,7 +155,8 @@ StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const Pla
 StatusOr<ForwardBackwardResult> run_forward_backward(Backend& backend, const AttentionParams& p, PlanLimits limits,
                                                      const GradientRefs& grads, const ExecContext& ctx) {
   if (grads.out != nullptr || grads.lse != nullptr)
-    return invalid_argument("grads.out and grads.lse must be null for run_forward_backward: the forward's own are used");
+    return invalid_argument(
+        "grads.out and grads.lse must be null for run_forward_backward: the forward's own are used");
   limits.backward = true;
   ASSIGN_OR_RETURN(Plan plan, plan_attention(backend, p, limits));
   std::vector<float> own_lse;

@@ -78,10 +78,11 @@ Status Backend::check_backward_inputs(const Plan& plan, const BackwardParams& g)
   if (p.q == nullptr || p.k == nullptr || p.v == nullptr)
     return failed_precondition(name() + " backend: the plan's tensors are not bound, expected bind_tensors first");
   RETURN_IF_ERROR(supports_backward(p));
-  if (g.memory != MemorySpace::kHost || g.out == nullptr || g.lse == nullptr || g.dout == nullptr ||
-      g.dq == nullptr || g.dk == nullptr || g.dv == nullptr)
-    return invalid_argument(name() + " backend: backward tensors missing or not in host memory, expected "
-                                     "make_backward_params' for this plan");
+  if (g.memory != MemorySpace::kHost || g.out == nullptr || g.lse == nullptr || g.dout == nullptr || g.dq == nullptr ||
+      g.dk == nullptr || g.dv == nullptr)
+    return invalid_argument(name() +
+                            " backend: backward tensors missing or not in host memory, expected "
+                            "make_backward_params' for this plan");
   return Status::Ok();
 }
 

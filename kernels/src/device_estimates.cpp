@@ -43,7 +43,8 @@ std::vector<ProbeRow> device_probe_rows(const AttentionParams& p, int64_t h, con
     }
     if (std::isnan(pr.err2)) pr.err2 = kInf;
     const double ratio = out.bound_ratio[static_cast<size_t>(h)][r];
-    pr.bound = std::isfinite(ratio) ? 2 * std::sqrt(static_cast<double>(out.max_v2[static_cast<size_t>(h)][r])) * ratio : kInf;
+    pr.bound =
+        std::isfinite(ratio) ? 2 * std::sqrt(static_cast<double>(out.max_v2[static_cast<size_t>(h)][r])) * ratio : kInf;
   }
   return rows;
 }

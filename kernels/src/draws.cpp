@@ -17,8 +17,8 @@ uint64_t mix64(uint64_t z) {
 }
 
 double draw_uniform(uint64_t seed, int64_t head, int64_t sample, int j) {
-  const uint64_t index = 1 + 4 * ((static_cast<uint64_t>(head) << 24) + static_cast<uint64_t>(sample)) +
-                         static_cast<uint64_t>(j);
+  const uint64_t index =
+      1 + 4 * ((static_cast<uint64_t>(head) << 24) + static_cast<uint64_t>(sample)) + static_cast<uint64_t>(j);
   const uint64_t word = mix64(seed + 0x9E3779B97F4A7C15ULL * index);
   return (static_cast<double>(word >> 11) + 0.5) * 0x1.0p-53;
 }

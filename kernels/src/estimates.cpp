@@ -109,8 +109,8 @@ Status compute_estimates(const Plan& plan, const WorkspaceRef& workspace, const 
   // probe spreads over the threads.
   struct Task {
     int64_t head, batch;
-    size_t first;                // into the head's sample
-    std::vector<int64_t> rows;   // query rows of this batch item
+    size_t first;               // into the head's sample
+    std::vector<int64_t> rows;  // query rows of this batch item
   };
   const int64_t population = p.batch * p.q_len;
   std::vector<std::vector<int64_t>> samples(static_cast<size_t>(heads));
@@ -170,8 +170,8 @@ int64_t head_estimate_bytes(const AttentionParams& p) {
   const PositionRange r = position_range(p);
   // mask_max_err: the decay table (at most 2^20 doubles), the row sample,
   // four arrays of block edges per hash.
-  const int64_t mask = 8 * std::min<int64_t>(max_distance(r) + 1, int64_t{1} << 20) +
-                       8 * std::min(p.q_len, p.mask_row_budget) + 32 * s;
+  const int64_t mask =
+      8 * std::min<int64_t>(max_distance(r) + 1, int64_t{1} << 20) + 8 * std::min(p.q_len, p.mask_row_budget) + 32 * s;
   // Lanczos: four vectors over the smaller side, the product's intermediate
   // and exponential sums and prefix sums over the wider one, and the block
   // edges cached for both sides (each at most 64 MiB, at most a block per
@@ -186,8 +186,8 @@ int64_t probe_task_bytes(const AttentionParams& p) {
   const int64_t s = uses_draws(p.mode) ? p.samples : 0;
   // q transposed, k and v tiles, their norms, the scores, two logit rows,
   // the accumulators, and each row's sorted block edges.
-  return 8 * (p.head_dim * rows + 2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile +
-              kExactRowsKeyTile * rows + 2 * kExactRowsKeyTile + rows * p.head_dim) +
+  return 8 * (p.head_dim * rows + 2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile + kExactRowsKeyTile * rows +
+              2 * kExactRowsKeyTile + rows * p.head_dim) +
          rows * 16 * s + 4 * p.head_dim;
 }
 

@@ -28,8 +28,8 @@ bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span
   std::vector<double> kt(static_cast<size_t>(kTile * D)), vt(static_cast<size_t>(kTile * D)), v2(kTile);
   std::vector<double> scores(static_cast<size_t>(kTile * R));
   for (int64_t r = 0; r < R; ++r) {
-    load_row(p.q, p.dtype, b * p.q_batch_stride + rows[static_cast<size_t>(r)] * p.q_row_stride + h * p.q_head_stride, D,
-             buf.data());
+    load_row(p.q, p.dtype, b * p.q_batch_stride + rows[static_cast<size_t>(r)] * p.q_row_stride + h * p.q_head_stride,
+             D, buf.data());
     for (int64_t d = 0; d < D; ++d) qt[static_cast<size_t>(d * R + r)] = buf[static_cast<size_t>(d)];
   }
   int64_t tiles = 0;

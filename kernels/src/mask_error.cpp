@@ -110,8 +110,8 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
       lo = std::max(lo, k_lo);
       hi = std::min(hi, k_hi);
       if (lo > hi) return;
-      out.value = std::max({out.value, std::fabs(lstar(std::llabs(pos - lo)) - mask),
-                            std::fabs(lstar(std::llabs(pos - hi)) - mask)});
+      out.value = std::max(
+          {out.value, std::fabs(lstar(std::llabs(pos - lo)) - mask), std::fabs(lstar(std::llabs(pos - hi)) - mask)});
     };
     for (size_t k = 0; k <= s; ++k) {
       const int64_t lo = k == 0 ? INT64_MIN : sorted_begins[k - 1];
@@ -219,10 +219,9 @@ std::vector<int64_t> sample_indices(int64_t n, int64_t count, uint64_t seed) {
     // Stratum t is [floor(t n / count), floor((t + 1) n / count)): never
     // empty since n > count, and disjoint from the others.
     const int64_t lo = static_cast<int64_t>(static_cast<u128>(t) * static_cast<u128>(n) / static_cast<u128>(count));
-    const int64_t hi =
-        static_cast<int64_t>(static_cast<u128>(t + 1) * static_cast<u128>(n) / static_cast<u128>(count));
-    const double u = static_cast<double>(mix64(seed + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(t + 1)) >> 11) *
-                     0x1.0p-53;
+    const int64_t hi = static_cast<int64_t>(static_cast<u128>(t + 1) * static_cast<u128>(n) / static_cast<u128>(count));
+    const double u =
+        static_cast<double>(mix64(seed + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(t + 1)) >> 11) * 0x1.0p-53;
     const int64_t pick = lo + static_cast<int64_t>(u * static_cast<double>(hi - lo));
     out.push_back(std::min(pick, hi - 1));
   }

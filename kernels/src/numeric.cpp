@@ -7,7 +7,9 @@ namespace plsh {
 
 void load_row(const void* data, DType t, int64_t offset, int64_t n, float* dst) {
   switch (t) {
-    case DType::kF32: std::memcpy(dst, static_cast<const float*>(data) + offset, static_cast<size_t>(n) * 4); return;
+    case DType::kF32:
+      std::memcpy(dst, static_cast<const float*>(data) + offset, static_cast<size_t>(n) * 4);
+      return;
     case DType::kF16: {
       const uint16_t* s = static_cast<const uint16_t*>(data) + offset;
       for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(s[i]);
@@ -23,7 +25,9 @@ void load_row(const void* data, DType t, int64_t offset, int64_t n, float* dst) 
 
 void store_row(void* data, DType t, int64_t offset, int64_t n, const float* src) {
   switch (t) {
-    case DType::kF32: std::memcpy(static_cast<float*>(data) + offset, src, static_cast<size_t>(n) * 4); return;
+    case DType::kF32:
+      std::memcpy(static_cast<float*>(data) + offset, src, static_cast<size_t>(n) * 4);
+      return;
     case DType::kF16: {
       uint16_t* d = static_cast<uint16_t*>(data) + offset;
       for (int64_t i = 0; i < n; ++i) d[i] = float_to_half(src[i]);

@@ -51,7 +51,8 @@ std::vector<double> standard_slopes(int64_t heads) {
   std::vector<double> slopes = power_of_two_slopes(p);
   if (p == heads) return slopes;
   const std::vector<double> extra = power_of_two_slopes(2 * p);
-  for (int64_t i = 0; static_cast<int64_t>(slopes.size()) < heads; i += 2) slopes.push_back(extra[static_cast<size_t>(i)]);
+  for (int64_t i = 0; static_cast<int64_t>(slopes.size()) < heads; i += 2)
+    slopes.push_back(extra[static_cast<size_t>(i)]);
   return slopes;
 }
 
@@ -117,15 +118,14 @@ Status validate_options(const AttentionOptions& o) {
       // block's end (block_end counts up from INT64_MIN), a pitch near 1e-300
       // overflows bin_of's cast and puts every position in one bin.
       if (o.slopes[h] != 0 && (o.slopes[h] < kMinSlope || o.slopes[h] > kMaxSlope))
-        return invalid_argument("slopes[" + str(h) + "] = " + str(o.slopes[h]) + ", expected 0 or a number in [2^-32, 2^10]");
+        return invalid_argument("slopes[" + str(h) + "] = " + str(o.slopes[h]) +
+                                ", expected 0 or a number in [2^-32, 2^10]");
     }
   }
   constexpr int64_t kMaxPos = int64_t{1} << 52;  // positions stay exact in double
   const int64_t q_pos0 = o.q_pos0 ? *o.q_pos0 : o.kv_len - o.q_len;
-  if (q_pos0 < -kMaxPos || q_pos0 > kMaxPos)
-    return field_error("q_pos0", str(q_pos0), "in [-2^52, 2^52]");
-  if (o.k_pos0 < -kMaxPos || o.k_pos0 > kMaxPos)
-    return field_error("k_pos0", str(o.k_pos0), "in [-2^52, 2^52]");
+  if (q_pos0 < -kMaxPos || q_pos0 > kMaxPos) return field_error("q_pos0", str(q_pos0), "in [-2^52, 2^52]");
+  if (o.k_pos0 < -kMaxPos || o.k_pos0 > kMaxPos) return field_error("k_pos0", str(o.k_pos0), "in [-2^52, 2^52]");
   if (o.mode == Mode::kLsh) {
     if (o.samples < 1 || o.samples > kMaxSamples)
       return field_error("samples", str(o.samples), "in [1, " + str(kMaxSamples) + "]");
@@ -154,9 +154,11 @@ Status validate_options(const AttentionOptions& o) {
   // q_pos0 left to its default (Nk - Nq) is negative when Nq > Nk: say so
   // in the caller's terms, not as a q_pos0 they never set.
   const auto defaulted_q_pos0 = [&](const std::string& why) {
-    return invalid_argument("q_len = " + str(o.q_len) + " > kv_len = " + str(o.kv_len) + ": queries are aligned to "
-                            "the end of the keys by default (q_pos0 = kv_len - q_len = " + str(q_pos0) + "), so " +
-                            why + "; expected q_len <= kv_len, or an explicit q_pos0 (and k_pos0)");
+    return invalid_argument("q_len = " + str(o.q_len) + " > kv_len = " + str(o.kv_len) +
+                            ": queries are aligned to "
+                            "the end of the keys by default (q_pos0 = kv_len - q_len = " +
+                            str(q_pos0) + "), so " + why +
+                            "; expected q_len <= kv_len, or an explicit q_pos0 (and k_pos0)");
   };
   if (o.causal) {
     // Every query row needs at least one allowed key, or its softmax is empty.
@@ -285,7 +287,8 @@ Status check_finite_inputs(const AttentionParams& p) {
     const void* data;
     int64_t rows, heads;
   };
-  const Item items[] = {{"q", p.q, p.q_len, p.heads}, {"k", p.k, p.kv_len, p.kv_heads}, {"v", p.v, p.kv_len, p.kv_heads}};
+  const Item items[] = {
+      {"q", p.q, p.q_len, p.heads}, {"k", p.k, p.kv_len, p.kv_heads}, {"v", p.v, p.kv_len, p.kv_heads}};
   for (const Item& it : items) {
     const int64_t n = p.batch * it.rows * it.heads * p.head_dim;
     const int64_t bad = first_non_finite(it.data, p.dtype, n);

@@ -111,10 +111,10 @@ ProbeKeyStats probe_key_stats(const AttentionParams& p, int64_t b, int64_t kv_he
   std::vector<float> buf(static_cast<size_t>(p.head_dim));
   double max_k2 = 0, max_v2 = 0;
   for (int64_t j = 0; j < p.kv_len; ++j) {
-    const double k2 =
-        squared_norm(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + kv_head * p.k_head_stride, p.head_dim, buf);
-    const double v2 =
-        squared_norm(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + kv_head * p.v_head_stride, p.head_dim, buf);
+    const double k2 = squared_norm(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + kv_head * p.k_head_stride,
+                                   p.head_dim, buf);
+    const double v2 = squared_norm(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + kv_head * p.v_head_stride,
+                                   p.head_dim, buf);
     max_k2 = std::max(max_k2, k2);
     max_v2 = std::max(max_v2, v2);
     st.v2_prefix_max[static_cast<size_t>(j)] = max_v2;
@@ -167,7 +167,9 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
       row.a_max = p.scale * std::sqrt(q2) * keys->max_k_norm * (1 + 1e-12);
       // The nearest allowed key (lsh and window keep queries among the keys: 0).
       const int64_t key_pos_last = p.k_pos0 + row.keys - 1;
-      const int64_t nearest = row.pos < p.k_pos0 ? p.k_pos0 - row.pos : row.pos > key_pos_last ? row.pos - key_pos_last : 0;
+      const int64_t nearest = row.pos < p.k_pos0       ? p.k_pos0 - row.pos
+                              : row.pos > key_pos_last ? row.pos - key_pos_last
+                                                       : 0;
       const int64_t reach = probe_reach(m.sigma, row.a_max, nearest);
       if (reach != INT64_MAX) {
         const int64_t at = row.pos - p.k_pos0;  // key row of the query's position
@@ -209,9 +211,8 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
   // nothing to visit.
   std::vector<int64_t> order(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) order[static_cast<size_t>(r)] = r;
-  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return st[static_cast<size_t>(x)].lo < st[static_cast<size_t>(y)].lo;
-  });
+  std::sort(order.begin(), order.end(),
+            [&](int64_t x, int64_t y) { return st[static_cast<size_t>(x)].lo < st[static_cast<size_t>(y)].lo; });
   std::vector<double> logit(kExactRowsKeyTile), logw(kExactRowsKeyTile);
   std::vector<int64_t> group, group_rows;
   std::vector<KeyRange> windows;
@@ -233,48 +234,51 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
       windows.push_back({st[static_cast<size_t>(r)].lo, st[static_cast<size_t>(r)].hi});
     }
     const int64_t G = static_cast<int64_t>(group.size());
-    finished = for_each_key_tile(p, h, b, group_rows, std::span<const KeyRange>(&span, 1), [&](const KeyTile& tile) {
-      for (int64_t gr = 0; gr < G; ++gr) {
-        RowState& row = st[static_cast<size_t>(group[static_cast<size_t>(gr)])];
-        SoftmaxRow64& exact_row = exact[static_cast<size_t>(group[static_cast<size_t>(gr)])];
-        const int64_t first = std::max<int64_t>(0, row.lo - tile.j0);
-        const int64_t last = std::min(tile.count, row.hi - tile.j0);
-        const int64_t n = last - first;
-        if (n <= 0) continue;
-        double tile_max_a = -kInf;
-        for (int64_t jj = first; jj < last; ++jj) {
-          const double distance = static_cast<double>(std::llabs(row.pos - (p.k_pos0 + tile.j0 + jj)));
-          logit[static_cast<size_t>(jj - first)] = p.scale * tile.scores[jj * G + gr];
-          logw[static_cast<size_t>(jj - first)] = logit[static_cast<size_t>(jj - first)] - distance / m.sigma;
-          tile_max_a = std::max(tile_max_a, logit[static_cast<size_t>(jj - first)]);
-        }
-        exact_row.fold(logw.data(), n, tile.values + first * D);
+    finished = for_each_key_tile(
+        p, h, b, group_rows, std::span<const KeyRange>(&span, 1),
+        [&](const KeyTile& tile) {
+          for (int64_t gr = 0; gr < G; ++gr) {
+            RowState& row = st[static_cast<size_t>(group[static_cast<size_t>(gr)])];
+            SoftmaxRow64& exact_row = exact[static_cast<size_t>(group[static_cast<size_t>(gr)])];
+            const int64_t first = std::max<int64_t>(0, row.lo - tile.j0);
+            const int64_t last = std::min(tile.count, row.hi - tile.j0);
+            const int64_t n = last - first;
+            if (n <= 0) continue;
+            double tile_max_a = -kInf;
+            for (int64_t jj = first; jj < last; ++jj) {
+              const double distance = static_cast<double>(std::llabs(row.pos - (p.k_pos0 + tile.j0 + jj)));
+              logit[static_cast<size_t>(jj - first)] = p.scale * tile.scores[jj * G + gr];
+              logw[static_cast<size_t>(jj - first)] = logit[static_cast<size_t>(jj - first)] - distance / m.sigma;
+              tile_max_a = std::max(tile_max_a, logit[static_cast<size_t>(jj - first)]);
+            }
+            exact_row.fold(logw.data(), n, tile.values + first * D);
 
-        const double max_a = std::max(row.max_a, tile_max_a);
-        const double rescale_a = std::exp(row.max_a - max_a);
-        row.bound_num *= rescale_a;
-        row.bound_den *= rescale_a;
-        row.max_a = max_a;
-        for (int64_t jj = first; jj < last; ++jj) {
-          const int64_t x = p.k_pos0 + tile.j0 + jj;
-          if (keys == nullptr) row.max_v2 = std::max(row.max_v2, tile.value_norm2[jj]);
-          const int64_t distance = std::llabs(row.pos - x);
-          const double lstar = decay(distance, m.sigma);
-          double mask;
-          if (uses_draws(m.mode)) {
-            // Hashes whose block holds x: begin <= x < end; x only grows.
-            while (row.opened < s && row.begins[row.opened] <= x) ++row.opened;
-            while (row.closed < s && row.ends[row.closed] <= x) ++row.closed;
-            mask = static_cast<double>(row.opened - row.closed) * inv_s;
-          } else {
-            mask = m.window == kNoWindow || distance < m.window ? lstar : 0.0;
+            const double max_a = std::max(row.max_a, tile_max_a);
+            const double rescale_a = std::exp(row.max_a - max_a);
+            row.bound_num *= rescale_a;
+            row.bound_den *= rescale_a;
+            row.max_a = max_a;
+            for (int64_t jj = first; jj < last; ++jj) {
+              const int64_t x = p.k_pos0 + tile.j0 + jj;
+              if (keys == nullptr) row.max_v2 = std::max(row.max_v2, tile.value_norm2[jj]);
+              const int64_t distance = std::llabs(row.pos - x);
+              const double lstar = decay(distance, m.sigma);
+              double mask;
+              if (uses_draws(m.mode)) {
+                // Hashes whose block holds x: begin <= x < end; x only grows.
+                while (row.opened < s && row.begins[row.opened] <= x) ++row.opened;
+                while (row.closed < s && row.ends[row.closed] <= x) ++row.closed;
+                mask = static_cast<double>(row.opened - row.closed) * inv_s;
+              } else {
+                mask = m.window == kNoWindow || distance < m.window ? lstar : 0.0;
+              }
+              const double a = std::exp(logit[static_cast<size_t>(jj - first)] - max_a);
+              row.bound_num += a * std::fabs(lstar - mask);
+              row.bound_den += a * mask;
+            }
           }
-          const double a = std::exp(logit[static_cast<size_t>(jj - first)] - max_a);
-          row.bound_num += a * std::fabs(lstar - mask);
-          row.bound_den += a * mask;
-        }
-      }
-    }, ctx, windows);
+        },
+        ctx, windows);
   }
   if (!finished) return;
 

@@ -43,7 +43,8 @@ namespace plsh::estimates_detail {
 double tail_growth(double gamma, double m) {
   if (!(m > 1)) return 1;
   // S = sum_{i=1}^{m} i^-gamma ~ integral_1^m x^-gamma dx + (1 + m^-gamma) / 2.
-  const double integral = std::fabs(gamma - 1) < 1e-9 ? std::log(m) : std::expm1((1 - gamma) * std::log(m)) / (1 - gamma);
+  const double integral =
+      std::fabs(gamma - 1) < 1e-9 ? std::log(m) : std::expm1((1 - gamma) * std::log(m)) / (1 - gamma);
   const double sum = integral + (1 + std::pow(m, -gamma)) / 2;
   return std::pow(m, gamma - 1) * sum;
 }

@@ -86,8 +86,10 @@ double largest_tridiagonal_eigenvalue(const std::vector<double>& a, const std::v
   for (int step = 0; step < 200; ++step) {
     const double mid = 0.5 * (lo + hi);
     if (!(mid > lo && mid < hi)) break;
-    if (count_below(mid) == n) hi = mid;
-    else lo = mid;
+    if (count_below(mid) == n)
+      hi = mid;
+    else
+      lo = mid;
   }
   return hi;
 }
@@ -97,7 +99,6 @@ double dot(const std::vector<double>& x, const std::vector<double>& y) {
   for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
   return s;
 }
-
 
 // Block edges over a range are kept while they fit in 64 MiB (8M edges: s =
 // 256 hashes of sigma = 2 over 65536 positions take 6.6M); else found again
@@ -147,7 +148,8 @@ class BlockEdges {
     std::vector<int64_t> fill(event_start_.begin(), event_start_.end() - 1);
     for (size_t k = 0; k + 1 < offsets_.size(); ++k)
       for (size_t i = offsets_[k] + 1; i < offsets_[k + 1]; ++i)
-        if (flat_[i] < t0 + nt) event_hash_[static_cast<size_t>(fill[static_cast<size_t>(flat_[i] - t0)]++)] = static_cast<int32_t>(k);
+        if (flat_[i] < t0 + nt)
+          event_hash_[static_cast<size_t>(fill[static_cast<size_t>(flat_[i] - t0)]++)] = static_cast<int32_t>(k);
     complete_ = true;
   }
   bool complete() const { return complete_; }
@@ -176,8 +178,8 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
   if (mask_is_exact(m, r) || ns <= 0) return;
 
   const ExpSums sums(x, ns, s0, m.sigma, scratch);
-  const bool left = allowed != Allowed::kSourceNotBefore;   // sources before the target count
-  const bool right = allowed != Allowed::kSourceNotAfter;   // sources after the target count
+  const bool left = allowed != Allowed::kSourceNotBefore;  // sources before the target count
+  const bool right = allowed != Allowed::kSourceNotAfter;  // sources after the target count
   if (m.mode == Mode::kWindow) {
     // L* 1[|d| >= W] directly: no cancellation against the band.
     const double edge = decay(m.window, m.sigma);

@@ -124,7 +124,8 @@ StatusOr<Plan> plan_targeted(const Backend& backend, const AttentionParams& p, c
     // Every attempt's draws live as long as the plan; the attempts run one
     // after another in one workspace.
     plan.own_host_bytes += attempt.own_host_bytes;
-    plan.forward_workspace.host_bytes = std::max(plan.forward_workspace.host_bytes, attempt.forward_workspace.host_bytes);
+    plan.forward_workspace.host_bytes =
+        std::max(plan.forward_workspace.host_bytes, attempt.forward_workspace.host_bytes);
     plan.forward_workspace.device_bytes =
         std::max(plan.forward_workspace.device_bytes, attempt.forward_workspace.device_bytes);
     plan.estimates_workspace.host_bytes =

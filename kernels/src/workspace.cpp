@@ -11,12 +11,14 @@ Status check_space(const char* space, const void* base, int64_t given, int64_t n
   if (needed <= 0) return Status::Ok();
   const std::string field = std::string("workspace.") + space;
   if (given < needed)
-    return invalid_argument(std::string(step) + ": " + field + "_bytes = " + std::to_string(given) + ", expected >= " +
-                            std::to_string(needed) + " (what the plan sized for this step)");
-  if (base == nullptr) return invalid_argument(std::string(step) + ": " + field + " = null, expected " + std::to_string(needed) + " bytes");
+    return invalid_argument(std::string(step) + ": " + field + "_bytes = " + std::to_string(given) +
+                            ", expected >= " + std::to_string(needed) + " (what the plan sized for this step)");
+  if (base == nullptr)
+    return invalid_argument(std::string(step) + ": " + field + " = null, expected " + std::to_string(needed) +
+                            " bytes");
   if (reinterpret_cast<uintptr_t>(base) % kWorkspaceAlignment != 0)
-    return invalid_argument(std::string(step) + ": " + field + " is not aligned to " + std::to_string(kWorkspaceAlignment) +
-                            " bytes (kWorkspaceAlignment)");
+    return invalid_argument(std::string(step) + ": " + field + " is not aligned to " +
+                            std::to_string(kWorkspaceAlignment) + " bytes (kWorkspaceAlignment)");
   return Status::Ok();
 }
 

@@ -45,7 +45,8 @@ TEST(Arrivals, PoissonGapsAreExponentialWithTheRate) {
   // P(gap > 1/rate) = e^-1 for an exponential (a constant schedule would
   // give 0 or 1): binomial standard error.
   const double p = std::exp(-1.0);
-  const double above = static_cast<double>(std::count_if(gaps.begin(), gaps.end(), [&](double g) { return g > 1 / rate; })) / n;
+  const double above =
+      static_cast<double>(std::count_if(gaps.begin(), gaps.end(), [&](double g) { return g > 1 / rate; })) / n;
   EXPECT_NEAR(above, p, 4 * std::sqrt(p * (1 - p) / n));
   // Variance 1/rate^2, i.e. coefficient of variation 1. The sample
   // variance of an exponential has variance (mu4 - sigma^4)/n = 8/(rate^4 n).

@@ -11,10 +11,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -58,14 +58,15 @@ struct BenchRun {
 // Runs `plsh bench --target <server> args... --json F --csv G`, stdout and
 // stderr to files (so stderr is not a terminal: plain progress lines).
 BenchRun run_bench(const ServerProcess& server, std::vector<std::string> args) {
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
-                                    ("plsh_bench_" + std::to_string(getpid()) + "_" +
-                                     ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / ("plsh_bench_" + std::to_string(getpid()) + "_" +
+                                                     ::testing::UnitTest::GetInstance()->current_test_info()->name());
   std::filesystem::create_directories(dir);
   const std::string json_path = (dir / "run.json").string(), csv_path = (dir / "run.csv").string();
   const std::string out_path = (dir / "stdout").string(), err_path = (dir / "stderr").string();
   std::filesystem::remove(json_path);
-  std::vector<std::string> argv_s = {PLSH_BIN, "bench", "--target", server.grpc_address(), "--json", json_path, "--csv", csv_path};
+  std::vector<std::string> argv_s = {PLSH_BIN, "bench",   "--target", server.grpc_address(),
+                                     "--json", json_path, "--csv",    csv_path};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   const pid_t pid = fork();
   if (pid == 0) {
@@ -96,8 +97,9 @@ std::map<std::string, double> scrape(const ServerProcess& server) {
 }
 
 double requests_total(const std::map<std::string, double>& m, const std::string& code = "") {
-  return plsh::testing::metric_sum(m, "plsh_requests_total", code.empty() ? std::vector<std::string>{}
-                                                                          : std::vector<std::string>{"code=\"" + code + "\""});
+  return plsh::testing::metric_sum(
+      m, "plsh_requests_total",
+      code.empty() ? std::vector<std::string>{} : std::vector<std::string>{"code=\"" + code + "\""});
 }
 
 void expect_ordered(const json& s, const std::string& what) {
@@ -107,7 +109,8 @@ void expect_ordered(const json& s, const std::string& what) {
     if (s.contains(k)) keys.push_back(k);
   ASSERT_GE(keys.size(), 3u) << what;
   for (size_t i = 1; i < keys.size(); ++i)
-    EXPECT_LE(s[keys[i - 1]].get<double>(), s[keys[i]].get<double>()) << what << ": " << keys[i - 1] << " > " << keys[i];
+    EXPECT_LE(s[keys[i - 1]].get<double>(), s[keys[i]].get<double>())
+        << what << ": " << keys[i - 1] << " > " << keys[i];
   EXPECT_LE(s["avg"].get<double>(), s["max"].get<double>()) << what;
   EXPECT_GT(s["p50"].get<double>(), 0) << what;
 }
@@ -135,8 +138,9 @@ TEST(BenchServer, OkCountEqualsTheServersRequestCounter) {
   const auto after = scrape(server);
   EXPECT_EQ(requests_total(after, "OK") - requests_total(before, "OK"), 25 + warmup_ok);
   EXPECT_EQ(requests_total(after) - requests_total(before), 25 + warmup_ok);
-  EXPECT_EQ(plsh::testing::metric_sum(after, "plsh_tokens_total") - plsh::testing::metric_sum(before, "plsh_tokens_total"),
-            static_cast<double>((25 + warmup_ok) * kSmallTokens));
+  EXPECT_EQ(
+      plsh::testing::metric_sum(after, "plsh_tokens_total") - plsh::testing::metric_sum(before, "plsh_tokens_total"),
+      static_cast<double>((25 + warmup_ok) * kSmallTokens));
   EXPECT_NEAR(level["throughput"]["tokens_per_s"].get<double>() * level["window_s"].get<double>(), 25.0 * kSmallTokens,
               1e-6 * 25 * kSmallTokens);
   // The measured requests' bytes: q, k, v up and out down, float32.
@@ -146,8 +150,9 @@ TEST(BenchServer, OkCountEqualsTheServersRequestCounter) {
   EXPECT_NEAR(level["throughput"]["mb_down_per_s"].get<double>() * window * 1e6, down_bytes, 1e-6 * down_bytes);
   // The server's computing histogram saw the same request timings the
   // summaries carried, warmup included.
-  const double computing_count = plsh::testing::metric_sum(after, "plsh_phase_duration_seconds_count", {"phase=\"computing\""}) -
-                                 plsh::testing::metric_sum(before, "plsh_phase_duration_seconds_count", {"phase=\"computing\""});
+  const double computing_count =
+      plsh::testing::metric_sum(after, "plsh_phase_duration_seconds_count", {"phase=\"computing\""}) -
+      plsh::testing::metric_sum(before, "plsh_phase_duration_seconds_count", {"phase=\"computing\""});
   EXPECT_EQ(computing_count, 25 + warmup_ok);
   EXPECT_EQ(level["server_ms"]["computing"]["count"], 25);
 
@@ -250,14 +255,16 @@ TEST(BenchServer, VerifiedResponsesMatchTheInProcessResult) {
   ASSERT_TRUE(server.started()) << server.log();
   for (const char* dtype : {"f32", "bf16"}) {
     std::vector<std::string> args = kSmall;
-    for (const char* a : {"--requests", "8", "--warmup", "0", "--verify", "1", "--causal", "--wire-dtype"}) args.push_back(a);
+    for (const char* a : {"--requests", "8", "--warmup", "0", "--verify", "1", "--causal", "--wire-dtype"})
+      args.push_back(a);
     args.push_back(dtype);
     const BenchRun run = run_bench(server, args);
     ASSERT_EQ(run.exit_code, 0) << dtype << ": " << run.err;
     const json& level = run.report["levels"][0];
     EXPECT_EQ(level["verify"]["checked"], 8) << dtype;
     EXPECT_EQ(level["verify"]["mismatches"], 0) << dtype;
-    EXPECT_LE(level["verify"]["max_error"].get<double>(), run.report["client"]["verify_tolerance"].get<double>()) << dtype;
+    EXPECT_LE(level["verify"]["max_error"].get<double>(), run.report["client"]["verify_tolerance"].get<double>())
+        << dtype;
   }
 }
 

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <mutex>
 #include <chrono>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -22,7 +22,11 @@ using namespace std::chrono_literals;
 
 Outcome ok_after(std::chrono::microseconds d) {
   std::this_thread::sleep_for(d);
-  return {.has_server_timings = true, .receiving = 0.0002, .computing = 0.001, .bytes_up = 1000, .bytes_down = 500,
+  return {.has_server_timings = true,
+          .receiving = 0.0002,
+          .computing = 0.001,
+          .bytes_up = 1000,
+          .bytes_down = 500,
           .tokens = 10};
 }
 
@@ -193,7 +197,7 @@ TEST(CpuRule, EachRuleTrips) {
   const long machine_cores = sysconf(_SC_NPROCESSORS_ONLN);
   CpuSnapshot a, b;
   a.wall = 100;
-  b.wall = 110;  // 10 s
+  b.wall = 110;         // 10 s
   a.machine_total = 1;  // readable /proc/stat
   b.machine_total = 1001;
   a.machine_busy = 0;
@@ -264,7 +268,8 @@ TEST(Report, JsonCsvAndVerdict) {
   for (const auto& l : j["levels"]) {
     EXPECT_EQ(l["ok"], 20);
     EXPECT_EQ(l["failed"], 0);
-    for (const char* k : {"avg", "min", "p50", "p90", "p95", "p99", "max"}) EXPECT_TRUE(l["latency_ms"].contains(k)) << k;
+    for (const char* k : {"avg", "min", "p50", "p90", "p95", "p99", "max"})
+      EXPECT_TRUE(l["latency_ms"].contains(k)) << k;
     EXPECT_TRUE(l["server_ms"]["computing"].contains("p50"));
     EXPECT_TRUE(l["server_ms"]["queued"]["p99"].is_number());
   }

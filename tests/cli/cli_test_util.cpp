@@ -33,7 +33,8 @@ std::vector<int64_t> npy_shape(const AttentionOptions& o, bool batched, int64_t 
   return s;
 }
 
-Status write_qkv(const ScratchDir& dir, const AttentionOptions& o, bool batched, const plsh::testing::RandomTensors& t) {
+Status write_qkv(const ScratchDir& dir, const AttentionOptions& o, bool batched,
+                 const plsh::testing::RandomTensors& t) {
   const int64_t kv_heads = resolved_kv_heads(o.heads, o.kv_heads);
   RETURN_IF_ERROR(write_npy(dir.file("q.npy"), o.dtype, npy_shape(o, batched, o.q_len, o.heads), t.q.data()));
   RETURN_IF_ERROR(write_npy(dir.file("k.npy"), o.dtype, npy_shape(o, batched, o.kv_len, kv_heads), t.k.data()));

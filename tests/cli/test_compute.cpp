@@ -45,54 +45,102 @@ std::vector<Case> cases() {
     c.push_back({name, options, batched, std::move(flags)});
   };
   add("exact_gqa_causal",
-      {.batch = 2, .q_len = 33, .kv_len = 40, .heads = 4, .kv_heads = 2, .head_dim = 16, .causal = true,
+      {.batch = 2,
+       .q_len = 33,
+       .kv_len = 40,
+       .heads = 4,
+       .kv_heads = 2,
+       .head_dim = 16,
+       .causal = true,
        .mode = Mode::kExact},
-      true,
-      {"--mode", "exact", "--causal"});
+      true, {"--mode", "exact", "--causal"});
   // A seed above 2^63 checks that uint64 seeds survive the flag and the JSON.
   add("lsh_gqa_causal_hashes",
-      {.batch = 2, .q_len = 48, .kv_len = 48, .heads = 4, .kv_heads = 1, .head_dim = 8, .causal = true,
-       .mode = Mode::kLsh, .samples = 8, .seed = 12345678901234567890ULL, .return_draws = true},
-      true,
-      {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-draws"});
+      {.batch = 2,
+       .q_len = 48,
+       .kv_len = 48,
+       .heads = 4,
+       .kv_heads = 1,
+       .head_dim = 8,
+       .causal = true,
+       .mode = Mode::kLsh,
+       .samples = 8,
+       .seed = 12345678901234567890ULL,
+       .return_draws = true},
+      true, {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-draws"});
   // Rank 3, float16, a zero slope (sigma = inf), offsets, a window.
   add("window_rank3_f16_offsets",
-      {.q_len = 20, .kv_len = 37, .heads = 4, .head_dim = 8, .dtype = DType::kF16, .slopes = {0.5, 0.25, 0, 0.125},
-       .q_pos0 = 100, .k_pos0 = 90, .mode = Mode::kWindow, .window_eps = 1e-3, .probe_rows = 5},
+      {.q_len = 20,
+       .kv_len = 37,
+       .heads = 4,
+       .head_dim = 8,
+       .dtype = DType::kF16,
+       .slopes = {0.5, 0.25, 0, 0.125},
+       .q_pos0 = 100,
+       .k_pos0 = 90,
+       .mode = Mode::kWindow,
+       .window_eps = 1e-3,
+       .probe_rows = 5},
       false,
-      {"--mode", "window", "--window-eps", "1e-3", "--slopes", "0.5,0.25,0,0.125", "--q-pos0", "100",
-       "--k-pos0", "90", "--probe-rows", "5"});
+      {"--mode", "window", "--window-eps", "1e-3", "--slopes", "0.5,0.25,0,0.125", "--q-pos0", "100", "--k-pos0", "90",
+       "--probe-rows", "5"});
   add("lsh_per_sample_f16_to_f32",
-      {.batch = 1, .q_len = 17, .kv_len = 29, .heads = 2, .head_dim = 12, .dtype = DType::kF16,
-       .out_dtype = DType::kF32, .scale = 0.3, .mode = Mode::kLsh, .samples = 3, .seed = 7,
-       .lsh_algorithm = LshAlgorithm::kPerSample, .return_draws = true},
+      {.batch = 1,
+       .q_len = 17,
+       .kv_len = 29,
+       .heads = 2,
+       .head_dim = 12,
+       .dtype = DType::kF16,
+       .out_dtype = DType::kF32,
+       .scale = 0.3,
+       .mode = Mode::kLsh,
+       .samples = 3,
+       .seed = 7,
+       .lsh_algorithm = LshAlgorithm::kPerSample,
+       .return_draws = true},
       true,
       {"--mode", "lsh", "--samples", "3", "--seed", "7", "--lsh-algorithm", "per_sample", "--scale", "0.3",
        "--out-dtype", "f32", "--return-draws"});
   // The ash sampler's draws come back in the metadata, recomputable.
   add("lsh_ash_draws",
-      {.batch = 1, .q_len = 64, .kv_len = 64, .heads = 2, .head_dim = 8, .mode = Mode::kLsh, .samples = 16, .seed = 5,
-       .sampling = Sampling::kAsh, .return_draws = true},
-      true,
-      {"--mode", "lsh", "--samples", "16", "--sampling", "ash", "--seed", "5", "--return-draws"});
+      {.batch = 1,
+       .q_len = 64,
+       .kv_len = 64,
+       .heads = 2,
+       .head_dim = 8,
+       .mode = Mode::kLsh,
+       .samples = 16,
+       .seed = 5,
+       .sampling = Sampling::kAsh,
+       .return_draws = true},
+      true, {"--mode", "lsh", "--samples", "16", "--sampling", "ash", "--seed", "5", "--return-draws"});
   // The biased fixed-blocks baseline (SPEC section 4), labelled as itself.
   add("fixed_blocks_gqa_causal",
-      {.batch = 2, .q_len = 48, .kv_len = 48, .heads = 4, .kv_heads = 2, .head_dim = 8, .causal = true,
+      {.batch = 2,
+       .q_len = 48,
+       .kv_len = 48,
+       .heads = 4,
+       .kv_heads = 2,
+       .head_dim = 8,
+       .causal = true,
        .mode = Mode::kFixedBlocks},
-      true,
-      {"--mode", "fixed_blocks", "--causal"});
+      true, {"--mode", "fixed_blocks", "--causal"});
   // An error-targeted request without --mode searches windows.
   add("targeted_window",
-      {.batch = 1, .q_len = 200, .kv_len = 200, .heads = 2, .head_dim = 16, .causal = true, .slopes = {0.5, 0.25},
-       .mode = kDefaultTargetMode, .target_rel_err = 0.05},
-      true,
-      {"--target-error", "0.05", "--causal", "--slopes", "0.5,0.25"});
+      {.batch = 1,
+       .q_len = 200,
+       .kv_len = 200,
+       .heads = 2,
+       .head_dim = 16,
+       .causal = true,
+       .slopes = {0.5, 0.25},
+       .mode = kDefaultTargetMode,
+       .target_rel_err = 0.05},
+      true, {"--target-error", "0.05", "--causal", "--slopes", "0.5,0.25"});
   // bfloat16 travels as '<u2' bit patterns, in and out, with --bf16-bits.
   add("exact_bf16_bits",
-      {.batch = 1, .q_len = 24, .kv_len = 24, .heads = 2, .head_dim = 16, .dtype = DType::kBF16,
-       .mode = Mode::kExact},
-      true,
-      {"--mode", "exact", "--bf16-bits"});
+      {.batch = 1, .q_len = 24, .kv_len = 24, .heads = 2, .head_dim = 16, .dtype = DType::kBF16, .mode = Mode::kExact},
+      true, {"--mode", "exact", "--bf16-bits"});
   return c;
 }
 
@@ -112,9 +160,22 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   ASSERT_TRUE(testing::write_qkv(dir, o, c.batched, pr.qkv).ok());
 
-  std::vector<std::string> args = {"compute", "--q", dir.file("q.npy"), "--k", dir.file("k.npy"), "--v",
-                                   dir.file("v.npy"), "--out", dir.file("o.npy"), "--lse", dir.file("lse.npy"),
-                                   "--meta", dir.file("meta.json"), "--backend", "cpu", "--threads",
+  std::vector<std::string> args = {"compute",
+                                   "--q",
+                                   dir.file("q.npy"),
+                                   "--k",
+                                   dir.file("k.npy"),
+                                   "--v",
+                                   dir.file("v.npy"),
+                                   "--out",
+                                   dir.file("o.npy"),
+                                   "--lse",
+                                   dir.file("lse.npy"),
+                                   "--meta",
+                                   dir.file("meta.json"),
+                                   "--backend",
+                                   "cpu",
+                                   "--threads",
                                    std::to_string(kThreads)};
   args.insert(args.end(), c.flags.begin(), c.flags.end());
   const RunResult run = testing::run_plsh(args, dir);
@@ -144,12 +205,14 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
       << "lse differs from the in-process run";
 
   const nlohmann::json meta = nlohmann::json::parse(testing::read_file(dir.file("meta.json")));
-  expect_keys(meta, {"mode", "samples", "seed", "heads", "flops", "dense_flops", "timings", "backend", "device",
-                     "lsh_algorithm", "summary", "shape", "params"},
+  expect_keys(meta,
+              {"mode", "samples", "seed", "heads", "flops", "dense_flops", "timings", "backend", "device",
+               "lsh_algorithm", "summary", "shape", "params"},
               "META");
   expect_keys(meta["timings"], {"compute", "load", "save"}, "timings");
   expect_keys(meta["summary"], {"mask_max_err", "mask_spectral_err", "probe"}, "summary");
-  expect_keys(meta["shape"], {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "dtype", "out_dtype"}, "shape");
+  expect_keys(meta["shape"], {"batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "dtype", "out_dtype"},
+              "shape");
   EXPECT_EQ(meta["mode"], mode_name(expected->mode));  // a targeted request's: the kept attempt's
   if (o.target_rel_err == 0) {
     EXPECT_EQ(expected->mode, o.mode);
@@ -195,8 +258,9 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
     const nlohmann::json& jh = meta["heads"][h];
     const HeadEstimate& eh = expected->heads[h];
     const std::string where = "heads[" + std::to_string(h) + "]";
-    expect_keys(jh, {"head", "slope", "sigma", "window", "max_block", "mask_max_err", "mask_rows_checked",
-                     "mask_rows_sampled", "mask_spectral_err", "spectral_iterations", "probe"},
+    expect_keys(jh,
+                {"head", "slope", "sigma", "window", "max_block", "mask_max_err", "mask_rows_checked",
+                 "mask_rows_sampled", "mask_spectral_err", "spectral_iterations", "probe"},
                 where);
     expect_keys(jh["probe"], {"rows", "rel_err", "rel_err_stderr", "max_abs_err", "bound_max", "rel_err_upper"},
                 where + ".probe");
@@ -282,8 +346,10 @@ TEST(ComputeErrors, EachBadInputExitsWithOneLineNamingTheProblem) {
       {"rank 2", in.args("q_rank2.npy", "k.npy", "v.npy"), 2, "has rank 2"},
       {"bad mode", with(plain, {"--mode", "fast"}), 2, "mode = 'fast', expected exact, lsh, window or fixed_blocks"},
       {"samples 0", with(plain, {"--samples", "0"}), 2, "samples = 0, expected in [1, "},
-      {"negative slope", with(plain, {"--slopes", "0.5,-0.5,0.1,0.1"}), 2, "slopes[1] = -0.5, expected a finite number >= 0"},
-      {"wrong slope count", with(plain, {"--slopes", "0.5,0.25"}), 2, "slopes = 2 values, expected one per query head (4)"},
+      {"negative slope", with(plain, {"--slopes", "0.5,-0.5,0.1,0.1"}), 2,
+       "slopes[1] = -0.5, expected a finite number >= 0"},
+      {"wrong slope count", with(plain, {"--slopes", "0.5,0.25"}), 2,
+       "slopes = 2 values, expected one per query head (4)"},
       {"slope not a number", with(plain, {"--slopes", "0.5,x,1,1"}), 2, "('x') is not a number"},
       {"NaN in q", in.args("q_nan.npy", "k.npy", "v.npy"), 2, "q has a non-finite value (nan) at [b=0, n=3, h=1, d=2]"},
       {"fortran order", in.args("q_fortran.npy", "k.npy", "v.npy"), 2, "q_fortran.npy: fortran_order = True"},
@@ -293,8 +359,10 @@ TEST(ComputeErrors, EachBadInputExitsWithOneLineNamingTheProblem) {
       {"negative probe rows", with(plain, {"--probe-rows", "-3"}), 2, "probe_rows = -3"},
       {"samples not a number", with(plain, {"--samples", "many"}), 2, "--samples: 'many' is not a decimal integer"},
       {"unknown flag", with(plain, {"--bogus"}), 2, "--bogus"},
-      {"no --out", {"compute", "--q", in.dir.file("q.npy"), "--k", in.dir.file("k.npy"), "--v", in.dir.file("v.npy")},
-       2, "--out is required"},
+      {"no --out",
+       {"compute", "--q", in.dir.file("q.npy"), "--k", in.dir.file("k.npy"), "--v", in.dir.file("v.npy")},
+       2,
+       "--out is required"},
       {"out directory missing", with(in.args("q.npy", "k.npy", "v.npy"), {"--lse", in.dir.file("no/such/dir/l.npy")}),
        2, "directory '" + in.dir.file("no/such/dir") + "' does not exist"},
       {"bad backend", with(plain, {"--backend", "tpu"}), 2, "backend = 'tpu', expected one of auto, cpu, cuda"},

@@ -30,32 +30,57 @@ struct BackwardCliCase {
   const char* name;
   AttentionOptions options;
   bool batched;
-  std::vector<std::string> flags;      // attention flags matching options
-  std::optional<DType> grad_dtype;     // --grad-dtype
+  std::vector<std::string> flags;   // attention flags matching options
+  std::optional<DType> grad_dtype;  // --grad-dtype
 };
 
 std::vector<BackwardCliCase> cases() {
   return {
       {"exact_gqa_causal_f32",
-       {.batch = 2, .q_len = 33, .kv_len = 40, .heads = 4, .kv_heads = 2, .head_dim = 16, .causal = true,
+       {.batch = 2,
+        .q_len = 33,
+        .kv_len = 40,
+        .heads = 4,
+        .kv_heads = 2,
+        .head_dim = 16,
+        .causal = true,
         .mode = Mode::kExact},
        true,
        {"--mode", "exact", "--causal"},
        std::nullopt},
       {"lsh_rank3_f16_f32_grads",
-       {.q_len = 48, .kv_len = 48, .heads = 2, .head_dim = 8, .dtype = DType::kF16, .causal = true, .mode = Mode::kLsh,
-        .samples = 6, .seed = 9, .lsh_algorithm = LshAlgorithm::kPerSample},
+       {.q_len = 48,
+        .kv_len = 48,
+        .heads = 2,
+        .head_dim = 8,
+        .dtype = DType::kF16,
+        .causal = true,
+        .mode = Mode::kLsh,
+        .samples = 6,
+        .seed = 9,
+        .lsh_algorithm = LshAlgorithm::kPerSample},
        false,
        {"--mode", "lsh", "--samples", "6", "--seed", "9", "--lsh-algorithm", "per_sample", "--causal"},
        DType::kF32},
       {"fixed_blocks_causal_f32",
-       {.batch = 2, .q_len = 40, .kv_len = 40, .heads = 4, .kv_heads = 2, .head_dim = 16, .causal = true,
+       {.batch = 2,
+        .q_len = 40,
+        .kv_len = 40,
+        .heads = 4,
+        .kv_heads = 2,
+        .head_dim = 16,
+        .causal = true,
         .mode = Mode::kFixedBlocks},
        true,
        {"--mode", "fixed_blocks", "--causal"},
        std::nullopt},
       {"window_bf16_bits",
-       {.q_len = 24, .kv_len = 24, .heads = 2, .head_dim = 16, .dtype = DType::kBF16, .mode = Mode::kWindow,
+       {.q_len = 24,
+        .kv_len = 24,
+        .heads = 2,
+        .head_dim = 16,
+        .dtype = DType::kBF16,
+        .mode = Mode::kWindow,
         .window_width = 5},
        true,
        {"--mode", "window", "--window-width", "5", "--bf16-bits"},
@@ -64,7 +89,6 @@ std::vector<BackwardCliCase> cases() {
 }
 
 void PrintTo(const BackwardCliCase& c, std::ostream* os) { *os << c.name; }
-
 
 class ComputeBackward : public ::testing::TestWithParam<BackwardCliCase> {};
 
@@ -76,16 +100,38 @@ TEST_P(ComputeBackward, MatchesInProcessForwardBackward) {
   ScratchDir dir;
   // The inputs, and the forward+backward (with) and the forward alone
   // (alone) of the same request in this process.
-  plsh::testing::Problem with = plsh::testing::make_problem(o, 99, false), alone = plsh::testing::make_problem(o, 99, false);
+  plsh::testing::Problem with = plsh::testing::make_problem(o, 99, false),
+                         alone = plsh::testing::make_problem(o, 99, false);
   ASSERT_TRUE(with.status.ok() && alone.status.ok()) << with.status.to_string();
   plsh::testing::GradTensors grads = plsh::testing::grad_tensors(o, grad_dtype, 7);
   ASSERT_TRUE(testing::write_qkv(dir, o, c.batched, with.qkv).ok());
-  ASSERT_TRUE(write_npy(dir.file("dout.npy"), o.dtype, testing::npy_shape(o, c.batched, o.q_len, o.heads), grads.dout.data()).ok());
+  ASSERT_TRUE(
+      write_npy(dir.file("dout.npy"), o.dtype, testing::npy_shape(o, c.batched, o.q_len, o.heads), grads.dout.data())
+          .ok());
 
-  std::vector<std::string> args = {"compute", "--q", dir.file("q.npy"), "--k", dir.file("k.npy"), "--v",
-                                   dir.file("v.npy"), "--out", dir.file("o.npy"), "--meta", dir.file("meta.json"),
-                                   "--dout", dir.file("dout.npy"), "--dq", dir.file("dq.npy"), "--dk",
-                                   dir.file("dk.npy"), "--dv", dir.file("dv.npy"), "--backend", "cpu", "--threads", "1"};
+  std::vector<std::string> args = {"compute",
+                                   "--q",
+                                   dir.file("q.npy"),
+                                   "--k",
+                                   dir.file("k.npy"),
+                                   "--v",
+                                   dir.file("v.npy"),
+                                   "--out",
+                                   dir.file("o.npy"),
+                                   "--meta",
+                                   dir.file("meta.json"),
+                                   "--dout",
+                                   dir.file("dout.npy"),
+                                   "--dq",
+                                   dir.file("dq.npy"),
+                                   "--dk",
+                                   dir.file("dk.npy"),
+                                   "--dv",
+                                   dir.file("dv.npy"),
+                                   "--backend",
+                                   "cpu",
+                                   "--threads",
+                                   "1"};
   args.insert(args.end(), c.flags.begin(), c.flags.end());
   if (c.grad_dtype) args.insert(args.end(), {"--grad-dtype", dtype_name(*c.grad_dtype)});
   const RunResult run = testing::run_plsh(args, dir);
@@ -131,7 +177,9 @@ TEST_P(ComputeBackward, MatchesInProcessForwardBackward) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, ComputeBackward, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<BackwardCliCase>& info) { return std::string(info.param.name); });
+                         [](const ::testing::TestParamInfo<BackwardCliCase>& info) {
+                           return std::string(info.param.name);
+                         });
 
 TEST(ComputeBackwardErrors, EachBadCombinationExitsWithOneLineNamingTheProblem) {
   ScratchDir dir;
@@ -147,16 +195,16 @@ TEST(ComputeBackwardErrors, EachBadCombinationExitsWithOneLineNamingTheProblem) 
   nan_dout[(2 * 4 + 3) * 4 + 1] = std::numeric_limits<float>::quiet_NaN();  // [b=0, n=2, h=3, d=1]
   ASSERT_TRUE(write_npy(dir.file("dout_nan.npy"), DType::kF32, {1, 8, 4, 4}, nan_dout.data()).ok());
 
-  const std::vector<std::string> base = {"compute", "--q", dir.file("q.npy"), "--k", dir.file("k.npy"),
-                                         "--v", dir.file("v.npy"), "--out", dir.file("o.npy")};
+  const std::vector<std::string> base = {"compute",         "--q",   dir.file("q.npy"), "--k", dir.file("k.npy"), "--v",
+                                         dir.file("v.npy"), "--out", dir.file("o.npy")};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = base;
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
   auto all = [&](const std::string& dout, std::vector<std::string> extra = {}) {
-    std::vector<std::string> a = with({"--dout", dir.file(dout), "--dq", dir.file("dq.npy"), "--dk", dir.file("dk.npy"),
-                                       "--dv", dir.file("dv.npy")});
+    std::vector<std::string> a = with(
+        {"--dout", dir.file(dout), "--dq", dir.file("dq.npy"), "--dk", dir.file("dk.npy"), "--dv", dir.file("dv.npy")});
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
@@ -168,7 +216,8 @@ TEST(ComputeBackwardErrors, EachBadCombinationExitsWithOneLineNamingTheProblem) 
   const std::vector<Bad> cases = {
       {"dout alone", with({"--dout", dir.file("dout.npy")}),
        "the backward needs --dout, --dq, --dk and --dv together: --dout given, --dq, --dk, --dv missing"},
-      {"gradients without dout", with({"--dq", dir.file("dq.npy"), "--dk", dir.file("dk.npy"), "--dv", dir.file("dv.npy")}),
+      {"gradients without dout",
+       with({"--dq", dir.file("dq.npy"), "--dk", dir.file("dk.npy"), "--dv", dir.file("dv.npy")}),
        "--dq, --dk, --dv given, --dout missing"},
       {"grad dtype alone", with({"--grad-dtype", "f32"}), "--grad-dtype = 'f32' without the backward"},
       {"bad grad dtype", all("dout.npy", {"--grad-dtype", "f64"}), "grad_dtype = 'f64', expected f32, f16 or bf16"},

@@ -141,7 +141,8 @@ TEST(Flags, BackendNamesAreTheRegistrys) {
 TEST(Flags, ShapesFromArrays) {
   AttentionOptions o;
   bool batched = false;
-  ASSERT_TRUE(apply_shapes(array({2, 5, 8, 16}), array({2, 7, 2, 16}), array({2, 7, 2, 16}), "q", "k", "v", &o, &batched).ok());
+  ASSERT_TRUE(
+      apply_shapes(array({2, 5, 8, 16}), array({2, 7, 2, 16}), array({2, 7, 2, 16}), "q", "k", "v", &o, &batched).ok());
   EXPECT_TRUE(batched);
   EXPECT_EQ(o.batch, 2);
   EXPECT_EQ(o.q_len, 5);
@@ -189,8 +190,8 @@ TEST(Flags, ShapesInSdpaLayoutAndTheTranspositionCheck) {
   AttentionOptions o;
   bool batched = false;
   // bhnd: [B, H, N, D].
-  ASSERT_TRUE(apply_shapes(array({2, 8, 5, 16}), array({2, 2, 7, 16}), array({2, 2, 7, 16}), "q", "k", "v", &o, &batched,
-                           Layout::kBhnd)
+  ASSERT_TRUE(apply_shapes(array({2, 8, 5, 16}), array({2, 2, 7, 16}), array({2, 2, 7, 16}), "q", "k", "v", &o,
+                           &batched, Layout::kBhnd)
                   .ok());
   EXPECT_EQ((std::vector<int64_t>{o.batch, o.q_len, o.heads, o.kv_len, o.kv_heads}),
             (std::vector<int64_t>{2, 5, 8, 7, 2}));
@@ -201,24 +202,24 @@ TEST(Flags, ShapesInSdpaLayoutAndTheTranspositionCheck) {
   EXPECT_EQ(warning, "");
 
   // q in bhnd, k and v in bnhd, read as bnhd: q's positions are k's heads.
-  ASSERT_TRUE(apply_shapes(array({1, 4, 256, 32}), array({1, 256, 4, 32}), array({1, 256, 4, 32}), "q", "k", "v", &o,
-                           &batched)
-                  .ok());
+  ASSERT_TRUE(
+      apply_shapes(array({1, 4, 256, 32}), array({1, 256, 4, 32}), array({1, 256, 4, 32}), "q", "k", "v", &o, &batched)
+          .ok());
   Status s = check_layout_plausible(o, {1, 4, 256, 32}, {1, 256, 4, 32}, "q", "k", "v", Layout::kBnhd, &warning);
   EXPECT_NE(s.message().find("so q is probably in the other layout (bhnd)"), std::string::npos) << s.message();
   o.slopes.assign(256, 0.5);  // one slope per declared head: the heads are meant
   EXPECT_TRUE(check_layout_plausible(o, {1, 4, 256, 32}, {1, 256, 4, 32}, "q", "k", "v", Layout::kBnhd, &warning).ok());
 
   // All three in bhnd read as bnhd: 1024 heads over 8 positions.
-  ASSERT_TRUE(apply_shapes(array({2, 8, 1024, 4}), array({2, 8, 1024, 4}), array({2, 8, 1024, 4}), "q", "k", "v", &o,
-                           &batched)
-                  .ok());
+  ASSERT_TRUE(
+      apply_shapes(array({2, 8, 1024, 4}), array({2, 8, 1024, 4}), array({2, 8, 1024, 4}), "q", "k", "v", &o, &batched)
+          .ok());
   o.slopes.clear();
   s = check_layout_plausible(o, {2, 8, 1024, 4}, {2, 8, 1024, 4}, "q", "k", "v", Layout::kBnhd, &warning);
   EXPECT_NE(s.message().find("probably all in the other layout (bhnd)"), std::string::npos) << s.message();
   // A first decode step (one query, one key, 8 heads) cannot be decided: a warning.
-  ASSERT_TRUE(apply_shapes(array({1, 1, 8, 4}), array({1, 1, 8, 4}), array({1, 1, 8, 4}), "q", "k", "v", &o, &batched)
-                  .ok());
+  ASSERT_TRUE(
+      apply_shapes(array({1, 1, 8, 4}), array({1, 1, 8, 4}), array({1, 1, 8, 4}), "q", "k", "v", &o, &batched).ok());
   EXPECT_TRUE(check_layout_plausible(o, {1, 1, 8, 4}, {1, 1, 8, 4}, "q", "k", "v", Layout::kBnhd, &warning).ok());
   EXPECT_NE(warning.find("more heads (8, 8) than positions (1, 1)"), std::string::npos) << warning;
 }
@@ -230,8 +231,9 @@ TEST(Flags, SwapAxesTurnsBhndIntoBnhdAndBack) {
   EXPECT_EQ(t.shape, (std::vector<int64_t>{2, 4, 3, 2}));
   const size_t e = dtype_bytes(a.dtype);
   // t[b][n][h][d] == a[b][h][n][d]
-  EXPECT_EQ(std::memcmp(t.data.data() + ((1 * 4 + 2) * 3 + 1) * 2 * e, a.data.data() + ((1 * 3 + 1) * 4 + 2) * 2 * e, 2 * e),
-            0);
+  EXPECT_EQ(
+      std::memcmp(t.data.data() + ((1 * 4 + 2) * 3 + 1) * 2 * e, a.data.data() + ((1 * 3 + 1) * 4 + 2) * 2 * e, 2 * e),
+      0);
   EXPECT_EQ(swap_axes(t, 1).data, a.data);
 }
 

@@ -79,7 +79,8 @@ TEST(Npy, RoundTripsEveryDtypeAndRank) {
 TEST(Npy, ReadsVersions2And3AndPython2Longs) {
   const std::vector<float> data = {1.5f, -2.0f};
   for (int major : {2, 3}) {
-    auto a = parse_npy(header_v2("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }", major) + f32_bytes(data), "v");
+    auto a =
+        parse_npy(header_v2("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }", major) + f32_bytes(data), "v");
     ASSERT_TRUE(a.ok()) << a.status().to_string();
     EXPECT_EQ(a->shape, (std::vector<int64_t>{2}));
     float back[2];
@@ -88,7 +89,8 @@ TEST(Npy, ReadsVersions2And3AndPython2Longs) {
   }
   // Old NumPy under Python 2 wrote "(2L,)"; double quotes and no trailing
   // comma are valid Python too.
-  auto old = parse_npy(header_v1("{\"descr\": \"<f4\", \"shape\": (2L,), \"fortran_order\": False}") + f32_bytes(data), "old");
+  auto old =
+      parse_npy(header_v1("{\"descr\": \"<f4\", \"shape\": (2L,), \"fortran_order\": False}") + f32_bytes(data), "old");
   ASSERT_TRUE(old.ok()) << old.status().to_string();
   EXPECT_EQ(old->shape, (std::vector<int64_t>{2}));
 }
@@ -138,7 +140,8 @@ TEST(Npy, BadFilesGiveOneLineNamingFileAndProblem) {
       {"negative dim", header_v1("{'descr': '<f4', 'fortran_order': False, 'shape': (-2, 3), }") + data,
        "non-negative integers"},
       {"float dim", header_v1("{'descr': '<f4', 'fortran_order': False, 'shape': (2.5, 3), }") + data, "shape tuple"},
-      {"shape not a tuple", header_v1("{'descr': '<f4', 'fortran_order': False, 'shape': '2', }") + data, "not a tuple"},
+      {"shape not a tuple", header_v1("{'descr': '<f4', 'fortran_order': False, 'shape': '2', }") + data,
+       "not a tuple"},
       {"unterminated string", header_v1("{'descr': '<f4, 'fortran_order': False, 'shape': (2, 3), }") + data,
        "malformed"},
       {"no brace", header_v1("'descr': '<f4'") + data, "'{'"},

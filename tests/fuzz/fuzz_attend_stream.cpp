@@ -78,7 +78,8 @@ class Stream {
                         "complete() with received bytes != q + k + v");
         return compute();
       }
-      default: return invalid_argument("AttendRequest with no kind set");
+      default:
+        return invalid_argument("AttendRequest with no kind set");
     }
   }
 
@@ -152,8 +153,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (!request.mutable_header()->ParseFromArray(rec.payload.data(), static_cast<int>(rec.payload.size())))
           continue;
         break;
-      case RecordOp::kChunk: fill_chunk(rec.payload, stream.plan(), request.mutable_chunk()); break;
-      case RecordOp::kEnd: request.mutable_end(); break;
+      case RecordOp::kChunk:
+        fill_chunk(rec.payload, stream.plan(), request.mutable_chunk());
+        break;
+      case RecordOp::kEnd:
+        request.mutable_end();
+        break;
     }
     const Status status = stream.handle(request);
     if (!status.ok()) {

@@ -37,7 +37,7 @@ inline server::RequestLimits server_default_limits() {
 // budget, then the kernels' plan. Checks that the bound holds for the draws
 // actually made.
 inline StatusOr<server::Request> plan_like_server(const v1::AttendHeader& header, const server::RequestLimits& limits,
-                                                 int64_t budget_bytes) {
+                                                  int64_t budget_bytes) {
   ASSIGN_OR_RETURN(server::Request plan, server::check_request(header, limits));
   RETURN_IF_ERROR(server::use_shared_memory(header, &plan, nullptr, ""));
   ASSIGN_OR_RETURN(const int64_t bound, server::planning_bytes(plan));

@@ -118,7 +118,8 @@ void check_scrape() {
   reset(fd);
   PLSH_FUZZ_CHECK(end == ReadEnd::kClosed, "a scrape was not answered and closed");
   PLSH_FUZZ_CHECK(response.rfind("HTTP/1.1 200 ", 0) == 0, response.substr(0, 200).c_str());
-  PLSH_FUZZ_CHECK(response.find("plsh_fuzz_inputs_total") != std::string::npos, "the scrape lacks the registry's samples");
+  PLSH_FUZZ_CHECK(response.find("plsh_fuzz_inputs_total") != std::string::npos,
+                  "the scrape lacks the registry's samples");
 }
 
 }  // namespace

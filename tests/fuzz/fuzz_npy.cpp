@@ -30,7 +30,8 @@ void parse_one(std::string_view bytes, bool u2_as_bf16) {
   const std::string again = cli::npy_bytes(a.dtype, a.shape, a.ptr());
   StatusOr<cli::NpyArray> back = cli::parse_npy(again, "again.npy", options);
   PLSH_FUZZ_CHECK(back.ok(), back.status().to_string().c_str());
-  PLSH_FUZZ_CHECK(back->dtype == a.dtype && back->shape == a.shape && back->data == a.data, "round trip changed the array");
+  PLSH_FUZZ_CHECK(back->dtype == a.dtype && back->shape == a.shape && back->data == a.data,
+                  "round trip changed the array");
 }
 
 }  // namespace

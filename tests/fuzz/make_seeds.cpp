@@ -127,19 +127,31 @@ void header_seeds() {
   bad("dtype_enum", [](v1::AttendHeader& b) { b.set_dtype(static_cast<v1::DType>(77)); });
   bad("samples_zero", [](v1::AttendHeader& b) { b.set_samples(0); });
   bad("samples_over_limit", [](v1::AttendHeader& b) { b.set_samples(5000); });
-  bad("tokens_over_limit", [](v1::AttendHeader& b) { b.set_q_len(int64_t{1} << 21); b.set_kv_len(int64_t{1} << 21); });
+  bad("tokens_over_limit", [](v1::AttendHeader& b) {
+    b.set_q_len(int64_t{1} << 21);
+    b.set_kv_len(int64_t{1} << 21);
+  });
   bad("head_dim", [](v1::AttendHeader& b) { b.set_head_dim(4096); });
   bad("slopes_count", [](v1::AttendHeader& b) { b.add_slopes(1); });
-  bad("slopes_nan", [](v1::AttendHeader& b) { b.add_slopes(NAN); b.add_slopes(1); });
+  bad("slopes_nan", [](v1::AttendHeader& b) {
+    b.add_slopes(NAN);
+    b.add_slopes(1);
+  });
   bad("scale_inf", [](v1::AttendHeader& b) { b.set_scale(INFINITY); });
   bad("q_pos0_causal", [](v1::AttendHeader& b) { b.set_q_pos0(-5); });
   bad("request_id", [](v1::AttendHeader& b) { b.set_request_id(std::string(200, 'x')); });
   bad("request_id_binary", [](v1::AttendHeader& b) { b.set_request_id(std::string("a\x01b", 3)); });
   bad("backend", [](v1::AttendHeader& b) { b.set_backend("tpu"); });
   bad("out_chunk_bytes", [](v1::AttendHeader& b) { b.set_out_chunk_bytes(-1); });
-  bad("heads_wide_row", [](v1::AttendHeader& b) { b.set_heads(1 << 20); b.set_head_dim(1024); });
+  bad("heads_wide_row", [](v1::AttendHeader& b) {
+    b.set_heads(1 << 20);
+    b.set_head_dim(1024);
+  });
   bad("probe_rows", [](v1::AttendHeader& b) { b.set_probe_rows(1 << 20); });
-  bad("window_eps", [](v1::AttendHeader& b) { b.set_mode(v1::MODE_WINDOW); b.set_window_eps(1.5); });
+  bad("window_eps", [](v1::AttendHeader& b) {
+    b.set_mode(v1::MODE_WINDOW);
+    b.set_window_eps(1.5);
+  });
 }
 
 void stream_seeds() {
@@ -190,10 +202,11 @@ void stream_seeds() {
   write("stream", "bad_row_count_overflow", head + fit_chunk(1, 1, INT64_MAX, fill));
   write("stream", "bad_tensor_out", head + fit_chunk(4, 0, 1, fill));
   write("stream", "bad_data_size", head + record(RecordOp::kChunk, chunk_payload(1, 0, 2, std::string(15, 'a'))));
-  write("stream", "bad_missing_rows", head + fit_chunk(1, 0, 4, fill) + fit_chunk(2, 0, 4, fill) +
-                                          fit_chunk(3, 0, 3, fill) + end_record());
-  write("stream", "bad_nan_input", head + fit_chunk(1, 0, 4, std::string("\x00\x00\xc0\x7f", 4)) +
-                                       fit_chunk(2, 0, 4, fill) + fit_chunk(3, 0, 4, fill) + end_record());
+  write("stream", "bad_missing_rows",
+        head + fit_chunk(1, 0, 4, fill) + fit_chunk(2, 0, 4, fill) + fit_chunk(3, 0, 3, fill) + end_record());
+  write("stream", "bad_nan_input",
+        head + fit_chunk(1, 0, 4, std::string("\x00\x00\xc0\x7f", 4)) + fit_chunk(2, 0, 4, fill) +
+            fit_chunk(3, 0, 4, fill) + end_record());
   write("stream", "bad_empty_kind", head + record(RecordOp::kRaw, ""));
   v1::AttendHeader big = h;
   big.set_q_len(64);
@@ -226,10 +239,12 @@ void npy_seeds() {
   write("npy", "ok_v3_long", with_dict(3, "{\"shape\": (2L,), \"fortran_order\": False, \"descr\": \"<f4\"}", eight));
   write("npy", "bad_fortran", with_dict(1, "{'descr': '<f4', 'fortran_order': True, 'shape': (2,), }", eight));
   write("npy", "bad_big_endian", with_dict(1, "{'descr': '>f4', 'fortran_order': False, 'shape': (2,), }", eight));
-  write("npy", "bad_structured", with_dict(1, "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,), }", eight));
+  write("npy", "bad_structured",
+        with_dict(1, "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,), }", eight));
   write("npy", "bad_truncated", with_dict(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }", eight));
   write("npy", "bad_trailing", with_dict(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", eight));
-  write("npy", "bad_huge_shape", with_dict(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1048576, 1048576, 1048576), }", ""));
+  write("npy", "bad_huge_shape",
+        with_dict(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1048576, 1048576, 1048576), }", ""));
   write("npy", "bad_header_len", std::string("\x93NUMPY\x01\x00\xff\xff{", 11));
   write("npy", "bad_version", std::string("\x93NUMPY\x04\x00\x00\x00", 10));
 }
@@ -239,16 +254,20 @@ void http_seeds() {
   write("metrics_http", "head_metrics_10", "HEAD /metrics HTTP/1.0\r\n\r\n");
   write("metrics_http", "get_root", "GET / HTTP/1.1\r\nHost: x\r\n\r\n");
   write("metrics_http", "post_body", "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello");
-  write("metrics_http", "chunked", "PUT /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
-  write("metrics_http", "pipelined", "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  write("metrics_http", "chunked",
+        "PUT /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
+  write("metrics_http", "pipelined",
+        "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
   write("metrics_http", "absolute_uri", "GET http://127.0.0.1/metrics?x=1#f HTTP/1.1\r\nHost: x\r\n\r\n");
   write("metrics_http", "options_star", "OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n");
-  write("metrics_http", "long_header", "GET /metrics HTTP/1.1\r\nHost: x\r\nX-A: " + std::string(4000, 'a') + "\r\n\r\n");
+  write("metrics_http", "long_header",
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nX-A: " + std::string(4000, 'a') + "\r\n\r\n");
   write("metrics_http", "folded_header", "GET /metrics HTTP/1.1\r\nHost: x\r\nX-A: a\r\n  b\r\n\r\n");
   write("metrics_http", "no_version", "GET /metrics\r\n\r\n");
   write("metrics_http", "bare_lf", "GET /metrics HTTP/1.1\nHost: x\n\n");
   write("metrics_http", "binary", std::string("\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03", 11));  // a TLS hello
-  write("metrics_http", "expect_continue", "POST /metrics HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n");
+  write("metrics_http", "expect_continue",
+        "POST /metrics HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n");
   write("metrics_http", "percent_path", "GET /%6detrics%00 HTTP/1.1\r\nHost: x\r\n\r\n");
 }
 

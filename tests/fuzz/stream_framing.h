@@ -27,7 +27,7 @@ namespace plsh::fuzz {
 
 enum class RecordOp : uint8_t { kRaw = 0, kHeader = 1, kChunk = 2, kEnd = 3 };
 
-inline constexpr uint8_t kFitRows = 0x80;           // chunk tensor byte: size the data to the rows
+inline constexpr uint8_t kFitRows = 0x80;  // chunk tensor byte: size the data to the rows
 inline constexpr size_t kChunkFixedBytes = 1 + 8 + 8;
 inline constexpr int64_t kMaxFittedBytes = 1 << 20;
 

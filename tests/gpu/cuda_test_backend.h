@@ -31,12 +31,12 @@ inline std::unique_ptr<Backend> cuda_backend_with_budget(int64_t budget_bytes, s
 
 }  // namespace plsh
 
-#define REQUIRE_CUDA(backend_var)                         \
-  std::string why_no_cuda;                                \
+#define REQUIRE_CUDA(backend_var)                                    \
+  std::string why_no_cuda;                                           \
   ::plsh::Backend* backend_var = ::plsh::cuda_backend(&why_no_cuda); \
   if (backend_var == nullptr) GTEST_SKIP() << why_no_cuda
 
-#define REQUIRE_CUDA_BUDGET(backend_var, budget_bytes)                                                 \
-  std::string why_no_cuda;                                                                             \
+#define REQUIRE_CUDA_BUDGET(backend_var, budget_bytes)                                                         \
+  std::string why_no_cuda;                                                                                     \
   std::unique_ptr<::plsh::Backend> backend_var = ::plsh::cuda_backend_with_budget(budget_bytes, &why_no_cuda); \
   if (backend_var == nullptr) GTEST_SKIP() << why_no_cuda

@@ -55,7 +55,8 @@ inline ReferenceOutput log_domain_reference(const AttentionParams& p) {
           const double e = std::exp(logits[static_cast<size_t>(j)] - m);
           sum += e;
           for (int64_t x = 0; x < D; ++x)
-            out[x] += e * load_element(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride + x);
+            out[x] +=
+                e * load_element(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride + x);
         }
         for (int64_t x = 0; x < D; ++x) out[x] /= sum;
         r.lse[static_cast<size_t>((b * p.q_len + i) * p.heads + h)] = m + std::log(sum);

@@ -8,9 +8,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstdint>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -24,12 +24,12 @@
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_check.h"
-#include "plsh/draws.h"
-#include "plsh/numeric.h"
-#include "plsh/params.h"
 #include "cuda_test_backend.h"
 #include "gpu_cases.h"
 #include "log_reference.h"
+#include "plsh/draws.h"
+#include "plsh/numeric.h"
+#include "plsh/params.h"
 #include "problem.h"
 #include "reference.h"
 
@@ -93,7 +93,8 @@ TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
   for (size_t i = 0; i < rows; ++i) {
     ASSERT_TRUE(std::isfinite(lse_gpu[i])) << "lse row " << i;
     lse_err = std::max(lse_err, std::fabs(lse_gpu[i] - ref.lse[i]) / std::max(1.0, std::fabs(ref.lse[i])));
-    EXPECT_NEAR(lse_gpu[i], lse_cpu[i], 2 * lse_tolerance(c.dtype) * std::max(1.0, std::fabs(static_cast<double>(lse_cpu[i]))))
+    EXPECT_NEAR(lse_gpu[i], lse_cpu[i],
+                2 * lse_tolerance(c.dtype) * std::max(1.0, std::fabs(static_cast<double>(lse_cpu[i]))))
         << "row " << i;
   }
   EXPECT_LE(lse_err, lse_tolerance(c.dtype));
@@ -109,32 +110,146 @@ std::vector<AttentionCase> cases() {
   v.push_back({"exact_causal_decode_f32", 2, 1, 1025, 4, 4, 59, f, Mode::kExact, true});
   v.push_back({"exact_one_row_f32", 1, 1, 1, 1, 1, 40, f, Mode::kExact, true});
   v.push_back({"lsh_noncausal_f32", 2, 97, 97, 8, 2, 40, f, Mode::kLsh, false, std::nullopt, 0, 7});
-  v.push_back({"lsh_tail_positions_f32", 1, 70, 700, 4, 1, 64, f, Mode::kLsh, true, int64_t{123456 + 630}, 123456, 16,
-               kAuto, {1.0 / 300, 0.8, 0.2, 0.04}});
+  v.push_back({"lsh_tail_positions_f32",
+               1,
+               70,
+               700,
+               4,
+               1,
+               64,
+               f,
+               Mode::kLsh,
+               true,
+               int64_t{123456 + 630},
+               123456,
+               16,
+               kAuto,
+               {1.0 / 300, 0.8, 0.2, 0.04}});
   // The backend reads plan.draws, whichever sampler made them.
-  v.push_back({"lsh_ash_causal_f32", 1, 300, 300, 4, 2, 64, f, Mode::kLsh, true, std::nullopt, 0, 64, kAuto, {}, 0,
-               std::nullopt, std::nullopt, Sampling::kAsh});
-  v.push_back({"lsh_stratified_noncausal_f32", 1, 97, 97, 4, 4, 40, f, Mode::kLsh, false, std::nullopt, 0, 16, kAuto, {},
-               0, std::nullopt, std::nullopt, Sampling::kStratified});
-  v.push_back({"lsh_wide_pitch_f32", 1, 600, 600, 2, 2, 128, f, Mode::kLsh, false, std::nullopt, 0, 4, kAuto,
+  v.push_back({"lsh_ash_causal_f32",
+               1,
+               300,
+               300,
+               4,
+               2,
+               64,
+               f,
+               Mode::kLsh,
+               true,
+               std::nullopt,
+               0,
+               64,
+               kAuto,
+               {},
+               0,
+               std::nullopt,
+               std::nullopt,
+               Sampling::kAsh});
+  v.push_back({"lsh_stratified_noncausal_f32",
+               1,
+               97,
+               97,
+               4,
+               4,
+               40,
+               f,
+               Mode::kLsh,
+               false,
+               std::nullopt,
+               0,
+               16,
+               kAuto,
+               {},
+               0,
+               std::nullopt,
+               std::nullopt,
+               Sampling::kStratified});
+  v.push_back({"lsh_wide_pitch_f32",
+               1,
+               600,
+               600,
+               2,
+               2,
+               128,
+               f,
+               Mode::kLsh,
+               false,
+               std::nullopt,
+               0,
+               4,
+               kAuto,
                {1.0 / 400, 1.0 / 150}});
-  v.push_back({"window_fixed_width_f32", 1, 257, 300, 2, 1, 64, f, Mode::kWindow, false, std::nullopt, 0, 0, kAuto, {}, 17});
+  v.push_back(
+      {"window_fixed_width_f32", 1, 257, 300, 2, 1, 64, f, Mode::kWindow, false, std::nullopt, 0, 0, kAuto, {}, 17});
   v.push_back({"window_wide_f32", 1, 200, 1100, 2, 2, 40, f, Mode::kWindow, true, std::nullopt, 0, 0, kAuto, {}, 700});
   // Head rows that are not 16-byte multiples (bf16/f16 D = 20: 40 bytes;
   // f32 D = 59): host tensors are staged with padded rows (issue 15).
   v.push_back({"exact_causal_d20_bf16", 2, 97, 97, 4, 2, 20, DType::kBF16, Mode::kExact, true});
-  v.push_back({"lsh_causal_d20_f16", 1, 130, 130, 4, 4, 20, DType::kF16, Mode::kLsh, true, std::nullopt, 0, 8, kAuto, mixed});
+  v.push_back(
+      {"lsh_causal_d20_f16", 1, 130, 130, 4, 4, 20, DType::kF16, Mode::kLsh, true, std::nullopt, 0, 8, kAuto, mixed});
   v.push_back({"window_d59_f32", 1, 129, 129, 3, 1, 59, f, Mode::kWindow, false});
   // Queries far from every key (shards of a long sequence): the logits are
   // relative to the nearest key and lse adds the offset back (issue 15).
-  v.push_back({"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, f, Mode::kExact, true, int64_t{1000000}, 0, 0, kAuto,
+  v.push_back({"exact_far_queries_causal_f32",
+               1,
+               40,
+               300,
+               2,
+               1,
+               40,
+               f,
+               Mode::kExact,
+               true,
+               int64_t{1000000},
+               0,
+               0,
+               kAuto,
                {0.5, 1.0 / 64}});
-  v.push_back({"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, f, Mode::kExact, false, int64_t{-200000}, 0, 0,
-               kAuto, {0.5, 0.125}});
-  v.push_back({"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, f, Mode::kExact, true, int64_t{65536}, 0, 0, kAuto,
+  v.push_back({"exact_queries_before_keys_f32",
+               1,
+               40,
+               300,
+               2,
+               2,
+               64,
+               f,
+               Mode::kExact,
+               false,
+               int64_t{-200000},
+               0,
+               0,
+               kAuto,
+               {0.5, 0.125}});
+  v.push_back({"exact_shard_at_65536_f32",
+               1,
+               64,
+               4096,
+               2,
+               1,
+               64,
+               f,
+               Mode::kExact,
+               true,
+               int64_t{65536},
+               0,
+               0,
+               kAuto,
                {0.5, 1.0 / 16}});
-  v.push_back({"exact_shard_at_65536_bf16", 1, 64, 4096, 2, 1, 64, DType::kBF16, Mode::kExact, true, int64_t{65536}, 0, 0,
-               kAuto, {0.5, 1.0 / 16}});
+  v.push_back({"exact_shard_at_65536_bf16",
+               1,
+               64,
+               4096,
+               2,
+               1,
+               64,
+               DType::kBF16,
+               Mode::kExact,
+               true,
+               int64_t{65536},
+               0,
+               0,
+               kAuto,
+               {0.5, 1.0 / 16}});
   return v;
 }
 
@@ -161,8 +276,16 @@ TEST(CudaBins, DeviceBinsEqualHostBinOf) {
 // Device tensors in, device tensors out: the same output as host tensors.
 TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
   REQUIRE_CUDA(cuda);
-  const AttentionOptions o{.q_len = 150, .kv_len = 150, .heads = 4, .kv_heads = 2, .head_dim = 64, .dtype = DType::kBF16,
-                           .causal = true, .mode = Mode::kLsh, .samples = 8, .estimates = false};
+  const AttentionOptions o{.q_len = 150,
+                           .kv_len = 150,
+                           .heads = 4,
+                           .kv_heads = 2,
+                           .head_dim = 64,
+                           .dtype = DType::kBF16,
+                           .causal = true,
+                           .mode = Mode::kLsh,
+                           .samples = 8,
+                           .estimates = false};
   Problem host = make_problem(o, 3, false);
   ASSERT_TRUE(host.status.ok());
   ASSERT_TRUE(testing::plan_and_forward(*cuda, host.params, ExecContext{}, nullptr).ok());
@@ -205,9 +328,8 @@ TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
 
 TEST(CudaControl, CancelStopsTheWork) {
   REQUIRE_CUDA(cuda);
-  Problem pr =
-      make_problem({.q_len = 256, .kv_len = 256, .heads = 2, .head_dim = 64, .mode = Mode::kExact, .estimates = false}, 4,
-                   false);
+  Problem pr = make_problem(
+      {.q_len = 256, .kv_len = 256, .heads = 2, .head_dim = 64, .mode = Mode::kExact, .estimates = false}, 4, false);
   ASSERT_TRUE(pr.status.ok());
   std::atomic<bool> cancel{true};
   ExecContext ctx;
@@ -219,8 +341,13 @@ TEST(CudaControl, CancelStopsTheWork) {
 // not built for (head_dim 8) is refused, saying why, not sent elsewhere.
 TEST(CudaControl, BandedOutsideTheFusedKernelIsRefusedWithAReason) {
   REQUIRE_CUDA(cuda);
-  Problem pr = make_problem({.q_len = 16, .kv_len = 16, .heads = 1, .head_dim = 8, .mode = Mode::kLsh,
-                             .lsh_algorithm = LshAlgorithm::kBanded, .estimates = false},
+  Problem pr = make_problem({.q_len = 16,
+                             .kv_len = 16,
+                             .heads = 1,
+                             .head_dim = 8,
+                             .mode = Mode::kLsh,
+                             .lsh_algorithm = LshAlgorithm::kBanded,
+                             .estimates = false},
                             4, false);
   ASSERT_TRUE(pr.status.ok());
   const Status s = cuda->supports(pr.params);
@@ -234,9 +361,17 @@ TEST(CudaControl, BandedOutsideTheFusedKernelIsRefusedWithAReason) {
 TEST(CudaControl, TightBudgetChunksAndStillMatches) {
   const int64_t budget = 1536 * 1024;  // staging ~0.6 MB; leaves room for about 5 tile slots
   REQUIRE_CUDA_BUDGET(small, budget);
-  Problem pr = make_problem({.q_len = 300, .kv_len = 300, .heads = 4, .kv_heads = 2, .head_dim = 64,
-                             .dtype = DType::kBF16, .causal = true, .slopes = {0.9, 0.2, 0.03, 0.0},
-                             .mode = Mode::kLsh, .samples = 8, .lsh_algorithm = LshAlgorithm::kPerSample,
+  Problem pr = make_problem({.q_len = 300,
+                             .kv_len = 300,
+                             .heads = 4,
+                             .kv_heads = 2,
+                             .head_dim = 64,
+                             .dtype = DType::kBF16,
+                             .causal = true,
+                             .slopes = {0.9, 0.2, 0.03, 0.0},
+                             .mode = Mode::kLsh,
+                             .samples = 8,
+                             .lsh_algorithm = LshAlgorithm::kPerSample,
                              .estimates = false},
                             8, false);
   ASSERT_TRUE(pr.status.ok());
@@ -255,8 +390,14 @@ TEST(CudaControl, TightBudgetChunksAndStillMatches) {
 TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
   const int64_t budget = int64_t{256} << 20;
   REQUIRE_CUDA_BUDGET(backend, budget);
-  const AttentionOptions o{.q_len = 8192, .kv_len = 8192, .heads = 8, .head_dim = 40, .dtype = DType::kBF16, .causal = true,
-                           .mode = Mode::kExact, .estimates = false};
+  const AttentionOptions o{.q_len = 8192,
+                           .kv_len = 8192,
+                           .heads = 8,
+                           .head_dim = 40,
+                           .dtype = DType::kBF16,
+                           .causal = true,
+                           .mode = Mode::kExact,
+                           .estimates = false};
   StatusOr<AttentionParams> p = resolve_params(o);
   ASSERT_TRUE(p.ok());
   StatusOr<Plan> half = backend->plan(*p, PlanLimits{});
@@ -272,7 +413,8 @@ TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
   const testing::RandomTensors t = testing::random_qkv(o, 12);
   std::vector<uint8_t> out = testing::output_buffer(o);
   Plan run = *half;
-  ASSERT_TRUE(bind_tensors(&run.params, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost}).ok());
+  ASSERT_TRUE(
+      bind_tensors(&run.params, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost}).ok());
   ForwardStats stats;
   const Status s = testing::run_forward(*backend, run, ExecContext{}, &stats);
   ASSERT_TRUE(s.ok()) << s.to_string();
@@ -289,8 +431,14 @@ TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
 TEST(CudaWorkspace, AllocateDeviceHoldsThePoolForTheRequest) {
   const int64_t budget = int64_t{64} << 20;
   REQUIRE_CUDA_BUDGET(backend, budget);
-  const AttentionOptions o{.q_len = 512, .kv_len = 512, .heads = 4, .head_dim = 64, .dtype = DType::kBF16,
-                           .causal = true, .mode = Mode::kExact, .estimates = false};
+  const AttentionOptions o{.q_len = 512,
+                           .kv_len = 512,
+                           .heads = 4,
+                           .head_dim = 64,
+                           .dtype = DType::kBF16,
+                           .causal = true,
+                           .mode = Mode::kExact,
+                           .estimates = false};
   StatusOr<AttentionParams> p = resolve_params(o);
   ASSERT_TRUE(p.ok());
   StatusOr<Plan> plan = backend->plan(*p, PlanLimits{});
@@ -304,7 +452,8 @@ TEST(CudaWorkspace, AllocateDeviceHoldsThePoolForTheRequest) {
   const testing::RandomTensors t = testing::random_qkv(o, 21);
   std::vector<uint8_t> out = testing::output_buffer(o);
   Plan run = *plan;
-  ASSERT_TRUE(bind_tensors(&run.params, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost}).ok());
+  ASSERT_TRUE(
+      bind_tensors(&run.params, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost}).ok());
   StatusOr<HostWorkspace> host = HostWorkspace::allocate(run.workspace().host_bytes);
   ASSERT_TRUE(host.ok());
   // The rest of the pool held elsewhere: a forward that reserved again
@@ -327,8 +476,13 @@ TEST(CudaWorkspace, AllocateDeviceHoldsThePoolForTheRequest) {
 // any GEMM sees them (a misaligned access would lose the context).
 TEST(CudaMemory, UnalignedDeviceTensorsAreRefused) {
   REQUIRE_CUDA(cuda);
-  const AttentionOptions o{.q_len = 64, .kv_len = 64, .heads = 4, .head_dim = 20, .dtype = DType::kBF16,
-                           .mode = Mode::kExact, .estimates = false};
+  const AttentionOptions o{.q_len = 64,
+                           .kv_len = 64,
+                           .heads = 4,
+                           .head_dim = 20,
+                           .dtype = DType::kBF16,
+                           .mode = Mode::kExact,
+                           .estimates = false};
   const size_t bytes = static_cast<size_t>(o.q_len * o.heads * o.head_dim * 2);
   void* d[4] = {};
   for (void*& b : d) ASSERT_EQ(cudaMalloc(&b, bytes), cudaSuccess);
@@ -345,8 +499,17 @@ TEST(CudaMemory, UnalignedDeviceTensorsAreRefused) {
 // several batched calls; the result is the CPU backend's.
 TEST(CudaLarge, RoundsAbove65535SlotsMatchTheCpu) {
   REQUIRE_CUDA(cuda);
-  const AttentionOptions o{.q_len = 65536, .kv_len = 32, .heads = 64, .kv_heads = 8, .head_dim = 8, .dtype = DType::kF32,
-                           .causal = false, .q_pos0 = 0, .mode = Mode::kExact, .estimates = false, .check_finite = false};
+  const AttentionOptions o{.q_len = 65536,
+                           .kv_len = 32,
+                           .heads = 64,
+                           .kv_heads = 8,
+                           .head_dim = 8,
+                           .dtype = DType::kF32,
+                           .causal = false,
+                           .q_pos0 = 0,
+                           .mode = Mode::kExact,
+                           .estimates = false,
+                           .check_finite = false};
   Problem gpu = make_problem(o, 21, false), on_cpu = make_problem(o, 21, false);
   ASSERT_TRUE(gpu.status.ok() && on_cpu.status.ok());
   StatusOr<Plan> plan = cuda->plan(gpu.params, PlanLimits{});
@@ -389,8 +552,15 @@ TimedRun timed_forward(Backend& cuda, const Plan& plan, const std::atomic<bool>*
 TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
   REQUIRE_CUDA(cuda);
   // fp32 GEMMs without TF32: the slow path, about 9 TFLOP here.
-  Problem pr = make_problem({.q_len = 32768, .kv_len = 32768, .heads = 32, .head_dim = 128, .dtype = DType::kF32,
-                             .causal = true, .mode = Mode::kExact, .estimates = false, .check_finite = false},
+  Problem pr = make_problem({.q_len = 32768,
+                             .kv_len = 32768,
+                             .heads = 32,
+                             .head_dim = 128,
+                             .dtype = DType::kF32,
+                             .causal = true,
+                             .mode = Mode::kExact,
+                             .estimates = false,
+                             .check_finite = false},
                             13, false);
   ASSERT_TRUE(pr.status.ok());
   StatusOr<Plan> plan = cuda->plan(pr.params, PlanLimits{});
@@ -403,7 +573,8 @@ TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
   ASSERT_FALSE(full.progress.empty());
   EXPECT_DOUBLE_EQ(full.progress.back().second, 1.0);
   for (const auto& [at, f] : full.progress)
-    EXPECT_LE(f, 2.0 * at / full.seconds + 0.05) << "progress " << f << " reported at " << at << " s of " << full.seconds;
+    EXPECT_LE(f, 2.0 * at / full.seconds + 0.05)
+        << "progress " << f << " reported at " << at << " s of " << full.seconds;
 
   std::atomic<bool> cancel{false};
   std::thread canceller([&] {
@@ -415,8 +586,9 @@ TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
   EXPECT_EQ(cancelled.status.code(), StatusCode::kCancelled) << cancelled.status.to_string();
   EXPECT_LT(cancelled.seconds, full.seconds / 2) << "cancelled at " << full.seconds / 4 << " s";
 
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                               std::chrono::duration<double>(full.seconds / 4));
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(full.seconds / 4));
   const TimedRun late = timed_forward(*cuda, *plan, nullptr, deadline);
   EXPECT_EQ(late.status.code(), StatusCode::kDeadlineExceeded) << late.status.to_string();
   EXPECT_LT(late.seconds, full.seconds / 2);
@@ -428,11 +600,11 @@ TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
 // A budget too small for one tile is refused before any memory is touched.
 TEST(CudaControl, TinyBudgetIsResourceExhausted) {
   REQUIRE_CUDA_BUDGET(small, 4096);
-  Problem pr =
-      make_problem({.q_len = 128, .kv_len = 128, .heads = 1, .head_dim = 64, .mode = Mode::kExact, .estimates = false}, 4,
-                   false);
+  Problem pr = make_problem(
+      {.q_len = 128, .kv_len = 128, .heads = 1, .head_dim = 64, .mode = Mode::kExact, .estimates = false}, 4, false);
   ASSERT_TRUE(pr.status.ok());
-  EXPECT_EQ(testing::plan_and_forward(*small, pr.params, ExecContext{}, nullptr).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(testing::plan_and_forward(*small, pr.params, ExecContext{}, nullptr).code(),
+            StatusCode::kResourceExhausted);
 }
 
 // A recoverable error an earlier call left on the worker thread (here an
@@ -444,9 +616,14 @@ TEST(CudaErrors, StaleRecoverableErrorDoesNotFailTheNextRequest) {
   void* huge = nullptr;
   ASSERT_EQ(cudaMalloc(&huge, size_t{1} << 60), cudaErrorMemoryAllocation);
   ASSERT_EQ(cudaPeekAtLastError(), cudaErrorMemoryAllocation) << "the runtime keeps it as the last error";
-  Problem pr = make_problem(
-      {.q_len = 100, .kv_len = 100, .heads = 2, .head_dim = 64, .causal = true, .mode = Mode::kExact, .estimates = false},
-      6, false);
+  Problem pr = make_problem({.q_len = 100,
+                             .kv_len = 100,
+                             .heads = 2,
+                             .head_dim = 64,
+                             .causal = true,
+                             .mode = Mode::kExact,
+                             .estimates = false},
+                            6, false);
   ASSERT_TRUE(pr.status.ok());
   const Status s = testing::plan_and_forward(*cuda, pr.params, ExecContext{}, nullptr);
   ASSERT_TRUE(s.ok()) << s.to_string();
@@ -465,8 +642,13 @@ void sticky_fault_child() {
   std::string why;
   std::unique_ptr<Backend> cuda = cuda::make_cuda_backend(&why);
   if (cuda == nullptr) std::exit(3);
-  const AttentionOptions o{.q_len = 65536, .kv_len = 65536, .heads = 32, .head_dim = 128, .dtype = DType::kBF16,
-                           .mode = Mode::kExact, .estimates = false};
+  const AttentionOptions o{.q_len = 65536,
+                           .kv_len = 65536,
+                           .heads = 32,
+                           .head_dim = 128,
+                           .dtype = DType::kBF16,
+                           .mode = Mode::kExact,
+                           .estimates = false};
   void* small[4] = {};
   for (void*& b : small)
     if (cudaMalloc(&b, 4096) != cudaSuccess) std::exit(4);
@@ -480,7 +662,8 @@ void sticky_fault_child() {
     std::exit(6);
   }
   const Status refused = cuda->supports(*p);
-  std::fprintf(stderr, "supports after the fault: %s; device: %s\n", refused.to_string().c_str(), cuda->device().c_str());
+  std::fprintf(stderr, "supports after the fault: %s; device: %s\n", refused.to_string().c_str(),
+               cuda->device().c_str());
   const bool ok = !s.ok() && refused.code() == StatusCode::kUnavailable &&
                   refused.message().find(cudaGetErrorName(sync)) != std::string::npos &&
                   cuda->device().find("unusable") != std::string::npos;

@@ -68,7 +68,9 @@ class LostDevice final : public Backend {
     RETURN_IF_ERROR(supports(p));
     return start_plan(p, name(), limits);
   }
-  Status forward(const Plan&, const WorkspaceRef&, const ExecContext&, ForwardStats*) override { return health_.usable(); }
+  Status forward(const Plan&, const WorkspaceRef&, const ExecContext&, ForwardStats*) override {
+    return health_.usable();
+  }
 
  private:
   DeviceHealth health_;

@@ -124,13 +124,22 @@ TEST_P(FusedBackwardOnDevice, MatchesFloat64Autograd) {
   EXPECT_LE(ev, tol) << "dv";
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, FusedBackwardOnDevice, ::testing::ValuesIn(testing::fused_cases()), testing::CaseName());
+INSTANTIATE_TEST_SUITE_P(Cases, FusedBackwardOnDevice, ::testing::ValuesIn(testing::fused_cases()),
+                         testing::CaseName());
 
 // Device tensors in and out, forward and backward: the host tensors' results.
 TEST(FusedMemory, DeviceTensorsGiveTheHostResults) {
   REQUIRE_CUDA(cuda);
-  const AttentionOptions o{.q_len = 200, .kv_len = 200, .heads = 4, .kv_heads = 2, .head_dim = 128, .dtype = DType::kBF16,
-                           .causal = true, .mode = Mode::kLsh, .samples = 16, .estimates = false};
+  const AttentionOptions o{.q_len = 200,
+                           .kv_len = 200,
+                           .heads = 4,
+                           .kv_heads = 2,
+                           .head_dim = 128,
+                           .dtype = DType::kBF16,
+                           .causal = true,
+                           .mode = Mode::kLsh,
+                           .samples = 16,
+                           .estimates = false};
   testing::Problem host = testing::make_problem(o, 3);
   ASSERT_TRUE(host.status.ok());
   testing::GradTensors hg = testing::grad_tensors(o, DType::kBF16, 4);
@@ -181,8 +190,15 @@ TEST(FusedMemory, DeviceTensorsGiveTheHostResults) {
 // take the fused kernel; both compute the same function.
 TEST(FusedPlan, PerSampleAndBandedAgree) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o{.q_len = 300, .kv_len = 300, .heads = 4, .head_dim = 64, .dtype = DType::kF32, .causal = true,
-                     .mode = Mode::kLsh, .samples = 16, .estimates = false};
+  AttentionOptions o{.q_len = 300,
+                     .kv_len = 300,
+                     .heads = 4,
+                     .head_dim = 64,
+                     .dtype = DType::kF32,
+                     .causal = true,
+                     .mode = Mode::kLsh,
+                     .samples = 16,
+                     .estimates = false};
   testing::Problem banded = testing::make_problem(o, 9, false);
   o.lsh_algorithm = LshAlgorithm::kPerSample;
   testing::Problem per_sample = testing::make_problem(o, 9, false);

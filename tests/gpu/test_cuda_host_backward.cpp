@@ -100,8 +100,9 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
   std::vector<char> work_buffer(static_cast<size_t>(bl.work_bytes), 0);
   BackwardRoundBuffers rb;
   Accumulators acc;
-  EXPECT_LE(carve_backward_work(bl.work.slots, bl.work.tile_rows, bl.work.key_cols, D, esz, work_buffer.data(), &rb, &acc),
-            bl.work_bytes);
+  EXPECT_LE(
+      carve_backward_work(bl.work.slots, bl.work.tile_rows, bl.work.key_cols, D, esz, work_buffer.data(), &rb, &acc),
+      bl.work_bytes);
   const SpanShape shape = span_shape(p);
   const WorkspaceSlots& work = bl.work;
   const int64_t T = work.tile_rows;
@@ -198,7 +199,8 @@ Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int
         const int64_t i = acc.row0 + local;
         if (i >= p.q_len) continue;
         const float* a = acc.acc + ((gl - lane0) * acc.rows_per_lane + local) * D;
-        for (int64_t x = 0; x < D; ++x) store_element(st.dq, g.grad_dtype, ((b * p.q_len + i) * p.heads + h) * D + x, a[x]);
+        for (int64_t x = 0; x < D; ++x)
+          store_element(st.dq, g.grad_dtype, ((b * p.q_len + i) * p.heads + h) * D + x, a[x]);
       }
     }
     return Status::Ok();
@@ -252,15 +254,15 @@ TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
     ASSERT_TRUE(roomy.ok());
     const int64_t tables = carve_tables(o.heads, roomy->table_entries, kCublasMinWorkspaceBytes, nullptr, nullptr);
     budget = carve_backward_staging(p, 4, nullptr, nullptr) + tables +
-             carve_backward_work(c.max_slots, std::min(kTileRows, o.q_len), std::min(kMaxKeyCols, o.kv_len),
-                                 o.head_dim, static_cast<int64_t>(dtype_bytes(o.dtype)), nullptr, nullptr, nullptr);
+             carve_backward_work(c.max_slots, std::min(kTileRows, o.q_len), std::min(kMaxKeyCols, o.kv_len), o.head_dim,
+                                 static_cast<int64_t>(dtype_bytes(o.dtype)), nullptr, nullptr, nullptr);
   }
   const Emulated e = emulate_backward(p, *g, budget);
   ASSERT_FALSE(e.dq.empty());
   EXPECT_GE(e.chunks, c.min_chunks);
 
-  const testing::ReferenceGradients ref = testing::reference_backward(
-      p, testing::dense_inputs(p), testing::reference_weights(p), cpu_grads.dout_values());
+  const testing::ReferenceGradients ref =
+      testing::reference_backward(p, testing::dense_inputs(p), testing::reference_weights(p), cpu_grads.dout_values());
   const testing::ErrorStats eq = testing::compare(e.dq.data(), grad_dtype, ref.dq);
   const testing::ErrorStats ek = testing::compare(e.dk.data(), grad_dtype, ref.dk);
   const testing::ErrorStats ev = testing::compare(e.dv.data(), grad_dtype, ref.dv);
@@ -273,10 +275,11 @@ TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   // for float32 gradients, three.
   const double unit = o.dtype == DType::kF16 ? 0x1.0p-11 : o.dtype == DType::kBF16 ? 0x1.0p-8 : 0.0;
   const double tol = std::max(1e-5, (grad_dtype == DType::kF32 ? 3 : 4) * unit);
-  std::printf("%s: %lld chunks, %lld rounds; vs float64 max_rel dq %.2e dk %.2e dv %.2e; vs cpu backend %.2e %.2e %.2e;"
-              " tolerance %.1e\n",
-              c.name.c_str(), static_cast<long long>(e.chunks), static_cast<long long>(e.rounds), eq.max_rel, ek.max_rel,
-              ev.max_rel, cq.max_rel, ck.max_rel, cv.max_rel, tol);
+  std::printf(
+      "%s: %lld chunks, %lld rounds; vs float64 max_rel dq %.2e dk %.2e dv %.2e; vs cpu backend %.2e %.2e %.2e;"
+      " tolerance %.1e\n",
+      c.name.c_str(), static_cast<long long>(e.chunks), static_cast<long long>(e.rounds), eq.max_rel, ek.max_rel,
+      ev.max_rel, cq.max_rel, ck.max_rel, cv.max_rel, tol);
   EXPECT_LE(eq.max_rel, tol) << "dq";
   EXPECT_LE(ek.max_rel, tol) << "dk";
   EXPECT_LE(ev.max_rel, tol) << "dv";
@@ -291,34 +294,122 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, CudaBackwardOnHost,
     ::testing::Values(
         // sigma from 1.1 to 300 and a slope of 0; GQA; chunked over lanes and tiles.
-        BackwardPipelineCase{{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true,
-                              std::nullopt, 0, 16, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
-                             3, 4},
+        BackwardPipelineCase{{"lsh_causal_gqa_f32_chunked",
+                              1,
+                              200,
+                              200,
+                              4,
+                              2,
+                              40,
+                              DType::kF32,
+                              Mode::kLsh,
+                              true,
+                              std::nullopt,
+                              0,
+                              16,
+                              kAuto,
+                              {0.9, 0.05, 1.0 / 300, 0.0}},
+                             3,
+                             4},
         // fixed_blocks (SPEC section 4) runs on the same draws path: one pass per head.
-        BackwardPipelineCase{{"fixed_blocks_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32,
-                              Mode::kFixedBlocks, true, std::nullopt, 0, 0, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
-                             3, 4},
-        BackwardPipelineCase{{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
-                              8, kAuto, {0.7, 0.02}},
-                             0, 1},
-        BackwardPipelineCase{{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true,
-                              int64_t{7000 + 590}, 7000, 5, kAuto, {0.5, 1.0 / 200}},
-                             0, 1},
-        BackwardPipelineCase{{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true},
-                             2, 2},
-        BackwardPipelineCase{{"exact_noncausal_offsets_f16", 1, 33, 300, 3, 3, 59, DType::kF16, Mode::kExact, false,
-                              int64_t{1000}, 900},
-                             0, 1},
+        BackwardPipelineCase{{"fixed_blocks_causal_gqa_f32_chunked",
+                              1,
+                              200,
+                              200,
+                              4,
+                              2,
+                              40,
+                              DType::kF32,
+                              Mode::kFixedBlocks,
+                              true,
+                              std::nullopt,
+                              0,
+                              0,
+                              kAuto,
+                              {0.9, 0.05, 1.0 / 300, 0.0}},
+                             3,
+                             4},
+        BackwardPipelineCase{{"lsh_noncausal_bf16",
+                              2,
+                              97,
+                              97,
+                              2,
+                              1,
+                              64,
+                              DType::kBF16,
+                              Mode::kLsh,
+                              false,
+                              std::nullopt,
+                              0,
+                              8,
+                              kAuto,
+                              {0.7, 0.02}},
+                             0,
+                             1},
+        BackwardPipelineCase{{"lsh_tail_offsets_f32",
+                              1,
+                              50,
+                              640,
+                              2,
+                              2,
+                              40,
+                              DType::kF32,
+                              Mode::kLsh,
+                              true,
+                              int64_t{7000 + 590},
+                              7000,
+                              5,
+                              kAuto,
+                              {0.5, 1.0 / 200}},
+                             0,
+                             1},
+        BackwardPipelineCase{
+            {"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true}, 2, 2},
+        BackwardPipelineCase{
+            {"exact_noncausal_offsets_f16", 1, 33, 300, 3, 3, 59, DType::kF16, Mode::kExact, false, int64_t{1000}, 900},
+            0,
+            1},
         // One query row (T = 1) against 37 keys.
         BackwardPipelineCase{{"exact_one_query_f32", 1, 1, 37, 2, 1, 40, DType::kF32, Mode::kExact, false}, 0, 1},
         BackwardPipelineCase{{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true}, 0, 1},
-        BackwardPipelineCase{{"window_width_bf16_f32_grads", 1, 130, 130, 2, 2, 59, DType::kBF16, Mode::kWindow, false,
-                              std::nullopt, 0, 0, kAuto, {}, 9, std::nullopt, DType::kF32},
-                             0, 1},
+        BackwardPipelineCase{{"window_width_bf16_f32_grads",
+                              1,
+                              130,
+                              130,
+                              2,
+                              2,
+                              59,
+                              DType::kBF16,
+                              Mode::kWindow,
+                              false,
+                              std::nullopt,
+                              0,
+                              0,
+                              kAuto,
+                              {},
+                              9,
+                              std::nullopt,
+                              DType::kF32},
+                             0,
+                             1},
         // Queries past the keys: the nearest-key shift goes through row_lse_for.
-        BackwardPipelineCase{{"exact_queries_past_keys_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
-                              int64_t{380}, 0, 0, kAuto, {0.5, 1.0 / 64}},
-                             0, 1}),
+        BackwardPipelineCase{{"exact_queries_past_keys_f32",
+                              1,
+                              40,
+                              300,
+                              2,
+                              1,
+                              40,
+                              DType::kF32,
+                              Mode::kExact,
+                              false,
+                              int64_t{380},
+                              0,
+                              0,
+                              kAuto,
+                              {0.5, 1.0 / 64}},
+                             0,
+                             1}),
     testing::CaseName());
 
 // What the backward takes and refuses, and that its workspace is planned.

@@ -31,15 +31,17 @@ class EmulatedDeviceProbe final : public Backend {
   std::string name() const override { return cpu_->name(); }
   std::string device() const override { return "host emulation of the fused probe"; }
   Status supports(const AttentionParams& p) const override { return cpu_->supports(p); }
-  StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override { return cpu_->plan(p, limits); }
+  StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
+    return cpu_->plan(p, limits);
+  }
   Status forward(const Plan& plan, const WorkspaceRef& workspace, const ExecContext& ctx,
                  ForwardStats* stats) override {
     return cpu_->forward(plan, workspace, ctx, stats);
   }
   bool probes_with_forward(const Plan&) const override { return true; }
   Status forward_with_probe(const Plan& plan, const std::vector<std::vector<int64_t>>& rows,
-                            const WorkspaceRef& workspace, const ExecContext& ctx,
-                            ForwardStats* stats, ProbeRowsOut* out) override {
+                            const WorkspaceRef& workspace, const ExecContext& ctx, ForwardStats* stats,
+                            ProbeRowsOut* out) override {
     RETURN_IF_ERROR(cpu_->forward(plan, workspace, ctx, stats));
     ++probes;
     const AttentionParams& p = plan.params;
@@ -103,11 +105,12 @@ TEST_P(DeviceEstimatesOnHost, AreTheCpuBackendsEstimates) {
   ASSERT_TRUE(on_cpu.ok()) << on_cpu.status().to_string();
   EXPECT_EQ(device.probes, 1);
   const ProbeEstimate &x = on_device->probe, &y = on_cpu->probe;
-  std::printf("%s: rel_err %.6g vs %.6g (cpu), stderr %.3g vs %.3g, bound_max %.4g vs %.4g; timings compute %.3f s, "
-              "estimates %.3f s (masks %.3f s beside the forward, probe %.3f s)\n",
-              c.name.c_str(), x.rel_err, y.rel_err, x.rel_err_stderr, y.rel_err_stderr, x.bound_max, y.bound_max,
-              on_device->timings["compute"], on_device->timings["estimates"], on_device->timings["estimates_masks"],
-              on_device->timings["estimates_probe"]);
+  std::printf(
+      "%s: rel_err %.6g vs %.6g (cpu), stderr %.3g vs %.3g, bound_max %.4g vs %.4g; timings compute %.3f s, "
+      "estimates %.3f s (masks %.3f s beside the forward, probe %.3f s)\n",
+      c.name.c_str(), x.rel_err, y.rel_err, x.rel_err_stderr, y.rel_err_stderr, x.bound_max, y.bound_max,
+      on_device->timings["compute"], on_device->timings["estimates"], on_device->timings["estimates_masks"],
+      on_device->timings["estimates_probe"]);
   EXPECT_EQ(x.rows, y.rows);
   EXPECT_EQ(on_device->mask_max_err, on_cpu->mask_max_err);
   EXPECT_EQ(on_device->mask_spectral_err, on_cpu->mask_spectral_err);
@@ -124,17 +127,43 @@ TEST_P(DeviceEstimatesOnHost, AreTheCpuBackendsEstimates) {
 std::vector<EstimatesCase> estimates_cases() {
   return {
       {"lsh_causal_gqa_bf16",
-       {.q_len = 300, .kv_len = 300, .heads = 4, .kv_heads = 2, .head_dim = 64, .dtype = DType::kBF16, .causal = true,
-        .slopes = {0.9, 0.31, 0.05, 0.0}, .mode = Mode::kLsh, .samples = 16, .probe_rows = 40},
+       {.q_len = 300,
+        .kv_len = 300,
+        .heads = 4,
+        .kv_heads = 2,
+        .head_dim = 64,
+        .dtype = DType::kBF16,
+        .causal = true,
+        .slopes = {0.9, 0.31, 0.05, 0.0},
+        .mode = Mode::kLsh,
+        .samples = 16,
+        .probe_rows = 40},
        false},
       {"lsh_batch2_f32",
-       {.batch = 2, .q_len = 150, .kv_len = 150, .heads = 2, .head_dim = 128, .dtype = DType::kF32, .causal = false,
-        .slopes = {0.5, 0.02}, .mode = Mode::kLsh, .samples = 8, .probe_rows = 70},
+       {.batch = 2,
+        .q_len = 150,
+        .kv_len = 150,
+        .heads = 2,
+        .head_dim = 128,
+        .dtype = DType::kF32,
+        .causal = false,
+        .slopes = {0.5, 0.02},
+        .mode = Mode::kLsh,
+        .samples = 8,
+        .probe_rows = 70},
        false},
       // A window so wide its error is below float32's reach: the float64 probe.
       {"window_tiny_error_f32",
-       {.q_len = 200, .kv_len = 200, .heads = 2, .head_dim = 64, .dtype = DType::kF32, .causal = true,
-        .slopes = {0.5, 0.25}, .mode = Mode::kWindow, .window_eps = 1e-9, .probe_rows = 64},
+       {.q_len = 200,
+        .kv_len = 200,
+        .heads = 2,
+        .head_dim = 64,
+        .dtype = DType::kF32,
+        .causal = true,
+        .slopes = {0.5, 0.25},
+        .mode = Mode::kWindow,
+        .window_eps = 1e-9,
+        .probe_rows = 64},
        true},
   };
 }

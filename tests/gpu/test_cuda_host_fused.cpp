@@ -37,7 +37,8 @@ struct Emulated {
 
 Emulated emulate(const AttentionParams& p) {
   const FusedTables t = fused_tables(p, plan_draws(p));
-  std::vector<uint8_t> out(static_cast<size_t>(p.batch * p.q_len * p.heads * p.head_dim) * dtype_bytes(p.out_dtype), 0xFF);
+  std::vector<uint8_t> out(static_cast<size_t>(p.batch * p.q_len * p.heads * p.head_dim) * dtype_bytes(p.out_dtype),
+                           0xFF);
   std::vector<float> lse(static_cast<size_t>(p.batch * p.q_len * p.heads), std::nanf(""));
   AttentionParams q = p;
   q.out = out.data();
@@ -107,7 +108,8 @@ TEST(FusedPlan, StepsAndSpansCoverWhatTheKernelsRead) {
         for (int64_t q = 0; q < tiles; ++q) {
           const TileSpan s = fused_key_tiles(fused_key_range(a, t.heads[static_cast<size_t>(h)], q));
           const bool reads = s.begin <= kt && kt < s.end;
-          ASSERT_EQ(reads, q >= found.begin && q < found.end) << c.name << " head " << h << " key tile " << kt << " query tile " << q;
+          ASSERT_EQ(reads, q >= found.begin && q < found.end)
+              << c.name << " head " << h << " key tile " << kt << " query tile " << q;
         }
       }
     for (int64_t step_rows : {int64_t{64}, int64_t{128}, int64_t{1} << 20}) {
@@ -130,15 +132,22 @@ TEST(FusedPlan, StepsAndSpansCoverWhatTheKernelsRead) {
 // 64 hashes or for head dims without a fused kernel.
 TEST(FusedPlan, AutoPicksBandedWhereTheFusedKernelRuns) {
   auto params = [](int64_t n, int64_t d, int64_t s) {
-    AttentionOptions o{.q_len = n, .kv_len = n, .heads = 32, .head_dim = d, .dtype = DType::kBF16, .causal = true,
-                       .mode = Mode::kLsh, .samples = s};
+    AttentionOptions o{.q_len = n,
+                       .kv_len = n,
+                       .heads = 32,
+                       .head_dim = d,
+                       .dtype = DType::kBF16,
+                       .causal = true,
+                       .mode = Mode::kLsh,
+                       .samples = s};
     StatusOr<AttentionParams> p = resolve_params(o);
     EXPECT_TRUE(p.ok());
     return *p;
   };
   const AttentionParams big = params(131072, 128, 16);
   const LshCosts c = cuda_lsh_costs(big, plan_draws(big));
-  std::printf("N = 131072, H = 32, D = 128, s = 16: banded %.3g s, per-sample %.3g s (model)\n", c.banded_s, c.per_sample_s);
+  std::printf("N = 131072, H = 32, D = 128, s = 16: banded %.3g s, per-sample %.3g s (model)\n", c.banded_s,
+              c.per_sample_s);
   EXPECT_LT(c.banded_s * 10, c.per_sample_s);
   EXPECT_EQ(cuda_lsh_algorithm(big, plan_draws(big)), LshAlgorithm::kBanded);
   const AttentionParams many = params(4096, 128, 256);

@@ -41,8 +41,10 @@ Gradients emulate_backward(const AttentionParams& p, const std::vector<uint8_t>&
   const int64_t tiles = fused_tiles(p.q_len, kFusedRows);
   EXPECT_TRUE(fused_forward_on_host(p.dtype, p.head_dim, a, 0, tiles));
   const int64_t rows = p.batch * p.heads * p.q_len, gsz = static_cast<int64_t>(dtype_bytes(grad_dtype));
-  const int64_t dq_elems = p.batch * p.q_len * p.heads * p.head_dim, dkv_elems = p.batch * p.kv_len * p.kv_heads * p.head_dim;
-  std::vector<float> row_d(static_cast<size_t>(rows)), row_lse2(static_cast<size_t>(rows)), dq_acc(static_cast<size_t>(dq_elems));
+  const int64_t dq_elems = p.batch * p.q_len * p.heads * p.head_dim,
+                dkv_elems = p.batch * p.kv_len * p.kv_heads * p.head_dim;
+  std::vector<float> row_d(static_cast<size_t>(rows)), row_lse2(static_cast<size_t>(rows)),
+      dq_acc(static_cast<size_t>(dq_elems));
   std::vector<int32_t> spans(static_cast<size_t>(2 * p.heads * tiles));
   Gradients g;
   g.dq.assign(static_cast<size_t>(dq_elems * gsz), 0xFF);
@@ -116,8 +118,8 @@ TEST_P(FusedBackwardOnHost, MatchesFloat64AutogradAndCpuBackend) {
   testing::GradTensors cpu_grads = testing::grad_tensors(o, grad_dtype, 6);
   const Gradients e = emulate_backward(p, cpu_grads.dout, grad_dtype);
 
-  const testing::ReferenceGradients ref = testing::reference_backward(
-      p, testing::dense_inputs(p), testing::reference_weights(p), cpu_grads.dout_values());
+  const testing::ReferenceGradients ref =
+      testing::reference_backward(p, testing::dense_inputs(p), testing::reference_weights(p), cpu_grads.dout_values());
   const GradErrors vs_ref = grad_errors(e, grad_dtype, ref.dq, ref.dk, ref.dv);
   // The CPU backend's forward and backward on the same inputs and draws.
   o.lsh_algorithm = c.mode == Mode::kLsh ? LshAlgorithm::kBanded : LshAlgorithm::kAuto;
@@ -125,13 +127,15 @@ TEST_P(FusedBackwardOnHost, MatchesFloat64AutogradAndCpuBackend) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   PlanLimits limits;
   limits.threads = 1;
-  StatusOr<ForwardBackwardResult> run = run_forward_backward(*cpu, on_cpu.params, limits, cpu_grads.refs(), ExecContext{});
+  StatusOr<ForwardBackwardResult> run =
+      run_forward_backward(*cpu, on_cpu.params, limits, cpu_grads.refs(), ExecContext{});
   ASSERT_TRUE(run.ok()) << run.status().to_string();
   const GradErrors vs_cpu = grad_errors(e, grad_dtype, cpu_grads.values(cpu_grads.dq), cpu_grads.values(cpu_grads.dk),
                                         cpu_grads.values(cpu_grads.dv));
   const double tol = backward_tolerance(o.dtype, grad_dtype);
-  std::printf("%s: %llu tile products; vs float64 max_rel dq %.2e dk %.2e dv %.2e; vs cpu %.2e %.2e %.2e; tolerance %.1e\n",
-              c.name.c_str(), e.tiles, vs_ref.dq, vs_ref.dk, vs_ref.dv, vs_cpu.dq, vs_cpu.dk, vs_cpu.dv, tol);
+  std::printf(
+      "%s: %llu tile products; vs float64 max_rel dq %.2e dk %.2e dv %.2e; vs cpu %.2e %.2e %.2e; tolerance %.1e\n",
+      c.name.c_str(), e.tiles, vs_ref.dq, vs_ref.dk, vs_ref.dv, vs_cpu.dq, vs_cpu.dk, vs_cpu.dv, tol);
   EXPECT_LE(vs_ref.dq, tol) << "dq";
   EXPECT_LE(vs_ref.dk, tol) << "dk";
   EXPECT_LE(vs_ref.dv, tol) << "dv";
@@ -153,15 +157,17 @@ INSTANTIATE_TEST_SUITE_P(Cases, FusedBackwardOnHost, ::testing::ValuesIn(backwar
 // carries. With lse2 from it the gradients miss by percents; the
 // statistics pass recomputes it and they meet float32's 1e-5.
 TEST(FusedBackwardFar, StatisticsPassRecoversTheFloat32Accuracy) {
-  const testing::AttentionCase c{"exact_far_f32", 1, 70, 90, 2, 1, 64, DType::kF32, Mode::kExact, false,
-                                 int64_t{1000000}, 0, 0, LshAlgorithm::kAuto, {0.5, 0.5}};
+  const testing::AttentionCase c{
+      "exact_far_f32",     1,         70, 90, 2, 1, 64, DType::kF32, Mode::kExact, false, int64_t{1000000}, 0, 0,
+      LshAlgorithm::kAuto, {0.5, 0.5}};
   const AttentionOptions o = testing::options_of(c, 3);
   testing::Problem pr = testing::make_problem(o, 7);
   ASSERT_TRUE(pr.status.ok());
   const testing::GradTensors g = testing::grad_tensors(o, DType::kF32, 8);
   const testing::ReferenceGradients ref = testing::reference_backward(
       pr.params, testing::dense_inputs(pr.params), testing::reference_weights(pr.params), g.dout_values());
-  const GradErrors with = grad_errors(emulate_backward(pr.params, g.dout, DType::kF32), DType::kF32, ref.dq, ref.dk, ref.dv);
+  const GradErrors with =
+      grad_errors(emulate_backward(pr.params, g.dout, DType::kF32), DType::kF32, ref.dq, ref.dk, ref.dv);
   const GradErrors without =
       grad_errors(emulate_backward(pr.params, g.dout, DType::kF32, false), DType::kF32, ref.dq, ref.dk, ref.dv);
   std::printf("far rows: max_rel dq dk dv with the statistics pass %.2e %.2e %.2e, without %.2e %.2e %.2e\n", with.dq,

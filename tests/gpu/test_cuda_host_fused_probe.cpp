@@ -74,7 +74,8 @@ TEST_P(FusedProbeOnHost, MatchesTheFloat64Probe) {
       }
       const double bound = 2 * std::sqrt(static_cast<double>(res[D + 1])) * res[D];
       const ProbeRow& e = host[static_cast<size_t>(r)];
-      // What o*'s rounding (1e-5 relative: 2^-17 from P's two parts on 16-bit inputs) may move err2 by, and 1e-3 of err2.
+      // What o*'s rounding (1e-5 relative: 2^-17 from P's two parts on 16-bit inputs) may move err2 by, and 1e-3 of
+      // err2.
       const double allowed = 1e-3 * e.err2 + 2e-5 * std::sqrt(e.err2 * e.ref2) + 1e-10 * e.ref2;
       worst_err2 = std::max(worst_err2, std::fabs(err2 - e.err2) / allowed);
       worst_ref2 = std::max(worst_ref2, std::fabs(ref2 - e.ref2) / e.ref2);

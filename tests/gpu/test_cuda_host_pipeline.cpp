@@ -20,10 +20,10 @@
 
 #include "cpu/cpu_backend.h"
 #include "cuda/workspace_slots.h"
-#include "plsh/plan.h"
+#include "log_reference.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
-#include "log_reference.h"
+#include "plsh/plan.h"
 #include "problem.h"
 #include "reference.h"
 
@@ -32,9 +32,12 @@ namespace {
 
 float round_to(DType t, float x) {
   switch (t) {
-    case DType::kF32: return x;
-    case DType::kF16: return half_to_float(float_to_half(x));
-    case DType::kBF16: return bf16_to_float(float_to_bf16(x));
+    case DType::kF32:
+      return x;
+    case DType::kF16:
+      return half_to_float(float_to_half(x));
+    case DType::kBF16:
+      return bf16_to_float(float_to_bf16(x));
   }
   return x;
 }
@@ -57,13 +60,16 @@ Emulated emulate(const AttentionParams& p, int64_t budget) {
   e.out.assign(static_cast<size_t>(p.batch * p.q_len * p.heads * D), std::numeric_limits<double>::quiet_NaN());
   e.lse.assign(static_cast<size_t>(p.batch * p.q_len * p.heads), std::numeric_limits<double>::quiet_NaN());
   auto q_at = [&](int64_t b, int64_t i, int64_t h, int64_t x) {
-    return static_cast<float>(load_element(p.q, p.dtype, b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride + x));
+    return static_cast<float>(
+        load_element(p.q, p.dtype, b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride + x));
   };
   auto k_at = [&](int64_t b, int64_t j, int64_t h, int64_t x) {
-    return static_cast<float>(load_element(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + h * p.k_head_stride + x));
+    return static_cast<float>(
+        load_element(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + h * p.k_head_stride + x));
   };
   auto v_at = [&](int64_t b, int64_t j, int64_t h, int64_t x) {
-    return static_cast<float>(load_element(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + h * p.v_head_stride + x));
+    return static_cast<float>(
+        load_element(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + h * p.v_head_stride + x));
   };
   const int64_t lanes_total = p.batch * p.heads;
   const int64_t tiles_total = tile_count(shape);
@@ -182,7 +188,8 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   double cpu_err = 0, cpu_lse_err = 0;
   for (size_t i = 0; i < e.out.size(); ++i) cpu_err = std::max(cpu_err, std::fabs(e.out[i] - out_cpu[i]));
   for (size_t i = 0; i < e.lse.size(); ++i)
-    cpu_lse_err = std::max(cpu_lse_err, std::fabs(e.lse[i] - lse_cpu[i]) / std::max(1.0, std::fabs(static_cast<double>(lse_cpu[i]))));
+    cpu_lse_err = std::max(
+        cpu_lse_err, std::fabs(e.lse[i] - lse_cpu[i]) / std::max(1.0, std::fabs(static_cast<double>(lse_cpu[i]))));
   std::printf("%s: vs float64 max_rel %.3g lse %.3g; vs cpu backend max_rel %.3g lse %.3g\n", c.name.c_str(),
               max_err / max_ref, lse_err, cpu_err / max_ref, cpu_lse_err);
   EXPECT_LE(cpu_err / max_ref, f32 ? 1e-4 : 2e-2) << "emulated cuda vs cpu backend";
@@ -196,48 +203,198 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, CudaPipelineOnHost,
     ::testing::Values(
         // sigma from 1.1 to 300 and a slope of 0; GQA; chunked over lanes and tiles.
-        PipelineCase{{"lsh_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt, 0, 16,
-                      kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
-                     3 * 150000, 4},
+        PipelineCase{{"lsh_causal_gqa_f32_chunked",
+                      1,
+                      200,
+                      200,
+                      4,
+                      2,
+                      40,
+                      DType::kF32,
+                      Mode::kLsh,
+                      true,
+                      std::nullopt,
+                      0,
+                      16,
+                      kAuto,
+                      {0.9, 0.05, 1.0 / 300, 0.0}},
+                     3 * 150000,
+                     4},
         // fixed_blocks (SPEC section 4) runs on the same draws path: one pass per head.
-        PipelineCase{{"fixed_blocks_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kFixedBlocks,
-                      true, std::nullopt, 0, 0, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}},
-                     3 * 150000, 4},
-        PipelineCase{{"lsh_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0, 8, kAuto,
+        PipelineCase{{"fixed_blocks_causal_gqa_f32_chunked",
+                      1,
+                      200,
+                      200,
+                      4,
+                      2,
+                      40,
+                      DType::kF32,
+                      Mode::kFixedBlocks,
+                      true,
+                      std::nullopt,
+                      0,
+                      0,
+                      kAuto,
+                      {0.9, 0.05, 1.0 / 300, 0.0}},
+                     3 * 150000,
+                     4},
+        PipelineCase{{"lsh_noncausal_bf16",
+                      2,
+                      97,
+                      97,
+                      2,
+                      1,
+                      64,
+                      DType::kBF16,
+                      Mode::kLsh,
+                      false,
+                      std::nullopt,
+                      0,
+                      8,
+                      kAuto,
                       {0.7, 0.02}},
-                     kRoomy, 1},
+                     kRoomy,
+                     1},
         // The CUDA backend reads plan.draws only: other samplers' draws need
         // no change there (stratified pitches, ash's shared pitches with
         // evenly spaced shifts).
-        PipelineCase{{"lsh_ash_causal_gqa_f32_chunked", 1, 200, 200, 4, 2, 40, DType::kF32, Mode::kLsh, true, std::nullopt,
-                      0, 64, kAuto, {0.9, 0.05, 1.0 / 300, 0.0}, 0, std::nullopt, std::nullopt, Sampling::kAsh},
-                     3 * 150000, 4},
-        PipelineCase{{"lsh_stratified_noncausal_bf16", 2, 97, 97, 2, 1, 64, DType::kBF16, Mode::kLsh, false, std::nullopt, 0,
-                      16, kAuto, {0.7, 0.02}, 0, std::nullopt, std::nullopt, Sampling::kStratified},
-                     kRoomy, 1},
-        PipelineCase{{"lsh_tail_offsets_f32", 1, 50, 640, 2, 2, 40, DType::kF32, Mode::kLsh, true, int64_t{7000 + 590}, 7000,
-                      5, kAuto, {0.5, 1.0 / 200}},
-                     kRoomy, 1},
-        PipelineCase{{"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true}, 2 * 150000, 2},
-        PipelineCase{{"exact_noncausal_offsets_bf16", 1, 33, 300, 3, 3, 59, DType::kBF16, Mode::kExact, false, int64_t{1000},
-                      900},
-                     kRoomy, 1},
+        PipelineCase{{"lsh_ash_causal_gqa_f32_chunked",
+                      1,
+                      200,
+                      200,
+                      4,
+                      2,
+                      40,
+                      DType::kF32,
+                      Mode::kLsh,
+                      true,
+                      std::nullopt,
+                      0,
+                      64,
+                      kAuto,
+                      {0.9, 0.05, 1.0 / 300, 0.0},
+                      0,
+                      std::nullopt,
+                      std::nullopt,
+                      Sampling::kAsh},
+                     3 * 150000,
+                     4},
+        PipelineCase{{"lsh_stratified_noncausal_bf16",
+                      2,
+                      97,
+                      97,
+                      2,
+                      1,
+                      64,
+                      DType::kBF16,
+                      Mode::kLsh,
+                      false,
+                      std::nullopt,
+                      0,
+                      16,
+                      kAuto,
+                      {0.7, 0.02},
+                      0,
+                      std::nullopt,
+                      std::nullopt,
+                      Sampling::kStratified},
+                     kRoomy,
+                     1},
+        PipelineCase{{"lsh_tail_offsets_f32",
+                      1,
+                      50,
+                      640,
+                      2,
+                      2,
+                      40,
+                      DType::kF32,
+                      Mode::kLsh,
+                      true,
+                      int64_t{7000 + 590},
+                      7000,
+                      5,
+                      kAuto,
+                      {0.5, 1.0 / 200}},
+                     kRoomy,
+                     1},
+        PipelineCase{
+            {"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true}, 2 * 150000, 2},
+        PipelineCase{{"exact_noncausal_offsets_bf16", 1, 33, 300, 3, 3, 59, DType::kBF16, Mode::kExact, false,
+                      int64_t{1000}, 900},
+                     kRoomy,
+                     1},
         PipelineCase{{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true}, kRoomy, 1},
         // Queries far from every key (shards of a long sequence): a bias of
         // -slope * 1e6 in float would swamp the scores; the logits must be
         // taken relative to the nearest key and the offset added to lse.
-        PipelineCase{{"exact_far_queries_noncausal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false,
-                      int64_t{1000000}, 0, 0, kAuto, {0.5, 1.0 / 64}},
-                     kRoomy, 1},
-        PipelineCase{{"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, true,
-                      int64_t{1000000}, 0, 0, kAuto, {0.5, 1.0 / 64}},
-                     kRoomy, 1},
-        PipelineCase{{"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, DType::kF32, Mode::kExact, false,
-                      int64_t{-200000}, 0, 0, kAuto, {0.5, 0.125}},
-                     kRoomy, 1},
-        PipelineCase{{"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, DType::kF32, Mode::kExact, true, int64_t{65536}, 0,
-                      0, kAuto, {0.5, 1.0 / 16}},
-                     kRoomy, 1}),
+        PipelineCase{{"exact_far_queries_noncausal_f32",
+                      1,
+                      40,
+                      300,
+                      2,
+                      1,
+                      40,
+                      DType::kF32,
+                      Mode::kExact,
+                      false,
+                      int64_t{1000000},
+                      0,
+                      0,
+                      kAuto,
+                      {0.5, 1.0 / 64}},
+                     kRoomy,
+                     1},
+        PipelineCase{{"exact_far_queries_causal_f32",
+                      1,
+                      40,
+                      300,
+                      2,
+                      1,
+                      40,
+                      DType::kF32,
+                      Mode::kExact,
+                      true,
+                      int64_t{1000000},
+                      0,
+                      0,
+                      kAuto,
+                      {0.5, 1.0 / 64}},
+                     kRoomy,
+                     1},
+        PipelineCase{{"exact_queries_before_keys_f32",
+                      1,
+                      40,
+                      300,
+                      2,
+                      2,
+                      64,
+                      DType::kF32,
+                      Mode::kExact,
+                      false,
+                      int64_t{-200000},
+                      0,
+                      0,
+                      kAuto,
+                      {0.5, 0.125}},
+                     kRoomy,
+                     1},
+        PipelineCase{{"exact_shard_at_65536_f32",
+                      1,
+                      64,
+                      4096,
+                      2,
+                      1,
+                      64,
+                      DType::kF32,
+                      Mode::kExact,
+                      true,
+                      int64_t{65536},
+                      0,
+                      0,
+                      kAuto,
+                      {0.5, 1.0 / 16}},
+                     kRoomy,
+                     1}),
     testing::CaseName());
 
 }  // namespace

@@ -8,8 +8,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/step_pacer.h"
@@ -22,9 +22,9 @@ namespace {
 // `polls_per_step` pauses of the host (never, with 0).
 struct FakeGpu {
   int polls_per_step = 3;
-  int recorded = 0;               // steps recorded so far
-  int finished = 0;               // steps the GPU has finished
-  std::vector<int> slot_step;     // which step each slot's event marks
+  int recorded = 0;            // steps recorded so far
+  int finished = 0;            // steps the GPU has finished
+  std::vector<int> slot_step;  // which step each slot's event marks
   int pauses = 0;
   int most_queued = 0;
   std::vector<double> progress;

@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "cuda/workspace_slots.h"
-#include "plsh/plan.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
+#include "plsh/plan.h"
 
 namespace plsh::cuda {
 namespace {
@@ -65,8 +65,10 @@ bool truth_allowed(const LanePass& l, bool causal, int64_t pq, int64_t pk) {
   if (causal && pk > pq) return false;
   const int64_t d = std::llabs(pq - pk);
   switch (l.rule) {
-    case SpanRule::kAll: return true;
-    case SpanRule::kWindow: return d < l.window;
+    case SpanRule::kAll:
+      return true;
+    case SpanRule::kWindow:
+      return d < l.window;
     case SpanRule::kSameBin: {
       Draw draw;
       draw.pitch = l.pitch;
@@ -85,7 +87,10 @@ class TilePlanCoverage : public ::testing::TestWithParam<PlanCase> {};
 // tensors.
 TEST_P(TilePlanCoverage, EveryAllowedPairExactlyOnceAndOperandsInBounds) {
   const PlanCase& c = GetParam();
-  const SpanShape shape{.q_len = c.q_len, .kv_len = c.kv_len, .qk_offset = c.q_pos0 - c.k_pos0, .causal = c.causal,
+  const SpanShape shape{.q_len = c.q_len,
+                        .kv_len = c.kv_len,
+                        .qk_offset = c.q_pos0 - c.k_pos0,
+                        .causal = c.causal,
                         .tile_rows = std::min(kTileRows, c.q_len)};
   const int64_t lanes = 3;  // three heads with shifted draws
   std::vector<LaneSetup> setups(lanes);
@@ -169,7 +174,8 @@ INSTANTIATE_TEST_SUITE_P(
         PlanCase{"lsh_self_noncausal", 131, 131, 0, 0, false, {1.1, 3.9, 300.0}, {}, false, 0},
         PlanCase{"lsh_decode_tail_offsets", 37, 700, 663 + 1000, 1000, true, {1.6, 45.0, 320.0}, {}, false, 0},
         PlanCase{"lsh_negative_positions_chunked", 150, 260, -40, -150, false, {2.2, 33.3}, {}, false, 2},
-        PlanCase{"lsh_large_positions", 90, 120, (int64_t{1} << 40) + 30, int64_t{1} << 40, true, {1.9, 12.7}, {}, false, 0},
+        PlanCase{
+            "lsh_large_positions", 90, 120, (int64_t{1} << 40) + 30, int64_t{1} << 40, true, {1.9, 12.7}, {}, false, 0},
         PlanCase{"window", 211, 211, 0, 0, true, {}, {1, 7, 64, 65, 600}, false, 0},
         PlanCase{"window_noncausal_chunked", 170, 300, 60, 0, false, {}, {3, 129}, false, 1},
         PlanCase{"exact_causal_two_chunks", 150, 1100, 950, 0, true, {}, {}, true, 0},
@@ -270,7 +276,8 @@ TEST(TilePlan, LshReachBoundsEveryBlock) {
 TEST(TilePlan, HostBinsMatchBinOf) {
   for (int64_t k = 0; k < 64; ++k) {
     const Draw d = draw_hash(5, 3, k, k % 2 ? 1.3 : 211.0);
-    for (int64_t pos : {int64_t{0}, int64_t{1}, int64_t{-7}, int64_t{12345}, (int64_t{1} << 45) + k, -(int64_t{1} << 50)})
+    for (int64_t pos :
+         {int64_t{0}, int64_t{1}, int64_t{-7}, int64_t{12345}, (int64_t{1} << 45) + k, -(int64_t{1} << 50)})
       ASSERT_EQ(span_bin(pos, d.pitch, d.shift), bin_of(pos, d));
   }
 }
@@ -305,7 +312,8 @@ TEST(Workspace, FitsTheBudgetAndDoesNotGrowWithN) {
   }
   // 64 rows x 512 columns of fp32 scores and bf16 probabilities, 64 x 128 fp32
   // partial and accumulator rows, stats and pointers.
-  EXPECT_EQ(per_slot, 64 * 512 * 6 + 64 * 128 * 4 + 64 * 8 + 64 * 130 * 4 + 48 + static_cast<int64_t>(sizeof(TileDesc)));
+  EXPECT_EQ(per_slot,
+            64 * 512 * 6 + 64 * 128 * 4 + 64 * 8 + 64 * 130 * 4 + 48 + static_cast<int64_t>(sizeof(TileDesc)));
 }
 
 TEST(Workspace, SmallProblemTakesOneChunk) {
@@ -347,11 +355,20 @@ TEST(Layout, WorkSlicesAreAlignedDisjointAndInside) {
     const struct {
       const void* at;
       int64_t bytes;
-    } slices[] = {{r.scores, slots * 64 * 512 * 4}, {r.probs, slots * 64 * 512 * 2}, {r.partial, slots * 64 * 40 * 4},
-                  {r.row_max, slots * 64 * 4},      {r.row_sum, slots * 64 * 4},      {a.acc, slots * 64 * 40 * 4},
-                  {a.acc_max, slots * 64 * 4},      {a.acc_sum, slots * 64 * 4},      {r.q_ptr, slots * 8},
-                  {r.k_ptr, slots * 8},             {r.v_ptr, slots * 8},             {r.score_ptr, slots * 8},
-                  {r.prob_ptr, slots * 8},          {r.partial_ptr, slots * 8},
+    } slices[] = {{r.scores, slots * 64 * 512 * 4},
+                  {r.probs, slots * 64 * 512 * 2},
+                  {r.partial, slots * 64 * 40 * 4},
+                  {r.row_max, slots * 64 * 4},
+                  {r.row_sum, slots * 64 * 4},
+                  {a.acc, slots * 64 * 40 * 4},
+                  {a.acc_max, slots * 64 * 4},
+                  {a.acc_sum, slots * 64 * 4},
+                  {r.q_ptr, slots * 8},
+                  {r.k_ptr, slots * 8},
+                  {r.v_ptr, slots * 8},
+                  {r.score_ptr, slots * 8},
+                  {r.prob_ptr, slots * 8},
+                  {r.partial_ptr, slots * 8},
                   {r.desc, slots * static_cast<int64_t>(sizeof(TileDesc))}};
     int64_t end = 0;
     for (const auto& s : slices) {
@@ -365,8 +382,14 @@ TEST(Layout, WorkSlicesAreAlignedDisjointAndInside) {
 }
 
 AttentionParams layout_params(Mode mode, int64_t n, int64_t heads, int64_t samples) {
-  StatusOr<AttentionParams> p = resolve_params({.q_len = n, .kv_len = n, .heads = heads, .head_dim = 64,
-                                                .dtype = DType::kBF16, .causal = true, .mode = mode, .samples = samples});
+  StatusOr<AttentionParams> p = resolve_params({.q_len = n,
+                                                .kv_len = n,
+                                                .heads = heads,
+                                                .head_dim = 64,
+                                                .dtype = DType::kBF16,
+                                                .causal = true,
+                                                .mode = mode,
+                                                .samples = samples});
   EXPECT_TRUE(p.ok()) << p.status().to_string();
   return *p;
 }
@@ -382,8 +405,8 @@ TEST(Layout, PlanChargesWhatForwardAllocatesWithinTheCap) {
     EXPECT_LE(l->device_bytes(), cap);
     EXPECT_EQ(l->staging_bytes, carve_staging(p, nullptr, nullptr));
     EXPECT_EQ(l->table_bytes, carve_tables(p.heads, l->table_entries, l->cublas_workspace_bytes, nullptr, nullptr));
-    EXPECT_EQ(l->work_bytes, carve_work(l->work.slots, l->work.tile_rows, l->work.key_cols, p.head_dim, 2, nullptr,
-                                        nullptr, nullptr));
+    EXPECT_EQ(l->work_bytes,
+              carve_work(l->work.slots, l->work.tile_rows, l->work.key_cols, p.head_dim, 2, nullptr, nullptr, nullptr));
     EXPECT_EQ(l->device_bytes(), l->staging_bytes + l->table_bytes + l->work_bytes);
   }
   StatusOr<CudaLayout> small = plan_layout(p, draws, int64_t{1} << 26);
@@ -472,8 +495,15 @@ TEST(Layout, ForwardRefusesParamsThePlanDidNotSize) {
 
 AttentionParams operand_params(DType dtype, int64_t n, int64_t kv, int64_t heads, int64_t kv_heads, int64_t dim,
                                MemorySpace memory) {
-  StatusOr<AttentionParams> p = resolve_params({.batch = 2, .q_len = n, .kv_len = kv, .heads = heads, .kv_heads = kv_heads,
-                                                .head_dim = dim, .dtype = dtype, .causal = false, .mode = Mode::kExact});
+  StatusOr<AttentionParams> p = resolve_params({.batch = 2,
+                                                .q_len = n,
+                                                .kv_len = kv,
+                                                .heads = heads,
+                                                .kv_heads = kv_heads,
+                                                .head_dim = dim,
+                                                .dtype = dtype,
+                                                .causal = false,
+                                                .mode = Mode::kExact});
   EXPECT_TRUE(p.ok()) << p.status().to_string();
   p->memory = memory;
   return *p;
@@ -506,7 +536,8 @@ TEST(CudaOperands, EveryGemmOperandIs16ByteAligned) {
           ASSERT_EQ(partial_pitch(dim) * 4 % 16, 0);
           for (int64_t slot = 0; slot < r.slots; ++slot) {
             const TileDesc d = describe_slot(shape, r, table.data(), slot);
-            const SlotOperands so = slot_operands(o, table[static_cast<size_t>(d.lane)], d, slot, shape.tile_rows, r.key_cols);
+            const SlotOperands so =
+                slot_operands(o, table[static_cast<size_t>(d.lane)], d, slot, shape.tile_rows, r.key_cols);
             for (int64_t off : {so.q, so.k, so.v, so.scores, so.probs, so.partial})
               ASSERT_EQ(off % 16, 0) << dtype_name(dtype) << " D " << dim << " n " << n << " slot " << slot;
             ++checked;

@@ -46,10 +46,11 @@ void use_cuda_then_exit() {
   BackendRegistry& registry = BackendRegistry::global();
   Backend* cuda = registry.backends().front();
   if (cuda->name() == "cuda") {
-    const AttentionOptions o{.q_len = 64, .kv_len = 64, .heads = 2, .head_dim = 16, .mode = Mode::kExact,
-                             .estimates = false};
+    const AttentionOptions o{
+        .q_len = 64, .kv_len = 64, .heads = 2, .head_dim = 16, .mode = Mode::kExact, .estimates = false};
     std::vector<float> q(64 * 2 * 16, 0.5f), out(q.size());
-    StatusOr<AttentionParams> p = make_params(o, {q.data(), q.data(), q.data(), out.data(), nullptr, MemorySpace::kHost});
+    StatusOr<AttentionParams> p =
+        make_params(o, {q.data(), q.data(), q.data(), out.data(), nullptr, MemorySpace::kHost});
     if (!p.ok()) std::exit(2);
     StatusOr<Plan> plan = cuda->plan(*p, PlanLimits{});
     if (!plan.ok()) std::exit(3);

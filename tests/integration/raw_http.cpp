@@ -28,9 +28,7 @@ bool parse_address(const std::string& addr, sockaddr_in* sa) {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_left(Clock::time_point until) {
-  return std::chrono::duration<double>(until - Clock::now()).count();
-}
+double seconds_left(Clock::time_point until) { return std::chrono::duration<double>(until - Clock::now()).count(); }
 
 std::string lower(std::string s) {
   std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
@@ -73,7 +71,8 @@ int connect_to(const std::string& addr, double timeout_s) {
 
 HttpReply http_exchange(const std::string& addr, const std::string& request, double timeout_s, bool half_close) {
   HttpReply reply;
-  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto until =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   const int fd = connect_to(addr, timeout_s);
   if (fd < 0) return reply;
   reply.connected = true;
@@ -127,7 +126,8 @@ std::vector<int> connect_many(const std::string& addr, int n, double timeout_s) 
     }
     pending.push_back(pollfd{fd, POLLOUT, 0});
   }
-  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto until =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   std::vector<int> connected;
   while (!pending.empty() && seconds_left(until) > 0) {
     if (poll(pending.data(), pending.size(), static_cast<int>(seconds_left(until) * 1000) + 1) <= 0) continue;
@@ -139,8 +139,10 @@ std::vector<int> connect_many(const std::string& addr, int n, double timeout_s) 
       int err = 0;
       socklen_t len = sizeof(err);
       getsockopt(pending[i].fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      if (err == 0) connected.push_back(pending[i].fd);
-      else close(pending[i].fd);
+      if (err == 0)
+        connected.push_back(pending[i].fd);
+      else
+        close(pending[i].fd);
       pending[i] = pending.back();
       pending.pop_back();
     }
@@ -150,7 +152,8 @@ std::vector<int> connect_many(const std::string& addr, int n, double timeout_s) 
 }
 
 bool wait_closed(int fd, double timeout_s) {
-  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto until =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   char buf[4096];
   while (seconds_left(until) > 0) {
     pollfd p{fd, POLLIN | POLLRDHUP, 0};

@@ -98,7 +98,8 @@ bool ServerProcess::running() {
 int ServerProcess::terminate(double timeout_seconds) {
   if (running()) kill(pid_, SIGTERM);
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
-  while (running() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  while (running() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   if (running()) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
@@ -140,13 +141,16 @@ std::string http_get(const std::string& addr, const std::string& path) {
   }
   close(fd);
   const size_t body = response.find("\r\n\r\n");
-  return body == std::string::npos ? "" : response.substr(0, body).find(" 200 ") == std::string::npos ? "" : response.substr(body + 4);
+  return body == std::string::npos                                     ? ""
+         : response.substr(0, body).find(" 200 ") == std::string::npos ? ""
+                                                                       : response.substr(body + 4);
 }
 
 // The load tool's parser (client/bench): what plsh bench reads, the tests read.
 std::map<std::string, double> parse_metrics(const std::string& text) { return plsh::bench::parse_prometheus(text); }
 
-double metric_sum(const std::map<std::string, double>& m, const std::string& name, const std::vector<std::string>& labels) {
+double metric_sum(const std::map<std::string, double>& m, const std::string& name,
+                  const std::vector<std::string>& labels) {
   double sum = 0;
   for (const auto& [key, value] : m) {
     const std::string base = key.substr(0, key.find('{'));

@@ -21,9 +21,9 @@
 #include <regex>
 #include <thread>
 
+#include "integration_util.h"
 #include "plsh/attention.h"
 #include "plsh/backend.h"
-#include "integration_util.h"
 #include "reference.h"
 #include "trust_files.h"
 
@@ -77,7 +77,8 @@ BackwardCall by_context(const Problem& p, const std::string& id, bool keep = fal
 // p's params in this process, with the forward output in *out (sized here).
 StatusOr<AttentionParams> params_for(const Problem& p, std::vector<uint8_t>* out) {
   const AttentionOptions& o = p.options;
-  out->resize(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(o.out_dtype.value_or(o.dtype)));
+  out->resize(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) *
+              dtype_bytes(o.out_dtype.value_or(o.dtype)));
   TensorRefs t;
   t.q = p.q.data();
   t.k = p.k.data();
@@ -123,8 +124,10 @@ testing::ReferenceGradients reference_gradients(const Problem& p) {
   const StatusOr<AttentionParams> params = params_for(p, &out);
   const int64_t n = o.batch * o.q_len * o.heads * o.head_dim;
   std::vector<double> dout(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) dout[static_cast<size_t>(i)] = load_element(p.dout.data(), o.out_dtype.value_or(o.dtype), i);
-  return testing::reference_backward(*params, testing::dense_inputs(*params), testing::reference_weights(*params), dout);
+  for (int64_t i = 0; i < n; ++i)
+    dout[static_cast<size_t>(i)] = load_element(p.dout.data(), o.out_dtype.value_or(o.dtype), i);
+  return testing::reference_backward(*params, testing::dense_inputs(*params), testing::reference_weights(*params),
+                                     dout);
 }
 
 class BackwardTest : public testing::SharedServerTest<BackwardTest> {
@@ -411,7 +414,8 @@ TEST_F(BackwardTest, ACancelledBackwardLeavesItsContextForARetry) {
   AttendReply forward;
   ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
   {
-    auto stub = v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+    auto stub =
+        v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     auto stream = stub->AttendBackward(&ctx);
     v1::BackwardRequest r;
@@ -506,68 +510,107 @@ TEST_F(BackwardTest, BadRequestsGetTheContractsCodes) {
   std::vector<float> nan_dout(p.dout.size() / 4, 0.5f);
   nan_dout[37] = std::nanf("");
   const std::vector<Case> cases = {
-      {"never existed", [&] { BackwardReply r; return c.backward(by_context(p, "ctx-00000000000000000000000000000000"), &r); },
+      {"never existed",
+       [&] {
+         BackwardReply r;
+         return c.backward(by_context(p, "ctx-00000000000000000000000000000000"), &r);
+       },
        grpc::StatusCode::NOT_FOUND, "no such context for this client"},
-      {"empty id", [&] { return raw_backward(target, {header_by_id(""), end()}).status; },
+      {"empty id",
+       [&] {
+         return raw_backward(target, {header_by_id(""), end()}).status;
+       },
        grpc::StatusCode::INVALID_ARGUMENT, "context_id is empty"},
-      {"no source", [&] {
+      {"no source",
+       [&] {
          v1::BackwardRequest h;
          h.mutable_header()->set_request_id("x");
          return raw_backward(target, {h, end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "neither context_id nor forward"},
-      {"recompute with a context", [&] {
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "neither context_id nor forward"},
+      {"recompute with a context",
+       [&] {
          v1::BackwardRequest h = header_by_id("ctx-1");
          h.mutable_header()->set_recompute_forward(true);
          return raw_backward(target, {h, end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "recompute_forward = true with context_id"},
-      {"keep without a context", [&] {
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "recompute_forward = true with context_id"},
+      {"keep without a context",
+       [&] {
          v1::BackwardRequest h;
          *h.mutable_header()->mutable_forward() = client::make_header(forward_call(p, false));
          h.mutable_header()->set_keep_context(true);
          return raw_backward(target, {h, end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "keep_context = true with a stateless backward"},
-      {"bad grad dtype", [&] {
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "keep_context = true with a stateless backward"},
+      {"bad grad dtype",
+       [&] {
          v1::BackwardRequest h = header_by_id("ctx-1");
          h.mutable_header()->set_grad_dtype(static_cast<v1::DType>(9));
          return raw_backward(target, {h, end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "grad_dtype = 9"},
-      {"bad forward header", [&] {
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "grad_dtype = 9"},
+      {"bad forward header",
+       [&] {
          v1::BackwardRequest h;
          AttendCall f = forward_call(p, false);
          f.options.samples = 0;
          *h.mutable_header()->mutable_forward() = client::make_header(f);
          return raw_backward(target, {h, end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "samples = 0"},
-      {"a q chunk by context", [&] {
-         return raw_backward(target, {header_by_id(context()), chunk(v1::TENSOR_Q, 0, 1, p.q.data(), dout_row), end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "expected TENSOR_DOUT"},
-      {"dout rows short", [&] {
-         return raw_backward(target, {header_by_id(context()), chunk(v1::TENSOR_DOUT, 0, rows - 1, p.dout.data(),
-                                                                      (rows - 1) * dout_row), end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "dout: rows [15, 16) missing"},
-      {"dout bytes wrong", [&] {
-         return raw_backward(target, {header_by_id(context()), chunk(v1::TENSOR_DOUT, 0, 2, p.dout.data(), dout_row), end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "chunk of dout: data = "},
-      {"dout twice", [&] {
-         return raw_backward(target, {header_by_id(context()), chunk(v1::TENSOR_DOUT, 0, rows, p.dout.data(), rows * dout_row),
-                                      chunk(v1::TENSOR_DOUT, 3, 1, p.dout.data(), dout_row), end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "overlap"},
-      {"non-finite dout", [&] {
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "samples = 0"},
+      {"a q chunk by context",
+       [&] {
+         return raw_backward(target, {header_by_id(context()), chunk(v1::TENSOR_Q, 0, 1, p.q.data(), dout_row), end()})
+             .status;
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "expected TENSOR_DOUT"},
+      {"dout rows short",
+       [&] {
          return raw_backward(target, {header_by_id(context()),
-                                      chunk(v1::TENSOR_DOUT, 0, rows, nan_dout.data(), rows * dout_row), end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "dout has a non-finite value (nan) at [b=0, n=0, h=0, d=37]"},
-      {"a stateless out chunk with recompute", [&] {
+                                      chunk(v1::TENSOR_DOUT, 0, rows - 1, p.dout.data(), (rows - 1) * dout_row), end()})
+             .status;
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "dout: rows [15, 16) missing"},
+      {"dout bytes wrong",
+       [&] {
+         return raw_backward(target,
+                             {header_by_id(context()), chunk(v1::TENSOR_DOUT, 0, 2, p.dout.data(), dout_row), end()})
+             .status;
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "chunk of dout: data = "},
+      {"dout twice",
+       [&] {
+         return raw_backward(target,
+                             {header_by_id(context()), chunk(v1::TENSOR_DOUT, 0, rows, p.dout.data(), rows * dout_row),
+                              chunk(v1::TENSOR_DOUT, 3, 1, p.dout.data(), dout_row), end()})
+             .status;
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "overlap"},
+      {"non-finite dout",
+       [&] {
+         return raw_backward(target, {header_by_id(context()),
+                                      chunk(v1::TENSOR_DOUT, 0, rows, nan_dout.data(), rows * dout_row), end()})
+             .status;
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "dout has a non-finite value (nan) at [b=0, n=0, h=0, d=37]"},
+      {"a stateless out chunk with recompute",
+       [&] {
          v1::BackwardRequest h;
          *h.mutable_header()->mutable_forward() = client::make_header(forward_call(p, false));
          h.mutable_header()->set_recompute_forward(true);
          return raw_backward(target, {h, chunk(v1::TENSOR_OUT, 0, 1, p.dout.data(), dout_row), end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "expected TENSOR_Q, TENSOR_K, TENSOR_V or TENSOR_DOUT"},
-      {"stateless without lse rows", [&] {
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "expected TENSOR_Q, TENSOR_K, TENSOR_V or TENSOR_DOUT"},
+      {"stateless without lse rows",
+       [&] {
          v1::BackwardRequest h;
          *h.mutable_header()->mutable_forward() = client::make_header(forward_call(p, false));
          return raw_backward(target, {h, end()}).status;
-       }, grpc::StatusCode::INVALID_ARGUMENT, "missing at end of input"},
-      {"stateless over the size limit", [&] {
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "missing at end of input"},
+      {"stateless over the size limit",
+       [&] {
          v1::BackwardRequest h;
          AttendCall f = forward_call(p, false);
          f.options.q_len = f.options.kv_len = 90000;
@@ -575,7 +618,8 @@ TEST_F(BackwardTest, BadRequestsGetTheContractsCodes) {
          f.options.head_dim = 128;
          *h.mutable_header()->mutable_forward() = client::make_header(f);
          return raw_backward(target, {h, end()}).status;
-       }, grpc::StatusCode::RESOURCE_EXHAUSTED, "--max-request-bytes"},
+       },
+       grpc::StatusCode::RESOURCE_EXHAUSTED, "--max-request-bytes"},
       {"release never existed", [&] { return c.release_context("ctx-nope"); }, grpc::StatusCode::NOT_FOUND,
        "no such context for this client"},
   };
@@ -632,7 +676,8 @@ TEST(BackwardContexts, AreEvictedLeastRecentlyUsedFirstWhenTheBudgetNeedsRoom) {
   keep_limits.backward = true;
   const StatusOr<Plan> keep_plan = plan_attention(*cpu, *params, keep_limits);
   const int64_t w_keep = keep_plan->workspace().host_bytes, w_backward = keep_plan->backward_workspace.host_bytes;
-  const int64_t tensors = static_cast<int64_t>(p.q.size() + p.k.size() + p.v.size() + p.q.size()) + o.q_len * o.heads * 4;
+  const int64_t tensors =
+      static_cast<int64_t>(p.q.size() + p.k.size() + p.v.size() + p.q.size()) + o.q_len * o.heads * 4;
   const int64_t gradients = static_cast<int64_t>(p.dout.size() + p.q.size() + p.k.size() + p.v.size());
   const int64_t budget = std::max(tensors + w_keep, tensors + gradients + w_backward) + 1024;
   ASSERT_GT(2 * tensors + w_keep, budget) << "the budget would hold two: the test would prove nothing (tensors "
@@ -774,12 +819,12 @@ TEST(BackwardContexts, AreBoundToTheirClient) {
     if (!methods.is_null()) e["methods"] = methods;
     return e;
   };
-  testing::write_file_atomically(
-      dir.file("tokens.json"),
-      nlohmann::json{{"version", 1},
-                     {"clients", {entry("alice", alice, nullptr), entry("bob", bob, nullptr),
-                                  entry("forward_only", fwd, {"Attend", "GetInfo"})}}}
-          .dump());
+  testing::write_file_atomically(dir.file("tokens.json"),
+                                 nlohmann::json{{"version", 1},
+                                                {"clients",
+                                                 {entry("alice", alice, nullptr), entry("bob", bob, nullptr),
+                                                  entry("forward_only", fwd, {"Attend", "GetInfo"})}}}
+                                     .dump());
   ServerProcess server({"--token-file", dir.file("tokens.json"), "--threads", "1"});
   ASSERT_TRUE(server.started()) << server.log();
   auto connect = [&](const std::string& token) {
@@ -832,7 +877,9 @@ TEST(BackwardContexts, AreBoundToTheirClient) {
   // The context counted against alice's reservations while it was held.
   const auto m = scrape(server);
   EXPECT_EQ(metric_sum(m, "plsh_client_reserved_bytes", {"client=\"alice\"", "space=\"host\""}), 0);
-  EXPECT_EQ(metric_sum(m, "plsh_client_requests_total", {"client=\"bob\"", "method=\"AttendBackward\"", "code=\"NOT_FOUND\""}), 3);
+  EXPECT_EQ(metric_sum(m, "plsh_client_requests_total",
+                       {"client=\"bob\"", "method=\"AttendBackward\"", "code=\"NOT_FOUND\""}),
+            3);
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 

@@ -1,8 +1,8 @@
 // Clients that stall, dribble, stop reading or send what does not parse
 // (issue 12): the server ends such streams, gives their memory back, counts
 // them by reason, and logs and counts the code the client really got.
-#include <gtest/gtest.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
@@ -75,8 +75,8 @@ grpc::Status drain(grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendRespons
 // and the memory serves the next request.
 TEST(Hardening, AStreamSilentAfterItsHeaderTimesOutAndGivesItsMemoryBack) {
   const AttentionOptions big = options_with_input(1 << 16);  // 512 MiB of q, k, v, out
-  ServerProcess server({"--backend", "cpu", "--stream-idle-timeout", "1.5", "--memory-budget",
-                        std::to_string(int64_t{700} << 20)});
+  ServerProcess server(
+      {"--backend", "cpu", "--stream-idle-timeout", "1.5", "--memory-budget", std::to_string(int64_t{700} << 20)});
   ASSERT_TRUE(server.started()) << server.log();
   auto stub = stub_for(server);
   grpc::ClientContext ctx;
@@ -143,8 +143,8 @@ TEST(Hardening, StreamsWithoutAHeaderTimeOutAndFreeTheirSlots) {
 // below --min-stream-rate: it ends within idle + bytes / rate.
 TEST(Hardening, ADribblingClientIsCutByTheMinimumRate) {
   const AttentionOptions o = options_with_input(1024);  // 3 x 2 MiB of q, k, v: allowed 1 + 6 MiB / 2 MiB = 4 s
-  ServerProcess server({"--backend", "cpu", "--stream-idle-timeout", "1", "--min-stream-rate",
-                        std::to_string(2 << 20)});
+  ServerProcess server(
+      {"--backend", "cpu", "--stream-idle-timeout", "1", "--min-stream-rate", std::to_string(2 << 20)});
   ASSERT_TRUE(server.started()) << server.log();
   auto stub = stub_for(server);
   grpc::ClientContext ctx;
@@ -343,8 +343,8 @@ TEST(Hardening, DrawsBeyondTheBudgetAreRefusedBeforeTheyAreMade) {
   o.samples = 4096;
   // 82M draws (1.3 GB): past the draws a request may have at all; 4M (64
   // MB): past this budget.
-  for (const auto& [heads, expected] : {std::pair{int64_t{20000}, "made with the header"},
-                                        std::pair{int64_t{1024}, "can never fit"}}) {
+  for (const auto& [heads, expected] :
+       {std::pair{int64_t{20000}, "made with the header"}, std::pair{int64_t{1024}, "can never fit"}}) {
     SCOPED_TRACE(heads);
     o.heads = heads;
     const auto t0 = Clock::now();

@@ -10,8 +10,8 @@
 //   a deadline passing during compute ends the computation promptly, and a
 //   computation that never stops cannot keep the process from exiting
 //   (--exit-timeout). D4 (another client's context) is in test_backward.cpp.
-#include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -101,10 +101,11 @@ grpc::Status attend(Client& c, const AttentionOptions& o, double deadline_second
 TEST(Hostile, SparseRegistrationsStopAtTheMappedBound) {
   const std::unique_ptr<TempDir> dir = shm_dir();
   const int64_t file_bytes = int64_t{128} << 40;
-  if (!make_sparse(dir->file("plsh-big"), file_bytes)) GTEST_SKIP() << dir->path() << " cannot hold a 128 TiB sparse file";
+  if (!make_sparse(dir->file("plsh-big"), file_bytes))
+    GTEST_SKIP() << dir->path() << " cannot hold a 128 TiB sparse file";
   const int64_t bound = GiB;
-  ServerProcess server({"--backend", "cpu", "--threads", "2", "--shm-dir", dir->path(), "--max-shm-bytes",
-                        std::to_string(bound)});
+  ServerProcess server(
+      {"--backend", "cpu", "--threads", "2", "--shm-dir", dir->path(), "--max-shm-bytes", std::to_string(bound)});
   ASSERT_TRUE(server.started()) << server.log();
   const int64_t vm_before = proc_status_bytes(server.pid(), "VmSize");
   Client c(server.grpc_address());
@@ -204,7 +205,8 @@ TEST(Hostile, AHeaderAloneCostsNoTensorMemory) {
   EXPECT_TRUE(testing::eventually([&] {
     grown = proc_status_bytes(server.pid(), "VmRSS") - rss_before;
     return grown < 64 * MiB + 48 * MiB;
-  })) << "RSS grew by " << grown / MiB << " MiB";
+  })) << "RSS grew by "
+      << grown / MiB << " MiB";
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
@@ -270,8 +272,8 @@ TEST(Hostile, ADeadlineDuringComputeEndsIt) {
   Client c(server.grpc_address());
   // Exact at n = 65536, one head of 16 dims, causal: seconds of compute on
   // 2 cores for 12 MiB of input (sent in a fraction of the deadline).
-  const AttentionOptions o = {.q_len = 65536, .kv_len = 65536, .heads = 1, .head_dim = 16, .causal = true,
-                              .mode = Mode::kExact};
+  const AttentionOptions o = {
+      .q_len = 65536, .kv_len = 65536, .heads = 1, .head_dim = 16, .causal = true, .mode = Mode::kExact};
   const std::vector<float> x = ramp(o.q_len * o.heads * o.head_dim);
   AttendCall call = testing::attend_call(o, x, x, x, 1.0);
   call.request_id = "slow";
@@ -305,9 +307,7 @@ TEST(Hostile, AStuckComputationCannotHoldUpTheExit) {
     EXPECT_TRUE(code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::UNAVAILABLE) << code;
   });
   // The request is open and not queued: a worker has it, in the backend's forward.
-  ASSERT_TRUE(testing::eventually([&] {
-    return metric_sum(scrape(server), "plsh_busy_workers") == 1;
-  }));
+  ASSERT_TRUE(testing::eventually([&] { return metric_sum(scrape(server), "plsh_busy_workers") == 1; }));
   const auto t0 = Clock::now();
   EXPECT_EQ(server.terminate(10), 3) << server.log();
   EXPECT_LT(seconds_since(t0), 4.0);

@@ -340,7 +340,7 @@ TEST(ServiceLifecycle, MemoryBudgetIsReleasedOnEveryPath) {
 // server's 100 KiB thread stacks; test_metrics_port.cpp attacks that process).
 TEST(ServiceMetrics, ServedWhenTheCudaLibraryIsLoaded) {
   const std::string lib = PLSH_CUDA_LIBRARY;
-  struct stat st{};
+  struct stat st {};
   if (stat(lib.c_str(), &st) != 0) GTEST_SKIP() << lib << " not built here (no CUDA toolkit): nothing to check";
   ServerProcess server({}, {"PLSH_CUDA_BACKEND=" + lib});
   ASSERT_TRUE(server.started()) << server.log();

@@ -59,7 +59,7 @@ class MetricsPort : public ::testing::TestWithParam<bool> {
     std::vector<std::string> env;
     if (cuda_loaded()) {
       const std::string lib = PLSH_CUDA_LIBRARY;
-      struct stat st{};
+      struct stat st {};
       if (stat(lib.c_str(), &st) != 0) GTEST_SKIP() << lib << " not built here (no CUDA toolkit): nothing to check";
       env.push_back("PLSH_CUDA_BACKEND=" + lib);
     } else {
@@ -69,8 +69,10 @@ class MetricsPort : public ::testing::TestWithParam<bool> {
     server_ = std::make_unique<ServerProcess>(std::vector<std::string>{}, env);
     ASSERT_TRUE(server_->started()) << server_->log();
     const std::string log = server_->log();
-    const bool loaded = log.find("name=cuda") != std::string::npos || log.find("cuda backend unavailable") != std::string::npos;
-    ASSERT_EQ(loaded, cuda_loaded()) << "the CUDA library's factory " << (loaded ? "ran" : "did not run") << ":\n" << log;
+    const bool loaded =
+        log.find("name=cuda") != std::string::npos || log.find("cuda backend unavailable") != std::string::npos;
+    ASSERT_EQ(loaded, cuda_loaded()) << "the CUDA library's factory " << (loaded ? "ran" : "did not run") << ":\n"
+                                     << log;
     addr_ = server_->metrics_address();
   }
 
@@ -131,7 +133,8 @@ class MetricsPort : public ::testing::TestWithParam<bool> {
         {"100 KB URL", get("/metrics?" + hundred_kb)},
         {"100 KB path", get("/" + hundred_kb)},
         {"100 KB method", get("/metrics", hundred_kb)},
-        {"10000 headers", [] {
+        {"10000 headers",
+         [] {
            std::string h;
            for (int i = 0; i < 10000; ++i) h += "X-H" + std::to_string(i) + ": v\r\n";
            return get("/metrics", "GET", h);
@@ -269,11 +272,21 @@ class MetricsPort : public ::testing::TestWithParam<bool> {
       const std::string method = methods[static_cast<size_t>(pick(static_cast<int>(methods.size())))];
       std::string path;
       switch (pick(5)) {
-        case 0: path = "/metrics"; break;
-        case 1: path = "/metrics?" + text(40, token + "=&"); break;
-        case 2: path = "/"; break;
-        case 3: path = "/favicon.ico"; break;
-        default: path = "/x" + text(60, "abcdefghijklmnopqrstuvwxyz0123456789/_-."); break;
+        case 0:
+          path = "/metrics";
+          break;
+        case 1:
+          path = "/metrics?" + text(40, token + "=&");
+          break;
+        case 2:
+          path = "/";
+          break;
+        case 3:
+          path = "/favicon.ico";
+          break;
+        default:
+          path = "/x" + text(60, "abcdefghijklmnopqrstuvwxyz0123456789/_-.");
+          break;
       }
       std::string headers;
       for (int h = pick(12); h > 0; --h) headers += "X-" + text(20, token) + ": " + text(200, value) + "\r\n";
@@ -288,7 +301,8 @@ class MetricsPort : public ::testing::TestWithParam<bool> {
       if (mangle) {
         switch (pick(4)) {
           case 0:  // flip bytes
-            for (int k = pick(8) + 1; k > 0; --k) request[static_cast<size_t>(pick(static_cast<int>(request.size())))] = static_cast<char>(rng());
+            for (int k = pick(8) + 1; k > 0; --k)
+              request[static_cast<size_t>(pick(static_cast<int>(request.size())))] = static_cast<char>(rng());
             break;
           case 1:  // cut short
             request.resize(static_cast<size_t>(pick(static_cast<int>(request.size()))));
@@ -298,7 +312,8 @@ class MetricsPort : public ::testing::TestWithParam<bool> {
                            text(300, std::string("\r\n:\0 %", 6) + static_cast<char>(rng())));
             break;
           default:  // claim more body than is sent
-            request = method + " /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(pick(1 << 20) + 1) + "\r\n\r\n" + body;
+            request = method + " /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(pick(1 << 20) + 1) +
+                      "\r\n\r\n" + body;
             break;
         }
       }
@@ -357,10 +372,9 @@ TEST_P(MetricsPort, SurvivesEverythingAndASeededFuzz) {
   expect_still_serving();
 }
 
-INSTANTIATE_TEST_SUITE_P(Processes, MetricsPort, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? "CudaLibraryLoaded" : "WithoutCuda";
-                         });
+INSTANTIATE_TEST_SUITE_P(Processes, MetricsPort, ::testing::Bool(), [](const ::testing::TestParamInfo<bool>& info) {
+  return info.param ? "CudaLibraryLoaded" : "WithoutCuda";
+});
 
 }  // namespace
 }  // namespace plsh

@@ -10,9 +10,9 @@
 #include <functional>
 #include <thread>
 
+#include "integration_util.h"
 #include "plsh/attention.h"
 #include "plsh/backend.h"
-#include "integration_util.h"
 
 namespace plsh {
 namespace {
@@ -40,7 +40,8 @@ struct Local {
 Local compute_local(const Inputs& in) {
   const AttentionOptions& o = in.options;
   Local l;
-  l.out.resize(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) * dtype_bytes(o.out_dtype.value_or(o.dtype)));
+  l.out.resize(static_cast<size_t>(o.batch * o.q_len * o.heads * o.head_dim) *
+               dtype_bytes(o.out_dtype.value_or(o.dtype)));
   l.lse.resize(static_cast<size_t>(o.batch * o.q_len * o.heads));
   TensorRefs t;
   t.q = in.q.data();
@@ -99,7 +100,9 @@ TEST_F(ServiceTest, EveryModeEqualsInProcessStreamedAndUnary) {
         const grpc::Status s = unary ? c.attend_unary(call_for(in), &reply) : c.attend(call_for(in, 3000), &reply);
         ASSERT_TRUE(s.ok()) << client::status_string(s);
         const size_t n = local.out.size() / sizeof(float);
-        EXPECT_LE(rel_diff(reinterpret_cast<const float*>(reply.out.data()), reinterpret_cast<const float*>(local.out.data()), n), 1e-6);
+        EXPECT_LE(rel_diff(reinterpret_cast<const float*>(reply.out.data()),
+                           reinterpret_cast<const float*>(local.out.data()), n),
+                  1e-6);
         EXPECT_LE(rel_diff(reply.lse.data(), local.lse.data(), local.lse.size()), 1e-6);
         EXPECT_EQ(reply.result.mode, mode);
         EXPECT_EQ(reply.result.backend, "cpu");
@@ -143,7 +146,8 @@ Send attend_with(std::function<void(AttentionOptions&)> edit, std::function<void
 }
 
 // Raw messages, for breaking the protocol itself.
-grpc::Status raw_stream(const std::string& target, const std::vector<v1::AttendRequest>& messages, bool writes_done = true) {
+grpc::Status raw_stream(const std::string& target, const std::vector<v1::AttendRequest>& messages,
+                        bool writes_done = true) {
   auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
   auto stub = v1::Attention::NewStub(channel);
   grpc::ClientContext ctx;
@@ -216,15 +220,21 @@ TEST_F(ServiceTest, BadInputTableGetsTheRightCodeAndNamesTheField) {
       {"H % Hkv != 0", attend_with([](auto& o) { o.kv_heads = 3; }), INV, "kv_heads"},
       {"head_dim over 1024", attend_with([](auto& o) { o.head_dim = 2000; }), INV, "head_dim"},
       {"q_len 0", attend_with([](auto& o) { o.q_len = 0; }), INV, "q_len"},
-      {"negative slope", attend_with([](auto& o) { o.slopes = {0.5, -0.1, 0.2, 0.1}; }), INV, "slopes[1]"},
+      {"negative slope", attend_with([](auto& o) {
+         o.slopes = {0.5, -0.1, 0.2, 0.1};
+       }),
+       INV, "slopes[1]"},
       {"slopes count", attend_with([](auto& o) { o.slopes = {0.5}; }), INV, "slopes"},
       {"samples 0", attend_with([](auto& o) { o.samples = 0; }), INV, "samples"},
       {"samples over --max-samples", attend_with([](auto& o) { o.samples = 257; }), RES, "samples"},
       {"N over --max-tokens", attend_with([](auto& o) { o.kv_len = 200000; }), RES, "max-tokens"},
       {"negative scale", attend_with([](auto& o) { o.scale = -1.0; }), INV, "scale"},
       {"causal with no key for row 0", attend_with([](auto& o) { o.q_pos0 = -5; }), INV, "q_pos0"},
-      {"window_eps out of (0, 1)", attend_with([](auto& o) { o.mode = Mode::kWindow; o.window_eps = 2; }), INV,
-       "window_eps"},
+      {"window_eps out of (0, 1)", attend_with([](auto& o) {
+         o.mode = Mode::kWindow;
+         o.window_eps = 2;
+       }),
+       INV, "window_eps"},
       {"NaN in q",
        attend_with([](auto&) {},
                    [](Inputs& in) {
@@ -242,8 +252,8 @@ TEST_F(ServiceTest, BadInputTableGetsTheRightCodeAndNamesTheField) {
       {"header twice", stream_of({header_msg(), header_msg()}), INV, "header"},
       {"chunk out of range", stream_of({header_msg(), chunk_msg(v1::TENSOR_Q, 3, 2)}), INV, "row_count"},
       {"chunk row_start past the end", stream_of({header_msg(), chunk_msg(v1::TENSOR_K, 4, 1)}), INV, "row_start"},
-      {"overlapping chunks",
-       stream_of({header_msg(), chunk_msg(v1::TENSOR_V, 0, 3), chunk_msg(v1::TENSOR_V, 2, 2)}), INV, "overlap"},
+      {"overlapping chunks", stream_of({header_msg(), chunk_msg(v1::TENSOR_V, 0, 3), chunk_msg(v1::TENSOR_V, 2, 2)}),
+       INV, "overlap"},
       {"wrong byte count", stream_of({header_msg(), chunk_msg(v1::TENSOR_Q, 0, 2, 60)}), INV, "data"},
       {"chunk of no tensor", stream_of({header_msg(), chunk_msg(v1::TENSOR_UNSPECIFIED, 0, 1)}), INV, "chunk.tensor"},
       {"chunk of an output tensor", stream_of({header_msg(), chunk_msg(v1::TENSOR_OUT, 0, 1)}), INV, "chunk.tensor"},
@@ -324,7 +334,8 @@ TEST(ServiceLarge, N65536H8D64F16StreamsUnderTheMessageLimit) {
   int64_t over_one_ulp = 0;
   for (size_t i = 0; i < local.out.size() / 2; ++i) {
     const float x = half_to_float(a[i]), y = half_to_float(b[i]);
-    if (std::fabs(x - y) > std::ldexp(std::max(std::fabs(x), std::fabs(y)), -10) + std::ldexp(1.0f, -24)) ++over_one_ulp;
+    if (std::fabs(x - y) > std::ldexp(std::max(std::fabs(x), std::fabs(y)), -10) + std::ldexp(1.0f, -24))
+      ++over_one_ulp;
   }
   EXPECT_EQ(over_one_ulp, 0);
   RecordProperty("seconds", std::to_string(seconds));

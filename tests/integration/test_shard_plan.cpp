@@ -15,9 +15,19 @@ namespace plsh::client {
 namespace {
 
 AttentionOptions base_options(Mode mode, bool causal) {
-  return {.batch = 2, .q_len = 1000, .kv_len = 2600, .heads = 6, .kv_heads = 3, .head_dim = 40, .causal = causal,
-          .slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125}, .q_pos0 = 5000 + 1200, .k_pos0 = 5000, .mode = mode,
-          .samples = 8, .seed = 11};
+  return {.batch = 2,
+          .q_len = 1000,
+          .kv_len = 2600,
+          .heads = 6,
+          .kv_heads = 3,
+          .head_dim = 40,
+          .causal = causal,
+          .slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125},
+          .q_pos0 = 5000 + 1200,
+          .k_pos0 = 5000,
+          .mode = mode,
+          .samples = 8,
+          .seed = 11};
 }
 
 bool same_draw(const Draw& a, const Draw& b) {
@@ -85,8 +95,10 @@ TEST(ShardPlan, HeadShardsTakeWholeGqaGroups) {
 bool allowed(const AttentionParams& p, const std::vector<std::vector<Draw>>& draws, int64_t h, int64_t i, int64_t j) {
   if (p.causal && j > i) return false;
   switch (p.mode) {
-    case Mode::kExact: return true;
-    case Mode::kWindow: return p.window[static_cast<size_t>(h)] == kNoWindow || std::llabs(i - j) < p.window[static_cast<size_t>(h)];
+    case Mode::kExact:
+      return true;
+    case Mode::kWindow:
+      return p.window[static_cast<size_t>(h)] == kNoWindow || std::llabs(i - j) < p.window[static_cast<size_t>(h)];
     case Mode::kLsh:
     case Mode::kFixedBlocks:
       for (const Draw& d : draws[static_cast<size_t>(h)])
@@ -233,7 +245,7 @@ TEST(ShardPlan, AutomaticCountKeepsShardsLargeEnough) {
   StatusOr<ShardPlan> plan = plan_shards(o, false, sharding, 3);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->kind, ShardKind::kSingle) << plan->reason;  // ~100 KiB: one shard
-  o.q_len = o.kv_len = 65536;  // 6 heads x 40 x 4 bytes x 64k x 5 tensors: 300 MiB
+  o.q_len = o.kv_len = 65536;                                 // 6 heads x 40 x 4 bytes x 64k x 5 tensors: 300 MiB
   plan = plan_shards(o, false, sharding, 3);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->shards.size(), 3u) << plan->reason;

@@ -72,8 +72,7 @@ std::string first_difference(const std::vector<uint8_t>& a, const std::vector<ui
   const int64_t n = static_cast<int64_t>(a.size() / dtype_bytes(t));
   for (int64_t i = 0; i < n; ++i) {
     const double x = load_element(a.data(), t, i), y = load_element(b.data(), t, i);
-    if (std::memcmp(a.data() + i * dtype_bytes(t), b.data() + i * dtype_bytes(t), dtype_bytes(t)) != 0)
-    {
+    if (std::memcmp(a.data() + i * dtype_bytes(t), b.data() + i * dtype_bytes(t), dtype_bytes(t)) != 0) {
       char text[96];
       std::snprintf(text, sizeof text, "element %lld: %.9g vs %.9g", static_cast<long long>(i), x, y);
       return text;
@@ -84,7 +83,8 @@ std::string first_difference(const std::vector<uint8_t>& a, const std::vector<ui
 
 void expect_same_bits(const AttendReply& sharded, const AttendReply& whole) {
   ASSERT_EQ(sharded.out_dtype, whole.out_dtype);
-  EXPECT_TRUE(sharded.out == whole.out) << "out differs, first at " << first_difference(sharded.out, whole.out, whole.out_dtype);
+  EXPECT_TRUE(sharded.out == whole.out) << "out differs, first at "
+                                        << first_difference(sharded.out, whole.out, whole.out_dtype);
   ASSERT_EQ(sharded.lse.size(), whole.lse.size());
   EXPECT_EQ(std::memcmp(sharded.lse.data(), whole.lse.data(), whole.lse.size() * sizeof(float)), 0) << "lse differs";
 }
@@ -106,15 +106,14 @@ std::vector<std::unique_ptr<ServerProcess>> start_replicas(int n) {
   std::vector<std::unique_ptr<ServerProcess>> servers;
   // One thread each: three replicas share this machine's cores.
   for (int i = 0; i < n; ++i)
-    servers.push_back(std::make_unique<ServerProcess>(std::vector<std::string>{"--threads", "1", "--max-samples", "512"}));
+    servers.push_back(
+        std::make_unique<ServerProcess>(std::vector<std::string>{"--threads", "1", "--max-samples", "512"}));
   return servers;
 }
 
 class Sharding : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    servers_ = new std::vector<std::unique_ptr<ServerProcess>>(start_replicas(3));
-  }
+  static void SetUpTestSuite() { servers_ = new std::vector<std::unique_ptr<ServerProcess>>(start_replicas(3)); }
   static void TearDownTestSuite() {
     for (auto& s : *servers_) s->terminate();
     delete servers_;
@@ -168,9 +167,20 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 // standard slopes of H = 6 (which a 2-head shard must be sent explicitly);
 // sequence shards steep slopes, so that windows and blocks cut the keys.
 AttentionOptions case_options(const Case& c) {
-  AttentionOptions o{.batch = 2, .q_len = 768, .kv_len = 2048, .heads = 6, .kv_heads = 3, .head_dim = 40,
-                     .causal = c.causal, .q_pos0 = 6000, .k_pos0 = 5000, .mode = c.mode, .samples = 8, .seed = 3,
-                     .lsh_algorithm = c.algorithm, .sampling = c.sampling};
+  AttentionOptions o{.batch = 2,
+                     .q_len = 768,
+                     .kv_len = 2048,
+                     .heads = 6,
+                     .kv_heads = 3,
+                     .head_dim = 40,
+                     .causal = c.causal,
+                     .q_pos0 = 6000,
+                     .k_pos0 = 5000,
+                     .mode = c.mode,
+                     .samples = 8,
+                     .seed = 3,
+                     .lsh_algorithm = c.algorithm,
+                     .sampling = c.sampling};
   if (c.by == ShardBy::kSequence) o.slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125};
   return o;
 }
@@ -184,7 +194,8 @@ TEST_P(ShardingBits, SameOutAndLseAsUnsharded) {
   const AttendCall call = call_of(o, in);
   const AttendReply reference = whole(call);
   const ShardedReply reply = sharded(call, c.by, addresses());
-  ASSERT_EQ(reply.sharding.kind, c.by == ShardBy::kHeads ? ShardKind::kHeads : ShardKind::kSequence) << reply.sharding.reason;
+  ASSERT_EQ(reply.sharding.kind, c.by == ShardBy::kHeads ? ShardKind::kHeads : ShardKind::kSequence)
+      << reply.sharding.reason;
   ASSERT_EQ(reply.sharding.shards.size(), 3u);
   EXPECT_EQ(reply.sharding.retries, 0);
   // One shard per replica.
@@ -232,35 +243,42 @@ TEST_P(ShardingBits, SameOutAndLseAsUnsharded) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllModes, ShardingBits,
-    ::testing::Values(Case{"ExactHeads", Mode::kExact, LshAlgorithm::kAuto, false, ShardBy::kHeads},
-                      Case{"ExactCausalHeads", Mode::kExact, LshAlgorithm::kAuto, true, ShardBy::kHeads},
-                      Case{"WindowHeads", Mode::kWindow, LshAlgorithm::kAuto, false, ShardBy::kHeads},
-                      Case{"WindowCausalHeads", Mode::kWindow, LshAlgorithm::kAuto, true, ShardBy::kHeads},
-                      Case{"LshPerSampleHeads", Mode::kLsh, LshAlgorithm::kPerSample, false, ShardBy::kHeads},
-                      Case{"LshPerSampleCausalHeads", Mode::kLsh, LshAlgorithm::kPerSample, true, ShardBy::kHeads},
-                      Case{"LshBandedHeads", Mode::kLsh, LshAlgorithm::kBanded, false, ShardBy::kHeads},
-                      Case{"LshBandedCausalHeads", Mode::kLsh, LshAlgorithm::kBanded, true, ShardBy::kHeads},
-                      Case{"ExactSequence", Mode::kExact, LshAlgorithm::kAuto, false, ShardBy::kSequence},
-                      Case{"ExactCausalSequence", Mode::kExact, LshAlgorithm::kAuto, true, ShardBy::kSequence},
-                      Case{"WindowSequence", Mode::kWindow, LshAlgorithm::kAuto, false, ShardBy::kSequence},
-                      Case{"WindowCausalSequence", Mode::kWindow, LshAlgorithm::kAuto, true, ShardBy::kSequence},
-                      Case{"LshPerSampleSequence", Mode::kLsh, LshAlgorithm::kPerSample, false, ShardBy::kSequence},
-                      Case{"LshPerSampleCausalSequence", Mode::kLsh, LshAlgorithm::kPerSample, true, ShardBy::kSequence},
-                      Case{"LshBandedSequence", Mode::kLsh, LshAlgorithm::kBanded, false, ShardBy::kSequence},
-                      Case{"LshBandedCausalSequence", Mode::kLsh, LshAlgorithm::kBanded, true, ShardBy::kSequence},
-                      // Other samplers: the client's sequence cuts use the
-                      // same sampler's draws, head cuts the same seed rule.
-                      Case{"LshAshCausalSequence", Mode::kLsh, LshAlgorithm::kBanded, true, ShardBy::kSequence,
-                           Sampling::kAsh},
-                      Case{"LshStratifiedHeads", Mode::kLsh, LshAlgorithm::kPerSample, false, ShardBy::kHeads,
-                           Sampling::kStratified}),
+    ::testing::Values(
+        Case{"ExactHeads", Mode::kExact, LshAlgorithm::kAuto, false, ShardBy::kHeads},
+        Case{"ExactCausalHeads", Mode::kExact, LshAlgorithm::kAuto, true, ShardBy::kHeads},
+        Case{"WindowHeads", Mode::kWindow, LshAlgorithm::kAuto, false, ShardBy::kHeads},
+        Case{"WindowCausalHeads", Mode::kWindow, LshAlgorithm::kAuto, true, ShardBy::kHeads},
+        Case{"LshPerSampleHeads", Mode::kLsh, LshAlgorithm::kPerSample, false, ShardBy::kHeads},
+        Case{"LshPerSampleCausalHeads", Mode::kLsh, LshAlgorithm::kPerSample, true, ShardBy::kHeads},
+        Case{"LshBandedHeads", Mode::kLsh, LshAlgorithm::kBanded, false, ShardBy::kHeads},
+        Case{"LshBandedCausalHeads", Mode::kLsh, LshAlgorithm::kBanded, true, ShardBy::kHeads},
+        Case{"ExactSequence", Mode::kExact, LshAlgorithm::kAuto, false, ShardBy::kSequence},
+        Case{"ExactCausalSequence", Mode::kExact, LshAlgorithm::kAuto, true, ShardBy::kSequence},
+        Case{"WindowSequence", Mode::kWindow, LshAlgorithm::kAuto, false, ShardBy::kSequence},
+        Case{"WindowCausalSequence", Mode::kWindow, LshAlgorithm::kAuto, true, ShardBy::kSequence},
+        Case{"LshPerSampleSequence", Mode::kLsh, LshAlgorithm::kPerSample, false, ShardBy::kSequence},
+        Case{"LshPerSampleCausalSequence", Mode::kLsh, LshAlgorithm::kPerSample, true, ShardBy::kSequence},
+        Case{"LshBandedSequence", Mode::kLsh, LshAlgorithm::kBanded, false, ShardBy::kSequence},
+        Case{"LshBandedCausalSequence", Mode::kLsh, LshAlgorithm::kBanded, true, ShardBy::kSequence},
+        // Other samplers: the client's sequence cuts use the
+        // same sampler's draws, head cuts the same seed rule.
+        Case{"LshAshCausalSequence", Mode::kLsh, LshAlgorithm::kBanded, true, ShardBy::kSequence, Sampling::kAsh},
+        Case{"LshStratifiedHeads", Mode::kLsh, LshAlgorithm::kPerSample, false, ShardBy::kHeads,
+             Sampling::kStratified}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // One batch item, float16, default positions, the standard slopes: sequence
 // shards are sent straight from the caller's tensors (no copies).
 TEST_F(Sharding, HalfPrecisionSequenceShardsOfOneItem) {
-  const AttentionOptions o{.q_len = 1000, .kv_len = 1000, .heads = 4, .kv_heads = 1, .head_dim = 64,
-                           .dtype = DType::kF16, .causal = true, .mode = Mode::kWindow, .window_width = 100};
+  const AttentionOptions o{.q_len = 1000,
+                           .kv_len = 1000,
+                           .heads = 4,
+                           .kv_heads = 1,
+                           .head_dim = 64,
+                           .dtype = DType::kF16,
+                           .causal = true,
+                           .mode = Mode::kWindow,
+                           .window_width = 100};
   const Inputs in = random_inputs(o, 5);
   const AttendCall call = call_of(o, in);
   const AttendReply reference = whole(call);
@@ -341,8 +359,8 @@ TEST_F(Sharding, InvalidOptionsAreRefusedUpFront) {
 
 // Workers of a replica computing a request now (plsh_busy_workers).
 double busy(const ServerProcess& s) {
-  return plsh::testing::metric_sum(plsh::testing::parse_metrics(plsh::testing::http_get(s.metrics_address(), "/metrics")),
-                                   "plsh_busy_workers");
+  return plsh::testing::metric_sum(
+      plsh::testing::parse_metrics(plsh::testing::http_get(s.metrics_address(), "/metrics")), "plsh_busy_workers");
 }
 
 // f() true within `seconds`, polled every 10 ms.

@@ -26,8 +26,16 @@ using client::SharedMemoryFile;
 using testing::TempDir;
 
 AttentionOptions options() {
-  return {.batch = 2, .q_len = 33, .kv_len = 40, .heads = 4, .kv_heads = 2, .head_dim = 16, .causal = true,
-          .mode = Mode::kLsh, .samples = 8, .seed = 3};
+  return {.batch = 2,
+          .q_len = 33,
+          .kv_len = 40,
+          .heads = 4,
+          .kv_heads = 2,
+          .head_dim = 16,
+          .causal = true,
+          .mode = Mode::kLsh,
+          .samples = 8,
+          .seed = 3};
 }
 
 struct Sizes {
@@ -89,7 +97,8 @@ class SharedMemoryTest : public ::testing::Test {
   static ::testing::AssertionResult refused(const grpc::Status& s, grpc::StatusCode code, const std::string& part,
                                             const std::vector<std::string>& keys = {}) {
     if (s.error_code() != code)
-      return ::testing::AssertionFailure() << "got " << message_of(s) << ", expected " << client::status_code_name(code);
+      return ::testing::AssertionFailure()
+             << "got " << message_of(s) << ", expected " << client::status_code_name(code);
     if (s.error_message().find(part) == std::string::npos)
       return ::testing::AssertionFailure() << "\"" << s.error_message() << "\" lacks \"" << part << "\"";
     if (s.error_message().find(dir_->path()) != std::string::npos)
@@ -208,8 +217,8 @@ TEST_F(SharedMemoryTest, RegisteringAnythingButAPrivateFileOfTheDirectoryIsRefus
   EXPECT_TRUE(refused(c.register_shared_memory("r", "plsh-passwd", 0, 1), kInvalid, "symbolic link", {"passwd"}));
   EXPECT_TRUE(refused(c.register_shared_memory("r", "plsh-dir", 0, 1), kInvalid, "not a regular file", {"plsh-dir"}));
   EXPECT_TRUE(refused(c.register_shared_memory("r", "plsh-fifo", 0, 1), kInvalid, "not a regular file", {"plsh-fifo"}));
-  EXPECT_TRUE(refused(c.register_shared_memory("r", "plsh-nothing", 0, 1), grpc::StatusCode::NOT_FOUND,
-                      "no such file", {"plsh-nothing"}));
+  EXPECT_TRUE(refused(c.register_shared_memory("r", "plsh-nothing", 0, 1), grpc::StatusCode::NOT_FOUND, "no such file",
+                      {"plsh-nothing"}));
   EXPECT_TRUE(refused(c.register_shared_memory("r", "plsh-everyone", 0, 1), grpc::StatusCode::PERMISSION_DENIED,
                       "writable by every user", {"plsh-everyone"}));
   if (geteuid() == 0) {
@@ -251,13 +260,17 @@ TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
   };
   const grpc::StatusCode kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
   // The region is too small for the tensor where it is placed.
-  EXPECT_TRUE(refused(attend([&](AttendCall& a) { a.q_shm = {"refs", at.total - z.q + 4}; }), kInvalid,
-                      "q_shm.offset + byte_size"));
+  EXPECT_TRUE(refused(attend([&](AttendCall& a) {
+                        a.q_shm = {"refs", at.total - z.q + 4};
+                      }),
+                      kInvalid, "q_shm.offset + byte_size"));
   EXPECT_TRUE(refused(attend([&](AttendCall& a) { a.k_shm = {"refs", LLONG_MAX - 8}; }), kInvalid, "overflows"));
   EXPECT_TRUE(refused(attend([&](AttendCall& a) { a.v_shm = {"refs", -4096}; }), kInvalid, "v_shm.offset = -4096"));
   EXPECT_TRUE(refused(attend([&](AttendCall& a) { a.v_shm = {"refs", 2}; }), kInvalid, "multiple of 4"));
-  EXPECT_TRUE(refused(attend([&](AttendCall& a) { a.q_shm = {"unknown", 0}; }), grpc::StatusCode::NOT_FOUND,
-                      "q_shm.region = 'unknown'"));
+  EXPECT_TRUE(refused(attend([&](AttendCall& a) {
+                        a.q_shm = {"unknown", 0};
+                      }),
+                      grpc::StatusCode::NOT_FOUND, "q_shm.region = 'unknown'"));
   EXPECT_TRUE(refused(attend([&](AttendCall& a) {
                         a.q_shm = {"refs", at.q};
                         a.out_shm = {"refs", at.q + 4096};
@@ -266,7 +279,8 @@ TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
   // A byte size that is not the tensor's (the client library always sends
   // the right one: a raw header).
   {
-    auto stub = v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+    auto stub =
+        v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
     // A header that places q at offset 0 of the region, byte_size bytes long.
     auto q_in_refs = [&](int64_t byte_size) {
       AttendCall call;
@@ -325,8 +339,8 @@ TEST_F(SharedMemoryTest, ARegionInUseCannotBeUnregistered) {
   v1::AttendResponse ack;
   ASSERT_TRUE(stream->Read(&ack));
   ASSERT_TRUE(ack.has_ack());
-  EXPECT_TRUE(refused(c.unregister_shared_memory("busy"), grpc::StatusCode::FAILED_PRECONDITION,
-                      "in use by 1 request(s)"));
+  EXPECT_TRUE(
+      refused(c.unregister_shared_memory("busy"), grpc::StatusCode::FAILED_PRECONDITION, "in use by 1 request(s)"));
   std::vector<v1::SharedMemoryRegion> regions;
   ASSERT_TRUE(c.list_shared_memory(&regions).ok());
   ASSERT_EQ(regions.size(), 1u);
@@ -353,7 +367,8 @@ TEST_F(SharedMemoryTest, AFileShrunkUnderARequestFailsItNotTheServer) {
     const std::vector<float> q = gaussian(z.q, 1), kv = gaussian(z.kv, 2);
     std::memcpy(file->data(), q.data(), static_cast<size_t>(z.q));
     ASSERT_TRUE(c.register_shared_memory("shrink", key, 0, std::max(z.q, z.out)).ok());
-    auto stub = v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+    auto stub =
+        v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     auto stream = stub->Attend(&ctx);
     AttendCall call;
@@ -386,8 +401,8 @@ TEST_F(SharedMemoryTest, AFileShrunkUnderARequestFailsItNotTheServer) {
     v1::AttendResponse r;
     while (stream->Read(&r)) {
     }
-    EXPECT_TRUE(refused(stream->Finish(), grpc::StatusCode::FAILED_PRECONDITION, "shrank while the request used it",
-                        {key}));
+    EXPECT_TRUE(
+        refused(stream->Finish(), grpc::StatusCode::FAILED_PRECONDITION, "shrank while the request used it", {key}));
     // The region is broken for good: refused at the next header, until
     // registered again.
     AttendReply reply;
@@ -448,7 +463,8 @@ TEST(SharedMemoryTokens, RegionsBelongToTheirClient) {
   ASSERT_TRUE(SharedMemoryFile::create(dir.path(), "plsh-alice", q_bytes, &file).ok());
   std::memcpy(file->data(), r.q.data(), static_cast<size_t>(q_bytes));
   ASSERT_TRUE(a->register_shared_memory("mine", "plsh-alice", 0, q_bytes).ok());
-  EXPECT_EQ(e->register_shared_memory("eves", "plsh-alice", 0, q_bytes).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(e->register_shared_memory("eves", "plsh-alice", 0, q_bytes).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
   std::vector<v1::SharedMemoryRegion> regions;
   ASSERT_TRUE(b->list_shared_memory(&regions).ok());
   EXPECT_TRUE(regions.empty());

@@ -70,7 +70,6 @@ TEST_F(Trust, ClientCertificatesOptional) {
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
-
 // --------------------------------------------------- health-only port
 
 TEST_F(Trust, HealthOnlyListenerServesProbesWithoutCredentialsAndNothingElse) {
@@ -110,9 +109,8 @@ TEST_F(Trust, HealthOnlyListenerTurnsNotServingWhileDraining) {
     Client c(server.grpc_address());
     status = attend(c, r);
   });
-  ASSERT_TRUE(eventually([&] {
-    return metric_sum(scrape(server), "plsh_received_bytes_total") >= 3.0 * r.q.size() * sizeof(float);
-  }, 30));
+  ASSERT_TRUE(eventually(
+      [&] { return metric_sum(scrape(server), "plsh_received_bytes_total") >= 3.0 * r.q.size() * sizeof(float); }, 30));
   kill(server.pid(), SIGTERM);
   EXPECT_TRUE(eventually([&] { return health(probe) == "NOT_SERVING"; }, 5));
   EXPECT_EQ(health(probe, "plsh.v1.Attention"), "NOT_SERVING");
@@ -120,7 +118,6 @@ TEST_F(Trust, HealthOnlyListenerTurnsNotServingWhileDraining) {
   EXPECT_TRUE(status.ok()) << client::status_string(status);  // the request in flight still finished
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
-
 
 // ------------------------------------------------------------ startup
 
@@ -163,8 +160,8 @@ TEST_F(Trust, RefusesToStartOnBadFilesNamingTheFlag) {
       {{"--token-file", token_file("e.json", "{\"clients\": [{\"name\": \"a\", \"sha256\": \"" + digest +
                                                  "\"}, {\"name\": \"b\", \"sha256\": \"" + digest + "\"}]}")},
        "clients[1] ('b'): sha256[0] is also a token of clients[0] ('a')"},
-      {{"--token-file", token_file("f.json", "{\"clients\": [{\"name\": \"a\", \"sha256\": \"" + digest +
-                                                 "\", \"max_stream\": 1}]}")},
+      {{"--token-file",
+        token_file("f.json", "{\"clients\": [{\"name\": \"a\", \"sha256\": \"" + digest + "\", \"max_stream\": 1}]}")},
        "clients[0] ('a'): unknown field 'max_stream'"},
       {{"--token-file", token_file("g.json", "{\"clients\": [{\"name\": \"a\", \"sha256\": \"" + digest +
                                                  "\", \"methods\": [\"Attnd\"]}]}")},
@@ -179,7 +176,8 @@ TEST_F(Trust, RefusesToStartOnBadFilesNamingTheFlag) {
     ServerProcess server(c.flags);
     EXPECT_FALSE(server.started()) << c.expected;
     EXPECT_EQ(server.terminate(), 2) << c.expected << "\n" << server.log();
-    EXPECT_NE(server.log().find(c.expected), std::string::npos) << "expected: " << c.expected << "\nlog: " << server.log();
+    EXPECT_NE(server.log().find(c.expected), std::string::npos)
+        << "expected: " << c.expected << "\nlog: " << server.log();
     EXPECT_EQ(server.log().find(key_body), std::string::npos);
   }
 }

@@ -23,7 +23,8 @@ TEST_F(Trust, BearerTokensOnAPlaintextListener) {
   const std::string addr = server.grpc_address();
 
   // Missing and wrong: UNAUTHENTICATED, every method.
-  for (const std::string& token : {std::string(), testing::random_token(), full.substr(0, 63) + (full[63] == 'a' ? "b" : "a")}) {
+  for (const std::string& token :
+       {std::string(), testing::random_token(), full.substr(0, 63) + (full[63] == 'a' ? "b" : "a")}) {
     std::unique_ptr<Client> c = connect(addr, plain(token));
     EXPECT_EQ(info(*c).error_code(), grpc::StatusCode::UNAUTHENTICATED) << token.size();
     EXPECT_EQ(attend(*c).error_code(), grpc::StatusCode::UNAUTHENTICATED);
@@ -41,7 +42,8 @@ TEST_F(Trust, BearerTokensOnAPlaintextListener) {
   EXPECT_TRUE(info(*monitor).ok());
   const grpc::Status denied = attend(*monitor);
   EXPECT_EQ(denied.error_code(), grpc::StatusCode::PERMISSION_DENIED);
-  EXPECT_NE(denied.error_message().find("client 'monitor' may not call Attend"), std::string::npos) << denied.error_message();
+  EXPECT_NE(denied.error_message().find("client 'monitor' may not call Attend"), std::string::npos)
+      << denied.error_message();
   EXPECT_EQ(attend_unary(*monitor).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   std::unique_ptr<Client> u = connect(addr, plain(unary));
   EXPECT_EQ(attend(*u).error_code(), grpc::StatusCode::PERMISSION_DENIED);
@@ -66,7 +68,8 @@ TEST_F(Trust, BearerTokensOnAPlaintextListener) {
   const auto m = scrape(server);
   EXPECT_EQ(metric_sum(m, "plsh_client_requests_total", {"client=\"full\"", "method=\"Attend\"", "code=\"OK\""}), 1);
   EXPECT_EQ(metric_sum(m, "plsh_client_requests_total", {"client=\"monitor\"", "code=\"PERMISSION_DENIED\""}), 2);
-  EXPECT_EQ(metric_sum(m, "plsh_client_requests_total", {"client=\"unauthenticated\"", "code=\"UNAUTHENTICATED\""}), 12);
+  EXPECT_EQ(metric_sum(m, "plsh_client_requests_total", {"client=\"unauthenticated\"", "code=\"UNAUTHENTICATED\""}),
+            12);
   EXPECT_GT(metric_sum(m, "plsh_client_received_bytes_total", {"client=\"full\""}), 0);
   EXPECT_EQ(metric_sum(m, "plsh_token_file_clients"), 3);
   EXPECT_EQ(server.terminate(), 0) << server.log();
@@ -139,9 +142,7 @@ TEST_F(Trust, TokenFileReloadsOnSighup) {
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
-
 // ------------------------------------------------- per-client limits
-
 
 TEST_F(Trust, PerClientStreamLimitLeavesOtherClientsServed) {
   const std::string a = testing::random_token(), b = testing::random_token();
@@ -168,7 +169,8 @@ TEST_F(Trust, PerClientStreamLimitLeavesOtherClientsServed) {
   EXPECT_EQ(metric_sum(m, "plsh_client_requests_total", {"client=\"b\"", "code=\"OK\""}), 2);
 
   held.release();
-  EXPECT_TRUE(eventually([&] { return metric_sum(scrape(server), "plsh_client_open_streams", {"client=\"a\""}) == 0; }));
+  EXPECT_TRUE(
+      eventually([&] { return metric_sum(scrape(server), "plsh_client_open_streams", {"client=\"a\""}) == 0; }));
   EXPECT_TRUE(attend(*ca).ok());
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
@@ -212,7 +214,6 @@ TEST_F(Trust, PerClientReservedBytesLimitLeavesOtherClientsServed) {
   EXPECT_TRUE(attend(*ca, request).ok());
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
-
 
 // ------------------------------------------------------------ secrets
 
@@ -258,7 +259,8 @@ TEST_F(Trust, SecretsNeverInLogsMetricsOrMessages) {
   EXPECT_EQ(server.terminate(), 0);
   const std::string log = server.log();
 
-  std::vector<std::string> secrets = {token, getinfo, near_miss, testing::sha256_hex(token), testing::sha256_hex(getinfo)};
+  std::vector<std::string> secrets = {token, getinfo, near_miss, testing::sha256_hex(token),
+                                      testing::sha256_hex(getinfo)};
   // The private key's base64 lines.
   std::istringstream key(testing::read_file(pki("server.key")));
   for (std::string line; std::getline(key, line);)

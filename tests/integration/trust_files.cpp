@@ -47,8 +47,8 @@ std::string make_pki(const std::string& dir) {
   };
   auto leaf = [&](const std::string& name, const std::string& issuer, const std::string& cn, const std::string& ext) {
     return "openssl req " + ec + " -keyout " + name + ".key -out " + name + ".csr -subj /CN=" + cn +
-           " && openssl x509 -req -in " + name + ".csr -CA " + issuer + ".crt -CAkey " + issuer + ".key -CAcreateserial" +
-           " -out " + name + ".crt -days 2" + (ext.empty() ? "" : " -extfile " + ext);
+           " && openssl x509 -req -in " + name + ".csr -CA " + issuer + ".crt -CAkey " + issuer +
+           ".key -CAcreateserial" + " -out " + name + ".crt -days 2" + (ext.empty() ? "" : " -extfile " + ext);
   };
   const std::vector<std::string> steps = {
       "printf 'subjectAltName=DNS:plsh.test,IP:127.0.0.1\\n' > server.ext",

@@ -76,7 +76,8 @@ inline std::string field(const std::string& log, const std::string& key) {
 }
 
 // A token file client entry.
-inline nlohmann::json client_entry(const std::string& name, const std::vector<std::string>& tokens, nlohmann::json extra = {}) {
+inline nlohmann::json client_entry(const std::string& name, const std::vector<std::string>& tokens,
+                                   nlohmann::json extra = {}) {
   nlohmann::json digests = nlohmann::json::array();
   for (const std::string& t : tokens) digests.push_back(testing::sha256_hex(t));
   nlohmann::json c = {{"name", name}, {"sha256", digests}};
@@ -118,7 +119,9 @@ class Trust : public ::testing::Test {
   void SetUp() override { ASSERT_EQ(pki_error_, "") << "making the test certificates with openssl failed"; }
 
   static std::string pki(const std::string& name) { return pki_->file(name); }
-  static std::vector<std::string> tls_flags() { return {"--tls-cert", pki("server.crt"), "--tls-key", pki("server.key")}; }
+  static std::vector<std::string> tls_flags() {
+    return {"--tls-cert", pki("server.crt"), "--tls-key", pki("server.key")};
+  }
   // tls_flags() and client certificates checked against the test CA
   // (client_auth "require" or "optional"), then `more`.
   static std::vector<std::string> mtls_flags(const std::string& client_auth,

@@ -5,11 +5,26 @@
 namespace plsh::testing {
 
 AttentionOptions options_of(const AttentionCase& c, uint64_t seed) {
-  return {.batch = c.batch, .q_len = c.q_len, .kv_len = c.kv_len, .heads = c.heads, .kv_heads = c.kv_heads,
-          .head_dim = c.head_dim, .dtype = c.dtype, .out_dtype = c.out_dtype, .scale = std::nullopt,
-          .causal = c.causal, .slopes = c.slopes, .q_pos0 = c.q_pos0, .k_pos0 = c.k_pos0, .mode = c.mode,
-          .samples = c.samples > 0 ? c.samples : kDefaultSamples, .seed = seed, .lsh_algorithm = c.algorithm,
-          .sampling = c.sampling, .window_width = c.window_width, .estimates = false};
+  return {.batch = c.batch,
+          .q_len = c.q_len,
+          .kv_len = c.kv_len,
+          .heads = c.heads,
+          .kv_heads = c.kv_heads,
+          .head_dim = c.head_dim,
+          .dtype = c.dtype,
+          .out_dtype = c.out_dtype,
+          .scale = std::nullopt,
+          .causal = c.causal,
+          .slopes = c.slopes,
+          .q_pos0 = c.q_pos0,
+          .k_pos0 = c.k_pos0,
+          .mode = c.mode,
+          .samples = c.samples > 0 ? c.samples : kDefaultSamples,
+          .seed = seed,
+          .lsh_algorithm = c.algorithm,
+          .sampling = c.sampling,
+          .window_width = c.window_width,
+          .estimates = false};
 }
 
 Problem make_problem(const AttentionOptions& o, uint64_t seed, bool with_lse) {
@@ -17,9 +32,8 @@ Problem make_problem(const AttentionOptions& o, uint64_t seed, bool with_lse) {
   pr.qkv = random_qkv(o, seed);
   pr.out = output_buffer(o);
   if (with_lse) pr.lse.assign(static_cast<size_t>(o.batch * o.q_len * o.heads), std::nanf(""));
-  StatusOr<AttentionParams> p =
-      make_params(o, {pr.qkv.q.data(), pr.qkv.k.data(), pr.qkv.v.data(), pr.out.data(),
-                      with_lse ? pr.lse.data() : nullptr, MemorySpace::kHost});
+  StatusOr<AttentionParams> p = make_params(o, {pr.qkv.q.data(), pr.qkv.k.data(), pr.qkv.v.data(), pr.out.data(),
+                                                with_lse ? pr.lse.data() : nullptr, MemorySpace::kHost});
   pr.status = p.status();
   EXPECT_TRUE(p.ok()) << pr.status.to_string();
   if (p.ok()) pr.params = *p;

@@ -31,13 +31,13 @@ struct AttentionCase {
   bool causal = false;
   std::optional<int64_t> q_pos0 = std::nullopt;  // default Nk - Nq
   int64_t k_pos0 = 0;
-  int64_t samples = 0;                              // lsh; 0: kDefaultSamples
+  int64_t samples = 0;  // lsh; 0: kDefaultSamples
   LshAlgorithm algorithm = LshAlgorithm::kAuto;
-  std::vector<double> slopes = {};                  // empty: standard
-  int64_t window_width = 0;                         // window; 0: from window_eps
-  std::optional<DType> out_dtype = std::nullopt;    // default dtype
-  std::optional<DType> grad_dtype = std::nullopt;   // backward; default dtype
-  Sampling sampling = kDefaultSampling;             // lsh: how a head's hashes depend on each other
+  std::vector<double> slopes = {};                 // empty: standard
+  int64_t window_width = 0;                        // window; 0: from window_eps
+  std::optional<DType> out_dtype = std::nullopt;   // default dtype
+  std::optional<DType> grad_dtype = std::nullopt;  // backward; default dtype
+  Sampling sampling = kDefaultSampling;            // lsh: how a head's hashes depend on each other
 };
 
 // ctest lists a case by its name, not by a byte dump of the struct (a case

@@ -40,7 +40,8 @@ double reference_weight(const AttentionParams& p, int64_t h, int64_t pos_q, int6
   const double distance = std::fabs(static_cast<double>(pos_q - pos_k));
   const double slope = p.slopes[static_cast<size_t>(h)];
   switch (p.mode) {
-    case Mode::kExact: return std::exp(-slope * distance);
+    case Mode::kExact:
+      return std::exp(-slope * distance);
     case Mode::kWindow: {
       const int64_t w = p.window[static_cast<size_t>(h)];
       if (w != kNoWindow && distance >= static_cast<double>(w)) return 0;

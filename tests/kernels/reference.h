@@ -65,8 +65,8 @@ Status run_forward(Backend& b, const Plan& plan, const ExecContext& ctx = {}, Fo
 
 // Plans p on backend b (for `threads` threads) and runs its forward: what
 // the server does for a request, in one call.
-Status plan_and_forward(Backend& b, const AttentionParams& p, const ExecContext& ctx = {}, ForwardStats* stats = nullptr,
-                        int threads = 0);
+Status plan_and_forward(Backend& b, const AttentionParams& p, const ExecContext& ctx = {},
+                        ForwardStats* stats = nullptr, int threads = 0);
 
 // Random tensors in a given dtype, as raw bytes (N(0, stddev) values rounded
 // to the dtype).

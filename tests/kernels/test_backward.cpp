@@ -55,9 +55,21 @@ class ReferenceBackward : public ::testing::TestWithParam<FdCase> {};
 TEST_P(ReferenceBackward, MatchesCentralFiniteDifferences) {
   const FdCase& c = GetParam();
   // GQA (dk, dv sum two query heads); slopes of sigma from 1.4 to infinity.
-  const AttentionOptions o{.batch = 2, .q_len = 5, .kv_len = 7, .heads = 4, .kv_heads = 2, .head_dim = 3, .scale = 0.8,
-                           .causal = c.causal, .slopes = {0.7, 0.3, 0.1, 0.0}, .q_pos0 = c.q_pos0, .k_pos0 = c.k_pos0,
-                           .mode = c.mode, .samples = 4, .seed = 3, .window_width = c.window_width};
+  const AttentionOptions o{.batch = 2,
+                           .q_len = 5,
+                           .kv_len = 7,
+                           .heads = 4,
+                           .kv_heads = 2,
+                           .head_dim = 3,
+                           .scale = 0.8,
+                           .causal = c.causal,
+                           .slopes = {0.7, 0.3, 0.1, 0.0},
+                           .q_pos0 = c.q_pos0,
+                           .k_pos0 = c.k_pos0,
+                           .mode = c.mode,
+                           .samples = 4,
+                           .seed = 3,
+                           .window_width = c.window_width};
   const testing::Problem pr = testing::make_problem(o, 17, false);
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   const AttentionParams& p = pr.params;
@@ -188,9 +200,8 @@ TEST_P(CpuBackward, MatchesFloat64Reference) {
   EXPECT_GT(result.flops, 0);
   EXPECT_GT(result.dense_flops, 0);
 
-  const ReferenceGradients ref =
-      testing::reference_backward(pr.params, testing::dense_inputs(pr.params), testing::reference_weights(pr.params),
-                                  pr.grad.dout_values());
+  const ReferenceGradients ref = testing::reference_backward(
+      pr.params, testing::dense_inputs(pr.params), testing::reference_weights(pr.params), pr.grad.dout_values());
   const GradErrors e = compare_gradients(pr, ref);
   const double tol = tolerance(pr.params.out_dtype, pr.grad.grad_dtype);
   std::printf("%s: max_rel dq %.2e dk %.2e dv %.2e (rel_l2 %.2e %.2e %.2e), tolerance %.1e\n", c.name.c_str(),
@@ -211,46 +222,171 @@ INSTANTIATE_TEST_SUITE_P(
         BackwardCase{"exact_causal_gqa_f32", 2, 97, 97, 4, 2, 40, kF32, Mode::kExact, true},
         // Queries past the keys (nearest distance up to 76): the logits'
         // shift must go back through lse.
-        BackwardCase{"exact_noncausal_offsets_f32", 1, 97, 131, 4, 1, 59, kF32, Mode::kExact, false, int64_t{1100}, 990},
+        BackwardCase{"exact_noncausal_offsets_f32", 1, 97, 131, 4, 1, 59, kF32, Mode::kExact, false, int64_t{1100},
+                     990},
         BackwardCase{"exact_noncausal_gqa_f16", 2, 97, 97, 4, 1, 40, kF16, Mode::kExact, false},
         BackwardCase{"exact_causal_1025_bf16", 1, 1025, 1025, 2, 1, 59, kBF16, Mode::kExact, true},
         BackwardCase{"exact_noncausal_1025_f32", 1, 1025, 1025, 2, 2, 40, kF32, Mode::kExact, false},
         BackwardCase{"exact_causal_d128_f32", 1, 200, 300, 2, 1, 128, kF32, Mode::kExact, true},
-        BackwardCase{"window_causal_1025_f32", 1, 1025, 1025, 2, 1, 40, kF32, Mode::kWindow, true, std::nullopt, 0, 0,
-                     LshAlgorithm::kAuto, {0.3, 0.02}},
-        BackwardCase{"window_width_noncausal_offsets_f16", 2, 97, 131, 4, 2, 59, kF16, Mode::kWindow, false,
-                     int64_t{520}, 500, 0, LshAlgorithm::kAuto, {}, 37},
+        BackwardCase{"window_causal_1025_f32",
+                     1,
+                     1025,
+                     1025,
+                     2,
+                     1,
+                     40,
+                     kF32,
+                     Mode::kWindow,
+                     true,
+                     std::nullopt,
+                     0,
+                     0,
+                     LshAlgorithm::kAuto,
+                     {0.3, 0.02}},
+        BackwardCase{"window_width_noncausal_offsets_f16",
+                     2,
+                     97,
+                     131,
+                     4,
+                     2,
+                     59,
+                     kF16,
+                     Mode::kWindow,
+                     false,
+                     int64_t{520},
+                     500,
+                     0,
+                     LshAlgorithm::kAuto,
+                     {},
+                     37},
         BackwardCase{"window_causal_gqa_bf16", 1, 300, 300, 4, 1, 40, kBF16, Mode::kWindow, true},
         BackwardCase{"lsh_banded_causal_1025_f32", 1, 1025, 1025, 2, 1, 40, kF32, Mode::kLsh, true, std::nullopt, 0, 8,
                      LshAlgorithm::kBanded},
         BackwardCase{"lsh_per_sample_causal_1025_f32", 1, 1025, 1025, 2, 1, 40, kF32, Mode::kLsh, true, std::nullopt, 0,
                      8, LshAlgorithm::kPerSample},
-        BackwardCase{"lsh_per_sample_noncausal_gqa_bf16", 1, 97, 97, 4, 2, 59, kBF16, Mode::kLsh, false, std::nullopt, 0,
-                     5, LshAlgorithm::kPerSample},
+        BackwardCase{"lsh_per_sample_noncausal_gqa_bf16", 1, 97, 97, 4, 2, 59, kBF16, Mode::kLsh, false, std::nullopt,
+                     0, 5, LshAlgorithm::kPerSample},
         // sigma from 1.1 to infinity (slope 0: one block, M~ = 1), offsets.
-        BackwardCase{"lsh_banded_offsets_f16", 2, 97, 131, 4, 2, 40, kF16, Mode::kLsh, true, int64_t{40}, 10, 16,
-                     LshAlgorithm::kBanded, {0.9, 0.05, 1.0 / 300, 0.0}},
-        BackwardCase{"lsh_per_sample_noncausal_offsets_f32", 1, 97, 131, 2, 1, 59, kF32, Mode::kLsh, false,
-                     int64_t{1030}, 1000, 16, LshAlgorithm::kPerSample, {0.2, 0.01}},
+        BackwardCase{"lsh_banded_offsets_f16",
+                     2,
+                     97,
+                     131,
+                     4,
+                     2,
+                     40,
+                     kF16,
+                     Mode::kLsh,
+                     true,
+                     int64_t{40},
+                     10,
+                     16,
+                     LshAlgorithm::kBanded,
+                     {0.9, 0.05, 1.0 / 300, 0.0}},
+        BackwardCase{"lsh_per_sample_noncausal_offsets_f32",
+                     1,
+                     97,
+                     131,
+                     2,
+                     1,
+                     59,
+                     kF32,
+                     Mode::kLsh,
+                     false,
+                     int64_t{1030},
+                     1000,
+                     16,
+                     LshAlgorithm::kPerSample,
+                     {0.2, 0.01}},
         BackwardCase{"lsh_n1_f32", 1, 1, 1, 2, 1, 40, kF32, Mode::kLsh, false, std::nullopt, 0, 4},
         // fixed_blocks (SPEC section 4): the reference's floor(p / 2 sigma)
         // mask; widths 2.2 to infinity, offsets mid-block, both algorithms.
         BackwardCase{"fixed_blocks_banded_causal_1025_f32", 1, 1025, 1025, 2, 1, 40, kF32, Mode::kFixedBlocks, true,
                      std::nullopt, 0, 0, LshAlgorithm::kBanded},
-        BackwardCase{"fixed_blocks_per_sample_offsets_gqa_f16", 2, 97, 131, 4, 2, 40, kF16, Mode::kFixedBlocks, true,
-                     int64_t{40}, 10, 0, LshAlgorithm::kPerSample, {0.9, 0.05, 1.0 / 300, 0.0}},
+        BackwardCase{"fixed_blocks_per_sample_offsets_gqa_f16",
+                     2,
+                     97,
+                     131,
+                     4,
+                     2,
+                     40,
+                     kF16,
+                     Mode::kFixedBlocks,
+                     true,
+                     int64_t{40},
+                     10,
+                     0,
+                     LshAlgorithm::kPerSample,
+                     {0.9, 0.05, 1.0 / 300, 0.0}},
         BackwardCase{"fixed_blocks_per_sample_noncausal_f32", 1, 300, 300, 4, 4, 59, kF32, Mode::kFixedBlocks, false,
                      std::nullopt, 0, 0, LshAlgorithm::kPerSample},
         // No bias (every slope 0): exact and lsh (one block, M~ = 1).
-        BackwardCase{"exact_no_bias_causal_f32", 1, 300, 300, 4, 2, 40, kF32, Mode::kExact, true, std::nullopt, 0, 0,
-                     LshAlgorithm::kAuto, {0.0, 0.0, 0.0, 0.0}},
-        BackwardCase{"lsh_no_bias_causal_f32", 1, 300, 300, 4, 2, 40, kF32, Mode::kLsh, true, std::nullopt, 0, 8,
-                     LshAlgorithm::kAuto, {0.0, 0.0, 0.0, 0.0}},
+        BackwardCase{"exact_no_bias_causal_f32",
+                     1,
+                     300,
+                     300,
+                     4,
+                     2,
+                     40,
+                     kF32,
+                     Mode::kExact,
+                     true,
+                     std::nullopt,
+                     0,
+                     0,
+                     LshAlgorithm::kAuto,
+                     {0.0, 0.0, 0.0, 0.0}},
+        BackwardCase{"lsh_no_bias_causal_f32",
+                     1,
+                     300,
+                     300,
+                     4,
+                     2,
+                     40,
+                     kF32,
+                     Mode::kLsh,
+                     true,
+                     std::nullopt,
+                     0,
+                     8,
+                     LshAlgorithm::kAuto,
+                     {0.0, 0.0, 0.0, 0.0}},
         // Gradient dtype float32 for 16-bit inputs; float32 out too.
-        BackwardCase{"exact_bf16_in_f32_grads", 1, 97, 97, 2, 1, 40, kBF16, Mode::kExact, true, std::nullopt, 0, 0,
-                     LshAlgorithm::kAuto, {}, 0, std::nullopt, kF32},
-        BackwardCase{"lsh_f16_in_f32_out_f32_grads", 1, 97, 97, 2, 1, 40, kF16, Mode::kLsh, true, std::nullopt, 0, 8,
-                     LshAlgorithm::kBanded, {}, 0, kF32, kF32}),
+        BackwardCase{"exact_bf16_in_f32_grads",
+                     1,
+                     97,
+                     97,
+                     2,
+                     1,
+                     40,
+                     kBF16,
+                     Mode::kExact,
+                     true,
+                     std::nullopt,
+                     0,
+                     0,
+                     LshAlgorithm::kAuto,
+                     {},
+                     0,
+                     std::nullopt,
+                     kF32},
+        BackwardCase{"lsh_f16_in_f32_out_f32_grads",
+                     1,
+                     97,
+                     97,
+                     2,
+                     1,
+                     40,
+                     kF16,
+                     Mode::kLsh,
+                     true,
+                     std::nullopt,
+                     0,
+                     8,
+                     LshAlgorithm::kBanded,
+                     {},
+                     0,
+                     kF32,
+                     kF32}),
     testing::CaseName());
 
 // A query far from every key keeps its forward exact by taking its logits
@@ -259,8 +395,14 @@ INSTANTIATE_TEST_SUITE_P(
 // bounds what P = exp(s - lse) can be: |lse| * 2^-24 relative, on top of
 // float32's 1e-5. This pins that limit down rather than hiding it.
 TEST(CpuBackwardPrecision, FarQueriesAreLimitedByLseRounding) {
-  const AttentionOptions o{.q_len = 40, .kv_len = 300, .heads = 2, .head_dim = 40, .slopes = {0.5, 1.0 / 64},
-                           .q_pos0 = 5000, .mode = Mode::kExact, .estimates = false};
+  const AttentionOptions o{.q_len = 40,
+                           .kv_len = 300,
+                           .heads = 2,
+                           .head_dim = 40,
+                           .slopes = {0.5, 1.0 / 64},
+                           .q_pos0 = 5000,
+                           .mode = Mode::kExact,
+                           .estimates = false};
   Problem pr = make_problem(o, std::nullopt, 29);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(forward_backward(*cpu, pr, 2).ok());
@@ -279,8 +421,17 @@ TEST(CpuBackwardPrecision, FarQueriesAreLimitedByLseRounding) {
 }
 
 AttentionOptions lsh_options() {
-  return {.batch = 2, .q_len = 97, .kv_len = 131, .heads = 4, .kv_heads = 4, .head_dim = 24, .causal = true,
-          .mode = Mode::kLsh, .samples = 6, .seed = 5, .estimates = false};
+  return {.batch = 2,
+          .q_len = 97,
+          .kv_len = 131,
+          .heads = 4,
+          .kv_heads = 4,
+          .head_dim = 24,
+          .causal = true,
+          .mode = Mode::kLsh,
+          .samples = 6,
+          .seed = 5,
+          .estimates = false};
 }
 
 // Per-sample and banded plans differentiate one function: their gradients
@@ -294,8 +445,8 @@ TEST(CpuBackward, LshAlgorithmsGiveTheSameGradients) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(forward_backward(*cpu, a, 2).ok());
   ASSERT_TRUE(forward_backward(*cpu, b, 2).ok());
-  for (auto [x, y] : {std::pair{&a.grad.dq, &b.grad.dq}, std::pair{&a.grad.dk, &b.grad.dk},
-                      std::pair{&a.grad.dv, &b.grad.dv}})
+  for (auto [x, y] :
+       {std::pair{&a.grad.dq, &b.grad.dq}, std::pair{&a.grad.dk, &b.grad.dk}, std::pair{&a.grad.dv, &b.grad.dv}})
     EXPECT_LE(testing::compare(x->data(), DType::kF32, testing::to_doubles(*y, DType::kF32)).max_rel, 1e-5);
 }
 
@@ -315,7 +466,8 @@ TEST(CpuBackward, LshReadsThePlanDraws) {
   const std::vector<double> dout = pr.grad.dout_values();
   const ReferenceGradients tampered =
       testing::reference_backward(pr.params, x, testing::reference_weights(pr.params, &plan->draws), dout);
-  const ReferenceGradients seeded = testing::reference_backward(pr.params, x, testing::reference_weights(pr.params), dout);
+  const ReferenceGradients seeded =
+      testing::reference_backward(pr.params, x, testing::reference_weights(pr.params), dout);
   const GradErrors e = compare_gradients(pr, tampered);
   EXPECT_LE(e.dq.max_rel, 1e-5);
   EXPECT_LE(e.dk.max_rel, 1e-5);
@@ -444,7 +596,9 @@ TEST(BackwardPlan, BackendsWithoutABackwardSayUnimplemented) {
     StatusOr<Plan> plan(const AttentionParams& p, const PlanLimits& limits) const override {
       return start_plan(p, name(), limits);
     }
-    Status forward(const Plan&, const WorkspaceRef&, const ExecContext&, ForwardStats*) override { return Status::Ok(); }
+    Status forward(const Plan&, const WorkspaceRef&, const ExecContext&, ForwardStats*) override {
+      return Status::Ok();
+    }
   } backend;
   StatusOr<AttentionParams> p = resolve_params(lsh_options());
   ASSERT_TRUE(p.ok());
@@ -452,11 +606,17 @@ TEST(BackwardPlan, BackendsWithoutABackwardSayUnimplemented) {
   EXPECT_NE(backend.supports_backward(*p).message().find("forward-only"), std::string::npos);
   StatusOr<Plan> plan = backend.plan(*p, PlanLimits{});
   ASSERT_TRUE(plan.ok());
-  EXPECT_EQ(backend.backward(*plan, BackwardParams{}, WorkspaceRef{}, ExecContext{}, nullptr).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(backend.backward(*plan, BackwardParams{}, WorkspaceRef{}, ExecContext{}, nullptr).code(),
+            StatusCode::kUnimplemented);
 }
 
 Problem stop_problem() {
-  return make_problem({.q_len = 2048, .kv_len = 2048, .heads = 2, .head_dim = 64, .causal = true, .mode = Mode::kExact,
+  return make_problem({.q_len = 2048,
+                       .kv_len = 2048,
+                       .heads = 2,
+                       .head_dim = 64,
+                       .causal = true,
+                       .mode = Mode::kExact,
                        .estimates = false},
                       std::nullopt, 47);
 }

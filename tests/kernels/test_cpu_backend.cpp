@@ -28,9 +28,12 @@ using testing::ReferenceOutput;
 // u |v| <= u max|ref|, on top of the float32 arithmetic's error.
 double unit_roundoff(DType t) {
   switch (t) {
-    case DType::kF32: return 0x1.0p-24;
-    case DType::kF16: return 0x1.0p-11;
-    case DType::kBF16: return 0x1.0p-8;
+    case DType::kF32:
+      return 0x1.0p-24;
+    case DType::kF16:
+      return 0x1.0p-11;
+    case DType::kBF16:
+      return 0x1.0p-8;
   }
   return 1;
 }
@@ -65,8 +68,8 @@ double lse_error(const std::vector<float>& actual, const std::vector<double>& ex
 // rows far from the keys) are NaN in the reference; the backend must give
 // out = 0 and lse = -inf there, and they are left out of the error figures.
 struct Comparison {
-  double max_rel = 0;   // max |a - e| / max |e| over the other rows
-  double lse_err = 0;   // lse_error over the other rows
+  double max_rel = 0;  // max |a - e| / max |e| over the other rows
+  double lse_err = 0;  // lse_error over the other rows
   int64_t empty_rows = 0;
   int64_t bad_empty_rows = 0;  // empty rows with a nonzero output or a finite lse
 };
@@ -177,8 +180,8 @@ std::vector<Case> cases() {
   w5.window_width = 5;
   v.push_back(w5);
   v.push_back(make("window_n2_d128_h12_f16", W, 2, 2, 12, 12, 128, false, DType::kF16));
-  Case w17 = with_offsets(make("window_nq64_nk97_d59_h8g2_causal_offsets_bf16", W, 64, 97, 8, 2, 59, true,
-                               DType::kBF16), 30, 3);
+  Case w17 = with_offsets(
+      make("window_nq64_nk97_d59_h8g2_causal_offsets_bf16", W, 64, 97, 8, 2, 59, true, DType::kBF16), 30, 3);
   w17.window_width = 17;
   v.push_back(w17);
   Case wide = make("window_n97_d40_h8g2_width_beyond_n", W, 97, 97, 8, 2, 40, true);
@@ -191,13 +194,13 @@ std::vector<Case> cases() {
     v.push_back(lsh(make("lsh_" + t + "_n97_d59_h8g2_causal", L, 97, 97, 8, 2, 59, true), a));
     v.push_back(lsh(make("lsh_" + t + "_n1025_d40_h1_causal", L, 1025, 1025, 1, 1, 40, true), a));
     v.push_back(lsh(make("lsh_" + t + "_n2_d128_h12", L, 2, 2, 12, 12, 128, false), a));
-    v.push_back(lsh(with_offsets(make("lsh_" + t + "_nq60_nk97_d40_h8g2_offsets", L, 60, 97, 8, 2, 40, false), 10, 0),
-                    a));
+    v.push_back(
+        lsh(with_offsets(make("lsh_" + t + "_nq60_nk97_d40_h8g2_offsets", L, 60, 97, 8, 2, 40, false), 10, 0), a));
     // Queries at 280..339 amid keys at 250..346: blocks cut by the key
     // range's ends and by causality.
-    v.push_back(lsh(
-        with_offsets(make("lsh_" + t + "_nq60_nk97_d59_h12_causal_offsets", L, 60, 97, 12, 12, 59, true), 280, 250),
-        a, 7));
+    v.push_back(
+        lsh(with_offsets(make("lsh_" + t + "_nq60_nk97_d59_h12_causal_offsets", L, 60, 97, 12, 12, 59, true), 280, 250),
+            a, 7));
     v.push_back(lsh(make("lsh_" + t + "_n97_d40_h8g2_causal_bf16", L, 97, 97, 8, 2, 40, true, DType::kBF16), a));
     v.push_back(lsh(make("lsh_" + t + "_n97_d128_h12_f16", L, 97, 97, 12, 12, 128, false, DType::kF16), a));
   }
@@ -209,10 +212,10 @@ std::vector<Case> cases() {
   for (auto [a, tag] : {std::pair{PS, "per_sample"}, std::pair{BA, "banded"}}) {
     const std::string t = tag;
     v.push_back(lsh(make("fixed_blocks_" + t + "_n1025_d40_h8g2_causal", F, 1025, 1025, 8, 2, 40, true), a));
-    v.push_back(lsh(
-        with_offsets(make("fixed_blocks_" + t + "_nq60_nk97_d59_h12_causal_offsets", F, 60, 97, 12, 12, 59, true), 280,
-                     250),
-        a));
+    v.push_back(
+        lsh(with_offsets(make("fixed_blocks_" + t + "_nq60_nk97_d59_h12_causal_offsets", F, 60, 97, 12, 12, 59, true),
+                         280, 250),
+            a));
     v.push_back(lsh(make("fixed_blocks_" + t + "_n97_d128_h8g2_bf16", F, 97, 97, 8, 2, 128, false, DType::kBF16), a));
   }
   // slope 0 heads: no bias (exact, window) and one bin (lsh, fixed_blocks)
@@ -279,8 +282,10 @@ TEST(CpuBackend, LshAlgorithmsAgree) {
     bool causal;
     int64_t samples;
   };
-  const Shape shapes[] = {{700, 700, 8, 8, 64, true, 16},  {700, 700, 8, 4, 32, false, 16},
-                          {300, 500, 4, 1, 48, true, 33},  {200, 500, 2, 2, 16, false, 5},
+  const Shape shapes[] = {{700, 700, 8, 8, 64, true, 16},
+                          {700, 700, 8, 4, 32, false, 16},
+                          {300, 500, 4, 1, 48, true, 33},
+                          {200, 500, 2, 2, 16, false, 5},
                           {129, 129, 16, 4, 64, true, 128}};
   for (const Shape& s : shapes) {
     AttentionOptions o = options_of(make("agree", Mode::kLsh, s.q_len, s.kv_len, s.heads, s.kv_heads, s.dim, s.causal));
@@ -345,8 +350,8 @@ TEST(CpuBackend, RowsWithoutKeysGiveZeroNotNaN) {
 // kAuto follows SPEC's cost models: one hash of a wide pitch is cheapest
 // block by block (s * E[delta] < 2 max delta); sixteen are cheaper banded.
 TEST(CpuBackend, AutoPicksTheCheaperLshAlgorithm) {
-  for (auto [samples, expected] : {std::pair{int64_t{1}, LshAlgorithm::kPerSample},
-                                   std::pair{int64_t{16}, LshAlgorithm::kBanded}}) {
+  for (auto [samples, expected] :
+       {std::pair{int64_t{1}, LshAlgorithm::kPerSample}, std::pair{int64_t{16}, LshAlgorithm::kBanded}}) {
     Case c = lsh(make("auto", Mode::kLsh, 2048, 2048, 1, 1, 32, true), LshAlgorithm::kAuto, samples);
     c.slopes = {1.0 / 256};
     Problem pr = make_problem(options_of(c), 1);
@@ -411,7 +416,8 @@ TEST(CpuBackend, PassedDeadlineReturnsDeadlineExceeded) {
   Problem pr = make_problem(options_of(make("deadline", Mode::kLsh, 300, 300, 4, 4, 32, true)), 1);
   ExecContext ctx;
   ctx.deadline = std::chrono::steady_clock::now() - std::chrono::milliseconds(1);
-  EXPECT_EQ(testing::plan_and_forward(*make_cpu_backend(), pr.params, ctx, nullptr).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(testing::plan_and_forward(*make_cpu_backend(), pr.params, ctx, nullptr).code(),
+            StatusCode::kDeadlineExceeded);
 }
 
 // A cancel raised while tiles run stops the rest: the progress callback
@@ -477,13 +483,22 @@ namespace {
 TEST(CpuBackend, SteepSlopeFarFromZeroFinishesAndMatches) {
   for (LshAlgorithm a : {LshAlgorithm::kPerSample, LshAlgorithm::kBanded}) {
     const int64_t near_2_52 = (int64_t{1} << 52) - 40;
-    const AttentionOptions o{.q_len = 40, .kv_len = 40, .heads = 2, .kv_heads = 2, .head_dim = 16, .slopes = {1024.0, 0.5},
-                             .q_pos0 = near_2_52, .k_pos0 = near_2_52, .mode = Mode::kLsh, .samples = 16,
+    const AttentionOptions o{.q_len = 40,
+                             .kv_len = 40,
+                             .heads = 2,
+                             .kv_heads = 2,
+                             .head_dim = 16,
+                             .slopes = {1024.0, 0.5},
+                             .q_pos0 = near_2_52,
+                             .k_pos0 = near_2_52,
+                             .mode = Mode::kLsh,
+                             .samples = 16,
                              .lsh_algorithm = a};
     Problem pr = make_problem(o, 21, false);
     ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
     ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), pr.params, ExecContext{}, nullptr).ok());
-    const testing::ErrorStats e = testing::compare(pr.out.data(), DType::kF32, testing::reference_attention(pr.params).out);
+    const testing::ErrorStats e =
+        testing::compare(pr.out.data(), DType::kF32, testing::reference_attention(pr.params).out);
     EXPECT_LT(e.max_rel, 1e-5) << lsh_algorithm_name(a);
   }
 }

@@ -6,13 +6,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <random>
-#include <cmath>
-#include <cstdint>
-#include <limits>
 #include <vector>
 
 #include "plsh/attention.h"
@@ -188,9 +188,9 @@ struct Shape {
 const Shape kShapes[] = {
     {160, 160, false, std::nullopt, 0},
     {160, 160, true, std::nullopt, 0},
-    {48, 220, true, std::nullopt, 0},             // queries at the end of the keys
-    {90, 200, false, int64_t{40}, 0},             // queries amid the keys
-    {120, 257, false, int64_t{1000}, 900},        // offsets, queries inside the keys
+    {48, 220, true, std::nullopt, 0},                            // queries at the end of the keys
+    {90, 200, false, int64_t{40}, 0},                            // queries amid the keys
+    {120, 257, false, int64_t{1000}, 900},                       // offsets, queries inside the keys
     {97, 150, true, (int64_t{1} << 40) + 53, int64_t{1} << 40},  // far from 0, the last keys
 };
 // sigma = 1, 8, 256 and 4000 (wider than every request), and slope 0.
@@ -218,8 +218,8 @@ TEST(Estimates, LshMaskMaxErrorMatchesDense) {
       for (int64_t h = 0; h < p.heads; ++h) {
         const double dense = dense_max_abs(dense_error(p, h));
         const HeadEstimate& he = result.heads[h];
-        EXPECT_NEAR(he.mask_max_err, dense, 1e-12)
-            << "q_len " << p.q_len << " kv_len " << p.kv_len << " causal " << p.causal << " s " << samples << " h " << h;
+        EXPECT_NEAR(he.mask_max_err, dense, 1e-12) << "q_len " << p.q_len << " kv_len " << p.kv_len << " causal "
+                                                   << p.causal << " s " << samples << " h " << h;
         EXPECT_EQ(he.mask_rows_checked, p.q_len);
         EXPECT_FALSE(he.mask_rows_sampled);
         overall = std::max(overall, dense);
@@ -398,9 +398,9 @@ TEST(Estimates, SpectralErrorWithinFivePercentOfDenseEigenSolve) {
     double slope;
   };
   const Case cases[] = {
-      {Mode::kLsh, 300, 300, false, 1.0 / 16}, {Mode::kLsh, 300, 300, true, 1.0 / 16},
-      {Mode::kLsh, 300, 300, true, 1.0 / 2},   {Mode::kLsh, 200, 300, true, 1.0 / 64},
-      {Mode::kLsh, 120, 300, false, 1.0 / 8},  {Mode::kWindow, 300, 300, true, 1.0 / 32},
+      {Mode::kLsh, 300, 300, false, 1.0 / 16},   {Mode::kLsh, 300, 300, true, 1.0 / 16},
+      {Mode::kLsh, 300, 300, true, 1.0 / 2},     {Mode::kLsh, 200, 300, true, 1.0 / 64},
+      {Mode::kLsh, 120, 300, false, 1.0 / 8},    {Mode::kWindow, 300, 300, true, 1.0 / 32},
       {Mode::kWindow, 300, 300, false, 1.0 / 8},
   };
   for (const Case& c : cases) {
@@ -479,9 +479,19 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
   };
   for (const Types types : {Types{DType::kF32, DType::kF32}, Types{DType::kF16, DType::kBF16}}) {
     for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
-      const AttentionOptions o{.batch = 2, .q_len = 40, .kv_len = 70, .heads = 4, .kv_heads = 2, .head_dim = 24,
-                               .dtype = types.in, .out_dtype = types.out, .causal = true,
-                               .slopes = {0.5, 0.1, 0.02, 0.0}, .mode = mode, .samples = 8, .window_eps = 0.02,
+      const AttentionOptions o{.batch = 2,
+                               .q_len = 40,
+                               .kv_len = 70,
+                               .heads = 4,
+                               .kv_heads = 2,
+                               .head_dim = 24,
+                               .dtype = types.in,
+                               .out_dtype = types.out,
+                               .causal = true,
+                               .slopes = {0.5, 0.1, 0.02, 0.0},
+                               .mode = mode,
+                               .samples = 8,
+                               .window_eps = 0.02,
                                .probe_rows = 80};  // = batch * q_len
       const auto pr = make_problem(o, 5);
       fill_output_with_reference(pr.get());
@@ -491,7 +501,8 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
       AttentionResult result;
       ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
       EXPECT_EQ(result.probe.rows, 4 * 80);
-      EXPECT_NEAR(result.probe.rel_err, full.rel_l2, 1e-9 * full.rel_l2) << mode_name(mode) << " " << dtype_name(types.out);
+      EXPECT_NEAR(result.probe.rel_err, full.rel_l2, 1e-9 * full.rel_l2)
+          << mode_name(mode) << " " << dtype_name(types.out);
       EXPECT_EQ(result.probe.rel_err_stderr, 0.0);
       double max_abs = 0;
       for (size_t i = 0; i < exact.out.size(); ++i)
@@ -507,8 +518,16 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
 TEST(Estimates, BoundHoldsForEveryRow) {
   for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
     for (const bool causal : {false, true}) {
-      const AttentionOptions o{.batch = 2, .q_len = 60, .kv_len = 90, .heads = 3, .head_dim = 16, .causal = causal,
-                               .slopes = {1.0, 0.1, 0.01}, .mode = mode, .samples = 4, .window_eps = 0.1};
+      const AttentionOptions o{.batch = 2,
+                               .q_len = 60,
+                               .kv_len = 90,
+                               .heads = 3,
+                               .head_dim = 16,
+                               .causal = causal,
+                               .slopes = {1.0, 0.1, 0.01},
+                               .mode = mode,
+                               .samples = 4,
+                               .window_eps = 0.1};
       const auto pr = make_problem(o, 11);
       fill_output_with_reference(pr.get());
       const AttentionParams& p = pr->params;
@@ -544,8 +563,16 @@ TEST(Estimates, BoundHoldsForEveryRow) {
 // row at a time.
 TEST(Estimates, ProbeRowsInOnePassMatchOneRowAtATime) {
   for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
-    const AttentionOptions o{.batch = 2, .q_len = 300, .kv_len = 300, .heads = 2, .kv_heads = 1, .head_dim = 40,
-                             .causal = true, .slopes = {0.3, 0.01}, .mode = mode, .samples = 5};
+    const AttentionOptions o{.batch = 2,
+                             .q_len = 300,
+                             .kv_len = 300,
+                             .heads = 2,
+                             .kv_heads = 1,
+                             .head_dim = 40,
+                             .causal = true,
+                             .slopes = {0.3, 0.01},
+                             .mode = mode,
+                             .samples = 5};
     const auto pr = make_problem(o, 21);
     fill_output_with_reference(pr.get());
     const AttentionParams& p = pr->params;

@@ -34,7 +34,8 @@ struct Buffers {
 // An INVALID_ARGUMENT whose message contains every one of `parts`.
 void expect_invalid(const Status& s, const std::vector<std::string>& parts) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
-  for (const std::string& part : parts) EXPECT_NE(s.message().find(part), std::string::npos) << s.message() << " lacks '" << part << "'";
+  for (const std::string& part : parts)
+    EXPECT_NE(s.message().find(part), std::string::npos) << s.message() << " lacks '" << part << "'";
 }
 
 // Both entry points must refuse the options alike.
@@ -121,7 +122,8 @@ TEST(Params, ScoresThatCouldOverflowFloat32AreRefused) {
   o.scale = 1e19;      // bound 1.8e38
   const StatusOr<AttentionParams> refused = make_params(o, b.refs());
   ASSERT_FALSE(refused.ok());
-  expect_invalid(refused.status(), {"scale * head_dim * max|q| * max|k|", "1.152921504606847e+18", "0.25", "expected <= 1e38"});
+  expect_invalid(refused.status(),
+                 {"scale * head_dim * max|q| * max|k|", "1.152921504606847e+18", "0.25", "expected <= 1e38"});
   o.scale = 1e18;  // bound 1.8e37: fine
   EXPECT_TRUE(make_params(o, b.refs()).ok());
   o.scale = 1e19;
@@ -334,8 +336,8 @@ TEST(Params, NonFiniteInputsReportTheirPosition) {
   for (const DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
     o.dtype = dtype;
     const size_t bytes = dtype_bytes(dtype);
-    std::vector<uint8_t> q(static_cast<size_t>(2 * 30 * 8 * 5) * bytes), k(static_cast<size_t>(2 * 100 * 2 * 5) * bytes),
-        v(k.size()), out(static_cast<size_t>(2 * 30 * 8 * 5) * 4);
+    std::vector<uint8_t> q(static_cast<size_t>(2 * 30 * 8 * 5) * bytes),
+        k(static_cast<size_t>(2 * 100 * 2 * 5) * bytes), v(k.size()), out(static_cast<size_t>(2 * 30 * 8 * 5) * 4);
     TensorRefs t;
     t.q = q.data();
     t.k = k.data();
@@ -392,10 +394,10 @@ TEST(Params, DefaultsAreResolved) {
   Buffers b(o);
   StatusOr<AttentionParams> p = make_params(o, b.refs());
   ASSERT_TRUE(p.ok());
-  EXPECT_DOUBLE_EQ(p->scale, 1.0 / 8);            // 1 / sqrt(64)
-  EXPECT_EQ(p->q_pos0, 70);                        // Nk - Nq
+  EXPECT_DOUBLE_EQ(p->scale, 1.0 / 8);  // 1 / sqrt(64)
+  EXPECT_EQ(p->q_pos0, 70);             // Nk - Nq
   EXPECT_EQ(p->k_pos0, 0);
-  EXPECT_EQ(p->kv_heads, 8);                       // 0 means H
+  EXPECT_EQ(p->kv_heads, 8);  // 0 means H
   EXPECT_EQ(p->head_group, 1);
   EXPECT_EQ(p->slopes, standard_slopes(8));
   EXPECT_EQ(p->out_dtype, DType::kF32);
@@ -404,7 +406,7 @@ TEST(Params, DefaultsAreResolved) {
   EXPECT_TRUE(p->window.empty());
   EXPECT_EQ(p->probe_rows, 64);
   EXPECT_EQ(p->mask_row_budget, 65536);
-  EXPECT_DOUBLE_EQ(p->sigma(0), 2.0);              // slope 1/2 for head 0 of 8
+  EXPECT_DOUBLE_EQ(p->sigma(0), 2.0);  // slope 1/2 for head 0 of 8
   // Strides of [B, N, H, D] and lse [B, Nq, H].
   EXPECT_EQ(p->q_row_stride, 8 * 64);
   EXPECT_EQ(p->q_batch_stride, 30 * 8 * 64);

@@ -16,17 +16,25 @@ namespace plsh {
 namespace {
 
 AttentionOptions lsh_options() {
-  return {.batch = 2, .q_len = 97, .kv_len = 131, .heads = 4, .kv_heads = 2, .head_dim = 24, .causal = true,
-          .mode = Mode::kLsh, .samples = 6, .seed = 5, .probe_rows = 16, .return_draws = true};
+  return {.batch = 2,
+          .q_len = 97,
+          .kv_len = 131,
+          .heads = 4,
+          .kv_heads = 2,
+          .head_dim = 24,
+          .causal = true,
+          .mode = Mode::kLsh,
+          .samples = 6,
+          .seed = 5,
+          .probe_rows = 16,
+          .return_draws = true};
 }
 
 struct Tensors {
   testing::RandomTensors qkv;
   std::vector<uint8_t> out;
   std::vector<float> lse;
-  TensorRefs refs() {
-    return {qkv.q.data(), qkv.k.data(), qkv.v.data(), out.data(), lse.data(), MemorySpace::kHost};
-  }
+  TensorRefs refs() { return {qkv.q.data(), qkv.k.data(), qkv.v.data(), out.data(), lse.data(), MemorySpace::kHost}; }
 };
 
 Tensors tensors_for(const AttentionOptions& o) {
@@ -100,8 +108,8 @@ TEST(Plan, ForwardAndEstimatesReadThePlanDraws) {
   bool head3_differs = false;
   for (size_t r = 0; r < static_cast<size_t>(o.batch * o.q_len); ++r) {
     EXPECT_EQ(std::memcmp(a.out.data() + r * row, b.out.data() + r * row, 3 * o.head_dim * 4), 0) << "row " << r;
-    head3_differs |= std::memcmp(a.out.data() + r * row + 3 * o.head_dim * 4, b.out.data() + r * row + 3 * o.head_dim * 4,
-                                 o.head_dim * 4) != 0;
+    head3_differs |= std::memcmp(a.out.data() + r * row + 3 * o.head_dim * 4,
+                                 b.out.data() + r * row + 3 * o.head_dim * 4, o.head_dim * 4) != 0;
   }
   EXPECT_TRUE(head3_differs);
 }
@@ -124,8 +132,7 @@ TEST(Plan, WorkspaceIsSplitByMemorySpace) {
   EXPECT_EQ(p1->threads, 1);
   EXPECT_EQ(p4->threads, 4);
   EXPECT_EQ(p1->workspace().device_bytes, 0);
-  EXPECT_EQ(p1->workspace().host_bytes,
-            std::max(p1->forward_workspace.host_bytes, p1->estimates_workspace.host_bytes));
+  EXPECT_EQ(p1->workspace().host_bytes, std::max(p1->forward_workspace.host_bytes, p1->estimates_workspace.host_bytes));
   // The plan holds its draws; no workspace counts them again.
   EXPECT_EQ(p1->own_host_bytes, draw_bytes(*p));
   EXPECT_EQ(draw_bytes(*p), o.heads * (static_cast<int64_t>(sizeof(std::vector<Draw>)) + o.samples * 16));

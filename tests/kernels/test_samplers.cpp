@@ -177,7 +177,8 @@ TEST(Samplers, EachHashIsAValidDraw) {
           const std::vector<Draw> d = draw_hashes(static_cast<uint64_t>(seed) * 7919 + 3, 5, sigma, s, sampling);
           for (size_t i = 0; i < 3; ++i) {
             pitches[i][static_cast<size_t>(seed)] = d[static_cast<size_t>(picks[i])].pitch;
-            fractions[i][static_cast<size_t>(seed)] = d[static_cast<size_t>(picks[i])].shift / d[static_cast<size_t>(picks[i])].pitch;
+            fractions[i][static_cast<size_t>(seed)] =
+                d[static_cast<size_t>(picks[i])].shift / d[static_cast<size_t>(picks[i])].pitch;
           }
         }
         for (size_t i = 0; i < 3; ++i) {
@@ -269,8 +270,8 @@ TEST(Samplers, VarianceBelowIid) {
       const MaskStats strat = mask_stats(Sampling::kStratified, sigma, s, 5000, x, kGroups);
       const MaskStats ash = mask_stats(Sampling::kAsh, sigma, s, 5000, x, kGroups);
       EXPECT_LE(strat.var, iid_var * slack) << "stratified sigma " << sigma << " x " << x;
-      EXPECT_LE(ash.var * 3, iid_var * slack) << "ash sigma " << sigma << " x " << x << " var " << ash.var
-                                              << " iid " << iid_var;
+      EXPECT_LE(ash.var * 3, iid_var * slack)
+          << "ash sigma " << sigma << " x " << x << " var " << ash.var << " iid " << iid_var;
     }
   }
 }

@@ -174,11 +174,13 @@ Inputs make_inputs(const std::string& family, int64_t n, int64_t heads, int64_t 
     const double c = 2.5 / std::sqrt(static_cast<double>(dim));  // basis rows of norm ~sqrt(D)
     for (int64_t hk = 0; hk < kv_heads; ++hk) {
       std::vector<double> basis(static_cast<size_t>(rank * dim));
-      for (size_t i = 0; i < basis.size(); ++i) basis[i] = normal(mix64(seed) ^ (stream + static_cast<uint64_t>(hk)), i);
+      for (size_t i = 0; i < basis.size(); ++i)
+        basis[i] = normal(mix64(seed) ^ (stream + static_cast<uint64_t>(hk)), i);
       auto add = [&](float* row, uint64_t s2, int64_t r) {
         for (int64_t a = 0; a < rank; ++a) {
           const double coef = c * normal(s2, static_cast<uint64_t>(r * rank + a));
-          for (int64_t d = 0; d < dim; ++d) row[d] += static_cast<float>(coef * basis[static_cast<size_t>(a * dim + d)]);
+          for (int64_t d = 0; d < dim; ++d)
+            row[d] += static_cast<float>(coef * basis[static_cast<size_t>(a * dim + d)]);
         }
       };
       for (int64_t r = 0; r < n; ++r) {
@@ -192,15 +194,19 @@ Inputs make_inputs(const std::string& family, int64_t n, int64_t heads, int64_t 
   } else if (family == "longrange") {
     std::vector<double> dir(static_cast<size_t>(dim));
     double norm = 0;
-    for (int64_t d = 0; d < dim; ++d) norm += (dir[static_cast<size_t>(d)] = normal(mix64(seed) ^ 77, static_cast<uint64_t>(d))) *
-                                               dir[static_cast<size_t>(d)];
+    for (int64_t d = 0; d < dim; ++d)
+      norm += (dir[static_cast<size_t>(d)] = normal(mix64(seed) ^ 77, static_cast<uint64_t>(d))) *
+              dir[static_cast<size_t>(d)];
     const double amp = std::sqrt(8.0 * std::sqrt(static_cast<double>(dim))) / std::sqrt(norm);
     for (int64_t r = 0; r < n; ++r) {
       for (int64_t h = 0; h < heads; ++h)
-        for (int64_t d = 0; d < dim; ++d) in.q[static_cast<size_t>((r * heads + h) * dim + d)] += static_cast<float>(amp * dir[static_cast<size_t>(d)]);
+        for (int64_t d = 0; d < dim; ++d)
+          in.q[static_cast<size_t>((r * heads + h) * dim + d)] += static_cast<float>(amp * dir[static_cast<size_t>(d)]);
       if (r % 128 != 64) continue;
       for (int64_t h = 0; h < kv_heads; ++h)
-        for (int64_t d = 0; d < dim; ++d) in.k[static_cast<size_t>((r * kv_heads + h) * dim + d)] += static_cast<float>(amp * dir[static_cast<size_t>(d)]);
+        for (int64_t d = 0; d < dim; ++d)
+          in.k[static_cast<size_t>((r * kv_heads + h) * dim + d)] +=
+              static_cast<float>(amp * dir[static_cast<size_t>(d)]);
     }
   }
   return in;
@@ -253,7 +259,8 @@ TEST(Targeted, TrueErrorUnderTheTargetInAtLeast95PercentOfRequests) {
     o.seed = i;
     std::vector<float> exact(in.q.size()), out(in.q.size());
     o.mode = Mode::kExact;
-    StatusOr<AttentionParams> pe = make_params(o, {in.q.data(), in.k.data(), in.v.data(), exact.data(), nullptr, MemorySpace::kHost});
+    StatusOr<AttentionParams> pe =
+        make_params(o, {in.q.data(), in.k.data(), in.v.data(), exact.data(), nullptr, MemorySpace::kHost});
     ASSERT_TRUE(pe.ok()) << pe.status().to_string();
     PlanLimits limits;
     limits.threads = 2;
@@ -263,7 +270,8 @@ TEST(Targeted, TrueErrorUnderTheTargetInAtLeast95PercentOfRequests) {
     o.sampling = Sampling::kAsh;
     o.samples = 16;
     o.target_rel_err = r.target;
-    StatusOr<AttentionParams> p = make_params(o, {in.q.data(), in.k.data(), in.v.data(), out.data(), nullptr, MemorySpace::kHost});
+    StatusOr<AttentionParams> p =
+        make_params(o, {in.q.data(), in.k.data(), in.v.data(), out.data(), nullptr, MemorySpace::kHost});
     ASSERT_TRUE(p.ok()) << p.status().to_string();
     StatusOr<AttentionResult> res = run_attention(*cpu, *p, limits, ExecContext{});
     ASSERT_TRUE(res.ok()) << res.status().to_string();

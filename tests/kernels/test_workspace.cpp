@@ -111,8 +111,19 @@ const WorkspaceCase kCases[] = {
 };
 
 AttentionOptions options_of(const WorkspaceCase& c) {
-  return {.batch = 2, .q_len = 197, .kv_len = 261, .heads = 4, .kv_heads = 2, .head_dim = 24, .dtype = c.dtype,
-          .causal = true, .mode = c.mode, .samples = 8, .seed = 3, .lsh_algorithm = c.algorithm, .probe_rows = 24};
+  return {.batch = 2,
+          .q_len = 197,
+          .kv_len = 261,
+          .heads = 4,
+          .kv_heads = 2,
+          .head_dim = 24,
+          .dtype = c.dtype,
+          .causal = true,
+          .mode = c.mode,
+          .samples = 8,
+          .seed = 3,
+          .lsh_algorithm = c.algorithm,
+          .probe_rows = 24};
 }
 
 TEST(Workspace, ForwardRunsInExactlyThePlannedBytesAndRefusesFewer) {

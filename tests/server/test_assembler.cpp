@@ -61,7 +61,9 @@ class AssemblerTest : public ::testing::Test {
     c.set_data(std::move(data));
     return c;
   }
-  Status add(v1::Tensor t, int64_t start, int64_t count, int salt = 0) { return assembler_->add(chunk(t, start, count, salt)); }
+  Status add(v1::Tensor t, int64_t start, int64_t count, int salt = 0) {
+    return assembler_->add(chunk(t, start, count, salt));
+  }
   Status add_all(v1::Tensor t) { return add(t, 0, rows(t)); }
 
   // Rows [start, end) of t hold what chunk(t, ..., salt) wrote there.
@@ -69,9 +71,9 @@ class AssemblerTest : public ::testing::Test {
     for (int64_t r = start; r < end; ++r)
       for (int64_t b = 0; b < row_bytes(t); ++b)
         if (buffer(t)[r * row_bytes(t) + b] != pattern(t, r, b, salt))
-          return ::testing::AssertionFailure() << v1::Tensor_Name(t) << " row " << r << " byte " << b << " is "
-                                               << int{buffer(t)[r * row_bytes(t) + b]} << ", expected "
-                                               << int{pattern(t, r, b, salt)};
+          return ::testing::AssertionFailure()
+                 << v1::Tensor_Name(t) << " row " << r << " byte " << b << " is "
+                 << int{buffer(t)[r * row_bytes(t) + b]} << ", expected " << int{pattern(t, r, b, salt)};
     return ::testing::AssertionSuccess();
   }
 
@@ -160,8 +162,8 @@ class AssemblerOverlapTest : public AssemblerTest, public ::testing::WithParamIn
 TEST_P(AssemblerOverlapTest, RefusedWithoutTouchingTheBuffer) {
   const OverlapCase& c = GetParam();
   ASSERT_TRUE(is_ok(add(v1::TENSOR_K, c.first_start, c.first_count)));
-  const std::string first = "rows [" + std::to_string(c.first_start) + ", " +
-                            std::to_string(c.first_start + c.first_count) + ")";
+  const std::string first =
+      "rows [" + std::to_string(c.first_start) + ", " + std::to_string(c.first_start + c.first_count) + ")";
   EXPECT_TRUE(has_error(add(v1::TENSOR_K, c.second_start, c.second_count, /*salt=*/1), kInvalid,
                         {"chunk of k", "overlap", first.c_str(), "received before"}));
   EXPECT_EQ(assembler_->received_bytes(), c.first_count * 8);
@@ -169,11 +171,9 @@ TEST_P(AssemblerOverlapTest, RefusedWithoutTouchingTheBuffer) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Overlaps, AssemblerOverlapTest,
-                         ::testing::Values(OverlapCase{"Exact", 2, 3, 2, 3},
-                                           OverlapCase{"TailOfEarlier", 2, 3, 4, 2},
+                         ::testing::Values(OverlapCase{"Exact", 2, 3, 2, 3}, OverlapCase{"TailOfEarlier", 2, 3, 4, 2},
                                            OverlapCase{"HeadOfEarlier", 3, 3, 1, 3},
-                                           OverlapCase{"Contains", 3, 2, 1, 5},
-                                           OverlapCase{"Inside", 1, 5, 3, 1},
+                                           OverlapCase{"Contains", 3, 2, 1, 5}, OverlapCase{"Inside", 1, 5, 3, 1},
                                            OverlapCase{"SameStartLonger", 2, 2, 2, 4},
                                            OverlapCase{"SameEndShorter", 1, 5, 5, 1}),
                          [](const auto& info) { return std::string(info.param.name); });
@@ -190,7 +190,8 @@ TEST_F(AssemblerTest, RowStartOutOfRange) {
   }
   // q's range is q's own.
   EXPECT_TRUE(is_ok(add(v1::TENSOR_Q, 9, 1)));
-  EXPECT_TRUE(has_error(add(v1::TENSOR_Q, 10, 1), kInvalid, {"chunk of q", "row_start = 10", "[0, 10)", "batch * q_len"}));
+  EXPECT_TRUE(
+      has_error(add(v1::TENSOR_Q, 10, 1), kInvalid, {"chunk of q", "row_start = 10", "[0, 10)", "batch * q_len"}));
   EXPECT_EQ(assembler_->received_bytes(), 12);
 }
 
@@ -202,8 +203,8 @@ TEST_F(AssemblerTest, RowCountOutOfRange) {
   };
   // Zero and negative counts, one past the end, and counts whose
   // start + count overflows int64 (a naive end check would wrap and pass).
-  for (Case c : {Case{0, 0}, Case{3, -1}, Case{3, min}, Case{0, 8}, Case{6, 2}, Case{5, max}, Case{2, max - 1},
-                 Case{6, max}}) {
+  for (Case c :
+       {Case{0, 0}, Case{3, -1}, Case{3, min}, Case{0, 8}, Case{6, 2}, Case{5, max}, Case{2, max - 1}, Case{6, max}}) {
     v1::TensorChunk ch = chunk(v1::TENSOR_K, c.start, 1);
     ch.set_row_count(c.count);
     EXPECT_TRUE(has_error(assembler_->add(ch), kInvalid,
@@ -219,9 +220,9 @@ TEST_F(AssemblerTest, DataMustBeExactlyTheRowsBytes) {
   for (int delta : {-1, +1, -24}) {
     v1::TensorChunk c = chunk(v1::TENSOR_Q, 4, 2);
     c.mutable_data()->resize(static_cast<size_t>(24 + delta));
-    EXPECT_TRUE(has_error(assembler_->add(c), kInvalid,
-                          {"chunk of q", ("data = " + std::to_string(24 + delta) + " bytes").c_str(), "expected 24",
-                           "12 bytes per row"}))
+    EXPECT_TRUE(has_error(
+        assembler_->add(c), kInvalid,
+        {"chunk of q", ("data = " + std::to_string(24 + delta) + " bytes").c_str(), "expected 24", "12 bytes per row"}))
         << "delta " << delta;
   }
   // k's rows are 8 bytes: q's 12 is wrong there.
@@ -243,7 +244,8 @@ TEST_F(AssemblerTest, OnlyInputTensorsAccepted) {
 }
 
 TEST_F(AssemblerTest, CompleteNamesTheFirstMissingRows) {
-  EXPECT_TRUE(has_error(assembler_->complete(), kInvalid, {"q: rows [0, 10) missing", "0 of 10 rows", "batch * q_len"}));
+  EXPECT_TRUE(
+      has_error(assembler_->complete(), kInvalid, {"q: rows [0, 10) missing", "0 of 10 rows", "batch * q_len"}));
 
   ASSERT_TRUE(is_ok(add(v1::TENSOR_Q, 2, 8)));
   EXPECT_TRUE(has_error(assembler_->complete(), kInvalid, {"q: rows [0, 2) missing", "8 of 10 rows"}));

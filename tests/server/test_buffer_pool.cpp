@@ -44,7 +44,7 @@ TEST(BufferPool, ABlockGivenBackServesTheNextRequestOfItsSize) {
   {
     std::shared_ptr<uint8_t> b = pool.acquire(3 * MiB);
     first = b.get();
-    std::memset(b.get(), 7, 3 * MiB);  // writable, all of it
+    std::memset(b.get(), 7, 3 * MiB);               // writable, all of it
     EXPECT_EQ(pool.stats().in_use_bytes, 4 * MiB);  // rounded up to 2 MiB granules
   }
   EXPECT_EQ(pool.stats().idle_bytes, 4 * MiB);

@@ -10,8 +10,8 @@
 #include <cstring>
 #include <optional>
 
-#include "server/call.h"
 #include "request_test_util.h"
+#include "server/call.h"
 #include "server/logging.h"
 #include "server_test_util.h"
 #include "sync_util.h"
@@ -27,9 +27,9 @@ using testing::is_ok;
 class TestCall : public CallBase {
  public:
   TestCall(ServiceContext& s, grpc::CallbackServerContext* ctx) : CallBase(s, ctx, "Test") {}
+  using CallBase::admit_header;
   using CallBase::close;
   using CallBase::compute;
-  using CallBase::admit_header;
   using CallBase::open;
   void cancel() { cancel_ = true; }
   // Never watched here (open(false)): nothing calls it.
@@ -46,7 +46,9 @@ class TestCall : public CallBase {
 class CallCancelTest : public ::testing::Test {
  protected:
   CallCancelTest()
-      : budget_({int64_t{1} << 30, 0}), admission_({64}, &budget_, nullptr, nullptr, nullptr), scheduler_(1, 4, nullptr) {
+      : budget_({int64_t{1} << 30, 0}),
+        admission_({64}, &budget_, nullptr, nullptr, nullptr),
+        scheduler_(1, 4, nullptr) {
     // No request log lines in the test output. Once per process: a second
     // init_logging throws (spdlog: logger 'plsh' already exists).
     static const Status logging = init_logging("warn", "text");

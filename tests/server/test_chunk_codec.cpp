@@ -106,15 +106,15 @@ TEST(ChunkReader, DefaultsOrderRepeatsAndUnknownFieldsAsProtobuf) {
   // every wire type but groups; all in one chunk, read as protobuf does.
   const std::string data = payload(40, 2);
   std::string inner;
-  inner += std::string("\x22\x03xyz", 5);                          // data "xyz" (replaced below)
-  inner += std::string("\x18\x05", 2);                             // row_count 5
-  inner += std::string("\x10\x09", 2);                             // row_start 9
-  inner += std::string("\x28\x96\x01", 3);                         // field 5, varint: unknown
-  inner += std::string("\x31", 1) + std::string(8, '\x01');        // field 6, fixed64
-  inner += std::string("\x3d", 1) + std::string(4, '\x02');        // field 7, fixed32
-  inner += std::string("\x42\x02zz", 4);                           // field 8, bytes
-  inner += std::string("\x10\x0b", 2);                             // row_start 11: wins
-  inner += std::string("\x08\x02", 2);                             // tensor K
+  inner += std::string("\x22\x03xyz", 5);                                   // data "xyz" (replaced below)
+  inner += std::string("\x18\x05", 2);                                      // row_count 5
+  inner += std::string("\x10\x09", 2);                                      // row_start 9
+  inner += std::string("\x28\x96\x01", 3);                                  // field 5, varint: unknown
+  inner += std::string("\x31", 1) + std::string(8, '\x01');                 // field 6, fixed64
+  inner += std::string("\x3d", 1) + std::string(4, '\x02');                 // field 7, fixed32
+  inner += std::string("\x42\x02zz", 4);                                    // field 8, bytes
+  inner += std::string("\x10\x0b", 2);                                      // row_start 11: wins
+  inner += std::string("\x08\x02", 2);                                      // tensor K
   inner += std::string("\x22", 1) + static_cast<char>(data.size()) + data;  // data: wins
   const std::string bytes = std::string("\x12", 1) + static_cast<char>(inner.size()) + inner;
   ChunkReader reader;
@@ -133,12 +133,15 @@ TEST(ChunkReader, LeavesEverythingElseToProtobuf) {
   ack.mutable_ack()->set_request_id("r1");
   const std::string chunk = chunk_request(v1::TENSOR_Q, 1, 1, "abcd").SerializeAsString();
   const std::vector<std::string> others = {
-      header.SerializeAsString(), end.SerializeAsString(), ack.SerializeAsString(), "",
-      chunk + chunk,                                                    // the oneof twice: protobuf merges
-      chunk.substr(0, chunk.size() - 1),                               // truncated
-      std::string("\x12\x02\x08", 3),                                  // inner length beyond the buffer
-      std::string("\x12\x02\x0a\x00", 4),                              // tensor as bytes: mistyped
-      std::string("\x12\x02\x0b\x0c", 4),                              // a group
+      header.SerializeAsString(),
+      end.SerializeAsString(),
+      ack.SerializeAsString(),
+      "",
+      chunk + chunk,                                                            // the oneof twice: protobuf merges
+      chunk.substr(0, chunk.size() - 1),                                        // truncated
+      std::string("\x12\x02\x08", 3),                                           // inner length beyond the buffer
+      std::string("\x12\x02\x0a\x00", 4),                                       // tensor as bytes: mistyped
+      std::string("\x12\x02\x0b\x0c", 4),                                       // a group
       std::string("\x12\x0b\x10\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 13),  // an 11-byte varint
   };
   for (const std::string& m : others) {
@@ -149,15 +152,18 @@ TEST(ChunkReader, LeavesEverythingElseToProtobuf) {
 
 TEST(ChunkReader, RandomDamageNeverDisagreesWithProtobuf) {
   std::mt19937 rng(5);
-  const std::string base =
-      chunk_request(v1::TENSOR_V, 77, 3, payload(48, 3)).SerializeAsString();
+  const std::string base = chunk_request(v1::TENSOR_V, 77, 3, payload(48, 3)).SerializeAsString();
   for (int trial = 0; trial < 20000; ++trial) {
     std::string bytes = base;
     const int edits = 1 + static_cast<int>(rng() % 4);
     for (int e = 0; e < edits; ++e) {
       switch (rng() % 3) {
-        case 0: bytes[rng() % bytes.size()] = static_cast<char>(rng()); break;
-        case 1: bytes.insert(bytes.begin() + static_cast<long>(rng() % (bytes.size() + 1)), static_cast<char>(rng())); break;
+        case 0:
+          bytes[rng() % bytes.size()] = static_cast<char>(rng());
+          break;
+        case 1:
+          bytes.insert(bytes.begin() + static_cast<long>(rng() % (bytes.size() + 1)), static_cast<char>(rng()));
+          break;
         default:
           if (bytes.size() > 1) bytes.erase(bytes.begin() + static_cast<long>(rng() % bytes.size()));
       }
@@ -177,7 +183,8 @@ TEST(EncodeChunk, ParsesAsTheMessageAndReleasesOnceWhenGrpcLetsGo) {
     const std::string data = payload(n, 4);
     Released released;
     {
-      grpc::ByteBuffer buffer = encode_chunk(v1::TENSOR_OUT, 1 << 20, 300, data.data(), n, Released::release, &released);
+      grpc::ByteBuffer buffer =
+          encode_chunk(v1::TENSOR_OUT, 1 << 20, 300, data.data(), n, Released::release, &released);
       const bool copied = n < kChunkCopyBelowBytes;
       EXPECT_EQ(released.count, copied ? 1 : 0);  // a copy gives the memory back at once
       v1::AttendResponse parsed;

@@ -28,8 +28,7 @@ struct Fixture {
     EXPECT_TRUE(is_ok(budget.reserve({bytes, 0})));
     StatusOr<std::string> id = store.reserve_id(owner);
     EXPECT_TRUE(id.ok()) << id.status().to_string();
-    store.put(*id, std::make_shared<KeptContext>(Request{}, RequestMemory{}, MemoryCharge{bytes, 0}, &budget,
-                                                 nullptr));
+    store.put(*id, std::make_shared<KeptContext>(Request{}, RequestMemory{}, MemoryCharge{bytes, 0}, &budget, nullptr));
     return *id;
   }
 
@@ -123,8 +122,8 @@ TEST(ContextStore, APendingIdIsNotUsableAndAnAbandonedOneIsRemembered) {
   Fixture f;
   StatusOr<std::string> id = f.store.reserve_id("");
   ASSERT_TRUE(id.ok());
-  EXPECT_TRUE(has_error(f.store.check_out(*id, "", "r1").status(), StatusCode::kFailedPrecondition,
-                        {"has not finished yet"}));
+  EXPECT_TRUE(
+      has_error(f.store.check_out(*id, "", "r1").status(), StatusCode::kFailedPrecondition, {"has not finished yet"}));
   f.store.abandon(*id);
   EXPECT_EQ(f.store.held(), 0);
   EXPECT_TRUE(has_error(f.store.check_out(*id, "", "r1").status(), StatusCode::kFailedPrecondition,
@@ -197,8 +196,8 @@ TEST(ContextStore, ADrainDropsIdleContextsNowAndCheckedOutOnesAtCheckIn) {
   EXPECT_EQ(f.store.held(), 0);
   // The forward that was still running: its context is dropped on arrival.
   ASSERT_TRUE(is_ok(f.budget.reserve({50, 0})));
-  f.store.put(*pending, std::make_shared<KeptContext>(Request{}, RequestMemory{}, MemoryCharge{50, 0},
-                                                      &f.budget, nullptr));
+  f.store.put(*pending,
+              std::make_shared<KeptContext>(Request{}, RequestMemory{}, MemoryCharge{50, 0}, &f.budget, nullptr));
   EXPECT_EQ(f.store.held(), 0);
   EXPECT_EQ(f.budget.reserved().host_bytes, 0);
 }

@@ -54,7 +54,8 @@ TEST(PlanRequest, KeepContextWithATargetIsRefused) {
   v1::AttendHeader h = small_header(v1::MODE_WINDOW);
   h.set_target_rel_err(0.1);
   h.set_keep_context(true);
-  EXPECT_TRUE(has_error(check_and_plan(h, roomy_limits()).status(), kInvalid, {"keep_context = true with target_rel_err"}));
+  EXPECT_TRUE(
+      has_error(check_and_plan(h, roomy_limits()).status(), kInvalid, {"keep_context = true with target_rel_err"}));
   h.set_keep_context(false);
   EXPECT_TRUE(is_ok(check_and_plan(h, roomy_limits()).status()));
 }
@@ -114,7 +115,7 @@ TEST(PlanRequestLimits, MaxTokensCountsTheLongerSide) {
   v1::AttendHeader h = small_header();
   h.set_batch(2);
   EXPECT_TRUE(is_ok(check_and_plan(h, limits).status()));  // 2 * 16 = 32: at the limit
-  h.set_kv_len(17);                                      // 2 * max(16, 17) = 34
+  h.set_kv_len(17);                                        // 2 * max(16, 17) = 34
   EXPECT_TRUE(has_error(check_and_plan(h, limits).status(), kExhausted, {"34 tokens", "<= 32", "--max-tokens"}));
   h.set_kv_len(8);
   h.set_q_len(17);
@@ -187,7 +188,7 @@ TEST(PlanRequestLimits, MaxMessageBytesMustHoldOneLseRow) {
   h.set_head_dim(1);
   h.set_dtype(v1::DTYPE_F16);
   EXPECT_TRUE(is_ok(check_and_plan(h, limits).status()));  // rows of 8 bytes
-  h.set_return_lse(true);                                // lse rows of 16
+  h.set_return_lse(true);                                  // lse rows of 16
   EXPECT_TRUE(has_error(check_and_plan(h, limits).status(), kExhausted,
                         {"with return_lse", "one row is 16 bytes", "--max-message-bytes"}));
 }
@@ -204,9 +205,9 @@ TEST(PlanRequestLimits, MaxMessageBytesMustHoldTheSummaryWithDraws) {
   limits.max_message_bytes = kMessageHeadroom + summary;
   EXPECT_TRUE(is_ok(check_and_plan(h, limits).status()));
   limits.max_message_bytes = kMessageHeadroom + summary - 1;
-  EXPECT_TRUE(has_error(check_and_plan(h, limits).status(), kExhausted,
-                        {"return_draws = true", "samples = 64", std::to_string(summary).c_str(),
-                         "--max-message-bytes"}));
+  EXPECT_TRUE(
+      has_error(check_and_plan(h, limits).status(), kExhausted,
+                {"return_draws = true", "samples = 64", std::to_string(summary).c_str(), "--max-message-bytes"}));
   h.set_return_draws(false);  // 400 bytes of summary fit
   EXPECT_TRUE(is_ok(check_and_plan(h, limits).status()));
 }

@@ -127,14 +127,16 @@ TEST_F(ShmRegistryTest, OffWithoutADirectory) {
   EXPECT_TRUE(has_error((*off)->register_region("", "a", "plsh-a", 0, 1), StatusCode::kUnimplemented, {"--shm-dir"}));
   EXPECT_TRUE(has_error((*off)->unregister_region("", "a"), StatusCode::kUnimplemented, {"--shm-dir"}));
   EXPECT_TRUE(has_error((*off)->list("").status(), StatusCode::kUnimplemented, {"--shm-dir"}));
-  EXPECT_TRUE(has_error((*off)->use("", "q_shm", "a", 0, 1, 1, 1, 1).status(), StatusCode::kUnimplemented, {"--shm-dir"}));
-  EXPECT_TRUE(has_error(SharedMemoryRegistry::open("/nonexistent/plsh-dir", kMaxMapped).status(), StatusCode::kInvalidArgument,
-                        {"--shm-dir"}));
+  EXPECT_TRUE(
+      has_error((*off)->use("", "q_shm", "a", 0, 1, 1, 1, 1).status(), StatusCode::kUnimplemented, {"--shm-dir"}));
+  EXPECT_TRUE(has_error(SharedMemoryRegistry::open("/nonexistent/plsh-dir", kMaxMapped).status(),
+                        StatusCode::kInvalidArgument, {"--shm-dir"}));
 }
 
 TEST_F(ShmRegistryTest, KeysAreFileNamesOfTheDirectoryOnly) {
   make_file("plsh-a", 4096);
-  for (const std::string& key : std::vector<std::string>{"../plsh-a", "../../etc/passwd", "/etc/passwd", "sub/plsh-a", "//plsh-a", ".", "..",
+  for (const std::string& key :
+       std::vector<std::string>{"../plsh-a", "../../etc/passwd", "/etc/passwd", "sub/plsh-a", "//plsh-a", ".", "..",
                                 ".hidden", "", std::string(256, 'a'), "a b", std::string("plsh-a\0x", 8)}) {
     SCOPED_TRACE(key);
     EXPECT_TRUE(has_error(reg("r", key, 0, 1), StatusCode::kInvalidArgument, {"key: expected a file name"}));
@@ -169,7 +171,8 @@ TEST_F(ShmRegistryTest, AnotherUsersFileIsRefused) {
 
 TEST_F(ShmRegistryTest, RangesAreCheckedForOverflowAndAgainstTheFile) {
   make_file("plsh-a", 4096);
-  EXPECT_TRUE(has_error(reg("r", "plsh-a", 0, 4097), StatusCode::kInvalidArgument, {"offset + byte_size = 4097", "4096 bytes"}));
+  EXPECT_TRUE(has_error(reg("r", "plsh-a", 0, 4097), StatusCode::kInvalidArgument,
+                        {"offset + byte_size = 4097", "4096 bytes"}));
   EXPECT_TRUE(has_error(reg("r", "plsh-a", 4000, 100), StatusCode::kInvalidArgument, {"offset + byte_size = 4100"}));
   EXPECT_TRUE(has_error(reg("r", "plsh-a", INT64_MAX, 2), StatusCode::kInvalidArgument, {"overflows"}));
   EXPECT_TRUE(has_error(reg("r", "plsh-a", 2, INT64_MAX), StatusCode::kInvalidArgument, {"overflows"}));
@@ -183,7 +186,8 @@ TEST_F(ShmRegistryTest, RangesAreCheckedForOverflowAndAgainstTheFile) {
   };
   EXPECT_TRUE(is_ok(use(3904, 96, 96, 4)));
   EXPECT_TRUE(has_error(use(0, 100, 96, 4), StatusCode::kInvalidArgument, {"v_shm.byte_size = 100, expected 96"}));
-  EXPECT_TRUE(has_error(use(3908, 96, 96, 4), StatusCode::kInvalidArgument, {"v_shm.offset + byte_size = 4004", "<= 4000"}));
+  EXPECT_TRUE(
+      has_error(use(3908, 96, 96, 4), StatusCode::kInvalidArgument, {"v_shm.offset + byte_size = 4004", "<= 4000"}));
   EXPECT_TRUE(has_error(use(INT64_MAX - 10, 96, 96, 4), StatusCode::kInvalidArgument, {"overflows"}));
   EXPECT_TRUE(has_error(use(-4, 96, 96, 4), StatusCode::kInvalidArgument, {"v_shm.offset = -4"}));
   EXPECT_TRUE(has_error(use(2, 96, 96, 4), StatusCode::kInvalidArgument, {"byte 98", "multiple of 4"}));
@@ -199,8 +203,8 @@ TEST_F(ShmRegistryTest, ARegionInUseCannotBeUnregistered) {
     StatusOr<SharedMemoryRegistry::Use> b = registry_->use("", "k_shm", "r", 64, 64, 64, 4, next_holder());
     ASSERT_TRUE(is_ok(a.status()));
     ASSERT_TRUE(is_ok(b.status()));
-    EXPECT_TRUE(has_error(registry_->unregister_region("", "r"), StatusCode::kFailedPrecondition,
-                          {"in use by 2 request(s)"}));
+    EXPECT_TRUE(
+        has_error(registry_->unregister_region("", "r"), StatusCode::kFailedPrecondition, {"in use by 2 request(s)"}));
     SharedMemoryRegistry::Use moved = std::move(a).value();  // moving a use keeps one hold
     EXPECT_EQ(registry_->list("")->at(0).requests, 2);
   }
@@ -213,7 +217,8 @@ TEST_F(ShmRegistryTest, RegionsBelongToTheirOwner) {
   make_file("plsh-a", 4096);
   ASSERT_TRUE(is_ok(registry_->register_region("alice", "r", "plsh-a", 0, 4096)));
   EXPECT_TRUE(registry_->list("bob")->empty());
-  EXPECT_TRUE(has_error(registry_->use("bob", "q_shm", "r", 0, 4, 4, 4, next_holder()).status(), StatusCode::kNotFound, {"'r'"}));
+  EXPECT_TRUE(has_error(registry_->use("bob", "q_shm", "r", 0, 4, 4, 4, next_holder()).status(), StatusCode::kNotFound,
+                        {"'r'"}));
   EXPECT_TRUE(has_error(registry_->unregister_region("bob", "r"), StatusCode::kNotFound, {"'r'"}));
   ASSERT_TRUE(is_ok(registry_->register_region("bob", "r", "plsh-a", 0, 16)));  // names are per owner
   EXPECT_EQ(registry_->list("alice")->size(), 1u);
@@ -238,20 +243,21 @@ TEST_F(ShmRegistryTest, AtMostMaxRegions) {
 TEST_F(ShmRegistryTest, AFileThatShrinksFailsTheRequestNotTheProcess) {
   const std::string path = make_file("plsh-a", 3 * 4096);
   ASSERT_TRUE(is_ok(reg("r", "plsh-a", 0, 3 * 4096)));
-  StatusOr<SharedMemoryRegistry::Use> held = registry_->use("", "out_shm", "r", 0, 3 * 4096, 3 * 4096, 4, next_holder());
+  StatusOr<SharedMemoryRegistry::Use> held =
+      registry_->use("", "out_shm", "r", 0, 3 * 4096, 3 * 4096, 4, next_holder());
   ASSERT_TRUE(is_ok(held.status()));
   ASSERT_EQ(truncate(path.c_str(), 4096), 0);
-  EXPECT_TRUE(has_error(registry_->use("", "q_shm", "r", 0, 4, 4, 4, next_holder()).status(), StatusCode::kFailedPrecondition,
-                        {"q_shm", "has shrunk"}));
+  EXPECT_TRUE(has_error(registry_->use("", "q_shm", "r", 0, 4, 4, 4, next_holder()).status(),
+                        StatusCode::kFailedPrecondition, {"q_shm", "has shrunk"}));
   EXPECT_TRUE(is_ok(held->check_intact("out_shm")));
   volatile uint8_t* data = held->data();
-  EXPECT_EQ(data[5], 5);           // still in the file
+  EXPECT_EQ(data[5], 5);             // still in the file
   EXPECT_EQ(data[2 * 4096 + 1], 0);  // past its end: SIGBUS, caught
-  data[2 * 4096 + 2] = 9;           // and a write
+  data[2 * 4096 + 2] = 9;            // and a write
   EXPECT_TRUE(has_error(held->check_intact("out_shm"), StatusCode::kFailedPrecondition, {"out_shm", "shrank"}));
   ASSERT_EQ(truncate(path.c_str(), 3 * 4096), 0);  // grown back: the region stays broken
-  EXPECT_TRUE(has_error(registry_->use("", "q_shm", "r", 0, 4, 4, 4, next_holder()).status(), StatusCode::kFailedPrecondition,
-                        {"register it again"}));
+  EXPECT_TRUE(has_error(registry_->use("", "q_shm", "r", 0, 4, 4, 4, next_holder()).status(),
+                        StatusCode::kFailedPrecondition, {"register it again"}));
   held = Status(StatusCode::kCancelled, "released");
   ASSERT_TRUE(is_ok(registry_->unregister_region("", "r")));
   ASSERT_TRUE(is_ok(reg("r", "plsh-a", 0, 3 * 4096)));
@@ -270,7 +276,8 @@ TEST_F(ShmRegistryTest, ARequestCountsOnceHoweverManyOfItsTensorsLieInTheRegion)
     uses.push_back(std::move(u).value());
   }
   EXPECT_EQ(registry_->list("")->at(0).requests, 1);
-  EXPECT_TRUE(has_error(registry_->unregister_region("", "r"), StatusCode::kFailedPrecondition, {"in use by 1 request(s)"}));
+  EXPECT_TRUE(
+      has_error(registry_->unregister_region("", "r"), StatusCode::kFailedPrecondition, {"in use by 1 request(s)"}));
   StatusOr<SharedMemoryRegistry::Use> other = registry_->use("", "k_shm", "r", 0, 4, 4, 4, next_holder());
   EXPECT_EQ(registry_->list("")->at(0).requests, 2);
   uses.pop_back();  // the request still holds three
@@ -296,8 +303,8 @@ TEST_F(ShmRegistryTest, MappedBytesStayWithinTheBound) {
   ASSERT_TRUE(is_ok(reg("b", "plsh-huge", int64_t{4} << 40, kMaxMapped / 4)));
   EXPECT_EQ(totals_.regions, 2);
   EXPECT_EQ(totals_.mapped_bytes, 3 * kMaxMapped / 4);
-  EXPECT_TRUE(has_error(reg("c", "plsh-huge", 0, kMaxMapped / 4 + 4096), StatusCode::kResourceExhausted,
-                        {"--max-shm-bytes"}));
+  EXPECT_TRUE(
+      has_error(reg("c", "plsh-huge", 0, kMaxMapped / 4 + 4096), StatusCode::kResourceExhausted, {"--max-shm-bytes"}));
   ASSERT_TRUE(is_ok(reg("c", "plsh-huge", 0, kMaxMapped / 4)));  // exactly to the bound
   EXPECT_TRUE(has_error(reg("d", "plsh-huge", 0, 1), StatusCode::kResourceExhausted, {"--max-shm-bytes"}));
   ASSERT_TRUE(is_ok(registry_->unregister_region("", "a")));

@@ -43,10 +43,10 @@ namespace plsh {
 // How one forward or backward call runs: where, and when to give up. How many threads
 // is the plan's (PlanLimits::threads), since the workspace was sized for it.
 struct ExecContext {
-  void* stream = nullptr;                        // cudaStream_t on CUDA backends; unused on the CPU
-  const std::atomic<bool>* cancel = nullptr;     // set by the caller to stop the work early
+  void* stream = nullptr;                     // cudaStream_t on CUDA backends; unused on the CPU
+  const std::atomic<bool>* cancel = nullptr;  // set by the caller to stop the work early
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
-  std::function<void(double)> progress;          // fraction done in [0, 1], from any thread
+  std::function<void(double)> progress;  // fraction done in [0, 1], from any thread
 
   // CANCELLED or DEADLINE_EXCEEDED when the work should stop, else OK.
   // Backends call it between tiles.
@@ -64,9 +64,9 @@ struct DeviceMemory {
 
 // What a forward pass did, for the result's metadata.
 struct ForwardStats {
-  double flops = 0;                               // multiply-adds x2 actually done (QK^T and PV)
+  double flops = 0;                                  // multiply-adds x2 actually done (QK^T and PV)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // the algorithm used for lsh
-  Workspace workspace;                            // of the caller's workspace, the bytes actually carved
+  Workspace workspace;                               // of the caller's workspace, the bytes actually carved
 };
 
 // What a backward pass did.
@@ -88,8 +88,8 @@ struct ProbeRowsOut {
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual std::string name() const = 0;     // one of kBackendNames: "cpu", "cuda"
-  virtual std::string device() const = 0;   // "x86_64, 2 threads" / "NVIDIA H200 (sm_90, 139 GiB)"
+  virtual std::string name() const = 0;    // one of kBackendNames: "cpu", "cuda"
+  virtual std::string device() const = 0;  // "x86_64, 2 threads" / "NVIDIA H200 (sm_90, 139 GiB)"
   // OK, or why these params cannot run here (FAILED_PRECONDITION / UNIMPLEMENTED).
   virtual Status supports(const AttentionParams& p) const = 0;
   // The request's plan (plsh/plan.h): supports() first, then the draws, the
@@ -232,9 +232,16 @@ inline constexpr uint32_t kBackendApiVersion = 8;
 // What the library and the process must agree on beyond the version (above).
 constexpr uint64_t backend_abi_fingerprint() {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the values
-  const uint64_t values[] = {sizeof(Plan),         sizeof(AttentionParams), sizeof(BackwardParams), sizeof(ExecContext),
-                             sizeof(WorkspaceRef), sizeof(ForwardStats),    sizeof(BackwardStats),  sizeof(DeviceMemory),
-                             sizeof(std::string),  sizeof(std::function<void(double)>),
+  const uint64_t values[] = {sizeof(Plan),
+                             sizeof(AttentionParams),
+                             sizeof(BackwardParams),
+                             sizeof(ExecContext),
+                             sizeof(WorkspaceRef),
+                             sizeof(ForwardStats),
+                             sizeof(BackwardStats),
+                             sizeof(DeviceMemory),
+                             sizeof(std::string),
+                             sizeof(std::function<void(double)>),
 #ifdef __GXX_ABI_VERSION
                              __GXX_ABI_VERSION,
 #endif

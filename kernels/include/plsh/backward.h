@@ -31,7 +31,7 @@ struct GradientRefs {
   void* dq = nullptr;          // [B, Nq, H, D]   grad_dtype
   void* dk = nullptr;          // [B, Nk, Hkv, D] grad_dtype: summed over each kv head's query heads
   void* dv = nullptr;          // [B, Nk, Hkv, D] grad_dtype: summed likewise
-  std::optional<DType> grad_dtype;  // default: the dtype of q, k, v
+  std::optional<DType> grad_dtype;          // default: the dtype of q, k, v
   MemorySpace memory = MemorySpace::kHost;  // must be the plan's
 };
 

@@ -38,9 +38,9 @@ int64_t max_block_size(std::span<const Draw> draws, const PositionRange& r);
 // A view: the draws stay the plan's.
 struct HeadMask {
   Mode mode = Mode::kLsh;
-  double sigma = 0;               // +inf for slope 0
-  std::span<const Draw> draws;    // lsh, fixed_blocks: the plan's draws of this head
-  int64_t window = kNoWindow;     // window
+  double sigma = 0;             // +inf for slope 0
+  std::span<const Draw> draws;  // lsh, fixed_blocks: the plan's draws of this head
+  int64_t window = kNoWindow;   // window
 };
 
 HeadMask head_mask(const Plan& plan, int64_t h);
@@ -51,10 +51,10 @@ HeadMask head_mask(const Plan& plan, int64_t h);
 std::vector<int64_t> sample_indices(int64_t n, int64_t count, uint64_t seed);
 
 struct MaskMaxError {
-  double value = 0;           // max |L*_ij - M~_ij| over the rows checked
+  double value = 0;  // max |L*_ij - M~_ij| over the rows checked
   int64_t rows_checked = 0;
   bool rows_sampled = false;
-  bool stopped = false;       // ctx asked to stop before the rows were done
+  bool stopped = false;  // ctx asked to stop before the rows were done
 };
 
 // Exact over all query rows up to row_budget rows, else over a seeded row
@@ -68,9 +68,9 @@ MaskMaxError mask_max_error(const HeadMask& m, const PositionRange& r, int64_t r
 void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose);
 
 struct SpectralError {
-  double value = 0;           // ~ ||E||_2, a lower bound that converges from below
+  double value = 0;  // ~ ||E||_2, a lower bound that converges from below
   int64_t iterations = 0;
-  bool converged = false;     // relative change under the tolerance (or an exact invariant subspace)
+  bool converged = false;  // relative change under the tolerance (or an exact invariant subspace)
   bool stopped = false;
 };
 

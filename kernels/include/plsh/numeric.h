@@ -68,18 +68,27 @@ inline uint16_t float_to_bf16(float f) {
 // Element i of a tensor of dtype t, as double.
 inline double load_element(const void* data, DType t, int64_t i) {
   switch (t) {
-    case DType::kF32: return static_cast<const float*>(data)[i];
-    case DType::kF16: return half_to_float(static_cast<const uint16_t*>(data)[i]);
-    case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DType::kF32:
+      return static_cast<const float*>(data)[i];
+    case DType::kF16:
+      return half_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DType::kBF16:
+      return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
   }
   return 0;
 }
 
 inline void store_element(void* data, DType t, int64_t i, float value) {
   switch (t) {
-    case DType::kF32: static_cast<float*>(data)[i] = value; break;
-    case DType::kF16: static_cast<uint16_t*>(data)[i] = float_to_half(value); break;
-    case DType::kBF16: static_cast<uint16_t*>(data)[i] = float_to_bf16(value); break;
+    case DType::kF32:
+      static_cast<float*>(data)[i] = value;
+      break;
+    case DType::kF16:
+      static_cast<uint16_t*>(data)[i] = float_to_half(value);
+      break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(data)[i] = float_to_bf16(value);
+      break;
   }
 }
 

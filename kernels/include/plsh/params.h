@@ -32,8 +32,10 @@ enum class MemorySpace : int { kHost = 0, kDevice = 1 };
 // The names that the name functions print and the parsers read.
 inline constexpr EnumName<DType> kDTypeNames[] = {{DType::kF32, "f32"}, {DType::kF16, "f16"}, {DType::kBF16, "bf16"}};
 // Other spellings parse_dtype accepts (numpy's and torch's); never printed.
-inline constexpr EnumName<DType> kDTypeAliases[] = {{DType::kF32, "float32"},  {DType::kF32, "fp32"},
-                                                    {DType::kF16, "float16"},  {DType::kF16, "fp16"},
+inline constexpr EnumName<DType> kDTypeAliases[] = {{DType::kF32, "float32"},
+                                                    {DType::kF32, "fp32"},
+                                                    {DType::kF16, "float16"},
+                                                    {DType::kF16, "fp16"},
                                                     {DType::kBF16, "bfloat16"}};
 inline constexpr EnumName<Mode> kModeNames[] = {
     {Mode::kExact, "exact"}, {Mode::kLsh, "lsh"}, {Mode::kWindow, "window"}, {Mode::kFixedBlocks, "fixed_blocks"}};
@@ -41,18 +43,18 @@ inline constexpr EnumName<LshAlgorithm> kLshAlgorithmNames[] = {
     {LshAlgorithm::kAuto, "auto"}, {LshAlgorithm::kPerSample, "per_sample"}, {LshAlgorithm::kBanded, "banded"}};
 inline constexpr EnumName<LshAlgorithm> kLshAlgorithmAliases[] = {{LshAlgorithm::kPerSample, "per-sample"}};
 
-const char* dtype_name(DType t);       // "f32", "f16", "bf16"
-const char* mode_name(Mode m);         // "exact", "lsh", "window", "fixed_blocks"
+const char* dtype_name(DType t);                 // "f32", "f16", "bf16"
+const char* mode_name(Mode m);                   // "exact", "lsh", "window", "fixed_blocks"
 const char* lsh_algorithm_name(LshAlgorithm a);  // "auto", "per_sample", "banded"
 size_t dtype_bytes(DType t);
-StatusOr<DType> parse_dtype(const std::string& s);   // f32|float32|fp32|f16|float16|fp16|bf16|bfloat16
+StatusOr<DType> parse_dtype(const std::string& s);  // f32|float32|fp32|f16|float16|fp16|bf16|bfloat16
 StatusOr<Mode> parse_mode(const std::string& s);
 StatusOr<LshAlgorithm> parse_lsh_algorithm(const std::string& s);
 StatusOr<Sampling> parse_sampling(const std::string& s);  // iid | stratified | ash (plsh/draws.h)
 
 // Hard limits of the library itself (the server adds configurable ones,
 // e.g. --max-samples, 4096 by default).
-inline constexpr int64_t kMaxSamples = int64_t{1} << 24;   // draws index 2^24 * head + sample
+inline constexpr int64_t kMaxSamples = int64_t{1} << 24;  // draws index 2^24 * head + sample
 inline constexpr int64_t kMaxHeads = int64_t{1} << 20;
 inline constexpr int64_t kMaxHeadDim = 1024;
 inline constexpr int64_t kMaxProbeRows = 4096;
@@ -85,33 +87,33 @@ inline int64_t resolved_kv_heads(int64_t heads, int64_t kv_heads) { return kv_he
 // What a caller asks for. Field names are the names used in error messages,
 // on the command line and on the wire.
 struct AttentionOptions {
-  int64_t batch = 1;                   // B
-  int64_t q_len = 0;                   // Nq
-  int64_t kv_len = 0;                  // Nk
-  int64_t heads = 0;                   // H, query heads
-  int64_t kv_heads = 0;                // Hkv; 0 means H (no grouping)
-  int64_t head_dim = 0;                // D
-  DType dtype = DType::kF32;           // of q, k, v
-  std::optional<DType> out_dtype;      // default: dtype
-  std::optional<double> scale;         // default 1/sqrt(D)
-  bool causal = false;                 // key allowed iff pos_k <= pos_q
-  std::vector<double> slopes;          // per query head, >= 0; empty: standard ALiBi slopes
-  std::optional<int64_t> q_pos0;       // default Nk - Nq
-  int64_t k_pos0 = 0;                  // absolute position of key row 0
+  int64_t batch = 1;               // B
+  int64_t q_len = 0;               // Nq
+  int64_t kv_len = 0;              // Nk
+  int64_t heads = 0;               // H, query heads
+  int64_t kv_heads = 0;            // Hkv; 0 means H (no grouping)
+  int64_t head_dim = 0;            // D
+  DType dtype = DType::kF32;       // of q, k, v
+  std::optional<DType> out_dtype;  // default: dtype
+  std::optional<double> scale;     // default 1/sqrt(D)
+  bool causal = false;             // key allowed iff pos_k <= pos_q
+  std::vector<double> slopes;      // per query head, >= 0; empty: standard ALiBi slopes
+  std::optional<int64_t> q_pos0;   // default Nk - Nq
+  int64_t k_pos0 = 0;              // absolute position of key row 0
   Mode mode = Mode::kLsh;
   // lsh: hashes per head (s). fixed_blocks reads none of samples, seed and
   // sampling: its one hash per head is fixed.
   int64_t samples = kDefaultSamples;
-  uint64_t seed = 0;                   // lsh: draws seed (SPEC section 5)
+  uint64_t seed = 0;  // lsh: draws seed (SPEC section 5)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;
-  Sampling sampling = kDefaultSampling;  // lsh: how the s hashes of a head depend on each other (SPEC 5)
-  double window_eps = kDefaultWindowEps;  // window: W_h = ceil(sigma_h ln(1/eps))
-  int64_t window_width = 0;            // window: one W for every head; 0: from window_eps
-  bool estimates = true;               // section-6 estimates for lsh and window results
-  int64_t probe_rows = kDefaultProbeRows;  // exact rows per head for the probe; 0: no probe
+  Sampling sampling = kDefaultSampling;             // lsh: how the s hashes of a head depend on each other (SPEC 5)
+  double window_eps = kDefaultWindowEps;            // window: W_h = ceil(sigma_h ln(1/eps))
+  int64_t window_width = 0;                         // window: one W for every head; 0: from window_eps
+  bool estimates = true;                            // section-6 estimates for lsh and window results
+  int64_t probe_rows = kDefaultProbeRows;           // exact rows per head for the probe; 0: no probe
   int64_t mask_row_budget = kDefaultMaskRowBudget;  // rows checked exactly for mask_max_err before sampling
-  bool return_draws = false;           // copy the draws into the result
-  bool check_finite = true;            // reject NaN/Inf inputs with the first bad position
+  bool return_draws = false;                        // copy the draws into the result
+  bool check_finite = true;                         // reject NaN/Inf inputs with the first bad position
   // > 0: an error-targeted request (plsh/targeted.h): the library tries
   // configurations of `mode` from the cheapest up (window: wider windows;
   // lsh: more samples) and then exact, and keeps the first whose probe's
@@ -121,21 +123,21 @@ struct AttentionOptions {
 
 // Pointers to the caller's tensors; all dense row-major in the layout above.
 struct TensorRefs {
-  const void* q = nullptr;      // [B, Nq, H, D]   dtype
-  const void* k = nullptr;      // [B, Nk, Hkv, D] dtype
-  const void* v = nullptr;      // [B, Nk, Hkv, D] dtype
-  void* out = nullptr;          // [B, Nq, H, D]   out_dtype
-  float* lse = nullptr;         // [B, Nq, H]      optional, natural log incl. the bias
+  const void* q = nullptr;  // [B, Nq, H, D]   dtype
+  const void* k = nullptr;  // [B, Nk, Hkv, D] dtype
+  const void* v = nullptr;  // [B, Nk, Hkv, D] dtype
+  void* out = nullptr;      // [B, Nq, H, D]   out_dtype
+  float* lse = nullptr;     // [B, Nq, H]      optional, natural log incl. the bias
   MemorySpace memory = MemorySpace::kHost;
 };
 
 // Resolved and validated: no optionals, no defaults left to apply.
 struct AttentionParams {
-  const void* q = nullptr;      // [B, Nq, H, D]
-  const void* k = nullptr;      // [B, Nk, Hkv, D]
-  const void* v = nullptr;      // [B, Nk, Hkv, D]
-  void* out = nullptr;          // [B, Nq, H, D]
-  float* lse = nullptr;         // [B, Nq, H] or null
+  const void* q = nullptr;  // [B, Nq, H, D]
+  const void* k = nullptr;  // [B, Nk, Hkv, D]
+  const void* v = nullptr;  // [B, Nk, Hkv, D]
+  void* out = nullptr;      // [B, Nq, H, D]
+  float* lse = nullptr;     // [B, Nq, H] or null
   MemorySpace memory = MemorySpace::kHost;
 
   // Element strides.
@@ -146,16 +148,16 @@ struct AttentionParams {
   int64_t lse_batch_stride = 0, lse_row_stride = 0;  // lse head stride is 1
 
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
-  int64_t head_group = 1;       // H / Hkv: query head h reads kv head h / head_group
+  int64_t head_group = 1;  // H / Hkv: query head h reads kv head h / head_group
   DType dtype = DType::kF32;
   DType out_dtype = DType::kF32;
   double scale = 0;
   bool causal = false;
-  std::vector<double> slopes;   // [H], >= 0
+  std::vector<double> slopes;  // [H], >= 0
   int64_t q_pos0 = 0, k_pos0 = 0;
 
   Mode mode = Mode::kLsh;
-  int64_t samples = 0;          // hashes per head: lsh's s, 1 for fixed_blocks, 0 otherwise
+  int64_t samples = 0;  // hashes per head: lsh's s, 1 for fixed_blocks, 0 otherwise
   uint64_t seed = 0;
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;
   Sampling sampling = Sampling::kIid;
@@ -167,7 +169,7 @@ struct AttentionParams {
   int64_t mask_row_budget = 0;
   bool return_draws = false;
   bool check_finite = true;
-  double target_rel_err = 0;    // > 0: error-targeted (plsh/targeted.h)
+  double target_rel_err = 0;  // > 0: error-targeted (plsh/targeted.h)
 
   double sigma(int64_t h) const;  // 1 / slope; +inf for slope 0
 };

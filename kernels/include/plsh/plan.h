@@ -33,9 +33,9 @@ namespace plsh {
 
 // What a caller fixes before planning.
 struct PlanLimits {
-  int threads = 0;            // CPU threads forward and the estimates use; 0: all cores
-  int64_t device_bytes = 0;   // most device workspace one request may take; 0: the backend's default share
-  bool backward = false;      // plan the backward pass too (supports_backward, backward_workspace)
+  int threads = 0;           // CPU threads forward and the estimates use; 0: all cores
+  int64_t device_bytes = 0;  // most device workspace one request may take; 0: the backend's default share
+  bool backward = false;     // plan the backward pass too (supports_backward, backward_workspace)
 };
 
 // A backend's private part of a plan (CUDA: its tile layout). Backends
@@ -45,31 +45,31 @@ struct BackendLayout {
 };
 
 struct Plan {
-  AttentionParams params;                // resolved; q, k, v, out, lse bound by bind_tensors before forward
-  std::string backend;                   // name() of the backend that made it; forward refuses others' plans
-  int threads = 1;                       // CPU threads the host workspace was sized for (>= 1)
+  AttentionParams params;  // resolved; q, k, v, out, lse bound by bind_tensors before forward
+  std::string backend;     // name() of the backend that made it; forward refuses others' plans
+  int threads = 1;         // CPU threads the host workspace was sized for (>= 1)
   LshAlgorithm lsh_algorithm = LshAlgorithm::kAuto;  // lsh: the algorithm forward runs; kAuto otherwise
-  std::vector<std::vector<Draw>> draws;  // lsh: [H][samples], SPEC section 5; empty otherwise
-  int64_t own_host_bytes = 0;            // host memory the plan itself holds: its draws and its attempts' (draw_bytes)
-  Workspace forward_workspace;           // what forward needs, beyond the plan
-  Workspace estimates_workspace;         // what compute_estimates needs (host only)
-  bool backward = false;                 // planned with PlanLimits::backward: backward may run on it
-  Workspace backward_workspace;          // what backward needs; zero unless planned for it
+  std::vector<std::vector<Draw>> draws;              // lsh: [H][samples], SPEC section 5; empty otherwise
+  int64_t own_host_bytes = 0;     // host memory the plan itself holds: its draws and its attempts' (draw_bytes)
+  Workspace forward_workspace;    // what forward needs, beyond the plan
+  Workspace estimates_workspace;  // what compute_estimates needs (host only)
+  bool backward = false;          // planned with PlanLimits::backward: backward may run on it
+  Workspace backward_workspace;   // what backward needs; zero unless planned for it
   std::shared_ptr<const BackendLayout> layout;
   // Error-targeted requests (params.target_rel_err > 0, plsh/targeted.h):
   // one plan per configuration to try, cheapest first, made with this one;
   // the workspaces above are the largest attempt's, own_host_bytes counts
   // every attempt's draws. Empty otherwise.
   std::vector<Plan> attempts;
-  double target_window_scale = 0;        // an attempt's window: c in W_h = ceil(c sigma_h)
+  double target_window_scale = 0;  // an attempt's window: c in W_h = ceil(c sigma_h)
 
   // Peak workspace of the request: forward, the estimates and the backward
   // run one after the other in one workspace, so the largest per memory
   // space. A server reserves this plus own_host_bytes.
   Workspace workspace() const {
-    return {std::max({forward_workspace.host_bytes, estimates_workspace.host_bytes, backward_workspace.host_bytes}),
-            std::max({forward_workspace.device_bytes, estimates_workspace.device_bytes,
-                      backward_workspace.device_bytes})};
+    return {
+        std::max({forward_workspace.host_bytes, estimates_workspace.host_bytes, backward_workspace.host_bytes}),
+        std::max({forward_workspace.device_bytes, estimates_workspace.device_bytes, backward_workspace.device_bytes})};
   }
 };
 

@@ -25,8 +25,8 @@ struct RequestShape {
   TensorShape lse;   // [B, Nq, H]      float32
   // The backward's (SPEC section 8): dout is in out's dtype, the gradients
   // in grad_dtype (default dtype).
-  TensorShape dout;  // [B, Nq, H, D]
-  TensorShape dq;    // [B, Nq, H, D]   grad_dtype
+  TensorShape dout;    // [B, Nq, H, D]
+  TensorShape dq;      // [B, Nq, H, D]   grad_dtype
   TensorShape dk, dv;  // [B, Nk, Hkv, D] grad_dtype
 
   // batch 0 counts as 1 (an unset batch); kv_heads 0 as heads.

@@ -92,9 +92,9 @@ class [[nodiscard]] StatusOr {
 #define PLSH_CONCAT_INNER(a, b) a##b
 #define PLSH_CONCAT(a, b) PLSH_CONCAT_INNER(a, b)
 
-#define RETURN_IF_ERROR(expr)                   \
-  do {                                          \
-    ::plsh::Status plsh_status_ = (expr);       \
+#define RETURN_IF_ERROR(expr)                    \
+  do {                                           \
+    ::plsh::Status plsh_status_ = (expr);        \
     if (!plsh_status_.ok()) return plsh_status_; \
   } while (0)
 

@@ -33,9 +33,9 @@ inline constexpr int64_t kWorkspaceAlignment = 64;
 // Memory a caller lends to one step. Contents on entry are arbitrary and on
 // return undefined; the callee keeps no pointer into it.
 struct WorkspaceRef {
-  void* host = nullptr;      // host memory, kWorkspaceAlignment-aligned
+  void* host = nullptr;  // host memory, kWorkspaceAlignment-aligned
   int64_t host_bytes = 0;
-  void* device = nullptr;    // device memory of the backend's device, likewise aligned
+  void* device = nullptr;  // device memory of the backend's device, likewise aligned
   int64_t device_bytes = 0;
 };
 

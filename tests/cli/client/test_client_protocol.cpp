@@ -5,8 +5,8 @@
 // reads the resolved defaults from the summary. Linked with plsh_client
 // alone: the binary is also the evidence that a client needs no maths
 // library (tests/cli/CMakeLists.txt checks it with ldd).
-#include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <cstdint>
 #include <memory>
@@ -32,7 +32,8 @@ class Scripted final : public v1::Attention::Service {
   v1::AttendHeader header;
   std::vector<Seen> chunks;
 
-  grpc::Status Attend(grpc::ServerContext*, grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream) override {
+  grpc::Status Attend(grpc::ServerContext*,
+                      grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream) override {
     v1::AttendRequest request;
     if (!stream->Read(&request) || !request.has_header()) return {grpc::StatusCode::INVALID_ARGUMENT, "header first"};
     const v1::AttendHeader h = request.header();
@@ -99,7 +100,8 @@ struct Request {
 // Every input row once, in chunks of `rows_per_chunk` rows (the last less).
 void expect_chunks(const std::vector<Seen>& seen, int64_t rows_per_chunk) {
   ASSERT_FALSE(seen.empty());
-  for (const auto& [tensor, rows] : {std::pair{v1::TENSOR_Q, int64_t{40}}, {v1::TENSOR_K, int64_t{50}}, {v1::TENSOR_V, int64_t{50}}}) {
+  for (const auto& [tensor, rows] :
+       {std::pair{v1::TENSOR_Q, int64_t{40}}, {v1::TENSOR_K, int64_t{50}}, {v1::TENSOR_V, int64_t{50}}}) {
     std::vector<std::pair<int64_t, int64_t>> got, want;
     for (const Seen& s : seen)
       if (s.tensor == tensor) got.emplace_back(s.row_start, s.row_count);

@@ -70,10 +70,10 @@ struct SharedTensor {
 };
 
 struct AttendCall {
-  AttentionOptions options;      // shape, dtype of q/k/v on the wire, mode and its parameters
-  const void* q = nullptr;       // [B, Nq, H, D]   options.dtype, host memory; not copied, read until attend returns
-  const void* k = nullptr;       // [B, Nk, Hkv, D]
-  const void* v = nullptr;       // [B, Nk, Hkv, D]
+  AttentionOptions options;  // shape, dtype of q/k/v on the wire, mode and its parameters
+  const void* q = nullptr;   // [B, Nq, H, D]   options.dtype, host memory; not copied, read until attend returns
+  const void* k = nullptr;   // [B, Nk, Hkv, D]
+  const void* v = nullptr;   // [B, Nk, Hkv, D]
   bool return_lse = false;
   // Where attend() writes the output: [B, Nq, H, D] of out_dtype, and lse
   // [B, Nq, H] float32 with return_lse. Null: reply.out and reply.lse.
@@ -95,14 +95,14 @@ struct ServerTimings {
 };
 
 struct AttendReply {
-  std::vector<uint8_t> out;    // [B, Nq, H, D] of result out_dtype; empty with call.out or call.out_shm
-  std::vector<float> lse;      // [B, Nq, H] with return_lse; empty with call.lse or call.lse_shm
+  std::vector<uint8_t> out;  // [B, Nq, H, D] of result out_dtype; empty with call.out or call.out_shm
+  std::vector<float> lse;    // [B, Nq, H] with return_lse; empty with call.lse or call.lse_shm
   DType out_dtype = DType::kF32;
-  AttentionResult result;      // backend, device, estimates, FLOPs, backend timings
+  AttentionResult result;  // backend, device, estimates, FLOPs, backend timings
   ServerTimings timings;
   std::string request_id;
-  int64_t sent_bytes = 0;      // tensor payload this client sent
-  int64_t received_bytes = 0;  // tensor payload this client received
+  int64_t sent_bytes = 0;             // tensor payload this client sent
+  int64_t received_bytes = 0;         // tensor payload this client received
   int64_t largest_message_bytes = 0;  // largest message either way (serialised size)
   int64_t messages = 0;               // messages either way
   std::string context_id;             // with keep_context: the kept context, for backward()
@@ -112,38 +112,38 @@ struct AttendReply {
 
 // The backward pass (AttendBackward): dq, dk, dv of a forward, from dout.
 struct BackwardCall {
-  AttentionOptions options;       // the forward's: shape, dtype of q/k/v, out_dtype, mode and its parameters
+  AttentionOptions options;  // the forward's: shape, dtype of q/k/v, out_dtype, mode and its parameters
   // By context: a forward's AttendReply::context_id; only dout goes up.
   // Empty: stateless, with q, k, v and out and lse (or recompute_forward).
   std::string context_id;
-  bool keep_context = false;      // by context: keep it for another backward; default: this one consumes it
-  const void* q = nullptr;        // stateless: [B, Nq, H, D]   options.dtype
-  const void* k = nullptr;        // stateless: [B, Nk, Hkv, D]
-  const void* v = nullptr;        // stateless: [B, Nk, Hkv, D]
-  const void* out = nullptr;      // stateless: the forward's output [B, Nq, H, D], out dtype
-  const float* lse = nullptr;     // stateless: its lse [B, Nq, H]
-  bool recompute_forward = false;  // stateless without out and lse: the server runs the forward for them
-  const void* dout = nullptr;     // [B, Nq, H, D] in the forward's out dtype
+  bool keep_context = false;        // by context: keep it for another backward; default: this one consumes it
+  const void* q = nullptr;          // stateless: [B, Nq, H, D]   options.dtype
+  const void* k = nullptr;          // stateless: [B, Nk, Hkv, D]
+  const void* v = nullptr;          // stateless: [B, Nk, Hkv, D]
+  const void* out = nullptr;        // stateless: the forward's output [B, Nq, H, D], out dtype
+  const float* lse = nullptr;       // stateless: its lse [B, Nq, H]
+  bool recompute_forward = false;   // stateless without out and lse: the server runs the forward for them
+  const void* dout = nullptr;       // [B, Nq, H, D] in the forward's out dtype
   std::optional<DType> grad_dtype;  // of dq, dk, dv; default options.dtype
-  std::string backend = "auto";   // stateless: the server's backend
-  int64_t chunk_bytes = 0;        // payload per message both ways; 0: the largest the server allows
-  double deadline_seconds = 0;    // whole call; 0: none
-  std::string request_id;         // empty: the server makes one
+  std::string backend = "auto";     // stateless: the server's backend
+  int64_t chunk_bytes = 0;          // payload per message both ways; 0: the largest the server allows
+  double deadline_seconds = 0;      // whole call; 0: none
+  std::string request_id;           // empty: the server makes one
 };
 
 struct BackwardReply {
-  std::vector<uint8_t> dq;        // [B, Nq, H, D]   grad_dtype
-  std::vector<uint8_t> dk;        // [B, Nk, Hkv, D] grad_dtype
-  std::vector<uint8_t> dv;        // [B, Nk, Hkv, D] grad_dtype
+  std::vector<uint8_t> dq;  // [B, Nq, H, D]   grad_dtype
+  std::vector<uint8_t> dk;  // [B, Nk, Hkv, D] grad_dtype
+  std::vector<uint8_t> dv;  // [B, Nk, Hkv, D] grad_dtype
   DType grad_dtype = DType::kF32;
-  BackwardResult result;          // backend, device, FLOPs, workspace, backend timings
-  double forward_flops = 0;       // recompute_forward: the forward's
+  BackwardResult result;     // backend, device, FLOPs, workspace, backend timings
+  double forward_flops = 0;  // recompute_forward: the forward's
   ServerTimings timings;
   std::string request_id;
-  std::string context_id;         // the context used (empty: stateless)
-  bool context_kept = false;      // still on the server (keep_context)
-  int64_t sent_bytes = 0;         // tensor payload this client sent
-  int64_t received_bytes = 0;     // tensor payload this client received
+  std::string context_id;      // the context used (empty: stateless)
+  bool context_kept = false;   // still on the server (keep_context)
+  int64_t sent_bytes = 0;      // tensor payload this client sent
+  int64_t received_bytes = 0;  // tensor payload this client received
   int64_t largest_message_bytes = 0;
   int64_t messages = 0;
 };
@@ -159,7 +159,9 @@ struct ChannelOptions {
   std::string token;            // bearer token, sent as `authorization: Bearer <token>` with every call but health
   std::string token_file;       // or a file that holds it (surrounding whitespace ignored); not both
 
-  bool uses_tls() const { return tls || !tls_ca.empty() || !tls_cert.empty() || !tls_key.empty() || !tls_server_name.empty(); }
+  bool uses_tls() const {
+    return tls || !tls_ca.empty() || !tls_cert.empty() || !tls_key.empty() || !tls_server_name.empty();
+  }
 };
 
 // What every plsh channel sets: no client-side message limits (the server
@@ -183,7 +185,8 @@ class Client {
   // visible ASCII (make_channel checks it).
   explicit Client(std::shared_ptr<grpc::Channel> channel, std::string token = "");
   // make_channel(target, options, default_channel_arguments()) and a Client on it.
-  static grpc::Status connect(const std::string& target, const ChannelOptions& options, std::unique_ptr<Client>* client);
+  static grpc::Status connect(const std::string& target, const ChannelOptions& options,
+                              std::unique_ptr<Client>* client);
 
   // Streams the request (Attend). Checks that the server's output covers
   // every row exactly once.

@@ -79,11 +79,12 @@ const char* shard_kind_name(ShardKind kind);  // "single", "heads", "sequence"
 StatusOr<ShardBy> parse_shard_by(const std::string& text);
 
 struct ShardingOptions {
-  int64_t shards = 0;          // P; 0: automatic (one per replica when each shard keeps min_shard_bytes)
-  ShardBy by = ShardBy::kAuto; // auto: the cut with fewer bytes per shard
+  int64_t shards = 0;           // P; 0: automatic (one per replica when each shard keeps min_shard_bytes)
+  ShardBy by = ShardBy::kAuto;  // auto: the cut with fewer bytes per shard
   int64_t min_shard_bytes = kDefaultMinShardBytes;  // automatic P only
-  int max_attempts = 0;        // per shard, first try included; 0: replicas + 1
-  int64_t row_align = 0;       // sequence shards start at multiples of it; 0: the servers' (ShardedClient), else kShardRowAlign
+  int max_attempts = 0;                             // per shard, first try included; 0: replicas + 1
+  int64_t row_align =
+      0;  // sequence shards start at multiples of it; 0: the servers' (ShardedClient), else kShardRowAlign
 };
 
 // One shard: which heads, rows and keys of the request it carries. Ranges
@@ -149,13 +150,13 @@ const char* pooling_note(ShardKind kind);
 // One failed attempt of a shard.
 struct ShardFailure {
   std::string replica;
-  std::string status;     // "UNAVAILABLE: ..."
-  double seconds = 0;     // from the attempt's start to its failure
+  std::string status;  // "UNAVAILABLE: ..."
+  double seconds = 0;  // from the attempt's start to its failure
 };
 
 struct ShardReport {
   ShardSpec spec;
-  std::string replica;    // the one that answered
+  std::string replica;  // the one that answered
   std::string request_id;
   int attempts = 0;
   std::vector<ShardFailure> failures;
@@ -171,13 +172,13 @@ struct ShardingSummary {
   std::string reason;
   std::vector<std::string> replicas;  // every replica the client knows
   std::vector<ShardReport> shards;
-  int retries = 0;                    // failed attempts that were sent again
-  double seconds = 0;                 // client wall time of the whole call
-  std::string pooling;                // how the estimates were combined, for people
+  int retries = 0;      // failed attempts that were sent again
+  double seconds = 0;   // client wall time of the whole call
+  std::string pooling;  // how the estimates were combined, for people
 };
 
 struct ShardedReply {
-  AttendReply reply;          // out, lse, the merged result; bytes and messages summed over shards
+  AttendReply reply;  // out, lse, the merged result; bytes and messages summed over shards
   ShardingSummary sharding;
 };
 
@@ -222,11 +223,11 @@ class ShardedClient {
 
   std::vector<std::string> replicas_;
   std::vector<std::unique_ptr<Client>> clients_;
-  std::mutex mutex_;                                             // guards the two below
-  std::vector<int> in_flight_;                                   // shards running on each replica
+  std::mutex mutex_;                                               // guards the two below
+  std::vector<int> in_flight_;                                     // shards running on each replica
   std::vector<std::chrono::steady_clock::time_point> down_until_;  // after UNAVAILABLE: avoided until then
-  uint64_t next_first_ = 0;                                      // round robin of shard 0's replica over calls
-  int64_t row_align_ = 0;                                        // servers_row_align(), once asked
+  uint64_t next_first_ = 0;                                        // round robin of shard 0's replica over calls
+  int64_t row_align_ = 0;                                          // servers_row_align(), once asked
 };
 
 }  // namespace plsh::client

@@ -44,7 +44,12 @@ void estimate_head_masks(const AttentionParams& p, const PositionRange& range, i
   he->mask_rows_sampled = max_err.rows_sampled;
   if (max_err.stopped) return;
 
-  const SpectralError spectral = mask_spectral_error(m, range, head_seed(p.seed, h, kSpectralSalt), 100, 1e-4, &ctx);
+  // Stops when the Ritz value moved by under 1e-3 of itself twice in a row.
+  // At 1e-4 (until issue 23) n = 32768, s = 16, 8 heads took 9-22
+  // iterations a head; at 1e-3, 7-15, and every head's value moved by at
+  // most 0.32% (bench/RESULTS.md, "What the estimates cost"): an estimate
+  // of a random matrix's norm gains nothing from a fourth digit.
+  const SpectralError spectral = mask_spectral_error(m, range, head_seed(p.seed, h, kSpectralSalt), 100, 1e-3, &ctx);
   he->mask_spectral_err = spectral.value;
   he->spectral_iterations = spectral.iterations;
 }
@@ -130,17 +135,12 @@ Status compute_estimates(const Plan& plan, const WorkspaceRef& workspace, const 
   // Per (batch item, kv head) with probe rows: the largest key norm and the
   // running largest value norm, so that each row visits only the keys that
   // can matter (probe_reach; one pass over k and v instead of one per task).
-  std::vector<ProbeKeyStats> key_stats(static_cast<size_t>(p.batch * p.kv_heads));
-  std::vector<char> needed(key_stats.size(), 0);
+  std::vector<char> needed(static_cast<size_t>(p.batch * p.kv_heads), 0);
   for (const Task& t : tasks) needed[static_cast<size_t>(t.batch * p.kv_heads + t.head / p.head_group)] = 1;
   phase_start = std::chrono::steady_clock::now();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (size_t n = 0; n < key_stats.size(); ++n) {
-    if (!needed[n]) continue;
-    const int64_t b = static_cast<int64_t>(n) / p.kv_heads, hk = static_cast<int64_t>(n) % p.kv_heads;
-    run("probe key statistics", [&] { key_stats[n] = probe_key_stats(p, b, hk); });
-  }
-  if (!failure.ok()) return failure;
+  std::vector<ProbeKeyStats> key_stats;
+  RETURN_IF_ERROR(probe_key_stats_all(p, needed, threads, &key_stats));
+  RETURN_IF_ERROR(ctx.check_stop());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (size_t n = 0; n < tasks.size(); ++n) {
     const Task& t = tasks[n];

@@ -635,6 +635,63 @@ TEST(Estimates, ProbeRowsVisitingTheirReachMatchVisitingEveryKey) {
   }
 }
 
+// The one-pass key statistics (rows outer, heads inner, in chunks of 4096
+// rows over the threads) against each (batch item, kv head) computed
+// directly in float64: the same max ||k|| and running max ||v||^2, for the
+// heads asked for and only those, across a chunk boundary, with GQA and
+// float16 (widened rows).
+TEST(Estimates, KeyStatisticsInOnePassMatchEachHeadAlone) {
+  for (const DType dtype : {DType::kF32, DType::kF16}) {
+    AttentionOptions o;
+    o.batch = 2;
+    o.q_len = 8;
+    o.kv_len = 5000;  // two chunks, the second partial
+    o.heads = 6;
+    o.kv_heads = 3;
+    o.head_dim = 24;
+    o.dtype = dtype;
+    const auto pr = make_problem(o, 17);
+    const AttentionParams& p = pr->params;
+    const std::vector<char> wanted = {1, 0, 1, 0, 1, 1};  // [b * kv_heads + hk]
+    for (const int threads : {1, 2}) {
+      std::vector<ProbeKeyStats> all;
+      ASSERT_TRUE(probe_key_stats_all(p, wanted, threads, &all).ok());
+      ASSERT_EQ(all.size(), wanted.size());
+      for (int64_t b = 0; b < p.batch; ++b) {
+        for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
+          SCOPED_TRACE(std::string(dtype_name(dtype)) + " threads " + std::to_string(threads) + " item " +
+                       std::to_string(b) + " kv head " + std::to_string(hk));
+          const ProbeKeyStats& got = all[static_cast<size_t>(b * p.kv_heads + hk)];
+          if (!wanted[static_cast<size_t>(b * p.kv_heads + hk)]) {
+            EXPECT_TRUE(got.v2_prefix_max.empty());
+            continue;
+          }
+          ASSERT_EQ(got.v2_prefix_max.size(), static_cast<size_t>(p.kv_len));
+          double max_k2 = 0, max_v2 = 0;
+          for (int64_t j = 0; j < p.kv_len; ++j) {
+            double k2 = 0, v2 = 0;
+            for (int64_t d = 0; d < p.head_dim; ++d) {
+              const double k =
+                  load_element(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride + d);
+              const double v =
+                  load_element(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride + d);
+              k2 += k * k;
+              v2 += v * v;
+            }
+            max_k2 = std::max(max_k2, k2);
+            max_v2 = std::max(max_v2, v2);
+            ASSERT_NEAR(got.v2_prefix_max[static_cast<size_t>(j)], max_v2, 1e-13 * max_v2) << "key row " << j;
+          }
+          EXPECT_NEAR(got.max_k_norm, std::sqrt(max_k2), 1e-13 * std::sqrt(max_k2));
+          const ProbeKeyStats alone = probe_key_stats(p, b, hk);
+          EXPECT_NEAR(alone.max_k_norm, got.max_k_norm, 1e-13 * got.max_k_norm);
+          EXPECT_EQ(alone.v2_prefix_max.size(), got.v2_prefix_max.size());
+        }
+      }
+    }
+  }
+}
+
 TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   AttentionOptions o = mask_options(64, 64, true, {0.5, 0.125, 0.0});
   o.samples = 7;

@@ -94,6 +94,12 @@ struct ProbeKeyStats {
   std::vector<double> v2_prefix_max;  // [kv_len]: max over key rows <= j of ||v||^2
 };
 ProbeKeyStats probe_key_stats(const AttentionParams& p, int64_t b, int64_t kv_head);
+// Every (batch item, kv head) n with wanted[n] set (n = b * kv_heads + hk;
+// the others stay empty) in one pass over k and v on `threads` threads:
+// what compute_estimates runs. RESOURCE_EXHAUSTED if the prefix maxima do
+// not fit in host memory.
+Status probe_key_stats_all(const AttentionParams& p, const std::vector<char>& wanted, int threads,
+                           std::vector<ProbeKeyStats>* out);
 
 // Keys farther than this from a probe row's position weigh at most e^-40
 // (~4e-18) of the row's total, whatever q.k: with |logit| <= a_max = scale

@@ -42,8 +42,8 @@ test_packages=(
   # The fuzz targets (tests/fuzz/run.sh): clang with libFuzzer and its sanitizer runtimes, clang's OpenMP
   # for the kernels, and llvm-symbolizer for readable ASan/UBSan stack traces (GCC's sanitizers use it too).
   clang-16 libfuzzer-16-dev libclang-rt-16-dev libomp-16-dev llvm
-  # The C++ layout check (ctest lint_clang_format, .clang-format).
-  clang-format-14
+  # The C++ static checks (ctest lint_clang_format and lint_clang_tidy; .clang-format, .clang-tidy).
+  clang-format-14 clang-tidy-16
 )
 
 case "${1:-all}" in

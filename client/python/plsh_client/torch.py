@@ -15,7 +15,7 @@ The op mirrors torch.nn.functional.scaled_dot_product_attention, plus ALiBi:
     q's layout, dtype and device.
   - mode "exact" by default: the result is exact ALiBi attention (SPEC section
     2), what a caller of an SDPA-like op expects. "lsh" (positional LSH,
-    SDPA section 3; the paper's training mode) and "window" are one argument
+    SPEC section 3; the paper's training mode) and "window" are one argument
     away, and every result says which mode ran and its estimated error
     (last_summary().mode, .estimated_rel_err).
   - causal=False by default, as SDPA's is_causal; scale None is 1/sqrt(D);

@@ -47,7 +47,7 @@ void estimate_head_masks(const AttentionParams& p, const PositionRange& range, i
   // Stops when the Ritz value moved by under 1e-3 of itself twice in a row.
   // At 1e-4 (until issue 23) n = 32768, s = 16, 8 heads took 9-22
   // iterations a head; at 1e-3, 7-15, and every head's value moved by at
-  // most 0.32% (bench/RESULTS.md, "What the estimates cost"): an estimate
+  // most 0.32% (bench/RESULTS.md, "The estimates: before and after, one run"): an estimate
   // of a random matrix's norm gains nothing from a fourth digit.
   const SpectralError spectral = mask_spectral_error(m, range, head_seed(p.seed, h, kSpectralSalt), 100, 1e-3, &ctx);
   he->mask_spectral_err = spectral.value;

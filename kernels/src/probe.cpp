@@ -135,17 +135,12 @@ void running_max(std::vector<double>& x) {
 }  // namespace
 
 ProbeKeyStats probe_key_stats(const AttentionParams& p, int64_t b, int64_t kv_head) {
-  std::vector<ProbeKeyStats> all(static_cast<size_t>(p.kv_heads));
-  std::vector<char> wanted(static_cast<size_t>(p.kv_heads), 0);
-  wanted[static_cast<size_t>(kv_head)] = 1;
-  ProbeKeyStats& st = all[static_cast<size_t>(kv_head)];
-  st.v2_prefix_max.resize(static_cast<size_t>(p.kv_len));
-  std::vector<double> max_k2(static_cast<size_t>(p.kv_heads), 0.0);
-  std::vector<float> buf(static_cast<size_t>(p.head_dim));
-  key_norms(p, b, 0, p.kv_len, wanted.data(), all.data(), max_k2.data(), buf.data());
-  running_max(st.v2_prefix_max);
-  st.max_k_norm = std::sqrt(max_k2[static_cast<size_t>(kv_head)]);
-  return std::move(st);
+  const size_t n = static_cast<size_t>(b * p.kv_heads + kv_head);
+  std::vector<char> wanted(static_cast<size_t>(p.batch * p.kv_heads), 0);
+  wanted[n] = 1;
+  std::vector<ProbeKeyStats> all;
+  if (!probe_key_stats_all(p, wanted, 1, &all).ok()) throw std::bad_alloc();  // its one failure
+  return std::move(all[n]);
 }
 
 Status probe_key_stats_all(const AttentionParams& p, const std::vector<char>& wanted, int threads,

@@ -32,14 +32,23 @@ struct CausalMask {
   int64_t pos_row0;
   int64_t rows;
 
-  void operator()(float* s, int64_t jt, int64_t len) const {
+  void operator()(float* st, int64_t ld, int64_t jt, int64_t len) const {
     if (!p.causal) return;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t first_masked = std::clamp<int64_t>(pos_row0 + r - (p.k_pos0 + jt) + 1, 0, len);
-      std::fill(s + r * len + first_masked, s + (r + 1) * len, kNegInf);
+    for (int64_t c = 0; c < len; ++c) {
+      const int64_t first_allowed = std::clamp<int64_t>(p.k_pos0 + jt + c - pos_row0, 0, rows);
+      std::fill_n(st + c * ld, first_allowed, kNegInf);
     }
   }
 };
+
+// s[i] += log_count[count[i]]: a gather, which AVX2 does in vector lanes.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+void add_log_counts(float* s, const int32_t* count, int64_t n, const float* log_count) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] += log_count[count[i]];
+}
 
 }  // namespace
 
@@ -121,36 +130,32 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
   if (j0 < j1) {
     int64_t ldq = 0;
     const float* q = rows_as_f32(qv, job.i0, job.rows, scratch.q, &ldq);
-    const int64_t width = kKeyTile + 1;
-    int32_t* counts = scratch.counts;  // [rows + 1][width]
-    auto add_log_weight = [&](float* s, int64_t jt, int64_t len) {
+    const int64_t width = job.rows;
+    int32_t* counts = scratch.counts;  // [len + 1][width]
+    auto add_log_weight = [&](float* st, int64_t ld, int64_t jt, int64_t len) {
       const int64_t tile_pos = p.k_pos0 + jt;
-      std::fill_n(counts, (job.rows + 1) * width, 0);
+      // A rectangle adds 1 along its rows at its first key and takes it
+      // away at its end; a prefix sum down the keys then leaves c_ij.
+      std::fill_n(counts, (len + 1) * width, 0);
       for (const BlockRect& r : std::span<const BlockRect>(rects, static_cast<size_t>(rect_count))) {
         const int64_t c0 = std::max(r.key_begin, tile_pos) - tile_pos;
         const int64_t c1 = std::min(r.key_end, tile_pos + len) - tile_pos;
         if (c0 >= c1) continue;
-        counts[r.row_begin * width + c0] += 1;
-        counts[r.row_begin * width + c1] -= 1;
-        counts[r.row_end * width + c0] -= 1;
-        counts[r.row_end * width + c1] += 1;
-      }
-      // Prefix sums down the rows, then along each row: counts[r][c] = c_ij.
-      for (int64_t r = 1; r < job.rows; ++r)
-        for (int64_t c = 0; c < len; ++c) counts[r * width + c] += counts[(r - 1) * width + c];
-      for (int64_t r = 0; r < job.rows; ++r) {
-        int32_t* cr = counts + r * width;
-        float* sr = s + r * len;
-        int32_t running = 0;
-        const int64_t first_masked = p.causal ? std::clamp<int64_t>(pos_first + r - tile_pos + 1, 0, len) : len;
-        for (int64_t c = 0; c < first_masked; ++c) {
-          running += cr[c];
-          if (running == 0)
-            sr[c] = kNegInf;
-          else
-            sr[c] += log_count[running];
+        int32_t* open = counts + c0 * width;
+        int32_t* close = counts + c1 * width;
+        for (int64_t i = r.row_begin; i < r.row_end; ++i) {
+          open[i] += 1;
+          close[i] -= 1;
         }
-        std::fill(sr + first_masked, sr + len, kNegInf);
+      }
+      for (int64_t c = 1; c < len; ++c)
+        for (int64_t i = 0; i < job.rows; ++i) counts[c * width + i] += counts[(c - 1) * width + i];
+      for (int64_t c = 0; c < len; ++c) {
+        float* sc = st + c * ld;
+        const int64_t first_allowed = p.causal ? std::clamp<int64_t>(tile_pos + c - pos_first, 0, job.rows) : 0;
+        std::fill_n(sc, first_allowed, kNegInf);
+        // log_count[0] is -inf: a pair no hash put in one bin is masked.
+        add_log_counts(sc + first_allowed, counts + c * width + first_allowed, job.rows - first_allowed, log_count);
       }
     };
     flops = attend(q, ldq, job.rows, kv, vv, j0, j1, static_cast<float>(p.scale), add_log_weight, scratch, state);

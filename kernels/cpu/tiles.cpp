@@ -3,6 +3,8 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include "cpu/exp.h"
+
 // The exp and max loops below vectorise only if GCC may if-convert float
 // compares, i.e. without trapping-math (we never unmask FP exceptions).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -35,61 +37,6 @@ void gemm_atb_acc(int64_t m, int64_t n, int64_t k, float alpha, const float* a, 
               alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), 1.0f, c, static_cast<int>(ldc));
 }
 
-namespace {
-
-// exp(x) for x <= 0 (and -inf), written so that it vectorises:
-// Cephes' expf polynomial (relative error ~2e-7), round-to-nearest by the
-// 1.5 * 2^23 trick. Below -88 the exponent field reaches 0 and the result
-// is 0, as exp(-inf) must be.
-inline float exp_nonpositive(float x) {
-  const float xc = x > -88.0f ? x : -88.0f;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23
-  const float n = (xc * 1.44269504088896341f + shifter) - shifter;
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return y * scale;
-}
-
-}  // namespace
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
-void fold_row(float* sr, int64_t len, float* acc_row, int64_t dim, float* row_max, float* row_sum) {
-  float tile_max = kNegInf;
-#pragma omp simd reduction(max : tile_max)
-  for (int64_t c = 0; c < len; ++c) tile_max = tile_max > sr[c] ? tile_max : sr[c];  // std::max does not vectorise
-  const float old_max = *row_max;
-  const float new_max = std::max(old_max, tile_max);
-  if (new_max == kNegInf) {  // nothing allowed in this row yet
-    std::fill_n(sr, len, 0.0f);
-    return;
-  }
-  float tile_sum = 0;
-#pragma omp simd reduction(+ : tile_sum)
-  for (int64_t c = 0; c < len; ++c) {
-    const float e = exp_nonpositive(sr[c] - new_max);
-    sr[c] = e;
-    tile_sum += e;
-  }
-  if (new_max != old_max) {
-    const float rescale = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
-    for (int64_t d = 0; d < dim; ++d) acc_row[d] *= rescale;
-    *row_sum *= rescale;
-    *row_max = new_max;
-  }
-  *row_sum += tile_sum;
-}
-
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
@@ -109,9 +56,10 @@ void carve_scratch(const AttentionParams& p, bool banded, Carver& c, Scratch* s)
   const int64_t rows = row_tile(p.mode), dim = p.head_dim;
   const int64_t samples = banded ? p.samples : 0;
   s->q = c.take<float>(widen ? rows * dim : 0);
+  s->qt = c.take<float>(rows * dim);
   s->k = c.take<float>(widen ? kKeyTile * dim : 0);
-  s->v = c.take<float>(widen ? kKeyTile * dim : 0);
-  s->s = c.take<float>(rows * kKeyTile);
+  s->v = c.take<float>(kKeyTile * value_stride(dim));
+  s->s = c.take<float>(kKeyTile * logits_stride(rows));
   s->acc = c.take<float>(rows * dim);
   s->row_max = c.take<float>(rows);
   s->row_sum = c.take<float>(rows);

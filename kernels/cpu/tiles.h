@@ -18,6 +18,7 @@
 
 #include <omp.h>
 
+#include "cpu/microkernels.h"
 #include "plsh/backend.h"
 #include "plsh/draws.h"
 #include "plsh/numeric.h"
@@ -26,18 +27,25 @@
 
 namespace plsh::cpu {
 
-// Query rows per work item, and keys per GEMM tile. Measured with bench_cpu
-// at n = 8192, one thread, in CPU seconds: 128-row tiles make exact 13%
-// cheaper than 64 (the K tiles are packed half as often), while lsh is
-// 9-12% dearer with 128 (more work on the causal diagonal and, for the
-// per-sample reduction, on blocks that straddle a tile); 32 rows costs
-// exact 30% more. 512-key tiles were no better than 256, which keeps S
-// (128 KiB at 128 rows) and a K or V tile (64 KiB at D = 64) within L2.
+// Query rows per work item, and keys per tile. Measured with bench_cpu at
+// n = 8192, two threads, with the microkernels (issue 23; the machine's
+// speed wanders by 5-10% between runs, so each pair was run back to back):
+// 128-key tiles gave exact 148-150 GFLOP/s, 256 137-149 (the V tile and a
+// P^T strip stay in L1 at 128), 64 140-142 (twice the softmax rescales);
+// 96- and 192-row tiles matched 128 within the noise. lsh keeps 64 rows:
+// 128 is 20% slower in banded wall time (a wider band), 32 no faster.
 inline constexpr int64_t kMaxRowTile = 128;
 inline int64_t row_tile(Mode mode) { return uses_draws(mode) ? 64 : kMaxRowTile; }
-inline constexpr int64_t kKeyTile = 256;
+inline constexpr int64_t kKeyTile = 128;
 
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The V tile's row stride in scratch: the head dim plus one cache line,
+// so that the P V product's walk down a 16-column strip of the tile meets
+// every L1 set. Read in place, V's rows are H * D floats apart (2 KiB at
+// H = 8, D = 64), which puts a strip's 128 rows in 2 of L1's 64 sets: the
+// product ran at 85-95 GFLOP/s against 109 from a copy (one core).
+inline int64_t value_stride(int64_t dim) { return dim + 16; }
 
 // One (batch, head) slice of a [B, N, H, D] tensor: row r starts at element
 // offset + r * row_stride; the D elements of a row are contiguous.
@@ -63,13 +71,17 @@ inline const float* rows_as_f32(const SliceView& t, int64_t r0, int64_t n, float
   return buf;
 }
 
-// Folds one row of logits (sr[0, len), -inf where masked) into the row's
-// online-softmax state: updates *row_max and *row_sum, rescales acc_row
-// [dim] when the max grows, and leaves the probabilities exp(s - max) in sr
-// for the P V GEMM. Built for AVX2+FMA too and picked at load time (the
-// library's default flags target baseline x86-64): exp is most of the
-// non-GEMM time.
-void fold_row(float* sr, int64_t len, float* acc_row, int64_t dim, float* row_max, float* row_sum);
+// Rows [r0, r0 + n) as float32 into buf, leading dimension ld >= dim: a
+// copy for float32, a widening for float16 and bfloat16.
+inline void rows_into_f32(const SliceView& t, int64_t r0, int64_t n, float* buf, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) {
+    if (t.dtype == DType::kF32)
+      std::memcpy(buf + r * ld, static_cast<const float*>(t.data) + t.offset + (r0 + r) * t.row_stride,
+                  static_cast<size_t>(t.dim) * sizeof(float));
+    else
+      load_row(t.data, t.dtype, t.offset + (r0 + r) * t.row_stride, t.dim, buf + r * ld);
+  }
+}
 
 // C[m, n] = alpha A[m, k] B[n, k]^T (row-major, leading dimensions given).
 void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
@@ -86,7 +98,7 @@ void gemm_atb_acc(int64_t m, int64_t n, int64_t k, float alpha, const float* a, 
 
 // sr[c] = exp(sr[c] - lse) for a row of logits (-inf: 0): the backward's
 // probabilities, recomputed from the forward's lse as FlashAttention's
-// backward does. The same vectorised exp as fold_row.
+// backward does. The scalar exp of cpu/exp.h, vectorised by the compiler.
 void probs_from_lse(float* sr, int64_t len, float lse);
 
 // One block of one hash met by a row tile: tile rows [row_begin, row_end)
@@ -96,14 +108,21 @@ struct BlockRect {
   int64_t row_begin, row_end, key_begin, key_end;
 };
 
+// The key-major logits' row stride for `rows` query rows: padded to the
+// query panel, plus one panel so that the stride is not a power of two
+// (at 128 rows, 512 bytes put the 256 rows of a key tile in 8 of L1's 64
+// sets; the P V product reads down them).
+inline int64_t logits_stride(int64_t rows) { return padded_rows(rows) + kQueryPanel; }
+
 // Per-thread buffers, carved from the caller's workspace once per forward
 // call (carve_scratch).
 struct Scratch {
   // Rows below are row_tile(mode).
   float* q = nullptr;           // [rows, D] widened query rows (f16/bf16 only)
+  float* qt = nullptr;          // [rows, D] the query rows, scaled and packed (pack_queries)
   float* k = nullptr;           // [kKeyTile, D] widened key rows (f16/bf16 only)
-  float* v = nullptr;           // [kKeyTile, D] widened value rows (f16/bf16 only)
-  float* s = nullptr;           // [rows, kKeyTile] logits, then probabilities
+  float* v = nullptr;           // [kKeyTile, value_stride(D)] the V tile, copied (widened for f16/bf16)
+  float* s = nullptr;           // [kKeyTile, logits_stride(rows)] logits, then probabilities, key-major
   float* acc = nullptr;         // [rows, D] sum_j w_ij exp(s_ij - m_i) v_j
   float* row_max = nullptr;     // [rows] running max logit m_i
   float* row_sum = nullptr;     // [rows] sum_j w_ij exp(s_ij - m_i)
@@ -112,7 +131,7 @@ struct Scratch {
   // Banded lsh (BandedWeights): the blocks of every hash that meet the
   // tile's rows, and per key tile the counts c_ij as a 2D difference array.
   BlockRect* rects = nullptr;  // [s * (rows + 1)] at most
-  int32_t* counts = nullptr;   // [rows + 1, kKeyTile + 1]
+  int32_t* counts = nullptr;   // [kKeyTile + 1, rows]
   float* log_count = nullptr;  // [s + 1]: log(c / s), -inf for c = 0
 };
 
@@ -141,8 +160,9 @@ inline RowState fresh_state(Scratch& s, int64_t rows, int64_t dim) {
 
 // Runs `rows` query rows (q, leading dimension ldq, already float32) against
 // keys [j0, j1) in tiles of kKeyTile, folding each tile into `state` with the
-// online softmax. add_bias(S, jt, len) adds the additive bias (log weight)
-// to S ([rows, len], leading dimension len) for keys [jt, jt + len) and sets
+// online softmax. The logits are key-major (microkernels.h): add_bias(st,
+// ld, jt, len) adds the additive bias (log weight) to st ([len, rows],
+// st[c * ld + r] the logit of query row r and key jt + c) and sets
 // disallowed entries to -inf. Returns the GEMM FLOPs done.
 template <typename AddBias>
 double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, const SliceView& v, int64_t j0, int64_t j1,
@@ -181,7 +201,10 @@ struct AlibiBias {
   int64_t pos_first;  // position of query row 0
   int64_t rows;
   const int64_t* nearest;  // [rows]
+  // On the backward's row-major logits s ([rows, len]).
   void operator()(float* s, int64_t jt, int64_t len) const;
+  // On the forward's key-major logits (attend's add_bias).
+  void operator()(float* st, int64_t ld, int64_t jt, int64_t len) const;
 };
 
 // Work items of one forward call: a row tile of one (batch, head).
@@ -245,21 +268,23 @@ template <typename AddBias>
 double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, const SliceView& v, int64_t j0, int64_t j1,
               float scale, AddBias&& add_bias, Scratch& scratch, RowState state) {
   const int64_t dim = k.dim;
+  const int64_t ldst = logits_stride(rows);
   double flops = 0;
-  float* s = scratch.s;
+  float* st = scratch.s;
+  pack_queries(q, ldq, rows, dim, scale, scratch.qt);
   for (int64_t jt = j0; jt < j1; jt += kKeyTile) {
     const int64_t len = std::min(kKeyTile, j1 - jt);
     int64_t ldk = 0;
     const float* kt = rows_as_f32(k, jt, len, scratch.k, &ldk);
-    gemm_abt(rows, len, dim, scale, q, ldq, kt, ldk, s, len);
-    add_bias(s, jt, len);
-
-    for (int64_t r = 0; r < rows; ++r)
-      fold_row(s + r * len, len, state.acc + r * dim, dim, state.row_max + r, state.row_sum + r);
-
-    int64_t ldv = 0;
-    const float* vt = rows_as_f32(v, jt, len, scratch.v, &ldv);
-    gemm_ab_acc(rows, dim, len, s, len, vt, ldv, state.acc, dim);
+    // V's rows into L2 while Q K^T and the softmax run, then copied.
+    const int64_t vb = static_cast<int64_t>(dtype_bytes(v.dtype));
+    prefetch_rows(static_cast<const char*>(v.data) + (v.offset + jt * v.row_stride) * vb, v.row_stride * vb, len,
+                  dim * vb);
+    qk_tile(kt, ldk, len, dim, scratch.qt, rows, st, ldst);
+    add_bias(st, ldst, jt, len);
+    fold_tile(st, ldst, len, rows, state.acc, dim, state.row_max, state.row_sum);
+    rows_into_f32(v, jt, len, scratch.v, value_stride(dim));
+    pv_tile(st, ldst, len, scratch.v, value_stride(dim), rows, dim, state.acc, dim);
     flops += 4.0 * static_cast<double>(rows) * static_cast<double>(len) * static_cast<double>(dim);
   }
   return flops;

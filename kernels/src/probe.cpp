@@ -89,7 +89,7 @@ namespace {
 // sum run in vector lanes (the order differs from the sequential sum by
 // ~64 ulp of double at most, far inside the (1 + 1e-12) that probe_rows
 // allows the norms' rounding), built for AVX2+FMA too and picked at load
-// time as fold_row is.
+// time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif

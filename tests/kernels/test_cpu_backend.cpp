@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu/cpu_backend.h"
+#include "cpu/tiles.h"
 #include "plsh/numeric.h"
 #include "problem.h"
 #include "reference.h"
@@ -397,9 +398,10 @@ TEST(CpuBackend, ExactFlopsAreTheDenseCount) {
     ASSERT_TRUE(testing::run_forward(*cpu, *plan, ExecContext{}, &stats).ok());
     EXPECT_EQ(stats.flops, 4.0 * 4 * 32 * 200 * 300);
     // What the forward carved is what the plan sized, and it holds each
-    // thread's 128 x 256 float32 logits tile at the least.
+    // thread's float32 logits tile (kKeyTile keys x 128 rows, padded) at
+    // the least.
     EXPECT_EQ(stats.workspace.host_bytes, plan->forward_workspace.host_bytes);
-    EXPECT_GE(stats.workspace.host_bytes, threads * 128 * 256 * 4);
+    EXPECT_GE(stats.workspace.host_bytes, threads * cpu::kKeyTile * cpu::logits_stride(128) * 4);
     EXPECT_EQ(stats.workspace.device_bytes, 0);
   }
 }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu/cpu_backend.h"
+#include "cpu/tiles.h"
 #include "plsh/attention.h"
 #include "plsh/estimates.h"
 #include "plsh/workspace.h"
@@ -136,9 +137,9 @@ TEST(Workspace, ForwardRunsInExactlyThePlannedBytesAndRefusesFewer) {
     StatusOr<Plan> plan = cpu->plan(a.params, limits);
     ASSERT_TRUE(plan.ok()) << plan.status().to_string();
     const int64_t planned = plan->forward_workspace.host_bytes;
-    // Each thread holds at least its [rows, kKeyTile] logits (64 rows x 256
-    // keys of float at the least): the figure is not a token.
-    EXPECT_GE(planned, c.threads * 64 * 256 * 4);
+    // Each thread holds at least its [kKeyTile, rows] logits (64 rows of
+    // float at the least): the figure is not a token.
+    EXPECT_GE(planned, c.threads * cpu::kKeyTile * cpu::logits_stride(64) * 4);
     EXPECT_EQ(plan->forward_workspace.device_bytes, 0);
 
     PoisonedWorkspace w(planned);

@@ -1,0 +1,414 @@
+#include "cpu/microkernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cpu/exp.h"
+
+// The max loops below vectorise only if GCC may if-convert float compares,
+// i.e. without trapping-math (we never unmask FP exceptions).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+
+namespace plsh::cpu {
+
+namespace {
+
+constexpr float kNegInfinity = -std::numeric_limits<float>::infinity();
+// Query columns the softmax folds at once: its per-column state fits the stack.
+constexpr int64_t kFoldColumns = 64;
+
+// ---- generic: plain loops, any CPU -----------------------------------------
+
+void qk_generic(const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
+                int64_t ldst) {
+  const int64_t panels = padded_rows(rows) / kQueryPanel;
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* kj = k + j * ldk;
+    for (int64_t p = 0; p < panels; ++p) {
+      float c[kQueryPanel] = {};
+      const float* qp = qt + p * dim * kQueryPanel;
+      for (int64_t d = 0; d < dim; ++d)
+        for (int64_t i = 0; i < kQueryPanel; ++i) c[i] += kj[d] * qp[d * kQueryPanel + i];
+      std::memcpy(st + j * ldst + p * kQueryPanel, c, sizeof(c));
+    }
+  }
+}
+
+// Panel rows [i_begin, i_end) of pack_queries, columns [d_begin, dim); the
+// panel's rows from i_end to the panel's end are zero.
+void pack_generic(const float* q, int64_t ldq, int64_t i_begin, int64_t i_end, int64_t d_begin, int64_t dim,
+                  float scale, float* qp) {
+  for (int64_t i = i_begin; i < i_end; ++i)
+    for (int64_t d = d_begin; d < dim; ++d) qp[d * kQueryPanel + i] = scale * q[i * ldq + d];
+  for (int64_t i = i_end; i < kQueryPanel; ++i)
+    for (int64_t d = d_begin; d < dim; ++d) qp[d * kQueryPanel + i] = 0.0f;
+}
+
+// Columns [d_begin, d_end) of pv_tile.
+void pv_generic(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows, int64_t d_begin,
+                int64_t d_end, float* acc, int64_t ldacc) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* ai = acc + i * ldacc;
+    for (int64_t j = 0; j < keys; ++j) {
+      const float w = pt[j * ldpt + i];
+      const float* vj = v + j * ldv;
+      for (int64_t d = d_begin; d < d_end; ++d) ai[d] += w * vj[d];
+    }
+  }
+}
+
+// Finishes a fold of columns [i0, i0 + n): new_max and sum are the
+// columns' new running max and this tile's sum of probabilities.
+void fold_finish(int64_t n, const float* new_max, const float* sum, float* acc, int64_t dim, float* row_max,
+                 float* row_sum) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float old_max = row_max[i];
+    if (new_max[i] != old_max) {
+      const float rescale = old_max == kNegInfinity ? 0.0f : std::exp(old_max - new_max[i]);
+      float* ai = acc + i * dim;
+      for (int64_t d = 0; d < dim; ++d) ai[d] *= rescale;
+      row_sum[i] *= rescale;
+      row_max[i] = new_max[i];
+    }
+    row_sum[i] += sum[i];
+  }
+}
+
+void fold_generic(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
+                  float* row_sum) {
+  for (int64_t i0 = 0; i0 < rows; i0 += kFoldColumns) {
+    const int64_t n = std::min(kFoldColumns, rows - i0);
+    float new_max[kFoldColumns], shift[kFoldColumns], sum[kFoldColumns];
+    std::copy_n(row_max + i0, n, new_max);
+    for (int64_t j = 0; j < keys; ++j) {
+      const float* sj = st + j * ldst + i0;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) new_max[i] = new_max[i] > sj[i] ? new_max[i] : sj[i];
+    }
+    // A column with nothing allowed yet has max -inf: exp(-inf - 0) = 0.
+    for (int64_t i = 0; i < n; ++i) shift[i] = new_max[i] == kNegInfinity ? 0.0f : new_max[i];
+    std::fill_n(sum, n, 0.0f);
+    for (int64_t j = 0; j < keys; ++j) {
+      float* sj = st + j * ldst + i0;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float e = exp_nonpositive(sj[i] - shift[i]);
+        sj[i] = e;
+        sum[i] += e;
+      }
+    }
+    fold_finish(n, new_max, sum, acc + i0 * dim, dim, row_max + i0, row_sum + i0);
+  }
+}
+
+// ---- AVX2 + FMA: 6 x 16 register blocks ------------------------------------
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PLSH_AVX2 __attribute__((target("avx2,fma")))
+constexpr int kBlockRows = 6;
+
+// st[r][0, 16) = sum_d k[r][d] qp[d][0, 16) for r < M.
+template <int M>
+PLSH_AVX2 void qk_block(const float* k, int64_t ldk, int64_t dim, const float* qp, float* st, int64_t ldst) {
+  __m256 c0[M], c1[M];
+#pragma GCC unroll 6
+  for (int r = 0; r < M; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const __m256 b0 = _mm256_loadu_ps(qp + d * kQueryPanel);
+    const __m256 b1 = _mm256_loadu_ps(qp + d * kQueryPanel + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < M; ++r) {
+      const __m256 a = _mm256_broadcast_ss(k + r * ldk + d);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < M; ++r) {
+    _mm256_storeu_ps(st + r * ldst, c0[r]);
+    _mm256_storeu_ps(st + r * ldst + 8, c1[r]);
+  }
+}
+
+PLSH_AVX2 void qk_avx2(const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
+                       int64_t ldst) {
+  const int64_t panels = padded_rows(rows) / kQueryPanel;
+  // Keys outer: six key rows stay in L1 while every query panel passes.
+  for (int64_t j = 0; j < keys; j += kBlockRows) {
+    const float* kj = k + j * ldk;
+    float* sj = st + j * ldst;
+    const int64_t m = std::min<int64_t>(kBlockRows, keys - j);
+    // The next six key rows, while these pass the panels.
+    for (int64_t r = kBlockRows; r < 2 * kBlockRows && j + r < keys; ++r)
+      for (int64_t d = 0; d < dim; d += 16) _mm_prefetch(reinterpret_cast<const char*>(kj + r * ldk + d), _MM_HINT_T0);
+    for (int64_t p = 0; p < panels; ++p) {
+      const float* qp = qt + p * dim * kQueryPanel;
+      float* sp = sj + p * kQueryPanel;
+      switch (m) {
+        case 6: qk_block<6>(kj, ldk, dim, qp, sp, ldst); break;
+        case 5: qk_block<5>(kj, ldk, dim, qp, sp, ldst); break;
+        case 4: qk_block<4>(kj, ldk, dim, qp, sp, ldst); break;
+        case 3: qk_block<3>(kj, ldk, dim, qp, sp, ldst); break;
+        case 2: qk_block<2>(kj, ldk, dim, qp, sp, ldst); break;
+        default: qk_block<1>(kj, ldk, dim, qp, sp, ldst); break;
+      }
+    }
+  }
+}
+
+// acc[r][0, 16) += sum_j pt[j][r] v[j][0, 16) for r < M.
+template <int M>
+PLSH_AVX2 void pv_block(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, float* acc,
+                        int64_t ldacc) {
+  __m256 c0[M], c1[M];
+#pragma GCC unroll 6
+  for (int r = 0; r < M; ++r) {
+    c0[r] = _mm256_loadu_ps(acc + r * ldacc);
+    c1[r] = _mm256_loadu_ps(acc + r * ldacc + 8);
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    // The rows eight keys on: P^T's stride defeats the hardware prefetcher.
+    _mm_prefetch(reinterpret_cast<const char*>(v + (j + 8) * ldv), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pt + (j + 8) * ldpt), _MM_HINT_T0);
+    const __m256 b0 = _mm256_loadu_ps(v + j * ldv);
+    const __m256 b1 = _mm256_loadu_ps(v + j * ldv + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < M; ++r) {
+      const __m256 a = _mm256_broadcast_ss(pt + j * ldpt + r);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < M; ++r) {
+    _mm256_storeu_ps(acc + r * ldacc, c0[r]);
+    _mm256_storeu_ps(acc + r * ldacc + 8, c1[r]);
+  }
+}
+
+PLSH_AVX2 void pv_avx2(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows,
+                       int64_t dim, float* acc, int64_t ldacc) {
+  const int64_t full = dim / kQueryPanel * kQueryPanel;
+  // Query rows outer: a group's six columns of P^T stay in L1 while every
+  // 16-column strip of V passes.
+  for (int64_t i = 0; i < rows; i += kBlockRows) {
+    const float* pi = pt + i;
+    const int64_t m = std::min<int64_t>(kBlockRows, rows - i);
+    for (int64_t d0 = 0; d0 < full; d0 += kQueryPanel) {
+      float* ai = acc + i * ldacc + d0;
+      switch (m) {
+        case 6: pv_block<6>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
+        case 5: pv_block<5>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
+        case 4: pv_block<4>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
+        case 3: pv_block<3>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
+        case 2: pv_block<2>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
+        default: pv_block<1>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
+      }
+    }
+  }
+  if (full < dim) pv_generic(pt, ldpt, keys, v, ldv, rows, full, dim, acc, ldacc);
+}
+
+// exp_nonpositive (cpu/exp.h) on eight lanes, the same steps with FMAs.
+PLSH_AVX2 __m256 exp_nonpositive8(__m256 x) {
+  const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
+  const __m256 shifter = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), shifter), shifter);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// The max, then exp(s - max) and its sum, of columns [0, 8 V) of st: V
+// vectors a key row, so that each pass reads whole lines and keeps V
+// exponentials in flight. max and sum hold 8 V floats; max comes in as the
+// columns' running max.
+template <int V>
+PLSH_AVX2 void fold_columns(float* st, int64_t ldst, int64_t keys, float* max, float* sum) {
+  __m256 m[V], shift[V], s[V];
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) m[v] = _mm256_loadu_ps(max + 8 * v);
+  for (int64_t j = 0; j < keys; ++j) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) m[v] = _mm256_max_ps(m[v], _mm256_loadu_ps(st + j * ldst + 8 * v));
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) {
+    _mm256_storeu_ps(max + 8 * v, m[v]);
+    // A column with nothing allowed yet has max -inf: exp(-inf - 0) = 0.
+    const __m256 none = _mm256_cmp_ps(m[v], _mm256_set1_ps(kNegInfinity), _CMP_EQ_OQ);
+    shift[v] = _mm256_blendv_ps(m[v], _mm256_setzero_ps(), none);
+    s[v] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    float* sj = st + j * ldst;
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sj + 8 * v), shift[v]));
+      _mm256_storeu_ps(sj + 8 * v, e);
+      s[v] = _mm256_add_ps(s[v], e);
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) _mm256_storeu_ps(sum + 8 * v, s[v]);
+}
+
+PLSH_AVX2 void fold_avx2(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim,
+                         float* row_max, float* row_sum) {
+  constexpr int kVectors = 2;  // 16 columns, a line of a key row
+  for (int64_t i0 = 0; i0 < rows; i0 += kFoldColumns) {
+    const int64_t n = std::min(kFoldColumns, rows - i0);
+    float new_max[kFoldColumns], sum[kFoldColumns];
+    std::copy_n(row_max + i0, n, new_max);
+    int64_t i = 0;
+    for (; i + 8 * kVectors <= n; i += 8 * kVectors)
+      fold_columns<kVectors>(st + i0 + i, ldst, keys, new_max + i, sum + i);
+    for (; i + 8 <= n; i += 8) fold_columns<1>(st + i0 + i, ldst, keys, new_max + i, sum + i);
+    for (; i < n; ++i) {
+      float m = new_max[i];
+      for (int64_t j = 0; j < keys; ++j) m = std::max(m, st[j * ldst + i0 + i]);
+      new_max[i] = m;
+      const float shift = m == kNegInfinity ? 0.0f : m;
+      float s = 0;
+      for (int64_t j = 0; j < keys; ++j) {
+        float* e = st + j * ldst + i0 + i;
+        *e = exp_nonpositive(*e - shift);
+        s += *e;
+      }
+      sum[i] = s;
+    }
+    fold_finish(n, new_max, sum, acc + i0 * dim, dim, row_max + i0, row_sum + i0);
+  }
+}
+
+// dst[c * ldd + r] = scale * src[r * lds + c] for an 8 x 8 block.
+PLSH_AVX2 void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd, __m256 scale) {
+  __m256 r[8], t[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm256_mul_ps(_mm256_loadu_ps(src + k * lds), scale);
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    r[k] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(dst + k * ldd, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
+    _mm256_storeu_ps(dst + (k + 4) * ldd, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
+  }
+}
+
+// pack_queries by 8 x 8 transposes where a panel has eight rows in a half.
+PLSH_AVX2 void pack_avx2(const float* q, int64_t ldq, int64_t rows, int64_t dim, float scale, float* qt) {
+  const __m256 s8 = _mm256_set1_ps(scale);
+  const int64_t panels = padded_rows(rows) / kQueryPanel, dim8 = dim / 8 * 8;
+  for (int64_t p = 0; p < panels; ++p) {
+    const float* qp_rows = q + p * kQueryPanel * ldq;
+    float* qp = qt + p * dim * kQueryPanel;
+    const int64_t n = std::min(kQueryPanel, rows - p * kQueryPanel);
+    const int64_t whole = n / 8 * 8;  // rows packed by transposes
+    for (int64_t h = 0; h < whole; h += 8)
+      for (int64_t d = 0; d < dim8; d += 8) transpose8x8(qp_rows + h * ldq + d, ldq, qp + d * kQueryPanel + h, kQueryPanel, s8);
+    pack_generic(qp_rows, ldq, 0, whole, dim8, dim, scale, qp);  // the columns past the last eight
+    pack_generic(qp_rows, ldq, whole, n, 0, dim, scale, qp);     // the rows past them, and the padding
+  }
+}
+
+bool detect_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#else
+bool detect_avx2() { return false; }
+#endif
+
+const bool kHaveAvx2 = detect_avx2();
+
+}  // namespace
+
+void pack_queries(const float* q, int64_t ldq, int64_t rows, int64_t dim, float scale, float* qt) {
+  kernels_for_testing::pack_queries(kHaveAvx2, q, ldq, rows, dim, scale, qt);
+}
+
+void prefetch_rows(const void* x, int64_t stride, int64_t n, int64_t row_bytes) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const char* base = static_cast<const char*>(x);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(base + r * stride + b, _MM_HINT_T1);
+#else
+  (void)x, (void)stride, (void)n, (void)row_bytes;
+#endif
+}
+
+namespace kernels_for_testing {
+
+bool have_avx2() { return kHaveAvx2; }
+
+void pack_queries(bool avx2, const float* q, int64_t ldq, int64_t rows, int64_t dim, float scale, float* qt) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx2) return pack_avx2(q, ldq, rows, dim, scale, qt);
+#endif
+  const int64_t panels = padded_rows(rows) / kQueryPanel;
+  for (int64_t p = 0; p < panels; ++p)
+    pack_generic(q + p * kQueryPanel * ldq, ldq, 0, std::min(kQueryPanel, rows - p * kQueryPanel), 0, dim, scale,
+                 qt + p * dim * kQueryPanel);
+}
+
+void qk_tile(bool avx2, const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows,
+             float* st, int64_t ldst) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx2) return qk_avx2(k, ldk, keys, dim, qt, rows, st, ldst);
+#endif
+  qk_generic(k, ldk, keys, dim, qt, rows, st, ldst);
+}
+
+void pv_tile(bool avx2, const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows,
+             int64_t dim, float* acc, int64_t ldacc) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx2) return pv_avx2(pt, ldpt, keys, v, ldv, rows, dim, acc, ldacc);
+#endif
+  pv_generic(pt, ldpt, keys, v, ldv, rows, 0, dim, acc, ldacc);
+}
+
+void fold_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim,
+               float* row_max, float* row_sum) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx2) return fold_avx2(st, ldst, keys, rows, acc, dim, row_max, row_sum);
+#endif
+  fold_generic(st, ldst, keys, rows, acc, dim, row_max, row_sum);
+}
+
+}  // namespace kernels_for_testing
+
+void qk_tile(const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
+             int64_t ldst) {
+  kernels_for_testing::qk_tile(kHaveAvx2, k, ldk, keys, dim, qt, rows, st, ldst);
+}
+
+void pv_tile(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows, int64_t dim,
+             float* acc, int64_t ldacc) {
+  kernels_for_testing::pv_tile(kHaveAvx2, pt, ldpt, keys, v, ldv, rows, dim, acc, ldacc);
+}
+
+void fold_tile(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
+               float* row_sum) {
+  kernels_for_testing::fold_tile(kHaveAvx2, st, ldst, keys, rows, acc, dim, row_max, row_sum);
+}
+
+}  // namespace plsh::cpu

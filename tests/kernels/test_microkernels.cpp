@@ -1,0 +1,178 @@
+// The forward tile's products and softmax (kernels/cpu/microkernels.h), the
+// AVX2+FMA kernels and the generic ones, each against float64 sums on odd
+// sizes: rows and keys that leave partial register blocks and query panels,
+// head dims that leave a partial 16-column strip, strides that are not the
+// packed width.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "cpu/exp.h"
+#include "cpu/microkernels.h"
+
+namespace plsh::cpu {
+namespace {
+
+namespace k = kernels_for_testing;
+
+struct Sizes {
+  int64_t rows, keys, dim;
+};
+// Whole blocks, partial blocks on every side, a single row / key / column.
+constexpr Sizes kSizes[] = {{96, 96, 64}, {128, 128, 64}, {7, 13, 5},  {1, 1, 1},
+                            {17, 31, 40}, {33, 6, 17},    {50, 77, 130}};
+
+std::vector<float> random_floats(int64_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = normal(gen);
+  return x;
+}
+
+// The generic kernels, and the AVX2 ones where this CPU has them (the log
+// says when it has not).
+std::vector<bool> implementations() {
+  std::vector<bool> which{false};
+  if (k::have_avx2())
+    which.push_back(true);
+  else
+    std::printf("no AVX2+FMA on this CPU: the generic kernels alone are tested\n");
+  return which;
+}
+
+TEST(Microkernels, QueryKeyProductMatchesFloat64) {
+  for (const Sizes& z : kSizes) {
+    for (bool avx2 : implementations()) {
+      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " dim " << z.dim << " avx2 "
+                                        << avx2);
+      const int64_t ldq = z.dim + 3, ldk = z.dim + 7, ldst = padded_rows(z.rows) + 5;
+      const std::vector<float> q = random_floats(z.rows * ldq, 1), kk = random_floats(z.keys * ldk, 2);
+      const float scale = 0.37f;
+      std::vector<float> qt(static_cast<size_t>(padded_rows(z.rows) * z.dim), std::nanf(""));
+      k::pack_queries(avx2, q.data(), ldq, z.rows, z.dim, scale, qt.data());
+      std::vector<float> st(static_cast<size_t>(z.keys * ldst), std::nanf(""));
+      k::qk_tile(avx2, kk.data(), ldk, z.keys, z.dim, qt.data(), z.rows, st.data(), ldst);
+      for (int64_t j = 0; j < z.keys; ++j) {
+        for (int64_t i = 0; i < padded_rows(z.rows); ++i) {
+          double want = 0, mag = 0;
+          for (int64_t d = 0; i < z.rows && d < z.dim; ++d) {
+            const double t = static_cast<double>(scale) * q[i * ldq + d] * kk[j * ldk + d];
+            want += t;
+            mag += std::abs(t);
+          }
+          // Padding rows are zero queries: their logits are 0, not garbage.
+          ASSERT_NEAR(st[j * ldst + i], want, 1e-6 * (mag + 1)) << "key " << j << " row " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(Microkernels, ProbabilityValueProductAccumulatesInFloat64Agreement) {
+  for (const Sizes& z : kSizes) {
+    for (bool avx2 : implementations()) {
+      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " dim " << z.dim << " avx2 "
+                                        << avx2);
+      const int64_t ldpt = z.rows + 9, ldv = z.dim + 11, ldacc = z.dim + 2;
+      const std::vector<float> pt = random_floats(z.keys * ldpt, 3), v = random_floats(z.keys * ldv, 4);
+      std::vector<float> acc = random_floats(z.rows * ldacc, 5);
+      const std::vector<float> before = acc;
+      k::pv_tile(avx2, pt.data(), ldpt, z.keys, v.data(), ldv, z.rows, z.dim, acc.data(), ldacc);
+      for (int64_t i = 0; i < z.rows; ++i) {
+        for (int64_t d = 0; d < ldacc; ++d) {
+          if (d >= z.dim) {  // past the head dim: untouched
+            ASSERT_EQ(acc[i * ldacc + d], before[i * ldacc + d]);
+            continue;
+          }
+          double want = before[i * ldacc + d], mag = std::abs(want);
+          for (int64_t j = 0; j < z.keys; ++j) {
+            const double t = static_cast<double>(pt[j * ldpt + i]) * v[j * ldv + d];
+            want += t;
+            mag += std::abs(t);
+          }
+          ASSERT_NEAR(acc[i * ldacc + d], want, 1e-6 * (mag + 1)) << "row " << i << " column " << d;
+        }
+      }
+    }
+  }
+}
+
+// The online softmax over two tiles equals the one-shot softmax of both,
+// with masked (-inf) logits, a column masked in the first tile only, and a
+// column masked in both (its state stays empty: max -inf, sum 0).
+TEST(Microkernels, FoldIsTheOnlineSoftmax) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const Sizes& z : kSizes) {
+    for (bool avx2 : implementations()) {
+      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " avx2 " << avx2);
+      const int64_t ld = z.rows + 3, dim = 3;
+      std::vector<float> t1 = random_floats(z.keys * ld, 6), t2 = random_floats(z.keys * ld, 7);
+      for (float& x : t2) x = 4 * x + 3;  // the second tile's max is larger: acc is rescaled
+      for (int64_t j = 0; j < z.keys; ++j) {
+        t1[j * ld + 0] = -inf;  // column 0: nothing in the first tile
+        if (z.rows > 1) t1[j * ld + z.rows - 1] = t2[j * ld + z.rows - 1] = -inf;  // last: nothing at all
+        if (j % 3 == 1) t1[j * ld + z.rows / 2] = -inf;
+      }
+      const std::vector<float> l1 = t1, l2 = t2;
+      std::vector<float> acc(static_cast<size_t>(z.rows * dim), 0.0f);
+      std::vector<float> row_max(static_cast<size_t>(z.rows), -inf), row_sum(static_cast<size_t>(z.rows), 0.0f);
+      std::vector<double> want_acc(acc.size(), 0.0);
+      for (std::vector<float>* tile : {&t1, &t2}) {
+        k::fold_tile(avx2, tile->data(), ld, z.keys, z.rows, acc.data(), dim, row_max.data(), row_sum.data());
+        // acc += P V with V[j] = (1, j, j^2 mod 7) from the probabilities left in the tile.
+        for (int64_t i = 0; i < z.rows; ++i)
+          for (int64_t j = 0; j < z.keys; ++j) {
+            const float p = (*tile)[j * ld + i];
+            acc[i * dim + 0] += p;
+            acc[i * dim + 1] += p * static_cast<float>(j % 5);
+            acc[i * dim + 2] += p * static_cast<float>(j * j % 7);
+          }
+      }
+      for (int64_t i = 0; i < z.rows; ++i) {
+        double m = -std::numeric_limits<double>::infinity();
+        for (const std::vector<float>* l : {&l1, &l2})
+          for (int64_t j = 0; j < z.keys; ++j) m = std::max(m, static_cast<double>((*l)[j * ld + i]));
+        if (m == -std::numeric_limits<double>::infinity()) {
+          EXPECT_EQ(row_max[i], -inf) << "row " << i;
+          EXPECT_EQ(row_sum[i], 0.0f) << "row " << i;
+          EXPECT_EQ(acc[i * dim], 0.0f) << "row " << i;
+          continue;
+        }
+        double sum = 0, o1 = 0, o2 = 0;
+        for (const std::vector<float>* l : {&l1, &l2})
+          for (int64_t j = 0; j < z.keys; ++j) {
+            const double e = std::exp(static_cast<double>((*l)[j * ld + i]) - m);
+            sum += e;
+            o1 += e * static_cast<double>(j % 5);
+            o2 += e * static_cast<double>(j * j % 7);
+          }
+        EXPECT_EQ(row_max[i], static_cast<float>(m)) << "row " << i;
+        EXPECT_NEAR(row_sum[i] / sum, 1.0, 2e-6) << "row " << i;
+        EXPECT_NEAR(acc[i * dim + 0] / sum, 1.0, 2e-6) << "row " << i;
+        EXPECT_NEAR(acc[i * dim + 1] / row_sum[i], o1 / sum, 2e-5) << "row " << i;
+        EXPECT_NEAR(acc[i * dim + 2] / row_sum[i], o2 / sum, 2e-5) << "row " << i;
+      }
+    }
+  }
+}
+
+TEST(Microkernels, ExpHasItsStatedRelativeErrorAndUnderflowsToZero) {
+  double worst = 0;
+  for (double x = -87.0; x <= 0.0; x += 0.001) {
+    const double got = exp_nonpositive(static_cast<float>(x));
+    const double want = std::exp(static_cast<double>(static_cast<float>(x)));
+    worst = std::max(worst, std::abs(got - want) / want);
+  }
+  EXPECT_LT(worst, 3e-7);
+  EXPECT_EQ(exp_nonpositive(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_EQ(exp_nonpositive(-1000.0f), 0.0f);
+  EXPECT_EQ(exp_nonpositive(0.0f), 1.0f);
+}
+
+}  // namespace
+}  // namespace plsh::cpu

@@ -1,13 +1,16 @@
 #include "cpu/microkernels.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "cpu/exp.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 // The max loops below vectorise only if GCC may if-convert float compares,
 // i.e. without trapping-math (we never unmask FP exceptions).
@@ -112,6 +115,32 @@ void fold_generic(float* st, int64_t ldst, int64_t keys, int64_t rows, float* ac
 #define PLSH_AVX2 __attribute__((target("avx2,fma")))
 constexpr int kBlockRows = 6;
 
+// Calls block(std::integral_constant<int, m>{}) for m in [1, 6]: a partial
+// register block's row count as the compile-time constant the blocks take.
+template <typename Block>
+void with_block_rows(int64_t m, Block&& block) {
+  switch (m) {
+    case 6:
+      block(std::integral_constant<int, 6>{});
+      break;
+    case 5:
+      block(std::integral_constant<int, 5>{});
+      break;
+    case 4:
+      block(std::integral_constant<int, 4>{});
+      break;
+    case 3:
+      block(std::integral_constant<int, 3>{});
+      break;
+    case 2:
+      block(std::integral_constant<int, 2>{});
+      break;
+    default:
+      block(std::integral_constant<int, 1>{});
+      break;
+  }
+}
+
 // st[r][0, 16) = sum_d k[r][d] qp[d][0, 16) for r < M.
 template <int M>
 PLSH_AVX2 void qk_block(const float* k, int64_t ldk, int64_t dim, const float* qp, float* st, int64_t ldst) {
@@ -149,14 +178,7 @@ PLSH_AVX2 void qk_avx2(const float* k, int64_t ldk, int64_t keys, int64_t dim, c
     for (int64_t p = 0; p < panels; ++p) {
       const float* qp = qt + p * dim * kQueryPanel;
       float* sp = sj + p * kQueryPanel;
-      switch (m) {
-        case 6: qk_block<6>(kj, ldk, dim, qp, sp, ldst); break;
-        case 5: qk_block<5>(kj, ldk, dim, qp, sp, ldst); break;
-        case 4: qk_block<4>(kj, ldk, dim, qp, sp, ldst); break;
-        case 3: qk_block<3>(kj, ldk, dim, qp, sp, ldst); break;
-        case 2: qk_block<2>(kj, ldk, dim, qp, sp, ldst); break;
-        default: qk_block<1>(kj, ldk, dim, qp, sp, ldst); break;
-      }
+      with_block_rows(m, [&](auto rows_c) { qk_block<rows_c()>(kj, ldk, dim, qp, sp, ldst); });
     }
   }
 }
@@ -201,14 +223,7 @@ PLSH_AVX2 void pv_avx2(const float* pt, int64_t ldpt, int64_t keys, const float*
     const int64_t m = std::min<int64_t>(kBlockRows, rows - i);
     for (int64_t d0 = 0; d0 < full; d0 += kQueryPanel) {
       float* ai = acc + i * ldacc + d0;
-      switch (m) {
-        case 6: pv_block<6>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
-        case 5: pv_block<5>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
-        case 4: pv_block<4>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
-        case 3: pv_block<3>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
-        case 2: pv_block<2>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
-        default: pv_block<1>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); break;
-      }
+      with_block_rows(m, [&](auto rows_c) { pv_block<rows_c()>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); });
     }
   }
   if (full < dim) pv_generic(pt, ldpt, keys, v, ldv, rows, full, dim, acc, ldacc);
@@ -266,8 +281,8 @@ PLSH_AVX2 void fold_columns(float* st, int64_t ldst, int64_t keys, float* max, f
   for (int v = 0; v < V; ++v) _mm256_storeu_ps(sum + 8 * v, s[v]);
 }
 
-PLSH_AVX2 void fold_avx2(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim,
-                         float* row_max, float* row_sum) {
+PLSH_AVX2 void fold_avx2(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
+                         float* row_sum) {
   constexpr int kVectors = 2;  // 16 columns, a line of a key row
   for (int64_t i0 = 0; i0 < rows; i0 += kFoldColumns) {
     const int64_t n = std::min(kFoldColumns, rows - i0);
@@ -324,7 +339,8 @@ PLSH_AVX2 void pack_avx2(const float* q, int64_t ldq, int64_t rows, int64_t dim,
     const int64_t n = std::min(kQueryPanel, rows - p * kQueryPanel);
     const int64_t whole = n / 8 * 8;  // rows packed by transposes
     for (int64_t h = 0; h < whole; h += 8)
-      for (int64_t d = 0; d < dim8; d += 8) transpose8x8(qp_rows + h * ldq + d, ldq, qp + d * kQueryPanel + h, kQueryPanel, s8);
+      for (int64_t d = 0; d < dim8; d += 8)
+        transpose8x8(qp_rows + h * ldq + d, ldq, qp + d * kQueryPanel + h, kQueryPanel, s8);
     pack_generic(qp_rows, ldq, 0, whole, dim8, dim, scale, qp);  // the columns past the last eight
     pack_generic(qp_rows, ldq, whole, n, 0, dim, scale, qp);     // the rows past them, and the padding
   }
@@ -386,8 +402,8 @@ void pv_tile(bool avx2, const float* pt, int64_t ldpt, int64_t keys, const float
   pv_generic(pt, ldpt, keys, v, ldv, rows, 0, dim, acc, ldacc);
 }
 
-void fold_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim,
-               float* row_max, float* row_sum) {
+void fold_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
+               float* row_sum) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if (avx2) return fold_avx2(st, ldst, keys, rows, acc, dim, row_max, row_sum);
 #endif

@@ -63,8 +63,8 @@ void qk_tile(bool avx2, const float* k, int64_t ldk, int64_t keys, int64_t dim, 
              float* st, int64_t ldst);
 void pv_tile(bool avx2, const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows,
              int64_t dim, float* acc, int64_t ldacc);
-void fold_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim,
-               float* row_max, float* row_sum);
+void fold_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
+               float* row_sum);
 }  // namespace kernels_for_testing
 
 }  // namespace plsh::cpu

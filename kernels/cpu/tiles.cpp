@@ -68,7 +68,7 @@ void carve_scratch(const AttentionParams& p, bool banded, Carver& c, Scratch* s)
   // Banded: a block rect per hash and tile row at most (and one more per
   // hash, the block that reaches past the last row), and the counts.
   s->rects = c.take<BlockRect>(samples * (rows + 1));
-  s->counts = c.take<int32_t>(banded ? (rows + 1) * (kKeyTile + 1) : 0);
+  s->counts = c.take<int32_t>(banded ? (kKeyTile + 1) * rows : 0);
   s->log_count = c.take<float>(samples + 1);
 }
 

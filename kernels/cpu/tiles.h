@@ -57,30 +57,23 @@ struct SliceView {
   int64_t dim = 0;
 };
 
-// Rows [r0, r0 + n) as float32 with leading dimension *ld. The one place
-// where the input dtype is dispatched: float32 is read in place (the GEMMs
-// take the tensor's row stride as their leading dimension); float16 and
-// bfloat16 are widened into buf ([n, dim]).
+// Rows [r0, r0 + n) as float32 into buf, leading dimension ld >= dim: a
+// copy for float32, a widening for float16 and bfloat16 (load_row).
+inline void rows_into_f32(const SliceView& t, int64_t r0, int64_t n, float* buf, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) load_row(t.data, t.dtype, t.offset + (r0 + r) * t.row_stride, t.dim, buf + r * ld);
+}
+
+// Rows [r0, r0 + n) as float32 with leading dimension *ld: float32 is read
+// in place (the GEMMs take the tensor's row stride as their leading
+// dimension); float16 and bfloat16 are widened into buf ([n, dim]).
 inline const float* rows_as_f32(const SliceView& t, int64_t r0, int64_t n, float* buf, int64_t* ld) {
   if (t.dtype == DType::kF32) {
     *ld = t.row_stride;
     return static_cast<const float*>(t.data) + t.offset + r0 * t.row_stride;
   }
-  for (int64_t r = 0; r < n; ++r) load_row(t.data, t.dtype, t.offset + (r0 + r) * t.row_stride, t.dim, buf + r * t.dim);
+  rows_into_f32(t, r0, n, buf, t.dim);
   *ld = t.dim;
   return buf;
-}
-
-// Rows [r0, r0 + n) as float32 into buf, leading dimension ld >= dim: a
-// copy for float32, a widening for float16 and bfloat16.
-inline void rows_into_f32(const SliceView& t, int64_t r0, int64_t n, float* buf, int64_t ld) {
-  for (int64_t r = 0; r < n; ++r) {
-    if (t.dtype == DType::kF32)
-      std::memcpy(buf + r * ld, static_cast<const float*>(t.data) + t.offset + (r0 + r) * t.row_stride,
-                  static_cast<size_t>(t.dim) * sizeof(float));
-    else
-      load_row(t.data, t.dtype, t.offset + (r0 + r) * t.row_stride, t.dim, buf + r * ld);
-  }
 }
 
 // C[m, n] = alpha A[m, k] B[n, k]^T (row-major, leading dimensions given).
@@ -129,7 +122,8 @@ struct Scratch {
   double* lse_shift = nullptr;  // [rows] added to the row's lse at the end
   float* out_row = nullptr;     // [D]
   // Banded lsh (BandedWeights): the blocks of every hash that meet the
-  // tile's rows, and per key tile the counts c_ij as a 2D difference array.
+  // tile's rows, and per key tile the counts c_ij (key-major, built as a
+  // difference array down the keys).
   BlockRect* rects = nullptr;  // [s * (rows + 1)] at most
   int32_t* counts = nullptr;   // [kKeyTile + 1, rows]
   float* log_count = nullptr;  // [s + 1]: log(c / s), -inf for c = 0

@@ -23,7 +23,7 @@ struct Sizes {
   int64_t rows, keys, dim;
 };
 // Whole blocks, partial blocks on every side, a single row / key / column.
-constexpr Sizes kSizes[] = {{96, 96, 64}, {128, 128, 64}, {7, 13, 5},  {1, 1, 1},
+constexpr Sizes kSizes[] = {{96, 96, 64}, {128, 128, 64}, {7, 13, 5},   {1, 1, 1},
                             {17, 31, 40}, {33, 6, 17},    {50, 77, 130}};
 
 std::vector<float> random_floats(int64_t n, uint32_t seed) {

@@ -1,13 +1,15 @@
 // The CPU backward pass; the structure is described in cpu_backward.h.
 //
 // One pair is `rows` query rows of one query head against the keys
-// [lo, hi) of a key tile that those rows may see:
-//   S  = scale Q K^T + log W        (W: AlibiBias, or log(c/s) for lsh)
-//   P  = exp(S - lse)               (probs_from_lse)
-//   dP = dO V^T,  dS = P * (dP - D)
-//   dV += P^T dO,  dK += scale dS^T Q   (the job's accumulators)
-//   dQ += scale dS K                    (the shared accumulator, locked)
-// five GEMMs against the forward's two, hence about 2.5 forwards of work.
+// [lo, hi) of a key tile that those rows may see, key-major like the
+// forward's tiles (microkernels.h; ^T: keys x queries):
+//   S^T  = K (scale Q)^T + log W^T   (qk_tile; W: AlibiBias, or log(c/s) for lsh)
+//   P^T  = exp(S^T - lse)            (probs_tile)
+//   dP^T = V dO^T,  dS^T = P^T * (dP^T - D)   (qk_tile, dscores_tile)
+//   dV += P^T dO,  dK += dS^T Q      (ab_tile; the job's accumulators, dK
+//                                      scaled once at the store)
+//   dQ += scale dS K                 (pv_tile; the shared accumulator, locked)
+// five products against the forward's two, hence about 2.5 forwards of work.
 #include "cpu/cpu_backward.h"
 
 #include <omp.h>
@@ -32,15 +34,17 @@ namespace plsh::cpu {
 namespace {
 
 // Keys per job and query rows per pair (and per dQ lock). Measured with
-// bench_cpu_backward at n = 8192 (H = 8, D = 64, causal), backward CPU
-// seconds, exact / window / lsh s=16: 256 x 64 gave 1.95 / 0.31 / 0.16;
-// 128 x 128 2.08 / 0.32 / 0.18 (the dK/dV GEMMs' m halves); 64 x 128
-// 2.38 / 0.34 / 0.17; 512 x 64 1.92 / 0.31 / 0.17 (half the jobs, and
-// twice the dK/dV buffers, for 1%); 256 x 32 2.08 / 0.32 / 0.16. S and dP
-// (64 KiB each) and the K, V, dK, dV tiles (64 KiB each at D = 64) stay
-// within L2.
+// bench_cpu_backward at n = 8192 (H = 8, D = 64, causal, two threads) on
+// the microkernels, backward / forward wall, exact / window / lsh s=16, in
+// one run (bench/RESULTS.md): 256 x 64 gave 2.21 / 2.07 / 2.11; 256 x 32
+// 2.22 / 1.94 / 1.95 (a row tile's lsh band is narrower); 512 x 64 2.16 /
+// 1.96 / 2.07; 512 x 32 2.15 / 2.02 / 1.88; 1024 x 32 2.13 / 1.96 / 2.01;
+// 128 x 64 and 128 x 128 were 5-10% worse in an earlier run. 256 keys
+// keep twice the jobs of 512 for the same figures within the noise. S^T
+// and dP^T (48 KiB each) and the K, V, dK, dV tiles (80 KiB each at D =
+// 64) stay within L2.
 constexpr int64_t kBwdKeyTile = 256;
-constexpr int64_t kBwdRowTile = 64;
+constexpr int64_t kBwdRowTile = 32;
 
 // One work item: a key tile of one (batch item, kv head), across every
 // query head of the kv head's group.
@@ -49,38 +53,47 @@ struct BackwardJob {
 };
 
 // Per-thread buffers, carved from the workspace once per backward call.
+// Tiles of rows are copied at value_stride(D) (tiles.h: in place, rows H * D
+// floats apart fall into few L1 sets as the products walk down them).
 struct BackwardScratch {
-  float* k = nullptr;          // [Kt, D] widened key rows (f16/bf16 only)
-  float* v = nullptr;          // [Kt, D] widened value rows (f16/bf16 only)
-  float* q = nullptr;          // [R, D] widened query rows (when not f32)
-  float* dout = nullptr;       // [R, D] widened dout rows (when not f32)
-  float* s = nullptr;          // [R, Kt] logits, then P
-  float* dp = nullptr;         // [R, Kt] dP, then dS
-  float* dk = nullptr;         // [Kt, D] the job's accumulator
-  float* dv = nullptr;         // [Kt, D] the job's accumulator
-  float* dq = nullptr;         // [R, D] one pair's share of dQ
+  float* k = nullptr;          // [Kt, ldt] the job's key rows, as float32
+  float* v = nullptr;          // [Kt, ldt] its value rows
+  float* q = nullptr;          // [R, ldt] one pair's query rows
+  float* dout = nullptr;       // [R, ldt] its dout rows
+  float* qt = nullptr;         // [R, D] the query rows, scaled and packed (pack_queries)
+  float* dot = nullptr;        // [R, D] the dout rows, packed
+  float* st = nullptr;         // [Kt, ldst] S^T, then P^T
+  float* dpt = nullptr;        // [Kt, ldst] dP^T, then dS^T
+  float* dk = nullptr;         // [Kt, ldt] the job's accumulator, sum dS^T Q
+  float* dv = nullptr;         // [Kt, ldt] the job's accumulator
+  float* dq = nullptr;         // [R, D] one pair's share of dQ, sum dS K
   float* row_a = nullptr;      // [D] out row for D_i
   float* row_b = nullptr;      // [D] dout row for D_i
   int64_t* nearest = nullptr;  // [R] exact/window: AlibiBias's reference distances
-  int32_t* counts = nullptr;   // lsh: [R, Kt + 1] block-count differences, then counts
+  int32_t* counts = nullptr;   // lsh: [Kt + 1, R] c_ij's differences down the keys, then c_ij
 };
 
+// Leading dimensions of the scratch's row tiles and of S^T and dP^T.
+int64_t tile_stride(const AttentionParams& p) { return value_stride(p.head_dim); }
+constexpr int64_t kLogitsStride = logits_stride(kBwdRowTile);
+
 void carve_scratch(const AttentionParams& p, Carver& c, BackwardScratch* s) {
-  const int64_t D = p.head_dim;
-  const bool widen = p.dtype != DType::kF32;
-  s->k = c.take<float>(widen ? kBwdKeyTile * D : 0);
-  s->v = c.take<float>(widen ? kBwdKeyTile * D : 0);
-  s->q = c.take<float>(widen ? kBwdRowTile * D : 0);
-  s->dout = c.take<float>(p.out_dtype != DType::kF32 ? kBwdRowTile * D : 0);
-  s->s = c.take<float>(kBwdRowTile * kBwdKeyTile);
-  s->dp = c.take<float>(kBwdRowTile * kBwdKeyTile);
-  s->dk = c.take<float>(kBwdKeyTile * D);
-  s->dv = c.take<float>(kBwdKeyTile * D);
+  const int64_t D = p.head_dim, ldt = tile_stride(p);
+  s->k = c.take<float>(kBwdKeyTile * ldt);
+  s->v = c.take<float>(kBwdKeyTile * ldt);
+  s->q = c.take<float>(kBwdRowTile * ldt);
+  s->dout = c.take<float>(kBwdRowTile * ldt);
+  s->qt = c.take<float>(kBwdRowTile * D);
+  s->dot = c.take<float>(kBwdRowTile * D);
+  s->st = c.take<float>(kBwdKeyTile * kLogitsStride);
+  s->dpt = c.take<float>(kBwdKeyTile * kLogitsStride);
+  s->dk = c.take<float>(kBwdKeyTile * ldt);
+  s->dv = c.take<float>(kBwdKeyTile * ldt);
   s->dq = c.take<float>(kBwdRowTile * D);
   s->row_a = c.take<float>(D);
   s->row_b = c.take<float>(D);
   s->nearest = c.take<int64_t>(kBwdRowTile);
-  s->counts = c.take<int32_t>(uses_draws(p.mode) ? kBwdRowTile * (kBwdKeyTile + 1) : 0);
+  s->counts = c.take<int32_t>(uses_draws(p.mode) ? (kBwdKeyTile + 1) * kBwdRowTile : 0);
 }
 
 int64_t scratch_bytes(const AttentionParams& p) {
@@ -145,13 +158,12 @@ void query_reach(const Shared& sh, int64_t h, int64_t kp0, int64_t kp1, int64_t*
 }
 
 // lsh: for rows [pos_first, pos_first + rows), the differences of c_ij (the
-// hashes that put query and key in one bin) along the tile's keys [kp0,
-// kp1), in counts [rows, kp1 - kp0 + 1]; returns through lo/hi the keys
-// with any weight.
+// hashes that put query and key in one bin) down the tile's keys [kp0,
+// kp1), key-major in counts [kp1 - kp0 + 1, rows]; returns through lo/hi
+// the keys with any weight.
 void lsh_count_steps(const std::vector<Draw>& draws, int64_t pos_first, int64_t rows, int64_t kp0, int64_t kp1,
                      int32_t* counts, int64_t* lo, int64_t* hi) {
-  const int64_t width = kp1 - kp0 + 1;
-  std::fill_n(counts, rows * width, 0);
+  std::fill_n(counts, (kp1 - kp0 + 1) * rows, 0);
   *lo = kp1;
   *hi = kp0;
   for (const Draw& d : draws) {
@@ -163,33 +175,10 @@ void lsh_count_steps(const std::vector<Draw>& draws, int64_t pos_first, int64_t 
       }
       const int64_t b = std::clamp(first, kp0, kp1), e = std::clamp(last, kp0, kp1);
       if (b >= e) continue;
-      ++counts[r * width + (b - kp0)];
-      --counts[r * width + (e - kp0)];
+      ++counts[(b - kp0) * rows + r];
+      --counts[(e - kp0) * rows + r];
       *lo = std::min(*lo, b);
       *hi = std::max(*hi, e);
-    }
-  }
-}
-
-// Adds log(c_ij / s) to S ([rows, len] for key positions [lo, lo + len))
-// from the count steps of lsh_count_steps, -inf where c = 0 and, under
-// causality, after the query.
-void add_lsh_log_weight(const Shared& sh, const int32_t* counts, int64_t rows, int64_t kp0, int64_t kp1,
-                        int64_t pos_first, int64_t lo, int64_t len, float* s) {
-  const int64_t width = kp1 - kp0 + 1;
-  const int64_t c0 = lo - kp0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int32_t* step = counts + r * width;
-    float* sr = s + r * len;
-    int32_t count = 0;
-    for (int64_t c = 0; c < c0; ++c) count += step[c];
-    for (int64_t c = 0; c < len; ++c) {
-      count += step[c0 + c];
-      sr[c] = count > 0 ? sr[c] + sh.log_count[count] : kNegInf;
-    }
-    if (sh.p.causal) {
-      const int64_t first_masked = std::clamp<int64_t>(pos_first + r - lo + 1, 0, len);
-      std::fill(sr + first_masked, sr + len, kNegInf);
     }
   }
 }
@@ -197,7 +186,7 @@ void add_lsh_log_weight(const Shared& sh, const int32_t* counts, int64_t rows, i
 // One pair: query rows [i0, i1) of head h against the job's key tile.
 // Returns the GEMM FLOPs done.
 double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_t i0, int64_t i1, const float* kt,
-                     int64_t ldk, const float* vt, int64_t ldv, BackwardScratch& sc) {
+                     const float* vt, BackwardScratch& sc) {
   const AttentionParams& p = sh.p;
   const BackwardParams& g = sh.g;
   const int64_t D = p.head_dim;
@@ -222,37 +211,34 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
   const int64_t c0 = lo - kp0, len = hi - lo;
   const float scale = static_cast<float>(p.scale);
 
-  int64_t ldq = 0, lddo = 0;
-  const float* q = rows_as_f32(q_slice(p, job.b, h), i0, rows, sc.q, &ldq);
+  const int64_t ldt = tile_stride(p), ldst = kLogitsStride;
+  rows_into_f32(q_slice(p, job.b, h), i0, rows, sc.q, ldt);
   const SliceView dout_view{g.dout, g.out_dtype, job.b * g.do_batch_stride + h * g.do_head_stride, g.do_row_stride, D};
-  const float* dout = rows_as_f32(dout_view, i0, rows, sc.dout, &lddo);
-  const float* k = kt + c0 * ldk;
-  const float* v = vt + c0 * ldv;
+  rows_into_f32(dout_view, i0, rows, sc.dout, ldt);
+  pack_queries(sc.q, ldt, rows, D, scale, sc.qt);
+  pack_queries(sc.dout, ldt, rows, D, 1.0f, sc.dot);
+  const float* k = kt + c0 * ldt;
+  const float* v = vt + c0 * ldt;
 
-  float* s = sc.s;
-  gemm_abt(rows, len, D, scale, q, ldq, k, ldk, s, len);
+  float* st = sc.st;
+  qk_tile(k, ldt, len, D, sc.qt, rows, st, ldst);
   if (uses_draws(p.mode)) {
-    add_lsh_log_weight(sh, sc.counts, rows, kp0, kp1, pos_first, lo, len, s);
+    add_counted_log_weight(st, ldst, sc.counts, rows, rows, c0, len, lo, pos_first, p.causal, sh.log_count);
   } else {
     for (int64_t r = 0; r < rows; ++r) sc.nearest[r] = nearest_key(p, pos_first + r);
     const AlibiBias bias{p, width, p.slopes[static_cast<size_t>(h)], pos_first, rows, sc.nearest};
-    bias(s, job.j0 + c0, len);
+    bias(st, ldst, job.j0 + c0, len);
   }
   const int64_t stat = (job.b * p.heads + h) * p.q_len + i0;
-  for (int64_t r = 0; r < rows; ++r) probs_from_lse(s + r * len, len, sh.row_lse[stat + r]);
+  probs_tile(st, ldst, len, rows, sh.row_lse + stat);
 
-  float* dp = sc.dp;
-  gemm_abt(rows, len, D, 1.0f, dout, lddo, v, ldv, dp, len);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float d = sh.row_d[stat + r];
-    const float* pr = s + r * len;
-    float* dr = dp + r * len;
-#pragma omp simd
-    for (int64_t c = 0; c < len; ++c) dr[c] = pr[c] * (dr[c] - d);
-  }
-  gemm_atb_acc(len, D, rows, 1.0f, s, len, dout, lddo, sc.dv + c0 * D, D);
-  gemm_atb_acc(len, D, rows, scale, dp, len, q, ldq, sc.dk + c0 * D, D);
-  gemm_ab(rows, D, len, scale, dp, len, k, ldk, sc.dq, D);
+  float* dpt = sc.dpt;
+  qk_tile(v, ldt, len, D, sc.dot, rows, dpt, ldst);
+  dscores_tile(dpt, st, ldst, len, rows, sh.row_d + stat);
+  ab_tile(st, ldst, len, rows, sc.dout, ldt, D, sc.dv + c0 * ldt, ldt);
+  ab_tile(dpt, ldst, len, rows, sc.q, ldt, D, sc.dk + c0 * ldt, ldt);
+  std::fill_n(sc.dq, rows * D, 0.0f);
+  pv_tile(dpt, ldst, len, k, ldt, rows, D, sc.dq, D);
   {
     std::lock_guard<std::mutex> lock(
         sh.locks[(job.b * p.heads + h) * ((p.q_len + kBwdRowTile - 1) / kBwdRowTile) + i0 / kBwdRowTile]);
@@ -260,7 +246,7 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
       float* acc = sh.dq_acc + ((job.b * p.q_len + i0 + r) * p.heads + h) * D;
       const float* part = sc.dq + r * D;
 #pragma omp simd
-      for (int64_t x = 0; x < D; ++x) acc[x] += part[x];
+      for (int64_t x = 0; x < D; ++x) acc[x] += scale * part[x];
     }
   }
   return 10.0 * static_cast<double>(rows) * static_cast<double>(len) * static_cast<double>(D);
@@ -274,11 +260,11 @@ double backward_job(const Shared& sh, const BackwardJob& job, const ExecContext&
   const BackwardParams& g = sh.g;
   const int64_t D = p.head_dim;
   const int64_t h_first = job.hk * p.head_group;
-  int64_t ldk = 0, ldv = 0;
-  const float* kt = rows_as_f32(k_slice(p, job.b, h_first), job.j0, job.len, sc.k, &ldk);
-  const float* vt = rows_as_f32(v_slice(p, job.b, h_first), job.j0, job.len, sc.v, &ldv);
-  std::fill_n(sc.dk, job.len * D, 0.0f);
-  std::fill_n(sc.dv, job.len * D, 0.0f);
+  const int64_t ldt = tile_stride(p);
+  rows_into_f32(k_slice(p, job.b, h_first), job.j0, job.len, sc.k, ldt);
+  rows_into_f32(v_slice(p, job.b, h_first), job.j0, job.len, sc.v, ldt);
+  std::fill_n(sc.dk, job.len * ldt, 0.0f);
+  std::fill_n(sc.dv, job.len * ldt, 0.0f);
   const int64_t kp0 = p.k_pos0 + job.j0, kp1 = kp0 + job.len;
   double flops = 0;
   for (int64_t h = h_first; h < h_first + p.head_group; ++h) {
@@ -291,16 +277,20 @@ double backward_job(const Shared& sh, const BackwardJob& job, const ExecContext&
       const int64_t i1 = std::min(i_hi, (i0 / kBwdRowTile + 1) * kBwdRowTile);
       *why = ctx.check_stop();
       if (!why->ok()) return flops;
-      flops += backward_pair(sh, job, h, i0, i1, kt, ldk, vt, ldv, sc);
+      flops += backward_pair(sh, job, h, i0, i1, sc.k, sc.v, sc);
       i0 = i1;
     }
   }
+  // dK's products left out the scale (it is the same for every pair).
+  const float scale = static_cast<float>(p.scale);
   for (int64_t r = 0; r < job.len; ++r) {
     const int64_t j = job.j0 + r;
-    store_row(g.dk, g.grad_dtype, job.b * g.dk_batch_stride + j * g.dk_row_stride + job.hk * g.dk_head_stride, D,
-              sc.dk + r * D);
+    float* dk = sc.dk + r * ldt;
+#pragma omp simd
+    for (int64_t x = 0; x < D; ++x) dk[x] *= scale;
+    store_row(g.dk, g.grad_dtype, job.b * g.dk_batch_stride + j * g.dk_row_stride + job.hk * g.dk_head_stride, D, dk);
     store_row(g.dv, g.grad_dtype, job.b * g.dv_batch_stride + j * g.dv_row_stride + job.hk * g.dv_head_stride, D,
-              sc.dv + r * D);
+              sc.dv + r * ldt);
   }
   return flops;
 }
@@ -408,7 +398,12 @@ Status backward(const Plan& plan, const BackwardParams& g, const WorkspaceRef& w
           uses_draws(p.mode) ? 0.0 : p.slopes[static_cast<size_t>(h)] * static_cast<double>(shift_distance);
       const int64_t stat = (b * p.heads + h) * p.q_len + i;
       row_d[stat] = static_cast<float>(dot);
-      row_lse[stat] = static_cast<float>(lse + shift);
+      // An lse of -inf (a row that saw no key, which validation refuses
+      // for the forward, but lse is the caller's input here) gives the row
+      // no probabilities: +inf makes every exp(s - lse) 0, where s - (-inf)
+      // would be +inf or NaN and P would come out as exp(80).
+      row_lse[stat] = lse == -std::numeric_limits<double>::infinity() ? std::numeric_limits<float>::infinity()
+                                                                      : static_cast<float>(lse + shift);
     }
     std::fill_n(dq_acc + n * p.heads * D, p.heads * D, 0.0f);
   }

@@ -20,37 +20,6 @@ int64_t saturating_add(int64_t a, int64_t b) {
 
 }  // namespace
 
-void AlibiBias::operator()(float* s, int64_t jt, int64_t len) const {
-  const float neg_slope = static_cast<float>(-slope);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = s + r * len;
-    // Column c holds the key at distance d = pi - c from the query.
-    const int64_t pi = pos_first + r - (p.k_pos0 + jt);
-    int64_t cmin = 0, cmax = len;
-    if (width != kNoWindow) {
-      cmin = std::max(cmin, saturating_add(pi, -(width - 1)));
-      cmax = std::min(cmax, saturating_add(pi, width));
-    }
-    if (p.causal) cmax = std::min(cmax, pi + 1);
-    if (cmin >= cmax) {
-      std::fill_n(sr, len, kNegInf);
-      continue;
-    }
-    std::fill(sr, sr + cmin, kNegInf);
-    std::fill(sr + cmax, sr + len, kNegInf);
-    if (slope == 0) continue;
-    // |d| - nearest, split at the query: (pi - nearest) - c on the left,
-    // c - (pi + nearest) on the right; both small by the choice of nearest.
-    const int split = static_cast<int>(std::clamp(pi + 1, cmin, cmax));
-    const float base_left = static_cast<float>(pi - nearest[r]);
-    const float base_right = static_cast<float>(pi + nearest[r]);
-#pragma omp simd
-    for (int c = static_cast<int>(cmin); c < split; ++c) sr[c] += neg_slope * (base_left - static_cast<float>(c));
-#pragma omp simd
-    for (int c = split; c < static_cast<int>(cmax); ++c) sr[c] += neg_slope * (static_cast<float>(c) - base_right);
-  }
-}
-
 void AlibiBias::operator()(float* st, int64_t ld, int64_t jt, int64_t len) const {
   const float neg_slope = static_cast<float>(-slope);
   // Key c sits at distance d = e0 + r - c from query row r.

@@ -41,15 +41,6 @@ struct CausalMask {
   }
 };
 
-// s[i] += log_count[count[i]]: a gather, which AVX2 does in vector lanes.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
-void add_log_counts(float* s, const int32_t* count, int64_t n, const float* log_count) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) s[i] += log_count[count[i]];
-}
-
 }  // namespace
 
 double lsh_per_sample_tile(const AttentionParams& p, const TileJob& job, const std::vector<Draw>& draws,
@@ -148,15 +139,7 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
           close[i] -= 1;
         }
       }
-      for (int64_t c = 1; c < len; ++c)
-        for (int64_t i = 0; i < job.rows; ++i) counts[c * width + i] += counts[(c - 1) * width + i];
-      for (int64_t c = 0; c < len; ++c) {
-        float* sc = st + c * ld;
-        const int64_t first_allowed = p.causal ? std::clamp<int64_t>(tile_pos + c - pos_first, 0, job.rows) : 0;
-        std::fill_n(sc, first_allowed, kNegInf);
-        // log_count[0] is -inf: a pair no hash put in one bin is masked.
-        add_log_counts(sc + first_allowed, counts + c * width + first_allowed, job.rows - first_allowed, log_count);
-      }
+      add_counted_log_weight(st, ld, counts, width, job.rows, 0, len, tile_pos, pos_first, p.causal, log_count);
     };
     flops = attend(q, ldq, job.rows, kv, vv, j0, j1, static_cast<float>(p.scale), add_log_weight, scratch, state);
   }
@@ -172,8 +155,8 @@ LshAlgorithm choose_lsh_algorithm(const AttentionParams& p, const std::vector<st
 
   // Cost in FLOPs per (batch item, head): the GEMM work of each algorithm
   // plus, for the per-sample reduction, a fixed cost per block visit (two
-  // small GEMM calls and the row bookkeeping, ~1 us or 1e5 FLOPs at
-  // OpenBLAS's small-matrix rate).
+  // small tile products and the row bookkeeping, ~1 us or 1e5 FLOPs, a
+  // figure measured on OpenBLAS's small-matrix calls and kept since).
   constexpr double kBlockVisitFlops = 1e5;
   const double rows = static_cast<double>(p.q_len);
   const double keys = static_cast<double>(p.kv_len);

@@ -25,6 +25,10 @@ namespace {
 constexpr float kNegInfinity = -std::numeric_limits<float>::infinity();
 // Query columns the softmax folds at once: its per-column state fits the stack.
 constexpr int64_t kFoldColumns = 64;
+// A logit may exceed the forward's lse by rounding (P a hair above 1),
+// never by more unless the lse is not this forward's; the backward's
+// probabilities clamp s - lse here, which keeps exp's exponent in range.
+constexpr float kProbsClamp = 80.0f;
 
 // ---- generic: plain loops, any CPU -----------------------------------------
 
@@ -63,6 +67,36 @@ void pv_generic(const float* pt, int64_t ldpt, int64_t keys, const float* v, int
       const float* vj = v + j * ldv;
       for (int64_t d = d_begin; d < d_end; ++d) ai[d] += w * vj[d];
     }
+  }
+}
+
+// Columns [x_begin, x_end) of ab_tile.
+void ab_generic(const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t x_begin,
+                int64_t x_end, float* c, int64_t ldc) {
+  for (int64_t j = 0; j < m; ++j) {
+    float* cj = c + j * ldc;
+    for (int64_t i = 0; i < depth; ++i) {
+      const float w = a[j * lda + i];
+      const float* bi = b + i * ldb;
+      for (int64_t x = x_begin; x < x_end; ++x) cj[x] += w * bi[x];
+    }
+  }
+}
+
+void probs_generic(float* st, int64_t ldst, int64_t keys, int64_t rows, const float* lse) {
+  for (int64_t j = 0; j < keys; ++j) {
+    float* sj = st + j * ldst;
+#pragma omp simd
+    for (int64_t i = 0; i < rows; ++i) sj[i] = exp_nonpositive(std::min(sj[i] - lse[i], kProbsClamp));
+  }
+}
+
+void dscores_generic(float* dpt, const float* pt, int64_t ld, int64_t keys, int64_t rows, const float* dots) {
+  for (int64_t j = 0; j < keys; ++j) {
+    float* dj = dpt + j * ld;
+    const float* pj = pt + j * ld;
+#pragma omp simd
+    for (int64_t i = 0; i < rows; ++i) dj[i] = pj[i] * (dj[i] - dots[i]);
   }
 }
 
@@ -141,27 +175,40 @@ void with_block_rows(int64_t m, Block&& block) {
   }
 }
 
-// st[r][0, 16) = sum_d k[r][d] qp[d][0, 16) for r < M.
-template <int M>
-PLSH_AVX2 void qk_block(const float* k, int64_t ldk, int64_t dim, const float* qp, float* st, int64_t ldst) {
+// c[r][0, 16) (+)= sum_d a[r][d] b[d][0, 16) for r < M: a's elements
+// broadcast from M of its rows, b read 16 floats a step, ldb apart (the
+// packed queries' 16, or the rows of a tensor's tile).
+template <int M, bool Accumulate>
+PLSH_AVX2 void rows_block(const float* a, int64_t lda, int64_t depth, const float* b, int64_t ldb, float* c,
+                          int64_t ldc) {
   __m256 c0[M], c1[M];
 #pragma GCC unroll 6
-  for (int r = 0; r < M; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < dim; ++d) {
-    const __m256 b0 = _mm256_loadu_ps(qp + d * kQueryPanel);
-    const __m256 b1 = _mm256_loadu_ps(qp + d * kQueryPanel + 8);
+  for (int r = 0; r < M; ++r) {
+    c0[r] = Accumulate ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
+    c1[r] = Accumulate ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t d = 0; d < depth; ++d) {
+    const __m256 b0 = _mm256_loadu_ps(b + d * ldb);
+    const __m256 b1 = _mm256_loadu_ps(b + d * ldb + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < M; ++r) {
-      const __m256 a = _mm256_broadcast_ss(k + r * ldk + d);
-      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + d);
+      c0[r] = _mm256_fmadd_ps(x, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(x, b1, c1[r]);
     }
   }
 #pragma GCC unroll 6
   for (int r = 0; r < M; ++r) {
-    _mm256_storeu_ps(st + r * ldst, c0[r]);
-    _mm256_storeu_ps(st + r * ldst + 8, c1[r]);
+    _mm256_storeu_ps(c + r * ldc, c0[r]);
+    _mm256_storeu_ps(c + r * ldc + 8, c1[r]);
   }
+}
+
+// Asks for a's six rows after the block at a (of `rows`), depth floats
+// each, while the current six pass every strip of b.
+PLSH_AVX2 void prefetch_next_block(const float* a, int64_t lda, int64_t depth, int64_t left) {
+  for (int64_t r = kBlockRows; r < 2 * kBlockRows && r < left; ++r)
+    for (int64_t d = 0; d < depth; d += 16) _mm_prefetch(reinterpret_cast<const char*>(a + r * lda + d), _MM_HINT_T0);
 }
 
 PLSH_AVX2 void qk_avx2(const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
@@ -172,15 +219,29 @@ PLSH_AVX2 void qk_avx2(const float* k, int64_t ldk, int64_t keys, int64_t dim, c
     const float* kj = k + j * ldk;
     float* sj = st + j * ldst;
     const int64_t m = std::min<int64_t>(kBlockRows, keys - j);
-    // The next six key rows, while these pass the panels.
-    for (int64_t r = kBlockRows; r < 2 * kBlockRows && j + r < keys; ++r)
-      for (int64_t d = 0; d < dim; d += 16) _mm_prefetch(reinterpret_cast<const char*>(kj + r * ldk + d), _MM_HINT_T0);
+    prefetch_next_block(kj, ldk, dim, keys - j);
     for (int64_t p = 0; p < panels; ++p) {
       const float* qp = qt + p * dim * kQueryPanel;
       float* sp = sj + p * kQueryPanel;
-      with_block_rows(m, [&](auto rows_c) { qk_block<rows_c()>(kj, ldk, dim, qp, sp, ldst); });
+      with_block_rows(m, [&](auto rows_c) { rows_block<rows_c(), false>(kj, ldk, dim, qp, kQueryPanel, sp, ldst); });
     }
   }
+}
+
+PLSH_AVX2 void ab_avx2(const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t dim,
+                       float* c, int64_t ldc) {
+  const int64_t full = dim / kQueryPanel * kQueryPanel;
+  // a's rows outer, as in qk_avx2: six of them stay in L1 while every
+  // 16-column strip of b passes.
+  for (int64_t j = 0; j < m; j += kBlockRows) {
+    const float* aj = a + j * lda;
+    float* cj = c + j * ldc;
+    const int64_t rows = std::min<int64_t>(kBlockRows, m - j);
+    prefetch_next_block(aj, lda, depth, m - j);
+    for (int64_t x = 0; x < full; x += kQueryPanel)
+      with_block_rows(rows, [&](auto rows_c) { rows_block<rows_c(), true>(aj, lda, depth, b + x, ldb, cj + x, ldc); });
+  }
+  if (full < dim) ab_generic(a, lda, m, depth, b, ldb, full, dim, c, ldc);
 }
 
 // acc[r][0, 16) += sum_j pt[j][r] v[j][0, 16) for r < M.
@@ -309,6 +370,34 @@ PLSH_AVX2 void fold_avx2(float* st, int64_t ldst, int64_t keys, int64_t rows, fl
   }
 }
 
+PLSH_AVX2 void probs_avx2(float* st, int64_t ldst, int64_t keys, int64_t rows, const float* lse) {
+  const int64_t whole = rows / 8 * 8;
+  const __m256 clamp = _mm256_set1_ps(kProbsClamp);
+  for (int64_t j = 0; j < keys; ++j) {
+    float* sj = st + j * ldst;
+    int64_t i = 0;
+    for (; i < whole; i += 8) {
+      const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sj + i), _mm256_loadu_ps(lse + i));
+      _mm256_storeu_ps(sj + i, exp_nonpositive8(_mm256_min_ps(x, clamp)));
+    }
+    for (; i < rows; ++i) sj[i] = exp_nonpositive(std::min(sj[i] - lse[i], kProbsClamp));
+  }
+}
+
+PLSH_AVX2 void dscores_avx2(float* dpt, const float* pt, int64_t ld, int64_t keys, int64_t rows, const float* dots) {
+  const int64_t whole = rows / 8 * 8;
+  for (int64_t j = 0; j < keys; ++j) {
+    float* dj = dpt + j * ld;
+    const float* pj = pt + j * ld;
+    int64_t i = 0;
+    for (; i < whole; i += 8) {
+      const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(dj + i), _mm256_loadu_ps(dots + i));
+      _mm256_storeu_ps(dj + i, _mm256_mul_ps(_mm256_loadu_ps(pj + i), x));
+    }
+    for (; i < rows; ++i) dj[i] = pj[i] * (dj[i] - dots[i]);
+  }
+}
+
 // dst[c * ldd + r] = scale * src[r * lds + c] for an 8 x 8 block.
 PLSH_AVX2 void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd, __m256 scale) {
   __m256 r[8], t[8];
@@ -362,6 +451,8 @@ void pack_queries(const float* q, int64_t ldq, int64_t rows, int64_t dim, float 
   kernels_for_testing::pack_queries(kHaveAvx2, q, ldq, rows, dim, scale, qt);
 }
 
+bool have_avx2_kernels() { return kHaveAvx2; }
+
 void prefetch_rows(const void* x, int64_t stride, int64_t n, int64_t row_bytes) {
 #if defined(__x86_64__) && defined(__GNUC__)
   const char* base = static_cast<const char*>(x);
@@ -410,6 +501,28 @@ void fold_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, f
   fold_generic(st, ldst, keys, rows, acc, dim, row_max, row_sum);
 }
 
+void ab_tile(bool avx2, const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t dim,
+             float* c, int64_t ldc) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx2) return ab_avx2(a, lda, m, depth, b, ldb, dim, c, ldc);
+#endif
+  ab_generic(a, lda, m, depth, b, ldb, 0, dim, c, ldc);
+}
+
+void probs_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, const float* lse) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx2) return probs_avx2(st, ldst, keys, rows, lse);
+#endif
+  probs_generic(st, ldst, keys, rows, lse);
+}
+
+void dscores_tile(bool avx2, float* dpt, const float* pt, int64_t ld, int64_t keys, int64_t rows, const float* dots) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx2) return dscores_avx2(dpt, pt, ld, keys, rows, dots);
+#endif
+  dscores_generic(dpt, pt, ld, keys, rows, dots);
+}
+
 }  // namespace kernels_for_testing
 
 void qk_tile(const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
@@ -425,6 +538,19 @@ void pv_tile(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_
 void fold_tile(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
                float* row_sum) {
   kernels_for_testing::fold_tile(kHaveAvx2, st, ldst, keys, rows, acc, dim, row_max, row_sum);
+}
+
+void ab_tile(const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t dim, float* c,
+             int64_t ldc) {
+  kernels_for_testing::ab_tile(kHaveAvx2, a, lda, m, depth, b, ldb, dim, c, ldc);
+}
+
+void probs_tile(float* st, int64_t ldst, int64_t keys, int64_t rows, const float* lse) {
+  kernels_for_testing::probs_tile(kHaveAvx2, st, ldst, keys, rows, lse);
+}
+
+void dscores_tile(float* dpt, const float* pt, int64_t ld, int64_t keys, int64_t rows, const float* dots) {
+  kernels_for_testing::dscores_tile(kHaveAvx2, dpt, pt, ld, keys, rows, dots);
 }
 
 }  // namespace plsh::cpu

@@ -1,8 +1,12 @@
-// The forward tile's two products and its softmax, in a transposed layout
-// that needs no packing of K or V (issue 23):
+// The attention tiles' products and softmax, in a transposed layout that
+// needs no packing of K or V (issue 23). The forward:
 //
 //   st[j][i]   = sum_d k[j][d] qt[i][d]     keys x queries, Q pre-scaled
 //   acc[i][d] += sum_j st[j][i] v[j][d]     after the softmax made st P^T
+//
+// The backward (cpu_backward.cpp) runs its five products on the same two
+// kernels and a third, ab_tile (dV += P^T dO, dK += dS^T Q), whose block is
+// qk_tile's with the rows of a tensor in place of the packed queries.
 //
 // Each product broadcasts single elements from rows of one operand (K's and
 // P^T's rows, as the tensors lay them out) against 16 contiguous floats of
@@ -27,7 +31,7 @@ namespace plsh::cpu {
 // Queries per packed panel, the width of the products' register block.
 inline constexpr int64_t kQueryPanel = 16;
 
-inline int64_t padded_rows(int64_t rows) { return (rows + kQueryPanel - 1) / kQueryPanel * kQueryPanel; }
+constexpr int64_t padded_rows(int64_t rows) { return (rows + kQueryPanel - 1) / kQueryPanel * kQueryPanel; }
 
 // qt[panel][d][16] = scale * q[panel * 16 + i][d] for the `rows` rows of q
 // (leading dimension ldq), zero for the padding up to padded_rows(rows).
@@ -50,10 +54,28 @@ void pv_tile(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_
 void fold_tile(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
                float* row_sum);
 
+// c[j][x] += sum_{i < depth} a[j][i] b[i][x] for j < m, x < dim: a's
+// elements broadcast from its rows (leading dimension lda), b's rows (ldb)
+// read 16 floats at a time.
+void ab_tile(const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t dim, float* c,
+             int64_t ldc);
+
+// The backward's probabilities from the forward's lse, key-major:
+// st[j][i] = exp(st[j][i] - lse[i]) for j < keys, i < rows (-inf: 0).
+// s - lse is clamped at 80: rounding may put it a hair above 0, never more
+// unless lse is not this forward's.
+void probs_tile(float* st, int64_t ldst, int64_t keys, int64_t rows, const float* lse);
+
+// dS = P * (dP - D), key-major: dpt[j][i] = pt[j][i] * (dpt[j][i] - dots[i]).
+void dscores_tile(float* dpt, const float* pt, int64_t ld, int64_t keys, int64_t rows, const float* dots);
+
 // Asks for n rows of row_bytes each, stride bytes apart from x, to be
 // brought into L2: the V tile, read from memory for every row tile, while
 // Q K^T and the softmax run.
 void prefetch_rows(const void* x, int64_t stride, int64_t n, int64_t row_bytes);
+
+// Whether the AVX2+FMA kernels run here (else the generic ones).
+bool have_avx2_kernels();
 
 // The same, each forced onto one implementation, for the tests.
 namespace kernels_for_testing {
@@ -65,6 +87,10 @@ void pv_tile(bool avx2, const float* pt, int64_t ldpt, int64_t keys, const float
              int64_t dim, float* acc, int64_t ldacc);
 void fold_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
                float* row_sum);
+void ab_tile(bool avx2, const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t dim,
+             float* c, int64_t ldc);
+void probs_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, const float* lse);
+void dscores_tile(bool avx2, float* dpt, const float* pt, int64_t ld, int64_t keys, int64_t rows, const float* dots);
 }  // namespace kernels_for_testing
 
 }  // namespace plsh::cpu

@@ -1,6 +1,5 @@
 #include "cpu/tiles.h"
 
-#include <cblas.h>
 #include <omp.h>
 
 #include "cpu/exp.h"
@@ -13,41 +12,30 @@
 
 namespace plsh::cpu {
 
-void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
-              float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-              alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), 0.0f, c, static_cast<int>(ldc));
-}
+namespace {
 
-void gemm_ab_acc(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-                 int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-              1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb), 1.0f, c, static_cast<int>(ldc));
-}
-
-void gemm_ab(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
-             float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-              alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), 0.0f, c, static_cast<int>(ldc));
-}
-
-void gemm_atb_acc(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
-                  int64_t ldb, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-              alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), 1.0f, c, static_cast<int>(ldc));
-}
-
+// s[i] += log_count[count[i]]: a gather, which AVX2 does in vector lanes.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
-void probs_from_lse(float* sr, int64_t len, float lse) {
-  // A logit may exceed lse by rounding (P a hair above 1), never by more
-  // unless lse is not this forward's; the clamp keeps exp's exponent field
-  // in range either way.
+void add_log_counts(float* s, const int32_t* count, int64_t n, const float* log_count) {
 #pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] += log_count[count[i]];
+}
+
+}  // namespace
+
+void add_counted_log_weight(float* st, int64_t ld, int32_t* steps, int64_t width, int64_t rows, int64_t skip,
+                            int64_t len, int64_t key_pos, int64_t pos_first, bool causal, const float* log_count) {
+  for (int64_t c = 1; c < skip + len; ++c)
+    for (int64_t i = 0; i < rows; ++i) steps[c * width + i] += steps[(c - 1) * width + i];
+  const int32_t* counts = steps + skip * width;
   for (int64_t c = 0; c < len; ++c) {
-    const float x = sr[c] - lse;
-    sr[c] = exp_nonpositive(x < 80.0f ? x : 80.0f);
+    float* sc = st + c * ld;
+    const int64_t first_allowed = causal ? std::clamp<int64_t>(key_pos + c - pos_first, 0, rows) : 0;
+    std::fill_n(sc, first_allowed, kNegInf);
+    // log_count[0] is -inf: a pair no hash put in one bin is masked.
+    add_log_counts(sc + first_allowed, counts + c * width + first_allowed, rows - first_allowed, log_count);
   }
 }
 

@@ -1,8 +1,8 @@
 // The CPU backend's building blocks, shared by the exact/window and lsh
-// paths: a view of one (batch, head) slice of a tensor, per-thread scratch,
-// the online-softmax accumulator, and `attend`, which runs a block of query
-// rows against a contiguous key range with BLAS GEMMs (S = scale Q K^T,
-// bias and mask, row softmax, acc += P V).
+// paths and the backward: a view of one (batch, head) slice of a tensor,
+// per-thread scratch, the online-softmax accumulator, and `attend`, which
+// runs a block of query rows against a contiguous key range on the
+// microkernels (S = scale Q K^T, bias and mask, softmax, acc += P V).
 //
 // Internal to kernels/cpu; not a public header.
 #pragma once
@@ -76,23 +76,16 @@ inline const float* rows_as_f32(const SliceView& t, int64_t r0, int64_t n, float
   return buf;
 }
 
-// C[m, n] = alpha A[m, k] B[n, k]^T (row-major, leading dimensions given).
-void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
-              float* c, int64_t ldc);
-// C[m, n] += A[m, k] B[k, n].
-void gemm_ab_acc(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-                 int64_t ldc);
-// C[m, n] = alpha A[m, k] B[k, n].
-void gemm_ab(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
-             float* c, int64_t ldc);
-// C[m, n] += alpha A[k, m]^T B[k, n].
-void gemm_atb_acc(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
-                  int64_t ldb, float* c, int64_t ldc);
-
-// sr[c] = exp(sr[c] - lse) for a row of logits (-inf: 0): the backward's
-// probabilities, recomputed from the forward's lse as FlashAttention's
-// backward does. The scalar exp of cpu/exp.h, vectorised by the compiler.
-void probs_from_lse(float* sr, int64_t len, float lse);
+// lsh's log weight log(c_ij / s) on key-major logits st ([len, rows]; row
+// c is the key at position key_pos + c) from key-major differences of c_ij
+// down the keys, steps ([skip + len, width], width >= rows; step row skip +
+// c belongs to st row c): prefix sums make them c_ij in place, then
+// log_count[c_ij] is added (log_count[0] = -inf masks the pairs no hash put
+// in one bin) and, under causality, keys after the query are set to -inf
+// (pos_first: the position of query row 0). The banded forward and the
+// backward share it.
+void add_counted_log_weight(float* st, int64_t ld, int32_t* steps, int64_t width, int64_t rows, int64_t skip,
+                            int64_t len, int64_t key_pos, int64_t pos_first, bool causal, const float* log_count);
 
 // One block of one hash met by a row tile: tile rows [row_begin, row_end)
 // share the block of key positions [key_begin, key_end), clamped to the keys
@@ -105,7 +98,7 @@ struct BlockRect {
 // query panel, plus one panel so that the stride is not a power of two
 // (at 128 rows, 512 bytes put the 256 rows of a key tile in 8 of L1's 64
 // sets; the P V product reads down them).
-inline int64_t logits_stride(int64_t rows) { return padded_rows(rows) + kQueryPanel; }
+constexpr int64_t logits_stride(int64_t rows) { return padded_rows(rows) + kQueryPanel; }
 
 // Per-thread buffers, carved from the caller's workspace once per forward
 // call (carve_scratch).
@@ -187,7 +180,8 @@ inline void key_rows_of(const AttentionParams& p, int64_t pos_lo, int64_t pos_hi
 // causality, after the query. Taking each row's logits relative to a
 // distance nearest[r] that no allowed key undercuts keeps them small when a
 // query sits far from every key; the caller puts -slope * nearest[r] back
-// into lse in double. The forward (exact_tile) and the backward share it.
+// into lse in double. The forward (exact_tile) and the backward share it,
+// on key-major logits (st[c * ld + r], attend's add_bias).
 struct AlibiBias {
   const AttentionParams& p;
   int64_t width;      // the head's window W_h, or kNoWindow
@@ -195,9 +189,6 @@ struct AlibiBias {
   int64_t pos_first;  // position of query row 0
   int64_t rows;
   const int64_t* nearest;  // [rows]
-  // On the backward's row-major logits s ([rows, len]).
-  void operator()(float* s, int64_t jt, int64_t len) const;
-  // On the forward's key-major logits (attend's add_bias).
   void operator()(float* st, int64_t ld, int64_t jt, int64_t len) const;
 };
 

@@ -1,4 +1,5 @@
-// The forward tile's products and softmax (kernels/cpu/microkernels.h), the
+// The forward's and the backward's tile products, softmax, probabilities
+// and dS (kernels/cpu/microkernels.h), the
 // AVX2+FMA kernels and the generic ones, each against float64 sums on odd
 // sizes: rows and keys that leave partial register blocks and query panels,
 // head dims that leave a partial 16-column strip, strides that are not the
@@ -157,6 +158,81 @@ TEST(Microkernels, FoldIsTheOnlineSoftmax) {
         EXPECT_NEAR(acc[i * dim + 1] / row_sum[i], o1 / sum, 2e-5) << "row " << i;
         EXPECT_NEAR(acc[i * dim + 2] / row_sum[i], o2 / sum, 2e-5) << "row " << i;
       }
+    }
+  }
+}
+
+// The backward's dV += P^T dO and dK += dS^T Q: c[j][x] += sum_i a[j][i]
+// b[i][x], columns past dim untouched.
+TEST(Microkernels, RowBroadcastProductAccumulatesInFloat64Agreement) {
+  for (const Sizes& z : kSizes) {
+    for (bool avx2 : implementations()) {
+      // keys x rows times rows x dim: m = keys, depth = rows.
+      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " dim " << z.dim << " avx2 "
+                                        << avx2);
+      const int64_t lda = z.rows + 5, ldb = z.dim + 13, ldc = z.dim + 3;
+      const std::vector<float> a = random_floats(z.keys * lda, 6), b = random_floats(z.rows * ldb, 7);
+      std::vector<float> c = random_floats(z.keys * ldc, 8);
+      const std::vector<float> before = c;
+      k::ab_tile(avx2, a.data(), lda, z.keys, z.rows, b.data(), ldb, z.dim, c.data(), ldc);
+      for (int64_t j = 0; j < z.keys; ++j) {
+        for (int64_t x = 0; x < ldc; ++x) {
+          if (x >= z.dim) {
+            ASSERT_EQ(c[j * ldc + x], before[j * ldc + x]);
+            continue;
+          }
+          double want = before[j * ldc + x], mag = std::abs(want);
+          for (int64_t i = 0; i < z.rows; ++i) {
+            const double t = static_cast<double>(a[j * lda + i]) * b[i * ldb + x];
+            want += t;
+            mag += std::abs(t);
+          }
+          ASSERT_NEAR(c[j * ldc + x], want, 1e-6 * (mag + 1)) << "row " << j << " column " << x;
+        }
+      }
+    }
+  }
+}
+
+// P^T = exp(S^T - lse) within exp's error, -inf logits and an lse of +inf
+// (a row that saw no key) to 0, a logit a hair above lse to about 1, and
+// columns past `rows` untouched; then dS^T = P^T (dP^T - D) exactly.
+TEST(Microkernels, ProbabilitiesAndScoreGradientsMatchFloat64) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const Sizes& z : kSizes) {
+    for (bool avx2 : implementations()) {
+      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " avx2 " << avx2);
+      const int64_t ld = z.rows + 7;
+      std::vector<float> st = random_floats(z.keys * ld, 9), lse = random_floats(z.rows, 10);
+      for (float& x : lse) x = std::abs(x) + 4.0f;  // above every logit but the planted ones
+      for (int64_t j = 0; j < z.keys; ++j) {
+        if (j % 5 == 1) st[j * ld + (j % z.rows)] = -inf;
+        if (j % 7 == 2) st[j * ld + (j % z.rows)] = lse[j % z.rows] + 1e-6f;
+      }
+      if (z.rows > 2) lse[2] = inf;
+      const std::vector<float> logits = st;
+      k::probs_tile(avx2, st.data(), ld, z.keys, z.rows, lse.data());
+      for (int64_t j = 0; j < z.keys; ++j) {
+        for (int64_t i = 0; i < ld; ++i) {
+          const float got = st[j * ld + i], s = logits[j * ld + i];
+          if (i >= z.rows) {
+            ASSERT_EQ(got, s);
+            continue;
+          }
+          if (s == -inf || lse[i] == inf) {
+            ASSERT_EQ(got, 0.0f) << "key " << j << " row " << i;
+            continue;
+          }
+          const double want = std::exp(static_cast<double>(s) - lse[i]);
+          ASSERT_NEAR(got, want, 1e-6 * want) << "key " << j << " row " << i;
+        }
+      }
+      std::vector<float> dpt = random_floats(z.keys * ld, 11);
+      const std::vector<float> dots = random_floats(z.rows, 12), dp = dpt;
+      k::dscores_tile(avx2, dpt.data(), st.data(), ld, z.keys, z.rows, dots.data());
+      for (int64_t j = 0; j < z.keys; ++j)
+        for (int64_t i = 0; i < ld; ++i)
+          ASSERT_EQ(dpt[j * ld + i], i >= z.rows ? dp[j * ld + i] : st[j * ld + i] * (dp[j * ld + i] - dots[i]));
     }
   }
 }

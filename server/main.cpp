@@ -45,9 +45,9 @@ namespace {
 constexpr const char* kServiceName = "plsh.v1.Attention";
 
 // SIGTERM/SIGINT only write a byte to a pipe that main waits on. A handler
-// rather than sigwait: libraries start threads before main (OpenBLAS's pool)
-// that would otherwise take the signal with its default action and kill
-// the process mid-drain.
+// rather than sigwait: libraries may start threads before main (OpenBLAS's
+// pool did, when the CPU backend linked it) that would otherwise take the
+// signal with its default action and kill the process mid-drain.
 int g_signal_pipe[2] = {-1, -1};
 
 extern "C" void on_shutdown_signal(int signal_number) {

@@ -2,7 +2,6 @@
 
 #include <sys/utsname.h>
 
-#include <cblas.h>
 #include <algorithm>
 #include <limits>
 #include <mutex>
@@ -17,18 +16,6 @@
 namespace plsh {
 
 namespace {
-
-std::string blas_name() {
-#ifdef PLSH_OPENBLAS
-  // "OpenBLAS 0.3.21 DYNAMIC_ARCH ..." -> "OpenBLAS 0.3.21 (Zen)"
-  std::string config = openblas_get_config();
-  const size_t first = config.find(' ');
-  const size_t second = first == std::string::npos ? first : config.find(' ', first + 1);
-  return config.substr(0, second) + " (" + openblas_get_corename() + ")";
-#else
-  return "CBLAS";
-#endif
-}
 
 // Job n of a forward: row tiles of every (batch, head), the last rows
 // first (under causal they see the most keys, and starting them first keeps
@@ -51,15 +38,6 @@ int64_t tile_job_count(const AttentionParams& p) {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend() {
-#ifdef PLSH_OPENBLAS
-    // We thread over tiles with OpenMP; OpenBLAS's own threads would
-    // oversubscribe the cores from inside every tile's GEMM.
-    static std::once_flag once;
-    std::call_once(once, [] { openblas_set_num_threads(1); });
-#endif
-  }
-
   std::string name() const override { return "cpu"; }
 
   std::string device() const override {
@@ -67,7 +45,7 @@ class CpuBackend final : public Backend {
     const std::string arch = uname(&u) == 0 ? u.machine : "unknown";
     const int threads = plan_threads(0);
     return arch + ", " + std::to_string(threads) + (threads == 1 ? " thread" : " threads") + " (OpenMP), " +
-           blas_name();
+           (cpu::have_avx2_kernels() ? "AVX2+FMA" : "generic") + " kernels";
   }
 
   Status supports(const AttentionParams& p) const override {

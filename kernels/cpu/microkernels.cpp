@@ -57,30 +57,29 @@ void pack_generic(const float* q, int64_t ldq, int64_t i_begin, int64_t i_end, i
     for (int64_t d = d_begin; d < dim; ++d) qp[d * kQueryPanel + i] = 0.0f;
 }
 
-// Columns [d_begin, d_end) of pv_tile.
-void pv_generic(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows, int64_t d_begin,
-                int64_t d_end, float* acc, int64_t ldacc) {
-  for (int64_t i = 0; i < rows; ++i) {
-    float* ai = acc + i * ldacc;
-    for (int64_t j = 0; j < keys; ++j) {
-      const float w = pt[j * ldpt + i];
-      const float* vj = v + j * ldv;
-      for (int64_t d = d_begin; d < d_end; ++d) ai[d] += w * vj[d];
+// c[r][x] += sum_{k < depth} a[r * a_row + k * a_depth] b[k][x] for r < m
+// and columns [x_begin, x_end): pv_tile's product (a = P^T read down its
+// columns: a_row 1, a_depth ldpt) and ab_tile's (a read along its rows).
+void strided_generic(const float* a, int64_t a_row, int64_t a_depth, int64_t m, int64_t depth, const float* b,
+                     int64_t ldb, int64_t x_begin, int64_t x_end, float* c, int64_t ldc) {
+  for (int64_t r = 0; r < m; ++r) {
+    float* cr = c + r * ldc;
+    for (int64_t k = 0; k < depth; ++k) {
+      const float w = a[r * a_row + k * a_depth];
+      const float* bk = b + k * ldb;
+      for (int64_t x = x_begin; x < x_end; ++x) cr[x] += w * bk[x];
     }
   }
 }
 
-// Columns [x_begin, x_end) of ab_tile.
+void pv_generic(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows, int64_t d_begin,
+                int64_t d_end, float* acc, int64_t ldacc) {
+  strided_generic(pt, 1, ldpt, rows, keys, v, ldv, d_begin, d_end, acc, ldacc);
+}
+
 void ab_generic(const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t x_begin,
                 int64_t x_end, float* c, int64_t ldc) {
-  for (int64_t j = 0; j < m; ++j) {
-    float* cj = c + j * ldc;
-    for (int64_t i = 0; i < depth; ++i) {
-      const float w = a[j * lda + i];
-      const float* bi = b + i * ldb;
-      for (int64_t x = x_begin; x < x_end; ++x) cj[x] += w * bi[x];
-    }
-  }
+  strided_generic(a, lda, 1, m, depth, b, ldb, x_begin, x_end, c, ldc);
 }
 
 void probs_generic(float* st, int64_t ldst, int64_t keys, int64_t rows, const float* lse) {

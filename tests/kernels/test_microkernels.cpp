@@ -46,6 +46,29 @@ std::vector<bool> implementations() {
   return which;
 }
 
+// c[r][x] == before[r][x] + sum_{k < depth} a(r, k) b[k][x] in float64 for
+// x < dim (within float32 accumulation over the terms' magnitudes), and
+// columns past dim untouched: pv_tile's and ab_tile's contract.
+template <typename A>
+void expect_accumulated(const std::vector<float>& c, const std::vector<float>& before, int64_t ldc, int64_t m,
+                        int64_t dim, int64_t depth, A&& a, const float* b, int64_t ldb) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t x = 0; x < ldc; ++x) {
+      if (x >= dim) {
+        ASSERT_EQ(c[r * ldc + x], before[r * ldc + x]) << "row " << r << " column " << x << " past dim";
+        continue;
+      }
+      double want = before[r * ldc + x], mag = std::abs(want);
+      for (int64_t k = 0; k < depth; ++k) {
+        const double t = static_cast<double>(a(r, k)) * b[k * ldb + x];
+        want += t;
+        mag += std::abs(t);
+      }
+      ASSERT_NEAR(c[r * ldc + x], want, 1e-6 * (mag + 1)) << "row " << r << " column " << x;
+    }
+  }
+}
+
 TEST(Microkernels, QueryKeyProductMatchesFloat64) {
   for (const Sizes& z : kSizes) {
     for (bool avx2 : implementations()) {
@@ -84,21 +107,9 @@ TEST(Microkernels, ProbabilityValueProductAccumulatesInFloat64Agreement) {
       std::vector<float> acc = random_floats(z.rows * ldacc, 5);
       const std::vector<float> before = acc;
       k::pv_tile(avx2, pt.data(), ldpt, z.keys, v.data(), ldv, z.rows, z.dim, acc.data(), ldacc);
-      for (int64_t i = 0; i < z.rows; ++i) {
-        for (int64_t d = 0; d < ldacc; ++d) {
-          if (d >= z.dim) {  // past the head dim: untouched
-            ASSERT_EQ(acc[i * ldacc + d], before[i * ldacc + d]);
-            continue;
-          }
-          double want = before[i * ldacc + d], mag = std::abs(want);
-          for (int64_t j = 0; j < z.keys; ++j) {
-            const double t = static_cast<double>(pt[j * ldpt + i]) * v[j * ldv + d];
-            want += t;
-            mag += std::abs(t);
-          }
-          ASSERT_NEAR(acc[i * ldacc + d], want, 1e-6 * (mag + 1)) << "row " << i << " column " << d;
-        }
-      }
+      expect_accumulated(
+          acc, before, ldacc, z.rows, z.dim, z.keys, [&](int64_t i, int64_t j) { return pt[j * ldpt + i]; }, v.data(),
+          ldv);
     }
   }
 }
@@ -175,21 +186,8 @@ TEST(Microkernels, RowBroadcastProductAccumulatesInFloat64Agreement) {
       std::vector<float> c = random_floats(z.keys * ldc, 8);
       const std::vector<float> before = c;
       k::ab_tile(avx2, a.data(), lda, z.keys, z.rows, b.data(), ldb, z.dim, c.data(), ldc);
-      for (int64_t j = 0; j < z.keys; ++j) {
-        for (int64_t x = 0; x < ldc; ++x) {
-          if (x >= z.dim) {
-            ASSERT_EQ(c[j * ldc + x], before[j * ldc + x]);
-            continue;
-          }
-          double want = before[j * ldc + x], mag = std::abs(want);
-          for (int64_t i = 0; i < z.rows; ++i) {
-            const double t = static_cast<double>(a[j * lda + i]) * b[i * ldb + x];
-            want += t;
-            mag += std::abs(t);
-          }
-          ASSERT_NEAR(c[j * ldc + x], want, 1e-6 * (mag + 1)) << "row " << j << " column " << x;
-        }
-      }
+      expect_accumulated(
+          c, before, ldc, z.keys, z.dim, z.rows, [&](int64_t j, int64_t i) { return a[j * lda + i]; }, b.data(), ldb);
     }
   }
 }

@@ -42,9 +42,13 @@ ctest_tally() {
 # checks (label lint: mypy, flake8), which read sources, not binaries.
 sanitizer_tests() {
   local flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g1"
-  # No bench/ programs: no test runs them, and they cost a minute of the build.
+  # -O1, not Release's -O3 (ASan's own advice for a tested build): on 2
+  # cores the build took 723 s instead of 1297 s and its tests 559 s instead
+  # of 479 s (2026-12-06), 8 minutes less in all. No bench/ programs: no test
+  # runs them, and they cost a minute of the build.
   cmake -S . -B "$asan_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPLSH_WITH_CUDA=OFF -DPLSH_BUILD_BENCH=OFF \
-    -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >/dev/null
+    -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
+    -DCMAKE_C_FLAGS_RELEASE="-O1 -DNDEBUG" -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" >/dev/null
   cmake --build "$asan_dir" -j"$jobs"
   ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1} \
   UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1} \

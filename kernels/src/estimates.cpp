@@ -184,10 +184,14 @@ int64_t head_estimate_bytes(const AttentionParams& p) {
 int64_t probe_task_bytes(const AttentionParams& p) {
   const int64_t rows = static_cast<int64_t>(kProbeRowsPerTask);
   const int64_t s = uses_draws(p.mode) ? p.samples : 0;
-  // q transposed, k and v tiles, their norms, the scores, two logit rows,
-  // the accumulators, and each row's sorted block edges.
-  return 8 * (p.head_dim * rows + 2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile + kExactRowsKeyTile * rows +
-              2 * kExactRowsKeyTile + rows * p.head_dim) +
+  // L* by distance up to the farthest key (DecayTable: at most 2^20).
+  const int64_t farthest =
+      std::max(std::llabs(p.q_pos0 + p.q_len - 1 - p.k_pos0), std::llabs(p.k_pos0 + p.kv_len - 1 - p.q_pos0));
+  const int64_t decay_table = farthest < (int64_t{1} << 20) ? farthest + 1 : 0;
+  // q, the k (transposed) and v tiles, the scores, two logit rows, the
+  // accumulators, the L* table, and each row's sorted block edges.
+  return 8 * (p.head_dim * rows + 2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile * rows +
+              2 * kExactRowsKeyTile + rows * p.head_dim + decay_table) +
          rows * 16 * s + 4 * p.head_dim;
 }
 

@@ -7,11 +7,16 @@
 
 namespace plsh {
 
-bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows, int64_t key_end,
-                       const std::function<void(const KeyTile&)>& visit, const ExecContext* ctx) {
-  const KeyRange all{0, key_end};
-  return for_each_key_tile(p, h, b, rows, std::span<const KeyRange>(&all, 1), visit, ctx);
+namespace {
+
+// A row as float32: in place for float32 tensors, else widened into buf.
+const float* row_f32(const void* data, DType t, int64_t offset, int64_t n, float* buf) {
+  if (t == DType::kF32) return static_cast<const float*>(data) + offset;
+  load_row(data, t, offset, n, buf);
+  return buf;
 }
+
+}  // namespace
 
 bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows,
                        std::span<const KeyRange> ranges, const std::function<void(const KeyTile&)>& visit,
@@ -20,17 +25,21 @@ bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span
   const int64_t D = p.head_dim;
   const int64_t hk = h / p.head_group;
   constexpr int64_t kTile = kExactRowsKeyTile;
-  // Keys are converted to double once for all R rows; the products run with
-  // the row index innermost (q transposed) and the head dimension innermost,
-  // so both vectorise without reassociating a sum.
+  constexpr int64_t kScoreKeys = 8;
+  // Keys are converted to double once for all R rows and stored transposed
+  // ([d][key]), so that one row's products with kScoreKeys keys run in
+  // vector lanes across the keys while each key's sum still runs over d in
+  // index order from 0 (no reassociation). A probe group is often one to a
+  // few rows, so lanes across rows would stay empty; a row's sum over d
+  // alone is a chain of dependent adds.
   std::vector<float> buf(static_cast<size_t>(D));
-  std::vector<double> qt(static_cast<size_t>(D * R));
-  std::vector<double> kt(static_cast<size_t>(kTile * D)), vt(static_cast<size_t>(kTile * D)), v2(kTile);
+  std::vector<double> qr(static_cast<size_t>(R * D));
+  std::vector<double> kt(static_cast<size_t>(D * kTile)), vt(static_cast<size_t>(kTile * D));
   std::vector<double> scores(static_cast<size_t>(kTile * R));
   for (int64_t r = 0; r < R; ++r) {
     load_row(p.q, p.dtype, b * p.q_batch_stride + rows[static_cast<size_t>(r)] * p.q_row_stride + h * p.q_head_stride,
              D, buf.data());
-    for (int64_t d = 0; d < D; ++d) qt[static_cast<size_t>(d * R + r)] = buf[static_cast<size_t>(d)];
+    for (int64_t d = 0; d < D; ++d) qr[static_cast<size_t>(r * D + d)] = buf[static_cast<size_t>(d)];
   }
   int64_t tiles = 0;
   for (const KeyRange& range : ranges) {
@@ -39,30 +48,34 @@ bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span
       const int64_t tn = std::min(kTile, range.end - j0);
       for (int64_t jj = 0; jj < tn; ++jj) {
         const int64_t j = j0 + jj;
-        double* kj = &kt[static_cast<size_t>(jj * D)];
         double* vj = &vt[static_cast<size_t>(jj * D)];
-        load_row(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
-        for (int64_t d = 0; d < D; ++d) kj[d] = buf[static_cast<size_t>(d)];
-        load_row(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
-        double n2 = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          vj[d] = buf[static_cast<size_t>(d)];
-          n2 += vj[d] * vj[d];
-        }
-        v2[static_cast<size_t>(jj)] = n2;
+        const float* k =
+            row_f32(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
+        for (int64_t d = 0; d < D; ++d) kt[static_cast<size_t>(d * kTile + jj)] = k[d];
+        const float* v =
+            row_f32(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
+        for (int64_t d = 0; d < D; ++d) vj[d] = v[d];
       }
       int64_t r0 = 0, r1 = R;
       if (!row_windows.empty()) {
         while (r0 < R && row_windows[static_cast<size_t>(r0)].end <= j0) ++r0;
         while (r1 > r0 && row_windows[static_cast<size_t>(r1 - 1)].begin >= j0 + tn) --r1;
       }
-      std::fill(scores.begin(), scores.begin() + tn * R, 0.0);
-      for (int64_t jj = 0; jj < tn; ++jj) {
-        double* sj = &scores[static_cast<size_t>(jj * R)];
-        for (int64_t d = 0; d < D; ++d) {
-          const double kd = kt[static_cast<size_t>(jj * D + d)];
-          const double* qd = &qt[static_cast<size_t>(d * R)];
-          for (int64_t r = r0; r < r1; ++r) sj[r] += qd[r] * kd;
+      for (int64_t r = r0; r < r1; ++r) {
+        const double* q = &qr[static_cast<size_t>(r * D)];
+        int64_t jj = 0;
+        for (; jj + kScoreKeys <= tn; jj += kScoreKeys) {
+          double acc[kScoreKeys] = {};
+          for (int64_t d = 0; d < D; ++d) {
+            const double* kd = &kt[static_cast<size_t>(d * kTile + jj)];
+            for (int64_t i = 0; i < kScoreKeys; ++i) acc[i] += q[d] * kd[i];
+          }
+          for (int64_t i = 0; i < kScoreKeys; ++i) scores[static_cast<size_t>((jj + i) * R + r)] = acc[i];
+        }
+        for (; jj < tn; ++jj) {
+          double acc = 0;
+          for (int64_t d = 0; d < D; ++d) acc += q[d] * kt[static_cast<size_t>(d * kTile + jj)];
+          scores[static_cast<size_t>(jj * R + r)] = acc;
         }
       }
       KeyTile tile;
@@ -73,7 +86,6 @@ bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span
       tile.row_end = r1;
       tile.scores = scores.data();
       tile.values = vt.data();
-      tile.value_norm2 = v2.data();
       visit(tile);
     }
   }

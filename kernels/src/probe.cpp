@@ -127,6 +127,13 @@ void key_norms(const AttentionParams& p, int64_t b, int64_t j0, int64_t j1, cons
   }
 }
 
+// ||v_j||^2 of a tile's float64 value row, summed in index order.
+double squared_norm64(const double* v, int64_t n) {
+  double s = 0;
+  for (int64_t d = 0; d < n; ++d) s += v[d] * v[d];
+  return s;
+}
+
 void running_max(std::vector<double>& x) {
   double m = 0;
   for (double& e : x) e = m = std::max(m, e);
@@ -263,6 +270,15 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
     }
   }
 
+  // L* by distance, tabulated once for the rows' farthest key (the same
+  // values as decay(), one exp per distance instead of one per row and key).
+  int64_t farthest = 0;
+  for (const RowState& row : st)
+    if (row.lo < row.hi)
+      farthest = std::max<int64_t>(
+          {farthest, std::llabs(row.pos - (p.k_pos0 + row.lo)), std::llabs(row.pos - (p.k_pos0 + row.hi - 1))});
+  const DecayTable lstar_of(m.sigma, farthest);
+
   // Rows whose key ranges overlap are scored together, one pass over the
   // union of their ranges; rows whose ranges are apart (steep slopes, rows
   // far apart) in passes of their own, so no row is scored where it has
@@ -318,9 +334,9 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
             row.max_a = max_a;
             for (int64_t jj = first; jj < last; ++jj) {
               const int64_t x = p.k_pos0 + tile.j0 + jj;
-              if (keys == nullptr) row.max_v2 = std::max(row.max_v2, tile.value_norm2[jj]);
+              if (keys == nullptr) row.max_v2 = std::max(row.max_v2, squared_norm64(tile.values + jj * D, D));
               const int64_t distance = std::llabs(row.pos - x);
-              const double lstar = decay(distance, m.sigma);
+              const double lstar = lstar_of(distance);
               double mask;
               if (uses_draws(m.mode)) {
                 // Hashes whose block holds x: begin <= x < end; x only grows.

@@ -24,12 +24,12 @@ namespace plsh {
 inline constexpr int64_t kExactRowsKeyTile = 128;
 
 struct KeyTile {
-  int64_t j0 = 0, count = 0;            // key rows [j0, j0 + count)
-  int64_t rows = 0;                     // query rows (the row stride of scores)
-  int64_t row_begin = 0, row_end = 0;   // the rows scored in this tile (all, without row windows)
-  const double* scores = nullptr;       // [count][rows]: q_r . k_j, unscaled (query row innermost)
-  const double* values = nullptr;       // [count][D]
-  const double* value_norm2 = nullptr;  // [count]: ||v_j||^2
+  int64_t j0 = 0, count = 0;           // key rows [j0, j0 + count)
+  int64_t rows = 0;                    // query rows (the row stride of scores)
+  int64_t row_begin = 0, row_end = 0;  // the rows scored in this tile (all, without row windows)
+  const double* scores = nullptr;      // [count][rows]: q_r . k_j, unscaled (query row innermost);
+                                       // rows outside [row_begin, row_end) are not written
+  const double* values = nullptr;      // [count][D]
 };
 
 // Key rows [begin, end).
@@ -48,9 +48,6 @@ struct KeyRange {
 bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows,
                        std::span<const KeyRange> ranges, const std::function<void(const KeyTile&)>& visit,
                        const ExecContext* ctx = nullptr, std::span<const KeyRange> row_windows = {});
-// The same over key rows [0, key_end).
-bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows, int64_t key_end,
-                       const std::function<void(const KeyTile&)>& visit, const ExecContext* ctx = nullptr);
 
 // One row's online softmax: acc = sum_j exp(l_j - max) v_j, sum likewise.
 struct SoftmaxRow64 {

@@ -124,6 +124,7 @@ StatusOr<std::unique_ptr<AttendLoad>> AttendLoad::create(const AttendLoadConfig&
     // Written (faulted in) now, not in the first measured request.
     load->outputs_.assign(static_cast<size_t>(config.workers), std::vector<uint8_t>(load->reference_size_, 0));
   }
+  if (config.backward) load->grads_.resize(static_cast<size_t>(config.workers));
 
   if (config.verify_fraction > 0) {
     // The reference needs only the output: no estimates, except where the
@@ -248,7 +249,8 @@ Outcome AttendLoad::call(int worker, int64_t index) {
     o.message = status.error_message();
     return o;
   }
-  client::BackwardReply grads;
+  client::BackwardReply unused;
+  client::BackwardReply& grads = config_.backward ? grads_[static_cast<size_t>(worker % config_.workers)] : unused;
   if (config_.backward) {  // never sharded (create refuses both)
     client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
     const auto t1 = std::chrono::steady_clock::now();

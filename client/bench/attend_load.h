@@ -105,6 +105,7 @@ class AttendLoad {
   double reference_seconds_ = 0;
   v1::GetInfoResponse info_;
   std::vector<std::vector<uint8_t>> outputs_;  // per worker, allocated (and faulted in) when the load is made
+  std::vector<client::BackwardReply> grads_;   // per worker (--backward): its gradients' storage kept across steps
   // Shared memory: one file, q | k | v | worker 0's out | worker 1's out ...
   std::unique_ptr<client::SharedMemoryFile> shm_;
   std::string shm_region_;

@@ -39,7 +39,15 @@ v1::BackwardRequest header_of(const BackwardCall& call, bool stateless) {
 }  // namespace
 
 grpc::Status Client::backward(const BackwardCall& call, BackwardReply* reply) {
+  // A reply used again keeps its gradients' storage: resizing it to the
+  // same shape writes nothing, where fresh vectors would be zero-filled
+  // page by page before the chunks overwrite them (a training loop's
+  // steps, plsh bench --backward).
+  std::vector<uint8_t> dq = std::move(reply->dq), dk = std::move(reply->dk), dv = std::move(reply->dv);
   *reply = BackwardReply{};
+  reply->dq = std::move(dq);
+  reply->dk = std::move(dk);
+  reply->dv = std::move(dv);
   const bool stateless = call.context_id.empty();
   if (call.dout == nullptr) return invalid("dout = null, expected the upstream gradient [B, Nq, H, D]");
   if (stateless && (call.q == nullptr || call.k == nullptr || call.v == nullptr))

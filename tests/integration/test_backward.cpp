@@ -337,6 +337,30 @@ TEST_F(BackwardTest, ABackwardConsumesItsContextUnlessAskedToKeepIt) {
   EXPECT_GE(metric_sum(m, "plsh_backward_duration_seconds_count"), 3);
 }
 
+// A reply passed again keeps its gradients' storage (no zero-fill per
+// step) and comes back with every byte written: scribbled and wrongly
+// sized vectors give the fresh reply's bits.
+TEST_F(BackwardTest, AReplyUsedAgainGetsEveryByteWritten) {
+  Client c(server_->grpc_address());
+  const Problem p = make_problem(odd_gqa_options(Mode::kWindow, true), 23);
+  AttendReply forward;
+  ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
+  BackwardReply fresh, reused;
+  ASSERT_TRUE(c.backward(by_context(p, forward.context_id, /*keep=*/true), &fresh).ok());
+  reused.dq.assign(fresh.dq.size(), 0xFF);          // the same size, every byte wrong
+  reused.dk.assign(fresh.dk.size() + 4096, 0xFF);   // larger
+  reused.dv.assign(fresh.dv.size() / 2 + 1, 0xFF);  // smaller
+  reused.context_id = "stale";
+  const uint8_t* storage = reused.dq.data();
+  ASSERT_TRUE(c.backward(by_context(p, forward.context_id), &reused).ok());
+  EXPECT_EQ(reused.dq.data(), storage);  // kept, not reallocated
+  EXPECT_EQ(reused.dq, fresh.dq);
+  EXPECT_EQ(reused.dk, fresh.dk);
+  EXPECT_EQ(reused.dv, fresh.dv);
+  EXPECT_EQ(reused.context_id, forward.context_id);
+  EXPECT_FALSE(reused.context_kept);
+}
+
 TEST_F(BackwardTest, ReleaseGivesTheMemoryBack) {
   Client c(server_->grpc_address());
   const Problem p = make_problem(odd_gqa_options(Mode::kWindow, false), 19);

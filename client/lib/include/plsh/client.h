@@ -195,6 +195,8 @@ class Client {
   grpc::Status attend_unary(const AttendCall& call, AttendReply* reply);
   // The backward (AttendBackward), by context or stateless; streamed both
   // ways like attend(). Checks that dq, dk, dv arrive whole.
+  // A reply passed again keeps its dq, dk and dv storage (their contents
+  // are defined only when the call returns OK).
   grpc::Status backward(const BackwardCall& call, BackwardReply* reply);
   // ReleaseContext: drops a kept context now.
   grpc::Status release_context(const std::string& context_id, int64_t* released_bytes = nullptr,

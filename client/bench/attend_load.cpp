@@ -249,9 +249,9 @@ Outcome AttendLoad::call(int worker, int64_t index) {
     o.message = status.error_message();
     return o;
   }
-  client::BackwardReply unused;
-  client::BackwardReply& grads = config_.backward ? grads_[static_cast<size_t>(worker % config_.workers)] : unused;
-  if (config_.backward) {  // never sharded (create refuses both)
+  // The worker's reply, used again every step (its gradients' storage kept).
+  client::BackwardReply* grads = config_.backward ? &grads_[static_cast<size_t>(worker % config_.workers)] : nullptr;
+  if (grads != nullptr) {  // never sharded (create refuses both)
     client::Client& c = *clients_[static_cast<size_t>(worker) % clients_.size()];
     const auto t1 = std::chrono::steady_clock::now();
     o.forward_seconds = std::chrono::duration<double>(t1 - t0).count();
@@ -263,10 +263,10 @@ Outcome AttendLoad::call(int worker, int64_t index) {
     b.deadline_seconds = config_.deadline;
     b.request_id = call.request_id + "-backward";
     o.rpcs = 2;
-    const grpc::Status bs = c.backward(b, &grads);
+    const grpc::Status bs = c.backward(b, grads);
     o.backward_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-    o.bytes_up += grads.sent_bytes;
-    o.bytes_down += grads.received_bytes;
+    o.bytes_up += grads->sent_bytes;
+    o.bytes_down += grads->received_bytes;
     if (!bs.ok()) {
       // A failed backward leaves its context: give it back now.
       c.release_context(reply.context_id);
@@ -282,14 +282,14 @@ Outcome AttendLoad::call(int worker, int64_t index) {
   o.receiving = reply.timings.receiving;
   o.computing = reply.timings.computing;
   o.sending = reply.timings.sending;
-  if (config_.backward) {
+  if (grads != nullptr) {
     // A step's server phases: its two calls' summed; the backward's
     // receiving phase alone too (bench/ingest.sh: dout's ingest).
-    o.backward_receiving = grads.timings.receiving;
-    o.queued += grads.timings.queued;
-    o.receiving += grads.timings.receiving;
-    o.computing += grads.timings.computing;
-    o.sending += grads.timings.sending;
+    o.backward_receiving = grads->timings.receiving;
+    o.queued += grads->timings.queued;
+    o.receiving += grads->timings.receiving;
+    o.computing += grads->timings.computing;
+    o.sending += grads->timings.sending;
   }
   if (!reference_.empty() && selected_for_verify(config_.input_seed, index, config_.verify_fraction)) {
     o.verified = true;

@@ -168,10 +168,9 @@ int64_t head_estimate_bytes(const AttentionParams& p) {
   const int64_t s = uses_draws(p.mode) ? p.samples : 0;
   const int64_t wide = std::max(p.q_len, p.kv_len);
   const PositionRange r = position_range(p);
-  // mask_max_err: the decay table (at most 2^20 doubles), the row sample,
-  // four arrays of block edges per hash.
-  const int64_t mask =
-      8 * std::min<int64_t>(max_distance(r) + 1, int64_t{1} << 20) + 8 * std::min(p.q_len, p.mask_row_budget) + 32 * s;
+  // mask_max_err: the decay table, the row sample, four arrays of block
+  // edges per hash.
+  const int64_t mask = DecayTable::bytes(max_distance(r)) + 8 * std::min(p.q_len, p.mask_row_budget) + 32 * s;
   // Lanczos: four vectors over the smaller side, the product's intermediate
   // and exponential sums and prefix sums over the wider one, and the block
   // edges cached for both sides (each at most 64 MiB, at most a block per
@@ -184,15 +183,12 @@ int64_t head_estimate_bytes(const AttentionParams& p) {
 int64_t probe_task_bytes(const AttentionParams& p) {
   const int64_t rows = static_cast<int64_t>(kProbeRowsPerTask);
   const int64_t s = uses_draws(p.mode) ? p.samples : 0;
-  // L* by distance up to the farthest key (DecayTable: at most 2^20).
-  const int64_t farthest =
-      std::max(std::llabs(p.q_pos0 + p.q_len - 1 - p.k_pos0), std::llabs(p.k_pos0 + p.kv_len - 1 - p.q_pos0));
-  const int64_t decay_table = farthest < (int64_t{1} << 20) ? farthest + 1 : 0;
   // q, the k (transposed) and v tiles, the scores, two logit rows, the
-  // accumulators, the L* table, and each row's sorted block edges.
+  // accumulators, each row's sorted block edges, and L* by distance up to
+  // the farthest key.
   return 8 * (p.head_dim * rows + 2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile * rows +
-              2 * kExactRowsKeyTile + rows * p.head_dim + decay_table) +
-         rows * 16 * s + 4 * p.head_dim;
+              2 * kExactRowsKeyTile + rows * p.head_dim) +
+         rows * 16 * s + 4 * p.head_dim + DecayTable::bytes(max_distance(position_range(p)));
 }
 
 }  // namespace estimates_detail

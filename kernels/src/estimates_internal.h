@@ -39,8 +39,14 @@ inline double decay(int64_t gap, double sigma) { return gap == 0 ? 1.0 : std::ex
 // MiB): the mask max error reads 4 (s + 1) of them per row.
 class DecayTable {
  public:
+  static constexpr int64_t kMaxEntries = int64_t{1} << 20;
+  // What the table holds for distances up to max_distance (beyond
+  // kMaxEntries it tabulates nothing and computes each value).
+  static int64_t bytes(int64_t max_distance) {
+    return max_distance >= 0 && max_distance < kMaxEntries ? 8 * (max_distance + 1) : 0;
+  }
   DecayTable(double sigma, int64_t max_distance) : sigma_(sigma) {
-    if (max_distance < 0 || max_distance >= (int64_t{1} << 20)) return;
+    if (max_distance < 0 || max_distance >= kMaxEntries) return;
     table_.resize(static_cast<size_t>(max_distance) + 1);
     for (size_t d = 0; d < table_.size(); ++d) table_[d] = decay(static_cast<int64_t>(d), sigma);
   }

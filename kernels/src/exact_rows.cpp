@@ -7,17 +7,6 @@
 
 namespace plsh {
 
-namespace {
-
-// A row as float32: in place for float32 tensors, else widened into buf.
-const float* row_f32(const void* data, DType t, int64_t offset, int64_t n, float* buf) {
-  if (t == DType::kF32) return static_cast<const float*>(data) + offset;
-  load_row(data, t, offset, n, buf);
-  return buf;
-}
-
-}  // namespace
-
 bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows,
                        std::span<const KeyRange> ranges, const std::function<void(const KeyTile&)>& visit,
                        const ExecContext* ctx, std::span<const KeyRange> row_windows) {
@@ -50,10 +39,10 @@ bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span
         const int64_t j = j0 + jj;
         double* vj = &vt[static_cast<size_t>(jj * D)];
         const float* k =
-            row_f32(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
+            row_as_f32(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
         for (int64_t d = 0; d < D; ++d) kt[static_cast<size_t>(d * kTile + jj)] = k[d];
         const float* v =
-            row_f32(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
+            row_as_f32(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
         for (int64_t d = 0; d < D; ++d) vj[d] = v[d];
       }
       int64_t r0 = 0, r1 = R;

@@ -102,9 +102,7 @@ squared_norm_f32(const float* x, int64_t n) {
 }
 
 double squared_norm(const void* data, DType t, int64_t offset, int64_t n, float* buf) {
-  if (t == DType::kF32) return squared_norm_f32(static_cast<const float*>(data) + offset, n);
-  load_row(data, t, offset, n, buf);
-  return squared_norm_f32(buf, n);
+  return squared_norm_f32(row_as_f32(data, t, offset, n, buf), n);
 }
 
 // Key rows [j0, j1) of batch item b, every kv head with wanted[hk] set:

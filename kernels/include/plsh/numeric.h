@@ -94,6 +94,13 @@ inline void store_element(void* data, DType t, int64_t i, float value) {
 
 // Converts n elements starting at element `offset` to float.
 void load_row(const void* data, DType t, int64_t offset, int64_t n, float* dst);
+// The same n elements as float: read in place for float32, else converted
+// into buf (n floats) and buf returned.
+inline const float* row_as_f32(const void* data, DType t, int64_t offset, int64_t n, float* buf) {
+  if (t == DType::kF32) return static_cast<const float*>(data) + offset;
+  load_row(data, t, offset, n, buf);
+  return buf;
+}
 void store_row(void* data, DType t, int64_t offset, int64_t n, const float* src);
 
 // Index of the first NaN or Inf among n elements, or -1.

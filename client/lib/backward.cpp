@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "chunk_stream.h"
+#include "invalid.h"
 #include "plsh/client.h"
 #include "plsh/shape.h"
 #include "proto/wire.h"
@@ -14,8 +15,6 @@
 namespace plsh::client {
 
 namespace {
-
-grpc::Status invalid(const std::string& what) { return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what); }
 
 v1::BackwardRequest header_of(const BackwardCall& call, bool stateless) {
   v1::BackwardRequest request;

@@ -10,6 +10,7 @@
 
 #include "chunk_stream.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "invalid.h"
 #include "plsh/shape.h"
 #include "proto/wire.h"
 
@@ -23,8 +24,6 @@ void set_deadline(grpc::ClientContext* ctx, double seconds) {
         std::chrono::system_clock::now() +
         std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(seconds)));
 }
-
-grpc::Status invalid(const std::string& what) { return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what); }
 
 // A credentials file (PEM, a token): small; its bytes never go in a message.
 grpc::Status read_small_file(const char* name, const std::string& path, std::string* bytes) {

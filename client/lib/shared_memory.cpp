@@ -8,13 +8,12 @@
 #include <cstring>
 #include <random>
 
+#include "invalid.h"
 #include "plsh/client.h"
 
 namespace plsh::client {
 
 namespace {
-
-grpc::Status invalid(const std::string& what) { return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what); }
 
 bool plain_name(const std::string& key) {
   if (key.empty() || key.size() > 255 || key[0] == '.') return false;

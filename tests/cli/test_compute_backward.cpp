@@ -34,7 +34,7 @@ struct BackwardCliCase {
   std::optional<DType> grad_dtype;  // --grad-dtype
 };
 
-std::vector<BackwardCliCase> cases() {
+std::vector<BackwardCliCase> backward_cases() {
   return {
       {"exact_gqa_causal_f32",
        {.batch = 2,
@@ -176,7 +176,7 @@ TEST_P(ComputeBackward, MatchesInProcessForwardBackward) {
   EXPECT_EQ(meta["flops"].get<double>(), expected->forward.flops);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, ComputeBackward, ::testing::ValuesIn(cases()),
+INSTANTIATE_TEST_SUITE_P(Cases, ComputeBackward, ::testing::ValuesIn(backward_cases()),
                          [](const ::testing::TestParamInfo<BackwardCliCase>& info) {
                            return std::string(info.param.name);
                          });

@@ -20,7 +20,6 @@ namespace plsh::testing {
 
 inline std::vector<AttentionCase> fused_cases() {
   const std::vector<double> mixed = {0.9, 0.31, 0.05, 0.0};
-  const LshAlgorithm kAuto = LshAlgorithm::kAuto;
   return {
       {"lsh_causal_gqa_bf16_d64", 1, 300, 300, 4, 2, 64, DType::kBF16, Mode::kLsh, true, std::nullopt, 0, 16, kAuto,
        mixed},
@@ -168,6 +167,16 @@ struct FusedTolerance {
 inline FusedTolerance fused_tolerance(DType dtype, DType out_dtype) {
   const bool f32 = dtype == DType::kF32 && out_dtype == DType::kF32;
   return {f32 ? 1e-4 : 1e-2, f32 ? 1e-5 : 4e-3};
+}
+
+// The backward's tolerance on dq, dk, dv. 16-bit inputs: P and dS are
+// rounded for the products, O through D_i and the gradients themselves: four
+// units (2^-11 f16, 2^-8 bf16), three for float32 gradients. float32:
+// f32_floor, 1e-4 on the GPU (fp32 GEMMs, no TF32, long sums in another
+// order) and 1e-5 in the host emulation (SPEC, STYLE).
+inline double backward_tolerance(DType dtype, DType grad_dtype, double f32_floor) {
+  const double unit = dtype == DType::kF16 ? 0x1.0p-11 : dtype == DType::kBF16 ? 0x1.0p-8 : 0.0;
+  return std::max(f32_floor, (grad_dtype == DType::kF32 ? 3 : 4) * unit);
 }
 
 // max |a - b| / max |b| over the outputs, max |a - b| / max(1, |b|) over

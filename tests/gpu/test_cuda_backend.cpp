@@ -39,6 +39,7 @@ namespace {
 using testing::AttentionCase;
 using testing::compare;
 using testing::ErrorStats;
+using testing::kAuto;
 using testing::make_problem;
 using testing::options_of;
 using testing::Problem;
@@ -100,8 +101,7 @@ TEST_P(CudaVsCpu, MatchesCpuBackendAndReference) {
   EXPECT_LE(lse_err, lse_tolerance(c.dtype));
 }
 
-std::vector<AttentionCase> cases() {
-  constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
+std::vector<AttentionCase> forward_cases() {
   std::vector<AttentionCase> v = testing::every_dtype_cases("exact_causal_");
   const std::vector<double> mixed = {0.9, 0.31, 0.05, 0.0};  // sigma 1.1 .. 20, and no bias
   // f32: odd sizes, offsets, non-causal, multi-chunk spans, decode-like tails.
@@ -253,7 +253,7 @@ std::vector<AttentionCase> cases() {
   return v;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, CudaVsCpu, ::testing::ValuesIn(cases()), testing::CaseName());
+INSTANTIATE_TEST_SUITE_P(Cases, CudaVsCpu, ::testing::ValuesIn(forward_cases()), testing::CaseName());
 
 // The lsh masks on the device put every position in the same bin as
 // bin_of on the host: the same draws, bit for bit.

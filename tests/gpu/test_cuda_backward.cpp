@@ -21,6 +21,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/workspace_slots.h"
 #include "cuda_test_backend.h"
+#include "fused_cases.h"
 #include "gpu_cases.h"
 #include "plsh/attention.h"
 #include "plsh/backward.h"
@@ -34,18 +35,10 @@ namespace {
 using testing::AttentionCase;
 using testing::grad_tensors;
 using testing::GradTensors;
+using testing::kAuto;
 using testing::make_problem;
 using testing::options_of;
 using testing::Problem;
-
-// float32: 1e-4, the GPU forward tests' (fp32 GEMMs, no TF32, long sums in
-// another order). 16-bit: P and dS rounded for the GEMMs, O through D_i,
-// the gradients: four units (2^-11 f16, 2^-8 bf16); three for float32
-// gradients.
-double backward_tolerance(DType dtype, DType grad_dtype) {
-  const double unit = dtype == DType::kF16 ? 0x1.0p-11 : dtype == DType::kBF16 ? 0x1.0p-8 : 0.0;
-  return std::max(1e-4, (grad_dtype == DType::kF32 ? 3 : 4) * unit);
-}
 
 class CudaBackwardVsCpu : public ::testing::TestWithParam<AttentionCase> {};
 
@@ -71,7 +64,7 @@ TEST_P(CudaBackwardVsCpu, MatchesCpuBackendAndReference) {
   const AttentionParams& p = on_gpu.params;
   const testing::ReferenceGradients ref =
       testing::reference_backward(p, testing::dense_inputs(p), testing::reference_weights(p), gpu.dout_values());
-  double tol = backward_tolerance(c.dtype, grad_dtype);
+  double tol = testing::backward_tolerance(c.dtype, grad_dtype, 1e-4);
   // A query far from every key: lse's float32 rounding (test_backward.cpp).
   double max_lse = 0;
   for (float l : on_cpu.lse) max_lse = std::max(max_lse, std::fabs(static_cast<double>(l)));
@@ -90,8 +83,7 @@ TEST_P(CudaBackwardVsCpu, MatchesCpuBackendAndReference) {
   }
 }
 
-std::vector<AttentionCase> cases() {
-  constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
+std::vector<AttentionCase> backward_cases() {
   std::vector<AttentionCase> v = testing::every_dtype_cases("exact_causal_gqa_");
   const DType f = DType::kF32;
   v.push_back(
@@ -149,7 +141,7 @@ std::vector<AttentionCase> cases() {
   return v;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardVsCpu, ::testing::ValuesIn(cases()), testing::CaseName());
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardVsCpu, ::testing::ValuesIn(backward_cases()), testing::CaseName());
 
 // Under a tight budget the backward is cut into chunks too; the gradients
 // do not change beyond rounding.

@@ -86,11 +86,6 @@ TEST_P(FusedOnDevice, ForwardMatchesReferenceAndHostEmulation) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, FusedOnDevice, ::testing::ValuesIn(testing::fused_cases()), testing::CaseName());
 
-double backward_tolerance(DType dtype, DType grad_dtype) {
-  const double unit = dtype == DType::kF16 ? 0x1.0p-11 : dtype == DType::kBF16 ? 0x1.0p-8 : 0.0;
-  return std::max(1e-4, (grad_dtype == DType::kF32 ? 3 : 4) * unit);
-}
-
 class FusedBackwardOnDevice : public ::testing::TestWithParam<AttentionCase> {};
 
 TEST_P(FusedBackwardOnDevice, MatchesFloat64Autograd) {
@@ -116,7 +111,7 @@ TEST_P(FusedBackwardOnDevice, MatchesFloat64Autograd) {
   const double eq = testing::compare(g.dq.data(), grad_dtype, ref.dq).max_rel;
   const double ek = testing::compare(g.dk.data(), grad_dtype, ref.dk).max_rel;
   const double ev = testing::compare(g.dv.data(), grad_dtype, ref.dv).max_rel;
-  const double tol = backward_tolerance(o.dtype, grad_dtype);
+  const double tol = testing::backward_tolerance(o.dtype, grad_dtype, 1e-4);
   std::printf("%s: backward %.3g FLOP; vs float64 max_rel dq %.2e dk %.2e dv %.2e; tolerance %.1e\n", c.name.c_str(),
               bwd->flops, eq, ek, ev, tol);
   EXPECT_LE(eq, tol) << "dq";

@@ -53,14 +53,14 @@ void host_gemm(const GemmArgs& g, float alpha, const char* A, const char* B, DTy
 
 bool aligned(int64_t bytes) { return bytes % kOperandAlign == 0; }
 
-struct Emulated {
+struct EmulatedBackward {
   std::vector<uint8_t> dq, dk, dv;  // in grad_dtype, dense
   int64_t chunks = 0, rounds = 0;
 };
 
 // The backend's run_cuda_backward, on the host.
-Emulated emulate_backward(const AttentionParams& p, const BackwardParams& g, int64_t budget) {
-  Emulated e;
+EmulatedBackward emulate_backward(const AttentionParams& p, const BackwardParams& g, int64_t budget) {
+  EmulatedBackward e;
   const std::vector<std::vector<Draw>> draws = plan_draws(p);
   StatusOr<CudaLayout> layout_or = plan_layout(p, draws, budget);
   EXPECT_TRUE(layout_or.ok()) << layout_or.status().to_string();
@@ -257,7 +257,7 @@ TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
              carve_backward_work(c.max_slots, std::min(kTileRows, o.q_len), std::min(kMaxKeyCols, o.kv_len), o.head_dim,
                                  static_cast<int64_t>(dtype_bytes(o.dtype)), nullptr, nullptr, nullptr);
   }
-  const Emulated e = emulate_backward(p, *g, budget);
+  const EmulatedBackward e = emulate_backward(p, *g, budget);
   ASSERT_FALSE(e.dq.empty());
   EXPECT_GE(e.chunks, c.min_chunks);
 
@@ -288,7 +288,7 @@ TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   EXPECT_LE(cv.max_rel, 2 * tol) << "dv vs cpu";
 }
 
-constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
+using testing::kAuto;
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaBackwardOnHost,

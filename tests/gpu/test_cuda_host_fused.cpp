@@ -29,13 +29,13 @@ namespace {
 
 // The emulated forward's out (as float64) and lse, and the (warp, key tile)
 // products it ran.
-struct Emulated {
+struct EmulatedForward {
   std::vector<double> out;
   std::vector<float> lse;
   unsigned long long tiles = 0;
 };
 
-Emulated emulate(const AttentionParams& p) {
+EmulatedForward emulate(const AttentionParams& p) {
   const FusedTables t = fused_tables(p, plan_draws(p));
   std::vector<uint8_t> out(static_cast<size_t>(p.batch * p.q_len * p.heads * p.head_dim) * dtype_bytes(p.out_dtype),
                            0xFF);
@@ -44,7 +44,7 @@ Emulated emulate(const AttentionParams& p) {
   q.out = out.data();
   q.lse = lse.data();
   FusedArgs a = fused_args(q, t, t.heads.data(), t.hashes.data());
-  Emulated e;
+  EmulatedForward e;
   a.tiles_done = &e.tiles;
   EXPECT_TRUE(fused_forward_on_host(p.dtype, p.head_dim, a, 0, fused_tiles(p.q_len, kFusedRows)));
   e.out = testing::to_doubles(out, p.out_dtype);
@@ -61,7 +61,7 @@ TEST_P(FusedForwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   const AttentionParams& p = pr.params;
   ASSERT_TRUE(fused_supported(p).ok()) << fused_supported(p).to_string();
-  const Emulated e = emulate(p);
+  const EmulatedForward e = emulate(p);
 
   const testing::ReferenceOutput ref = testing::log_domain_reference(p);
   const testing::FusedErrors vs_ref = testing::fused_errors(e.out, e.lse, ref.out, ref.lse);

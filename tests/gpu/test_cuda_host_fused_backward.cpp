@@ -80,14 +80,6 @@ Gradients emulate_backward(const AttentionParams& p, const std::vector<uint8_t>&
   return g;
 }
 
-// float32: 1e-5 (SPEC, STYLE). 16-bit inputs: P and dS are rounded for the
-// products, O through D_i and the gradients themselves: four units (2^-11
-// f16, 2^-8 bf16), three for float32 gradients (the cuBLAS path's rule).
-double backward_tolerance(DType dtype, DType grad_dtype) {
-  const double unit = dtype == DType::kF16 ? 0x1.0p-11 : dtype == DType::kBF16 ? 0x1.0p-8 : 0.0;
-  return std::max(1e-5, (grad_dtype == DType::kF32 ? 3 : 4) * unit);
-}
-
 struct GradErrors {
   double dq, dk, dv;
 };
@@ -132,7 +124,7 @@ TEST_P(FusedBackwardOnHost, MatchesFloat64AutogradAndCpuBackend) {
   ASSERT_TRUE(run.ok()) << run.status().to_string();
   const GradErrors vs_cpu = grad_errors(e, grad_dtype, cpu_grads.values(cpu_grads.dq), cpu_grads.values(cpu_grads.dk),
                                         cpu_grads.values(cpu_grads.dv));
-  const double tol = backward_tolerance(o.dtype, grad_dtype);
+  const double tol = testing::backward_tolerance(o.dtype, grad_dtype, 1e-5);
   std::printf(
       "%s: %llu tile products; vs float64 max_rel dq %.2e dk %.2e dv %.2e; vs cpu %.2e %.2e %.2e; tolerance %.1e\n",
       c.name.c_str(), e.tiles, vs_ref.dq, vs_ref.dk, vs_ref.dv, vs_cpu.dq, vs_cpu.dk, vs_cpu.dv, tol);

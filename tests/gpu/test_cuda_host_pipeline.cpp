@@ -42,21 +42,21 @@ float round_to(DType t, float x) {
   return x;
 }
 
-struct Emulated {
+struct EmulatedPipeline {
   std::vector<double> out;  // [B, Nq, H, D]
   std::vector<double> lse;  // [B, Nq, H]
   int64_t chunks = 0;
   int64_t rounds = 0;
 };
 
-Emulated emulate(const AttentionParams& p, int64_t budget) {
+EmulatedPipeline emulate(const AttentionParams& p, int64_t budget) {
   const SpanShape shape = span_shape(p);
   const std::vector<LaneSetup> heads = head_passes(p, plan_draws(p));
   StatusOr<WorkspaceSlots> plan_or = size_workspace(workspace_shape(p), budget);
   EXPECT_TRUE(plan_or.ok()) << plan_or.status().to_string();
   const WorkspaceSlots plan = *plan_or;
   const int64_t T = plan.tile_rows, D = p.head_dim;
-  Emulated e;
+  EmulatedPipeline e;
   e.out.assign(static_cast<size_t>(p.batch * p.q_len * p.heads * D), std::numeric_limits<double>::quiet_NaN());
   e.lse.assign(static_cast<size_t>(p.batch * p.q_len * p.heads), std::numeric_limits<double>::quiet_NaN());
   auto q_at = [&](int64_t b, int64_t i, int64_t h, int64_t x) {
@@ -160,7 +160,7 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   const AttentionOptions o = testing::options_of(c, 99);
   testing::Problem pr = testing::make_problem(o, 5, false);
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
-  const Emulated e = emulate(pr.params, c.budget);
+  const EmulatedPipeline e = emulate(pr.params, c.budget);
   EXPECT_GE(e.chunks, c.min_chunks);
   const testing::ReferenceOutput ref = testing::log_domain_reference(pr.params);
   double max_err = 0, max_ref = 0, lse_err = 0;
@@ -197,7 +197,7 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
 }
 
 constexpr int64_t kRoomy = int64_t{1} << 30;
-constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
+using testing::kAuto;
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaPipelineOnHost,

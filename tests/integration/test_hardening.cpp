@@ -21,14 +21,14 @@ using testing::seconds_since;
 
 using Clock = std::chrono::steady_clock;
 
-struct Request {
+struct SmallRequest {
   AttentionOptions options;
   std::vector<float> q, k, v;
   AttendCall call() const { return testing::attend_call(options, q, k, v, 60); }
 };
 
-Request small_request(int64_t n = 64) {
-  Request r;
+SmallRequest small_request(int64_t n = 64) {
+  SmallRequest r;
   r.options.q_len = r.options.kv_len = n;
   r.options.heads = 2;
   r.options.head_dim = 16;
@@ -109,7 +109,7 @@ TEST(Hardening, AStreamSilentAfterItsHeaderTimesOutAndGivesItsMemoryBack) {
   EXPECT_NE(server.log().find("receive_idle"), std::string::npos);
 
   Client c(server.grpc_address());
-  const Request small = small_request();
+  const SmallRequest small = small_request();
   AttendReply reply;
   EXPECT_TRUE(c.attend(small.call(), &reply).ok());
   EXPECT_EQ(server.terminate(), 0) << server.log();
@@ -130,7 +130,7 @@ TEST(Hardening, StreamsWithoutAHeaderTimeOutAndFreeTheirSlots) {
   // Once the server holds all three, a fourth is refused.
   ASSERT_TRUE(testing::eventually([&] { return metric_sum(scrape(server), "plsh_inflight_requests") == 3; }));
   Client c(server.grpc_address());
-  const Request small = small_request();
+  const SmallRequest small = small_request();
   AttendReply reply;
   EXPECT_EQ(c.attend(small.call(), &reply).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   for (auto& s : streams) EXPECT_EQ(drain(s.get()).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
@@ -189,7 +189,7 @@ TEST(Hardening, AClientThatDoesNotReadItsOutputTimesOut) {
   ServerProcess server({"--backend", "cpu", "--stream-idle-timeout", "1"});
   ASSERT_TRUE(server.started()) << server.log();
   // Exact, one key: trivial to compute, 65536 x 8 x 16 f32 = 32 MiB out.
-  Request r;
+  SmallRequest r;
   r.options.q_len = 65536;
   r.options.kv_len = 1;
   r.options.heads = 8;
@@ -366,7 +366,7 @@ TEST(Hardening, HostileValuesAreRefusedShortlyAndNothingNonFiniteReachesMetrics)
   ServerProcess server({"--backend", "cpu"});
   ASSERT_TRUE(server.started()) << server.log();
   Client c(server.grpc_address());
-  Request r = small_request();
+  SmallRequest r = small_request();
   r.options.mode = Mode::kLsh;
   AttendCall call = r.call();
   call.options.scale = 1e308;

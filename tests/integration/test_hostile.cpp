@@ -112,7 +112,7 @@ TEST(Hostile, SparseRegistrationsStopAtTheMappedBound) {
 
   int64_t size = file_bytes / 59, registered = 0, mapped = 0, refused = 0;
   for (int i = 0; i < 250 && size >= 4096; ++i) {
-    const grpc::Status s = c.register_shared_memory("r" + std::to_string(i), "plsh-big", 0, size);
+    const grpc::Status s = c.register_shared_memory(std::string("r") + std::to_string(i), "plsh-big", 0, size);
     if (s.ok()) {
       ++registered;
       mapped += size;

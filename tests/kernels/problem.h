@@ -20,6 +20,9 @@
 
 namespace plsh::testing {
 
+// The lsh algorithm a case leaves to the backend (case tables name it).
+inline constexpr LshAlgorithm kAuto = LshAlgorithm::kAuto;
+
 // The shape, mode and options of one case; ctest lists it by its name.
 // Positional initialisation follows the field order; trailing fields keep
 // their defaults.

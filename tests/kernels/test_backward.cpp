@@ -133,13 +133,13 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The forward's tensors and params (problem.h) with a backward's: dout
 // N(0, 1) in the output dtype, gradients poisoned with 0xEE.
-struct Problem : testing::Problem {
+struct BackwardProblem : testing::Problem {
   testing::GradTensors grad;
   GradientRefs grads() { return grad.refs(); }
 };
 
-Problem make_problem(const AttentionOptions& o, std::optional<DType> grad_dtype, uint64_t seed) {
-  Problem pr;
+BackwardProblem make_backward_problem(const AttentionOptions& o, std::optional<DType> grad_dtype, uint64_t seed) {
+  BackwardProblem pr;
   static_cast<testing::Problem&>(pr) = testing::make_problem(o, seed);
   pr.grad = testing::grad_tensors(o, grad_dtype.value_or(o.dtype), seed + 1000, 0xEE);
   return pr;
@@ -153,7 +153,7 @@ PlanLimits backward_limits(int threads) {
 }
 
 // Forward then backward on one plan, as a training step does.
-Status forward_backward(Backend& backend, Problem& pr, int threads, Plan* plan_out = nullptr,
+Status forward_backward(Backend& backend, BackwardProblem& pr, int threads, Plan* plan_out = nullptr,
                         BackwardResult* result = nullptr) {
   ASSIGN_OR_RETURN(Plan plan, backend.plan(pr.params, backward_limits(threads)));
   RETURN_IF_ERROR(testing::run_forward(backend, plan, ExecContext{}, nullptr));
@@ -176,7 +176,7 @@ struct GradErrors {
   testing::ErrorStats dq, dk, dv;
 };
 
-GradErrors compare_gradients(const Problem& pr, const ReferenceGradients& ref) {
+GradErrors compare_gradients(const BackwardProblem& pr, const ReferenceGradients& ref) {
   const testing::GradTensors& g = pr.grad;
   return {testing::compare(g.dq.data(), g.grad_dtype, ref.dq), testing::compare(g.dk.data(), g.grad_dtype, ref.dk),
           testing::compare(g.dv.data(), g.grad_dtype, ref.dv)};
@@ -188,7 +188,7 @@ class CpuBackward : public ::testing::TestWithParam<BackwardCase> {};
 
 TEST_P(CpuBackward, MatchesFloat64Reference) {
   const BackwardCase& c = GetParam();
-  Problem pr = make_problem(testing::options_of(c, 11), c.grad_dtype, 23);
+  BackwardProblem pr = make_backward_problem(testing::options_of(c, 11), c.grad_dtype, 23);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   Plan plan;
   BackwardResult result;
@@ -403,7 +403,7 @@ TEST(CpuBackwardPrecision, FarQueriesAreLimitedByLseRounding) {
                            .q_pos0 = 5000,
                            .mode = Mode::kExact,
                            .estimates = false};
-  Problem pr = make_problem(o, std::nullopt, 29);
+  BackwardProblem pr = make_backward_problem(o, std::nullopt, 29);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(forward_backward(*cpu, pr, 2).ok());
   double max_lse = 0;
@@ -420,7 +420,7 @@ TEST(CpuBackwardPrecision, FarQueriesAreLimitedByLseRounding) {
   EXPECT_LE(e.dv.max_rel, tol);
 }
 
-AttentionOptions lsh_options() {
+AttentionOptions lsh_backward_options() {
   return {.batch = 2,
           .q_len = 97,
           .kv_len = 131,
@@ -437,11 +437,11 @@ AttentionOptions lsh_options() {
 // Per-sample and banded plans differentiate one function: their gradients
 // agree to float32 rounding (their forwards do, to 1e-5).
 TEST(CpuBackward, LshAlgorithmsGiveTheSameGradients) {
-  AttentionOptions o = lsh_options();
+  AttentionOptions o = lsh_backward_options();
   o.lsh_algorithm = LshAlgorithm::kPerSample;
-  Problem a = make_problem(o, std::nullopt, 31);
+  BackwardProblem a = make_backward_problem(o, std::nullopt, 31);
   o.lsh_algorithm = LshAlgorithm::kBanded;
-  Problem b = make_problem(o, std::nullopt, 31);
+  BackwardProblem b = make_backward_problem(o, std::nullopt, 31);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(forward_backward(*cpu, a, 2).ok());
   ASSERT_TRUE(forward_backward(*cpu, b, 2).ok());
@@ -454,7 +454,7 @@ TEST(CpuBackward, LshAlgorithmsGiveTheSameGradients) {
 // holding every position, its gradients follow the new weights (the
 // reference given the same draws) and differ from the seed's.
 TEST(CpuBackward, LshReadsThePlanDraws) {
-  Problem pr = make_problem(lsh_options(), std::nullopt, 37);
+  BackwardProblem pr = make_backward_problem(lsh_backward_options(), std::nullopt, 37);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   StatusOr<Plan> plan = cpu->plan(pr.params, backward_limits(2));
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
@@ -493,10 +493,10 @@ TEST(CpuBackward, LshReadsThePlanDraws) {
 // every run. dq gathers key tiles in the threads' order (cpu_backward.h):
 // equal to float32 rounding.
 TEST(CpuBackward, DkDvAreReproducibleAndDqCloseAcrossRuns) {
-  AttentionOptions o = lsh_options();
+  AttentionOptions o = lsh_backward_options();
   o.mode = Mode::kExact;
   o.q_len = o.kv_len = 700;
-  Problem a = make_problem(o, std::nullopt, 41), b = make_problem(o, std::nullopt, 41);
+  BackwardProblem a = make_backward_problem(o, std::nullopt, 41), b = make_backward_problem(o, std::nullopt, 41);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(forward_backward(*cpu, a, 2).ok());
   ASSERT_TRUE(forward_backward(*cpu, b, 2).ok());
@@ -509,7 +509,7 @@ TEST(CpuBackward, DkDvAreReproducibleAndDqCloseAcrossRuns) {
 
 TEST(BackwardPlan, WorkspaceIsPlannedOnlyWhenAsked) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  StatusOr<AttentionParams> p = resolve_params(lsh_options());
+  StatusOr<AttentionParams> p = resolve_params(lsh_backward_options());
   ASSERT_TRUE(p.ok());
   PlanLimits plain;
   plain.threads = 1;
@@ -531,7 +531,7 @@ TEST(BackwardPlan, WorkspaceIsPlannedOnlyWhenAsked) {
 }
 
 TEST(BackwardPlan, RefusesForeignUnplannedAndIncompleteRequests) {
-  Problem pr = make_problem(lsh_options(), std::nullopt, 43);
+  BackwardProblem pr = make_backward_problem(lsh_backward_options(), std::nullopt, 43);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   StatusOr<Plan> plan = cpu->plan(pr.params, backward_limits(2));
   ASSERT_TRUE(plan.ok());
@@ -600,7 +600,7 @@ TEST(BackwardPlan, BackendsWithoutABackwardSayUnimplemented) {
       return Status::Ok();
     }
   } backend;
-  StatusOr<AttentionParams> p = resolve_params(lsh_options());
+  StatusOr<AttentionParams> p = resolve_params(lsh_backward_options());
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(backend.supports_backward(*p).code(), StatusCode::kUnimplemented);
   EXPECT_NE(backend.supports_backward(*p).message().find("forward-only"), std::string::npos);
@@ -610,19 +610,19 @@ TEST(BackwardPlan, BackendsWithoutABackwardSayUnimplemented) {
             StatusCode::kUnimplemented);
 }
 
-Problem stop_problem() {
-  return make_problem({.q_len = 2048,
-                       .kv_len = 2048,
-                       .heads = 2,
-                       .head_dim = 64,
-                       .causal = true,
-                       .mode = Mode::kExact,
-                       .estimates = false},
-                      std::nullopt, 47);
+BackwardProblem stop_problem() {
+  return make_backward_problem({.q_len = 2048,
+                                .kv_len = 2048,
+                                .heads = 2,
+                                .head_dim = 64,
+                                .causal = true,
+                                .mode = Mode::kExact,
+                                .estimates = false},
+                               std::nullopt, 47);
 }
 
 TEST(BackwardStop, CancelAndDeadlineStopTheBackward) {
-  Problem pr = stop_problem();
+  BackwardProblem pr = stop_problem();
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   StatusOr<Plan> plan = cpu->plan(pr.params, backward_limits(2));
   ASSERT_TRUE(plan.ok());
@@ -662,7 +662,8 @@ TEST(BackwardStop, CancelAndDeadlineStopTheBackward) {
 // run_forward_backward: one plan, forward then backward, an lse of its own
 // when the caller has none; the same bytes as the steps one by one.
 TEST(BackwardFrontDoor, ForwardBackwardMatchesTheStepsOneByOne) {
-  Problem a = make_problem(lsh_options(), std::nullopt, 53), b = make_problem(lsh_options(), std::nullopt, 53);
+  BackwardProblem a = make_backward_problem(lsh_backward_options(), std::nullopt, 53),
+                  b = make_backward_problem(lsh_backward_options(), std::nullopt, 53);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   AttentionParams no_lse = a.params;
   no_lse.lse = nullptr;

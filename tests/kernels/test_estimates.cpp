@@ -55,15 +55,15 @@ ProbeRow probe_row(const AttentionParams& p, const HeadMask& m, int64_t h, int64
 
 // Options, tensors and resolved params kept together (params point into the
 // tensors).
-struct Problem {
+struct EstimatesProblem {
   AttentionOptions options;
   testing::RandomTensors tensors;
   std::vector<uint8_t> out;
   AttentionParams params;
 };
 
-std::unique_ptr<Problem> make_problem(const AttentionOptions& o, uint64_t seed = 1) {
-  auto pr = std::make_unique<Problem>();
+std::unique_ptr<EstimatesProblem> make_estimates_problem(const AttentionOptions& o, uint64_t seed = 1) {
+  auto pr = std::make_unique<EstimatesProblem>();
   pr->options = o;
   pr->tensors = testing::random_qkv(o, seed);
   pr->out = testing::output_buffer(o);
@@ -80,7 +80,7 @@ std::unique_ptr<Problem> make_problem(const AttentionOptions& o, uint64_t seed =
 
 // Writes the reference output of p's own mode into p.out: the o~ a backend
 // would return, so the probe sees the approximation error only.
-void fill_output_with_reference(Problem* pr) {
+void fill_output_with_reference(EstimatesProblem* pr) {
   const testing::ReferenceOutput ref = reference_attention(pr->params);
   for (size_t i = 0; i < ref.out.size(); ++i)
     store_element(pr->out.data(), pr->params.out_dtype, static_cast<int64_t>(i), static_cast<float>(ref.out[i]));
@@ -209,7 +209,7 @@ TEST(Estimates, LshMaskMaxErrorMatchesDense) {
     for (const int64_t samples : {1, 3, 16}) {
       AttentionOptions o = shape_options(shape, Mode::kLsh);
       o.samples = samples;
-      const auto pr = make_problem(o);
+      const auto pr = make_estimates_problem(o);
       const AttentionParams& p = pr->params;
       AttentionResult result;
       ASSERT_TRUE(estimate(p, ExecContext{}, &result).ok());
@@ -235,7 +235,7 @@ TEST(Estimates, LshMaskMaxErrorMatchesDense) {
 // where slope > 0 and a block boundary falls inside the request.
 TEST(Estimates, FixedBlocksMaskErrorsAreTheirBias) {
   for (const Shape& shape : kShapes) {
-    const auto pr = make_problem(shape_options(shape, Mode::kFixedBlocks));
+    const auto pr = make_estimates_problem(shape_options(shape, Mode::kFixedBlocks));
     const AttentionParams& p = pr->params;
     AttentionResult result;
     ASSERT_TRUE(estimate(p, ExecContext{}, &result).ok());
@@ -254,7 +254,7 @@ TEST(Estimates, FixedBlocksMaskErrorsAreTheirBias) {
   // The spectral estimate of the bias, against a dense eigen-solve.
   AttentionOptions o = mask_options(300, 300, true, {1.0 / 16});
   o.mode = Mode::kFixedBlocks;
-  const auto pr = make_problem(o);
+  const auto pr = make_estimates_problem(o);
   AttentionResult result;
   ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
   const double dense = dense_spectral_norm(dense_error(pr->params, 0));
@@ -267,7 +267,7 @@ TEST(Estimates, WindowMaskMaxErrorMatchesDense) {
       AttentionOptions o = shape_options(shape, Mode::kWindow);
       o.window_width = width;
       o.window_eps = 1e-2;
-      const auto pr = make_problem(o);
+      const auto pr = make_estimates_problem(o);
       const AttentionParams& p = pr->params;
       AttentionResult result;
       ASSERT_TRUE(estimate(p, ExecContext{}, &result).ok());
@@ -283,9 +283,9 @@ TEST(Estimates, WindowMaskMaxErrorMatchesDense) {
 
 TEST(Estimates, RowSampleReportsItselfAndNeverExceedsTheExactMaximum) {
   AttentionOptions o = mask_options(3000, 3000, true, {1.0 / 4, 1.0 / 64});
-  const auto full = make_problem(o);
+  const auto full = make_estimates_problem(o);
   o.mask_row_budget = 250;
-  const auto sampled = make_problem(o);
+  const auto sampled = make_estimates_problem(o);
   AttentionResult exact_result, sampled_result;
   ASSERT_TRUE(estimate(full->params, ExecContext{}, &exact_result).ok());
   ASSERT_TRUE(estimate(sampled->params, ExecContext{}, &sampled_result).ok());
@@ -320,7 +320,7 @@ TEST(Estimates, MaskErrorProductMatchesDense) {
     for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
       AttentionOptions o = shape_options(shape, mode);
       o.window_width = 7;
-      const auto pr = make_problem(o);
+      const auto pr = make_estimates_problem(o);
       const AttentionParams& p = pr->params;
       const PositionRange range = position_range(p);
       std::mt19937_64 rng(9);
@@ -407,7 +407,7 @@ TEST(Estimates, SpectralErrorWithinFivePercentOfDenseEigenSolve) {
     AttentionOptions o = mask_options(c.q_len, c.kv_len, c.causal, {c.slope});
     o.mode = c.mode;
     o.window_eps = 0.05;
-    const auto pr = make_problem(o);
+    const auto pr = make_estimates_problem(o);
     AttentionResult result;
     ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
     const double dense = dense_spectral_norm(dense_error(pr->params, 0));
@@ -427,11 +427,11 @@ TEST(Estimates, SpectralErrorWithinFivePercentOfDenseEigenSolve) {
 
 TEST(Estimates, SpectralErrorIsZeroWhereTheMaskIsExact) {
   AttentionOptions o = mask_options(50, 50, true, {0.0});
-  const auto lsh = make_problem(o);
+  const auto lsh = make_estimates_problem(o);
   o.mode = Mode::kWindow;
   o.slopes = {0.25};
   o.window_width = 100;  // wider than every distance
-  const auto window = make_problem(o);
+  const auto window = make_estimates_problem(o);
   for (const auto* pr : {lsh.get(), window.get()}) {
     AttentionResult result;
     ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
@@ -451,7 +451,7 @@ TEST(Estimates, ProbeErrorWithinFactorOneAndAHalfOfFullError) {
   o.mode = Mode::kLsh;
   o.samples = 16;
   o.seed = 2024;
-  const auto pr = make_problem(o, 77);
+  const auto pr = make_estimates_problem(o, 77);
   fill_output_with_reference(pr.get());
   const testing::ReferenceOutput exact = reference_attention(as_exact(pr->params));
   const double full = testing::compare(pr->out.data(), DType::kF32, exact.out).rel_l2;
@@ -493,7 +493,7 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
                                .samples = 8,
                                .window_eps = 0.02,
                                .probe_rows = 80};  // = batch * q_len
-      const auto pr = make_problem(o, 5);
+      const auto pr = make_estimates_problem(o, 5);
       fill_output_with_reference(pr.get());
       const testing::ReferenceOutput exact = reference_attention(as_exact(pr->params));
       const testing::ErrorStats full = testing::compare(pr->out.data(), types.out, exact.out);
@@ -528,7 +528,7 @@ TEST(Estimates, BoundHoldsForEveryRow) {
                                .mode = mode,
                                .samples = 4,
                                .window_eps = 0.1};
-      const auto pr = make_problem(o, 11);
+      const auto pr = make_estimates_problem(o, 11);
       fill_output_with_reference(pr.get());
       const AttentionParams& p = pr->params;
       const testing::ReferenceOutput exact = reference_attention(as_exact(p));
@@ -573,7 +573,7 @@ TEST(Estimates, ProbeRowsInOnePassMatchOneRowAtATime) {
                              .slopes = {0.3, 0.01},
                              .mode = mode,
                              .samples = 5};
-    const auto pr = make_problem(o, 21);
+    const auto pr = make_estimates_problem(o, 21);
     fill_output_with_reference(pr.get());
     const AttentionParams& p = pr->params;
     const std::vector<int64_t> rows = {0, 1, 127, 128, 129, 200, 255, 256, 299};
@@ -609,7 +609,7 @@ TEST(Estimates, ProbeRowsVisitingTheirReachMatchVisitingEveryKey) {
       o.samples = 6;
       o.window_eps = 0.05;
       o.slopes = {2.0, 0.5, 0.05};  // reach ~ 30, 110, 1100 keys: all truncate at n = 1200
-      const auto pr = make_problem(o, 31);
+      const auto pr = make_estimates_problem(o, 31);
       fill_output_with_reference(pr.get());
       const AttentionParams& p = pr->params;
       const Plan plan = plan_of(p);
@@ -650,7 +650,7 @@ TEST(Estimates, KeyStatisticsInOnePassMatchEachHeadAlone) {
     o.kv_heads = 3;
     o.head_dim = 24;
     o.dtype = dtype;
-    const auto pr = make_problem(o, 17);
+    const auto pr = make_estimates_problem(o, 17);
     const AttentionParams& p = pr->params;
     const std::vector<char> wanted = {1, 0, 1, 0, 1, 1};  // [b * kv_heads + hk]
     for (const int threads : {1, 2}) {
@@ -697,7 +697,7 @@ TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   o.samples = 7;
   o.seed = 99;
   o.return_draws = true;
-  const auto pr = make_problem(o);
+  const auto pr = make_estimates_problem(o);
   AttentionResult result;
   ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
   for (int64_t h = 0; h < 3; ++h) {
@@ -714,7 +714,7 @@ TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   }
   EXPECT_TRUE(std::isinf(result.heads[2].sigma));
   o.return_draws = false;
-  const auto without = make_problem(o);
+  const auto without = make_estimates_problem(o);
   ASSERT_TRUE(estimate(without->params, ExecContext{}, &result).ok());
   for (const HeadEstimate& he : result.heads) EXPECT_TRUE(he.draws.empty());
 }
@@ -752,7 +752,7 @@ TEST(Estimates, MaxBlockCountsPositionsInTheRequestOnly) {
 TEST(Estimates, DeviceMemoryGetsMaskEstimatesButNoProbe) {
   AttentionOptions o = mask_options(100, 100, true, {0.25, 0.05});
   o.probe_rows = 16;
-  const auto host = make_problem(o);
+  const auto host = make_estimates_problem(o);
   AttentionParams device = host->params;
   device.memory = MemorySpace::kDevice;
   device.q = device.k = device.v = nullptr;  // must not be read
@@ -773,7 +773,7 @@ TEST(Estimates, WithoutEstimatesOnlyTheHeadsAreDescribed) {
   AttentionOptions o = mask_options(100, 100, true, {0.25});
   o.estimates = false;
   o.probe_rows = 16;
-  const auto pr = make_problem(o);
+  const auto pr = make_estimates_problem(o);
   AttentionResult result;
   ASSERT_TRUE(estimate(pr->params, ExecContext{}, &result).ok());
   ASSERT_EQ(result.heads.size(), 1u);
@@ -787,7 +787,7 @@ TEST(Estimates, WithoutEstimatesOnlyTheHeadsAreDescribed) {
 
 TEST(Estimates, StopsOnCancelAndDeadline) {
   AttentionOptions o = mask_options(200, 200, true, {0.25, 0.5});
-  const auto pr = make_problem(o);
+  const auto pr = make_estimates_problem(o);
   std::atomic<bool> cancel{true};
   ExecContext cancelled_ctx;
   cancelled_ctx.cancel = &cancel;
@@ -804,7 +804,7 @@ TEST(Estimates, StopsWhenTheDeadlinePassesMidway) {
   AttentionOptions o = mask_options(32768, 32768, false, {0.25, 0.01});
   o.head_dim = 64;
   o.probe_rows = 64;
-  const auto pr = make_problem(o);
+  const auto pr = make_estimates_problem(o);
   ExecContext ctx;
   ctx.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
   AttentionResult result;

@@ -14,6 +14,9 @@
 
 namespace plsh::server::testing {
 
+inline constexpr StatusCode kInvalid = StatusCode::kInvalidArgument;
+inline constexpr StatusCode kExhausted = StatusCode::kResourceExhausted;
+
 // Every part must occur in the message: errors name the field, the value and
 // what was expected (SPEC section 7).
 inline ::testing::AssertionResult has_error(const Status& status, StatusCode code,

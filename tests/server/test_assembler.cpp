@@ -22,7 +22,7 @@ namespace {
 using testing::has_error;
 using testing::is_ok;
 
-constexpr StatusCode kInvalid = StatusCode::kInvalidArgument;
+using testing::kInvalid;
 
 // The byte a test writes at (tensor, row, byte); `salt` makes a second
 // writer's bytes differ from the first's.

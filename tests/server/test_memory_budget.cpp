@@ -23,7 +23,7 @@ namespace {
 using testing::has_error;
 using testing::is_ok;
 
-constexpr StatusCode kExhausted = StatusCode::kResourceExhausted;
+using testing::kExhausted;
 
 TEST(MemoryBudget, HostBudget) {
   MemoryBudget s(MemoryCharge{100, 50});

@@ -20,8 +20,8 @@ using testing::has_error;
 using testing::is_ok;
 using testing::roomy_limits;
 
-constexpr StatusCode kInvalid = StatusCode::kInvalidArgument;
-constexpr StatusCode kExhausted = StatusCode::kResourceExhausted;
+using testing::kExhausted;
+using testing::kInvalid;
 
 // q, k, v, out of this header: 16 rows * 2 heads * 8 dims * 4 bytes each.
 constexpr int64_t kTensorBytes = 16 * 2 * 8 * 4;

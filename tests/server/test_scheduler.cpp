@@ -26,7 +26,7 @@ using testing::has_error;
 using testing::is_ok;
 using testing::OpenOnExit;
 
-constexpr StatusCode kExhausted = StatusCode::kResourceExhausted;
+using testing::kExhausted;
 // ---- Queue and workers --------------------------------------------------------
 
 // Holds the workers: blocker() jobs report that they started and wait for

@@ -16,6 +16,19 @@ extern char** environ;
 
 namespace plsh::cli::testing {
 
+std::vector<std::string> command_line(const std::string& command, const ScratchDir& dir,
+                                      const std::vector<std::string>& files, const std::vector<std::string>& rest) {
+  std::vector<std::string> args = {command};
+  for (const std::string& f : files) {
+    const size_t eq = f.find('=');
+    EXPECT_NE(eq, std::string::npos) << "\"" << f << "\" is not --flag=name";
+    args.push_back(f.substr(0, eq));
+    args.push_back(dir.file(f.substr(eq + 1)));
+  }
+  args.insert(args.end(), rest.begin(), rest.end());
+  return args;
+}
+
 void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

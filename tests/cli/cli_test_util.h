@@ -32,6 +32,11 @@ struct RunResult {
 // Runs the plsh binary under test (PLSH_BINARY) with these arguments; no shell.
 RunResult run_plsh(const std::vector<std::string>& args, const ScratchDir& dir);
 
+// A plsh command line: the command, then "--flag", dir.file(name) for each
+// "--flag=name" of `files` (the files it reads and writes), then `rest`.
+std::vector<std::string> command_line(const std::string& command, const ScratchDir& dir,
+                                      const std::vector<std::string>& files, const std::vector<std::string>& rest);
+
 void write_file(const std::string& path, const std::string& bytes);
 bool file_exists(const std::string& path);
 

@@ -160,23 +160,9 @@ TEST_P(Compute, MatchesInProcessRunAndWritesFullMetadata) {
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   ASSERT_TRUE(testing::write_qkv(dir, o, c.batched, pr.qkv).ok());
 
-  std::vector<std::string> args = {"compute",
-                                   "--q",
-                                   dir.file("q.npy"),
-                                   "--k",
-                                   dir.file("k.npy"),
-                                   "--v",
-                                   dir.file("v.npy"),
-                                   "--out",
-                                   dir.file("o.npy"),
-                                   "--lse",
-                                   dir.file("lse.npy"),
-                                   "--meta",
-                                   dir.file("meta.json"),
-                                   "--backend",
-                                   "cpu",
-                                   "--threads",
-                                   std::to_string(kThreads)};
+  std::vector<std::string> args = testing::command_line(
+      "compute", dir, {"--q=q.npy", "--k=k.npy", "--v=v.npy", "--out=o.npy", "--lse=lse.npy", "--meta=meta.json"},
+      {"--backend", "cpu", "--threads", std::to_string(kThreads)});
   args.insert(args.end(), c.flags.begin(), c.flags.end());
   const RunResult run = testing::run_plsh(args, dir);
   ASSERT_EQ(run.exit_code, 0) << run.err;

@@ -109,29 +109,11 @@ TEST_P(ComputeBackward, MatchesInProcessForwardBackward) {
       write_npy(dir.file("dout.npy"), o.dtype, testing::npy_shape(o, c.batched, o.q_len, o.heads), grads.dout.data())
           .ok());
 
-  std::vector<std::string> args = {"compute",
-                                   "--q",
-                                   dir.file("q.npy"),
-                                   "--k",
-                                   dir.file("k.npy"),
-                                   "--v",
-                                   dir.file("v.npy"),
-                                   "--out",
-                                   dir.file("o.npy"),
-                                   "--meta",
-                                   dir.file("meta.json"),
-                                   "--dout",
-                                   dir.file("dout.npy"),
-                                   "--dq",
-                                   dir.file("dq.npy"),
-                                   "--dk",
-                                   dir.file("dk.npy"),
-                                   "--dv",
-                                   dir.file("dv.npy"),
-                                   "--backend",
-                                   "cpu",
-                                   "--threads",
-                                   "1"};
+  std::vector<std::string> args =
+      testing::command_line("compute", dir,
+                            {"--q=q.npy", "--k=k.npy", "--v=v.npy", "--out=o.npy", "--meta=meta.json",
+                             "--dout=dout.npy", "--dq=dq.npy", "--dk=dk.npy", "--dv=dv.npy"},
+                            {"--backend", "cpu", "--threads", "1"});
   args.insert(args.end(), c.flags.begin(), c.flags.end());
   if (c.grad_dtype) args.insert(args.end(), {"--grad-dtype", dtype_name(*c.grad_dtype)});
   const RunResult run = testing::run_plsh(args, dir);

@@ -26,6 +26,7 @@
 #include "cpu/cpu_backend.h"
 #include "cuda/backward_plan.h"
 #include "cuda/workspace_slots.h"
+#include "pipeline_cases.h"
 #include "plsh/attention.h"
 #include "plsh/backward.h"
 #include "plsh/numeric.h"
@@ -290,127 +291,51 @@ TEST_P(CudaBackwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
 
 using testing::kAuto;
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, CudaBackwardOnHost,
-    ::testing::Values(
-        // sigma from 1.1 to 300 and a slope of 0; GQA; chunked over lanes and tiles.
-        BackwardPipelineCase{{"lsh_causal_gqa_f32_chunked",
-                              1,
-                              200,
-                              200,
-                              4,
-                              2,
-                              40,
-                              DType::kF32,
-                              Mode::kLsh,
-                              true,
-                              std::nullopt,
-                              0,
-                              16,
-                              kAuto,
-                              {0.9, 0.05, 1.0 / 300, 0.0}},
-                             3,
-                             4},
-        // fixed_blocks (SPEC section 4) runs on the same draws path: one pass per head.
-        BackwardPipelineCase{{"fixed_blocks_causal_gqa_f32_chunked",
-                              1,
-                              200,
-                              200,
-                              4,
-                              2,
-                              40,
-                              DType::kF32,
-                              Mode::kFixedBlocks,
-                              true,
-                              std::nullopt,
-                              0,
-                              0,
-                              kAuto,
-                              {0.9, 0.05, 1.0 / 300, 0.0}},
-                             3,
-                             4},
-        BackwardPipelineCase{{"lsh_noncausal_bf16",
-                              2,
-                              97,
-                              97,
-                              2,
-                              1,
-                              64,
-                              DType::kBF16,
-                              Mode::kLsh,
-                              false,
-                              std::nullopt,
-                              0,
-                              8,
-                              kAuto,
-                              {0.7, 0.02}},
-                             0,
-                             1},
-        BackwardPipelineCase{{"lsh_tail_offsets_f32",
-                              1,
-                              50,
-                              640,
-                              2,
-                              2,
-                              40,
-                              DType::kF32,
-                              Mode::kLsh,
-                              true,
-                              int64_t{7000 + 590},
-                              7000,
-                              5,
-                              kAuto,
-                              {0.5, 1.0 / 200}},
-                             0,
-                             1},
-        BackwardPipelineCase{
-            {"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true}, 2, 2},
-        BackwardPipelineCase{
-            {"exact_noncausal_offsets_f16", 1, 33, 300, 3, 3, 59, DType::kF16, Mode::kExact, false, int64_t{1000}, 900},
-            0,
-            1},
-        // One query row (T = 1) against 37 keys.
-        BackwardPipelineCase{{"exact_one_query_f32", 1, 1, 37, 2, 1, 40, DType::kF32, Mode::kExact, false}, 0, 1},
-        BackwardPipelineCase{{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true}, 0, 1},
-        BackwardPipelineCase{{"window_width_bf16_f32_grads",
-                              1,
-                              130,
-                              130,
-                              2,
-                              2,
-                              59,
-                              DType::kBF16,
-                              Mode::kWindow,
-                              false,
-                              std::nullopt,
-                              0,
-                              0,
-                              kAuto,
-                              {},
-                              9,
-                              std::nullopt,
-                              DType::kF32},
-                             0,
-                             1},
-        // Queries past the keys: the nearest-key shift goes through row_lse_for.
-        BackwardPipelineCase{{"exact_queries_past_keys_f32",
-                              1,
-                              40,
-                              300,
-                              2,
-                              1,
-                              40,
-                              DType::kF32,
-                              Mode::kExact,
-                              false,
-                              int64_t{380},
-                              0,
-                              0,
-                              kAuto,
-                              {0.5, 1.0 / 64}},
-                             0,
-                             1}),
-    testing::CaseName());
+std::vector<BackwardPipelineCase> pipeline_backward_cases() {
+  const testing::PipelineShapes s = testing::pipeline_shapes();
+  std::vector<BackwardPipelineCase> v;
+  auto add = [&v](testing::AttentionCase c, int64_t max_slots, int64_t min_chunks) {
+    v.push_back({std::move(c), max_slots, min_chunks});
+  };
+  add(s.lsh_chunked, 3, 4);
+  add(s.fixed_blocks_chunked, 3, 4);
+  add(s.lsh_noncausal_bf16, 0, 1);
+  add(s.lsh_tail_offsets, 0, 1);
+  add(s.exact_two_key_chunks, 2, 2);
+  add({"exact_noncausal_offsets_f16", 1, 33, 300, 3, 3, 59, DType::kF16, Mode::kExact, false, int64_t{1000}, 900}, 0,
+      1);
+  // One query row (T = 1) against 37 keys.
+  add({"exact_one_query_f32", 1, 1, 37, 2, 1, 40, DType::kF32, Mode::kExact, false}, 0, 1);
+  add(s.window, 0, 1);
+  add({"window_width_bf16_f32_grads",
+       1,
+       130,
+       130,
+       2,
+       2,
+       59,
+       DType::kBF16,
+       Mode::kWindow,
+       false,
+       std::nullopt,
+       0,
+       0,
+       kAuto,
+       {},
+       9,
+       std::nullopt,
+       DType::kF32},
+      0, 1);
+  // Queries past the keys: the nearest-key shift goes through row_lse_for.
+  const std::vector<double> past = {0.5, 1.0 / 64};
+  add({"exact_queries_past_keys_f32", 1, 40, 300, 2, 1, 40, DType::kF32, Mode::kExact, false, int64_t{380}, 0, 0, kAuto,
+       past},
+      0, 1);
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardOnHost, ::testing::ValuesIn(pipeline_backward_cases()),
+                         testing::CaseName());
 
 // What the backward takes and refuses, and that its workspace is planned.
 TEST(CudaBackwardPlan, SupportAndSizing) {

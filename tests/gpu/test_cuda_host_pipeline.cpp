@@ -21,6 +21,7 @@
 #include "cpu/cpu_backend.h"
 #include "cuda/workspace_slots.h"
 #include "log_reference.h"
+#include "pipeline_cases.h"
 #include "plsh/numeric.h"
 #include "plsh/params.h"
 #include "plsh/plan.h"
@@ -196,206 +197,52 @@ TEST_P(CudaPipelineOnHost, MatchesFloat64Reference) {
   EXPECT_LE(cpu_lse_err, f32 ? 2e-5 : 8e-3) << "emulated cuda vs cpu backend";
 }
 
-constexpr int64_t kRoomy = int64_t{1} << 30;
 using testing::kAuto;
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, CudaPipelineOnHost,
-    ::testing::Values(
-        // sigma from 1.1 to 300 and a slope of 0; GQA; chunked over lanes and tiles.
-        PipelineCase{{"lsh_causal_gqa_f32_chunked",
-                      1,
-                      200,
-                      200,
-                      4,
-                      2,
-                      40,
-                      DType::kF32,
-                      Mode::kLsh,
-                      true,
-                      std::nullopt,
-                      0,
-                      16,
-                      kAuto,
-                      {0.9, 0.05, 1.0 / 300, 0.0}},
-                     3 * 150000,
-                     4},
-        // fixed_blocks (SPEC section 4) runs on the same draws path: one pass per head.
-        PipelineCase{{"fixed_blocks_causal_gqa_f32_chunked",
-                      1,
-                      200,
-                      200,
-                      4,
-                      2,
-                      40,
-                      DType::kF32,
-                      Mode::kFixedBlocks,
-                      true,
-                      std::nullopt,
-                      0,
-                      0,
-                      kAuto,
-                      {0.9, 0.05, 1.0 / 300, 0.0}},
-                     3 * 150000,
-                     4},
-        PipelineCase{{"lsh_noncausal_bf16",
-                      2,
-                      97,
-                      97,
-                      2,
-                      1,
-                      64,
-                      DType::kBF16,
-                      Mode::kLsh,
-                      false,
-                      std::nullopt,
-                      0,
-                      8,
-                      kAuto,
-                      {0.7, 0.02}},
-                     kRoomy,
-                     1},
-        // The CUDA backend reads plan.draws only: other samplers' draws need
-        // no change there (stratified pitches, ash's shared pitches with
-        // evenly spaced shifts).
-        PipelineCase{{"lsh_ash_causal_gqa_f32_chunked",
-                      1,
-                      200,
-                      200,
-                      4,
-                      2,
-                      40,
-                      DType::kF32,
-                      Mode::kLsh,
-                      true,
-                      std::nullopt,
-                      0,
-                      64,
-                      kAuto,
-                      {0.9, 0.05, 1.0 / 300, 0.0},
-                      0,
-                      std::nullopt,
-                      std::nullopt,
-                      Sampling::kAsh},
-                     3 * 150000,
-                     4},
-        PipelineCase{{"lsh_stratified_noncausal_bf16",
-                      2,
-                      97,
-                      97,
-                      2,
-                      1,
-                      64,
-                      DType::kBF16,
-                      Mode::kLsh,
-                      false,
-                      std::nullopt,
-                      0,
-                      16,
-                      kAuto,
-                      {0.7, 0.02},
-                      0,
-                      std::nullopt,
-                      std::nullopt,
-                      Sampling::kStratified},
-                     kRoomy,
-                     1},
-        PipelineCase{{"lsh_tail_offsets_f32",
-                      1,
-                      50,
-                      640,
-                      2,
-                      2,
-                      40,
-                      DType::kF32,
-                      Mode::kLsh,
-                      true,
-                      int64_t{7000 + 590},
-                      7000,
-                      5,
-                      kAuto,
-                      {0.5, 1.0 / 200}},
-                     kRoomy,
-                     1},
-        PipelineCase{
-            {"exact_causal_two_key_chunks_f32", 1, 70, 1100, 2, 1, 40, DType::kF32, Mode::kExact, true}, 2 * 150000, 2},
-        PipelineCase{{"exact_noncausal_offsets_bf16", 1, 33, 300, 3, 3, 59, DType::kBF16, Mode::kExact, false,
-                      int64_t{1000}, 900},
-                     kRoomy,
-                     1},
-        PipelineCase{{"window_f32", 1, 150, 150, 3, 1, 40, DType::kF32, Mode::kWindow, true}, kRoomy, 1},
-        // Queries far from every key (shards of a long sequence): a bias of
-        // -slope * 1e6 in float would swamp the scores; the logits must be
-        // taken relative to the nearest key and the offset added to lse.
-        PipelineCase{{"exact_far_queries_noncausal_f32",
-                      1,
-                      40,
-                      300,
-                      2,
-                      1,
-                      40,
-                      DType::kF32,
-                      Mode::kExact,
-                      false,
-                      int64_t{1000000},
-                      0,
-                      0,
-                      kAuto,
-                      {0.5, 1.0 / 64}},
-                     kRoomy,
-                     1},
-        PipelineCase{{"exact_far_queries_causal_f32",
-                      1,
-                      40,
-                      300,
-                      2,
-                      1,
-                      40,
-                      DType::kF32,
-                      Mode::kExact,
-                      true,
-                      int64_t{1000000},
-                      0,
-                      0,
-                      kAuto,
-                      {0.5, 1.0 / 64}},
-                     kRoomy,
-                     1},
-        PipelineCase{{"exact_queries_before_keys_f32",
-                      1,
-                      40,
-                      300,
-                      2,
-                      2,
-                      64,
-                      DType::kF32,
-                      Mode::kExact,
-                      false,
-                      int64_t{-200000},
-                      0,
-                      0,
-                      kAuto,
-                      {0.5, 0.125}},
-                     kRoomy,
-                     1},
-        PipelineCase{{"exact_shard_at_65536_f32",
-                      1,
-                      64,
-                      4096,
-                      2,
-                      1,
-                      64,
-                      DType::kF32,
-                      Mode::kExact,
-                      true,
-                      int64_t{65536},
-                      0,
-                      0,
-                      kAuto,
-                      {0.5, 1.0 / 16}},
-                     kRoomy,
-                     1}),
-    testing::CaseName());
+std::vector<PipelineCase> pipeline_cases() {
+  constexpr int64_t kRoomy = int64_t{1} << 30, kChunked = 3 * 150000;
+  const testing::PipelineShapes s = testing::pipeline_shapes();
+  std::vector<PipelineCase> v;
+  auto add = [&v](testing::AttentionCase c, int64_t budget, int64_t min_chunks) {
+    v.push_back({std::move(c), budget, min_chunks});
+  };
+  add(s.lsh_chunked, kChunked, 4);
+  add(s.fixed_blocks_chunked, kChunked, 4);
+  add(s.lsh_noncausal_bf16, kRoomy, 1);
+  // The CUDA backend reads plan.draws only: other samplers' draws need no
+  // change there (stratified pitches, ash's shared pitches with evenly
+  // spaced shifts).
+  testing::AttentionCase ash = s.lsh_chunked, stratified = s.lsh_noncausal_bf16;
+  ash.name = "lsh_ash_causal_gqa_f32_chunked", ash.samples = 64, ash.sampling = Sampling::kAsh;
+  stratified.name = "lsh_stratified_noncausal_bf16", stratified.samples = 16,
+  stratified.sampling = Sampling::kStratified;
+  add(ash, kChunked, 4);
+  add(stratified, kRoomy, 1);
+  add(s.lsh_tail_offsets, kRoomy, 1);
+  add(s.exact_two_key_chunks, 2 * 150000, 2);
+  add({"exact_noncausal_offsets_bf16", 1, 33, 300, 3, 3, 59, DType::kBF16, Mode::kExact, false, int64_t{1000}, 900},
+      kRoomy, 1);
+  add(s.window, kRoomy, 1);
+  // Queries far from every key (shards of a long sequence): a bias of
+  // -slope * 1e6 in float would swamp the scores; the logits must be taken
+  // relative to the nearest key and the offset added to lse.
+  const std::vector<double> far = {0.5, 1.0 / 64}, before = {0.5, 0.125}, shard = {0.5, 1.0 / 16};
+  const DType f32 = DType::kF32;
+  add({"exact_far_queries_noncausal_f32", 1, 40, 300, 2, 1, 40, f32, Mode::kExact, false, int64_t{1000000}, 0, 0, kAuto,
+       far},
+      kRoomy, 1);
+  add({"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, f32, Mode::kExact, true, int64_t{1000000}, 0, 0, kAuto,
+       far},
+      kRoomy, 1);
+  add({"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, f32, Mode::kExact, false, int64_t{-200000}, 0, 0, kAuto,
+       before},
+      kRoomy, 1);
+  add({"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, f32, Mode::kExact, true, int64_t{65536}, 0, 0, kAuto, shard},
+      kRoomy, 1);
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaPipelineOnHost, ::testing::ValuesIn(pipeline_cases()), testing::CaseName());
 
 }  // namespace
 }  // namespace plsh::cuda

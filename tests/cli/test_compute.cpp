@@ -23,10 +23,12 @@
 #include "plsh/numeric.h"
 #include "problem.h"
 #include "reference.h"
+#include "shaped.h"
 
 namespace plsh::cli {
 namespace {
 
+using plsh::testing::shaped;
 using testing::RunResult;
 using testing::ScratchDir;
 
@@ -44,98 +46,49 @@ std::vector<Case> cases() {
   auto add = [&c](const char* name, const AttentionOptions& options, bool batched, std::vector<std::string> flags) {
     c.push_back({name, options, batched, std::move(flags)});
   };
-  add("exact_gqa_causal",
-      {.batch = 2,
-       .q_len = 33,
-       .kv_len = 40,
-       .heads = 4,
-       .kv_heads = 2,
-       .head_dim = 16,
-       .causal = true,
-       .mode = Mode::kExact},
-      true, {"--mode", "exact", "--causal"});
+  add("exact_gqa_causal", shaped({2, 33, 40, 4, 2, 16}, {.causal = true, .mode = Mode::kExact}), true,
+      {"--mode", "exact", "--causal"});
   // A seed above 2^63 checks that uint64 seeds survive the flag and the JSON.
   add("lsh_gqa_causal_hashes",
-      {.batch = 2,
-       .q_len = 48,
-       .kv_len = 48,
-       .heads = 4,
-       .kv_heads = 1,
-       .head_dim = 8,
-       .causal = true,
-       .mode = Mode::kLsh,
-       .samples = 8,
-       .seed = 12345678901234567890ULL,
-       .return_draws = true},
+      shaped({2, 48, 48, 4, 1, 8},
+             {.causal = true, .mode = Mode::kLsh, .samples = 8, .seed = 12345678901234567890ULL, .return_draws = true}),
       true, {"--mode", "lsh", "--samples", "8", "--seed", "12345678901234567890", "--causal", "--return-draws"});
   // Rank 3, float16, a zero slope (sigma = inf), offsets, a window.
   add("window_rank3_f16_offsets",
-      {.q_len = 20,
-       .kv_len = 37,
-       .heads = 4,
-       .head_dim = 8,
-       .dtype = DType::kF16,
-       .slopes = {0.5, 0.25, 0, 0.125},
-       .q_pos0 = 100,
-       .k_pos0 = 90,
-       .mode = Mode::kWindow,
-       .window_eps = 1e-3,
-       .probe_rows = 5},
+      shaped({1, 20, 37, 4, 0, 8}, {.dtype = DType::kF16,
+                                    .slopes = {0.5, 0.25, 0, 0.125},
+                                    .q_pos0 = 100,
+                                    .k_pos0 = 90,
+                                    .mode = Mode::kWindow,
+                                    .window_eps = 1e-3,
+                                    .probe_rows = 5}),
       false,
       {"--mode", "window", "--window-eps", "1e-3", "--slopes", "0.5,0.25,0,0.125", "--q-pos0", "100", "--k-pos0", "90",
        "--probe-rows", "5"});
   add("lsh_per_sample_f16_to_f32",
-      {.batch = 1,
-       .q_len = 17,
-       .kv_len = 29,
-       .heads = 2,
-       .head_dim = 12,
-       .dtype = DType::kF16,
-       .out_dtype = DType::kF32,
-       .scale = 0.3,
-       .mode = Mode::kLsh,
-       .samples = 3,
-       .seed = 7,
-       .lsh_algorithm = LshAlgorithm::kPerSample,
-       .return_draws = true},
+      shaped({1, 17, 29, 2, 0, 12}, {.dtype = DType::kF16,
+                                     .out_dtype = DType::kF32,
+                                     .scale = 0.3,
+                                     .mode = Mode::kLsh,
+                                     .samples = 3,
+                                     .seed = 7,
+                                     .lsh_algorithm = LshAlgorithm::kPerSample,
+                                     .return_draws = true}),
       true,
       {"--mode", "lsh", "--samples", "3", "--seed", "7", "--lsh-algorithm", "per_sample", "--scale", "0.3",
        "--out-dtype", "f32", "--return-draws"});
   // The ash sampler's draws come back in the metadata, recomputable.
   add("lsh_ash_draws",
-      {.batch = 1,
-       .q_len = 64,
-       .kv_len = 64,
-       .heads = 2,
-       .head_dim = 8,
-       .mode = Mode::kLsh,
-       .samples = 16,
-       .seed = 5,
-       .sampling = Sampling::kAsh,
-       .return_draws = true},
+      shaped({1, 64, 64, 2, 0, 8},
+             {.mode = Mode::kLsh, .samples = 16, .seed = 5, .sampling = Sampling::kAsh, .return_draws = true}),
       true, {"--mode", "lsh", "--samples", "16", "--sampling", "ash", "--seed", "5", "--return-draws"});
   // The biased fixed-blocks baseline (SPEC section 4), labelled as itself.
-  add("fixed_blocks_gqa_causal",
-      {.batch = 2,
-       .q_len = 48,
-       .kv_len = 48,
-       .heads = 4,
-       .kv_heads = 2,
-       .head_dim = 8,
-       .causal = true,
-       .mode = Mode::kFixedBlocks},
-      true, {"--mode", "fixed_blocks", "--causal"});
+  add("fixed_blocks_gqa_causal", shaped({2, 48, 48, 4, 2, 8}, {.causal = true, .mode = Mode::kFixedBlocks}), true,
+      {"--mode", "fixed_blocks", "--causal"});
   // An error-targeted request without --mode searches windows.
   add("targeted_window",
-      {.batch = 1,
-       .q_len = 200,
-       .kv_len = 200,
-       .heads = 2,
-       .head_dim = 16,
-       .causal = true,
-       .slopes = {0.5, 0.25},
-       .mode = kDefaultTargetMode,
-       .target_rel_err = 0.05},
+      shaped({1, 200, 200, 2, 0, 16},
+             {.causal = true, .slopes = {0.5, 0.25}, .mode = kDefaultTargetMode, .target_rel_err = 0.05}),
       true, {"--target-error", "0.05", "--causal", "--slopes", "0.5,0.25"});
   // bfloat16 travels as '<u2' bit patterns, in and out, with --bf16-bits.
   add("exact_bf16_bits",

@@ -19,10 +19,12 @@
 #include "plsh/numeric.h"
 #include "problem.h"
 #include "reference.h"
+#include "shaped.h"
 
 namespace plsh::cli {
 namespace {
 
+using plsh::testing::shaped;
 using testing::RunResult;
 using testing::ScratchDir;
 
@@ -37,51 +39,27 @@ struct BackwardCliCase {
 std::vector<BackwardCliCase> backward_cases() {
   return {
       {"exact_gqa_causal_f32",
-       {.batch = 2,
-        .q_len = 33,
-        .kv_len = 40,
-        .heads = 4,
-        .kv_heads = 2,
-        .head_dim = 16,
-        .causal = true,
-        .mode = Mode::kExact},
+       shaped({2, 33, 40, 4, 2, 16}, {.causal = true, .mode = Mode::kExact}),
        true,
        {"--mode", "exact", "--causal"},
        std::nullopt},
       {"lsh_rank3_f16_f32_grads",
-       {.q_len = 48,
-        .kv_len = 48,
-        .heads = 2,
-        .head_dim = 8,
-        .dtype = DType::kF16,
-        .causal = true,
-        .mode = Mode::kLsh,
-        .samples = 6,
-        .seed = 9,
-        .lsh_algorithm = LshAlgorithm::kPerSample},
+       shaped({1, 48, 48, 2, 0, 8}, {.dtype = DType::kF16,
+                                     .causal = true,
+                                     .mode = Mode::kLsh,
+                                     .samples = 6,
+                                     .seed = 9,
+                                     .lsh_algorithm = LshAlgorithm::kPerSample}),
        false,
        {"--mode", "lsh", "--samples", "6", "--seed", "9", "--lsh-algorithm", "per_sample", "--causal"},
        DType::kF32},
       {"fixed_blocks_causal_f32",
-       {.batch = 2,
-        .q_len = 40,
-        .kv_len = 40,
-        .heads = 4,
-        .kv_heads = 2,
-        .head_dim = 16,
-        .causal = true,
-        .mode = Mode::kFixedBlocks},
+       shaped({2, 40, 40, 4, 2, 16}, {.causal = true, .mode = Mode::kFixedBlocks}),
        true,
        {"--mode", "fixed_blocks", "--causal"},
        std::nullopt},
       {"window_bf16_bits",
-       {.q_len = 24,
-        .kv_len = 24,
-        .heads = 2,
-        .head_dim = 16,
-        .dtype = DType::kBF16,
-        .mode = Mode::kWindow,
-        .window_width = 5},
+       shaped({1, 24, 24, 2, 0, 16}, {.dtype = DType::kBF16, .mode = Mode::kWindow, .window_width = 5}),
        true,
        {"--mode", "window", "--window-width", "5", "--bf16-bits"},
        std::nullopt},

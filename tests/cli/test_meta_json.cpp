@@ -8,9 +8,12 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/meta_json.h"
+#include "shaped.h"
 
 namespace plsh::cli {
 namespace {
+
+using plsh::testing::shaped;
 
 TEST(MetaJson, NonFiniteValuesAreNullAndEverythingRoundTrips) {
   AttentionResult r;
@@ -76,14 +79,7 @@ TEST(MetaJson, DrawsOnlyWhenPresent) {
 // and an unset out_dtype resolved by the library's rules), the resolved
 // defaults from the result, never re-derived here.
 TEST(MetaJson, ParamsTakeResolvedDefaultsFromTheResult) {
-  const AttentionOptions o{.batch = 2,
-                           .q_len = 5,
-                           .kv_len = 9,
-                           .heads = 4,
-                           .kv_heads = 0,
-                           .head_dim = 16,
-                           .dtype = DType::kF16,
-                           .causal = true};
+  const AttentionOptions o = shaped({2, 5, 9, 4, 0, 16}, {.dtype = DType::kF16, .causal = true});
   AttentionResult r;
   r.scale = 0.375;  // not 1/sqrt(16): the result's word is taken as is
   r.q_pos0 = 104;

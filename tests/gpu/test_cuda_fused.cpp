@@ -26,10 +26,12 @@
 #include "plsh/numeric.h"
 #include "problem.h"
 #include "reference.h"
+#include "shaped.h"
 
 namespace plsh {
 namespace {
 
+using plsh::testing::shaped;
 using testing::AttentionCase;
 
 bool plan_is_fused(const Plan& plan) {
@@ -125,16 +127,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, FusedBackwardOnDevice, ::testing::ValuesIn(testi
 // Device tensors in and out, forward and backward: the host tensors' results.
 TEST(FusedMemory, DeviceTensorsGiveTheHostResults) {
   REQUIRE_CUDA(cuda);
-  const AttentionOptions o{.q_len = 200,
-                           .kv_len = 200,
-                           .heads = 4,
-                           .kv_heads = 2,
-                           .head_dim = 128,
-                           .dtype = DType::kBF16,
-                           .causal = true,
-                           .mode = Mode::kLsh,
-                           .samples = 16,
-                           .estimates = false};
+  const AttentionOptions o =
+      shaped({1, 200, 200, 4, 2, 128},
+             {.dtype = DType::kBF16, .causal = true, .mode = Mode::kLsh, .samples = 16, .estimates = false});
   testing::Problem host = testing::make_problem(o, 3);
   ASSERT_TRUE(host.status.ok());
   testing::GradTensors hg = testing::grad_tensors(o, DType::kBF16, 4);
@@ -185,15 +180,9 @@ TEST(FusedMemory, DeviceTensorsGiveTheHostResults) {
 // take the fused kernel; both compute the same function.
 TEST(FusedPlan, PerSampleAndBandedAgree) {
   REQUIRE_CUDA(cuda);
-  AttentionOptions o{.q_len = 300,
-                     .kv_len = 300,
-                     .heads = 4,
-                     .head_dim = 64,
-                     .dtype = DType::kF32,
-                     .causal = true,
-                     .mode = Mode::kLsh,
-                     .samples = 16,
-                     .estimates = false};
+  AttentionOptions o =
+      shaped({1, 300, 300, 4, 0, 64},
+             {.dtype = DType::kF32, .causal = true, .mode = Mode::kLsh, .samples = 16, .estimates = false});
   testing::Problem banded = testing::make_problem(o, 9, false);
   o.lsh_algorithm = LshAlgorithm::kPerSample;
   testing::Problem per_sample = testing::make_problem(o, 9, false);

@@ -37,6 +37,8 @@
 namespace plsh::cuda {
 namespace {
 
+using plsh::testing::head_slopes;
+
 // cublasGemmBatchedEx for one matrix, column-major: C = alpha op(A) op(B),
 // A and B of dtype t (byte pointers), C float32, float32 accumulation.
 void host_gemm(const GemmArgs& g, float alpha, const char* A, const char* B, DType t, float* C) {
@@ -307,24 +309,8 @@ std::vector<BackwardPipelineCase> pipeline_backward_cases() {
   // One query row (T = 1) against 37 keys.
   add({"exact_one_query_f32", 1, 1, 37, 2, 1, 40, DType::kF32, Mode::kExact, false}, 0, 1);
   add(s.window, 0, 1);
-  add({"window_width_bf16_f32_grads",
-       1,
-       130,
-       130,
-       2,
-       2,
-       59,
-       DType::kBF16,
-       Mode::kWindow,
-       false,
-       std::nullopt,
-       0,
-       0,
-       kAuto,
-       {},
-       9,
-       std::nullopt,
-       DType::kF32},
+  add({"window_width_bf16_f32_grads", 1, 130, 130, 2, 2, 59, DType::kBF16, Mode::kWindow, false, std::nullopt, 0, 0,
+       kAuto, head_slopes(), 9, std::nullopt, DType::kF32},
       0, 1);
   // Queries past the keys: the nearest-key shift goes through row_lse_for.
   const std::vector<double> past = {0.5, 1.0 / 64};

@@ -20,9 +20,12 @@
 #include "plsh/attention.h"
 #include "plsh/device_estimates.h"
 #include "problem.h"
+#include "shaped.h"
 
 namespace plsh {
 namespace {
+
+using plsh::testing::shaped;
 
 // The CPU backend, plus probe rows from the emulated fused probe kernel.
 class EmulatedDeviceProbe final : public Backend {
@@ -127,43 +130,29 @@ TEST_P(DeviceEstimatesOnHost, AreTheCpuBackendsEstimates) {
 std::vector<EstimatesCase> estimates_cases() {
   return {
       {"lsh_causal_gqa_bf16",
-       {.q_len = 300,
-        .kv_len = 300,
-        .heads = 4,
-        .kv_heads = 2,
-        .head_dim = 64,
-        .dtype = DType::kBF16,
-        .causal = true,
-        .slopes = {0.9, 0.31, 0.05, 0.0},
-        .mode = Mode::kLsh,
-        .samples = 16,
-        .probe_rows = 40},
+       shaped({1, 300, 300, 4, 2, 64}, {.dtype = DType::kBF16,
+                                        .causal = true,
+                                        .slopes = {0.9, 0.31, 0.05, 0.0},
+                                        .mode = Mode::kLsh,
+                                        .samples = 16,
+                                        .probe_rows = 40}),
        false},
       {"lsh_batch2_f32",
-       {.batch = 2,
-        .q_len = 150,
-        .kv_len = 150,
-        .heads = 2,
-        .head_dim = 128,
-        .dtype = DType::kF32,
-        .causal = false,
-        .slopes = {0.5, 0.02},
-        .mode = Mode::kLsh,
-        .samples = 8,
-        .probe_rows = 70},
+       shaped({2, 150, 150, 2, 0, 128}, {.dtype = DType::kF32,
+                                         .causal = false,
+                                         .slopes = {0.5, 0.02},
+                                         .mode = Mode::kLsh,
+                                         .samples = 8,
+                                         .probe_rows = 70}),
        false},
       // A window so wide its error is below float32's reach: the float64 probe.
       {"window_tiny_error_f32",
-       {.q_len = 200,
-        .kv_len = 200,
-        .heads = 2,
-        .head_dim = 64,
-        .dtype = DType::kF32,
-        .causal = true,
-        .slopes = {0.5, 0.25},
-        .mode = Mode::kWindow,
-        .window_eps = 1e-9,
-        .probe_rows = 64},
+       shaped({1, 200, 200, 2, 0, 64}, {.dtype = DType::kF32,
+                                        .causal = true,
+                                        .slopes = {0.5, 0.25},
+                                        .mode = Mode::kWindow,
+                                        .window_eps = 1e-9,
+                                        .probe_rows = 64}),
        true},
   };
 }

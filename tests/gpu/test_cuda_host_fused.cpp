@@ -23,9 +23,12 @@
 #include "plsh/plan.h"
 #include "problem.h"
 #include "reference.h"
+#include "shaped.h"
 
 namespace plsh::cuda {
 namespace {
+
+using plsh::testing::shaped;
 
 // The emulated forward's out (as float64) and lse, and the (warp, key tile)
 // products it ran.
@@ -132,14 +135,8 @@ TEST(FusedPlan, StepsAndSpansCoverWhatTheKernelsRead) {
 // 64 hashes or for head dims without a fused kernel.
 TEST(FusedPlan, AutoPicksBandedWhereTheFusedKernelRuns) {
   auto params = [](int64_t n, int64_t d, int64_t s) {
-    AttentionOptions o{.q_len = n,
-                       .kv_len = n,
-                       .heads = 32,
-                       .head_dim = d,
-                       .dtype = DType::kBF16,
-                       .causal = true,
-                       .mode = Mode::kLsh,
-                       .samples = s};
+    AttentionOptions o =
+        shaped({1, n, n, 32, 0, d}, {.dtype = DType::kBF16, .causal = true, .mode = Mode::kLsh, .samples = s});
     StatusOr<AttentionParams> p = resolve_params(o);
     EXPECT_TRUE(p.ok());
     return *p;

@@ -15,9 +15,12 @@
 #include "plsh/draws.h"
 #include "plsh/params.h"
 #include "plsh/plan.h"
+#include "shaped.h"
 
 namespace plsh::cuda {
 namespace {
+
+using plsh::testing::shaped;
 
 struct PlanCase {
   std::string name;
@@ -382,14 +385,8 @@ TEST(Layout, WorkSlicesAreAlignedDisjointAndInside) {
 }
 
 AttentionParams layout_params(Mode mode, int64_t n, int64_t heads, int64_t samples) {
-  StatusOr<AttentionParams> p = resolve_params({.q_len = n,
-                                                .kv_len = n,
-                                                .heads = heads,
-                                                .head_dim = 64,
-                                                .dtype = DType::kBF16,
-                                                .causal = true,
-                                                .mode = mode,
-                                                .samples = samples});
+  StatusOr<AttentionParams> p = resolve_params(
+      shaped({1, n, n, heads, 0, 64}, {.dtype = DType::kBF16, .causal = true, .mode = mode, .samples = samples}));
   EXPECT_TRUE(p.ok()) << p.status().to_string();
   return *p;
 }
@@ -495,15 +492,8 @@ TEST(Layout, ForwardRefusesParamsThePlanDidNotSize) {
 
 AttentionParams operand_params(DType dtype, int64_t n, int64_t kv, int64_t heads, int64_t kv_heads, int64_t dim,
                                MemorySpace memory) {
-  StatusOr<AttentionParams> p = resolve_params({.batch = 2,
-                                                .q_len = n,
-                                                .kv_len = kv,
-                                                .heads = heads,
-                                                .kv_heads = kv_heads,
-                                                .head_dim = dim,
-                                                .dtype = dtype,
-                                                .causal = false,
-                                                .mode = Mode::kExact});
+  StatusOr<AttentionParams> p =
+      resolve_params(shaped({2, n, kv, heads, kv_heads, dim}, {.dtype = dtype, .causal = false, .mode = Mode::kExact}));
   EXPECT_TRUE(p.ok()) << p.status().to_string();
   p->memory = memory;
   return *p;

@@ -17,6 +17,7 @@
 #include "plsh/client.h"
 #include "plsh/numeric.h"
 #include "server_process.h"
+#include "shaped.h"
 
 namespace plsh {
 
@@ -80,16 +81,7 @@ AttendCall attend_call(const AttentionOptions& o, const std::vector<T>& q, const
 // B = 2, 97 queries over 130 keys, 4 heads on 2 kv heads, D = 40, 16
 // samples: odd sizes and GQA in a request that takes milliseconds.
 inline AttentionOptions odd_gqa_options(Mode mode, bool causal) {
-  return {.batch = 2,
-          .q_len = 97,
-          .kv_len = 130,
-          .heads = 4,
-          .kv_heads = 2,
-          .head_dim = 40,
-          .causal = causal,
-          .mode = mode,
-          .samples = 16,
-          .seed = 7};
+  return shaped({2, 97, 130, 4, 2, 40}, {.causal = causal, .mode = mode, .samples = 16, .seed = 7});
 }
 
 // Values ~ N(0, 1) from a fixed seed, one tensor after another, stored in

@@ -27,6 +27,7 @@
 
 #include "integration_util.h"
 #include "plsh/shared_memory.h"
+#include "shaped.h"
 #include "temp_dir.h"
 
 namespace plsh {
@@ -44,6 +45,7 @@ constexpr bool kAddressSanitizer = false;
 
 namespace {
 
+using plsh::testing::shaped;
 using testing::scrape;
 using testing::seconds_since;
 using testing::TempDir;
@@ -272,8 +274,7 @@ TEST(Hostile, ADeadlineDuringComputeEndsIt) {
   Client c(server.grpc_address());
   // Exact at n = 65536, one head of 16 dims, causal: seconds of compute on
   // 2 cores for 12 MiB of input (sent in a fraction of the deadline).
-  const AttentionOptions o = {
-      .q_len = 65536, .kv_len = 65536, .heads = 1, .head_dim = 16, .causal = true, .mode = Mode::kExact};
+  const AttentionOptions o = shaped({1, 65536, 65536, 1, 0, 16}, {.causal = true, .mode = Mode::kExact});
   const std::vector<float> x = ramp(o.q_len * o.heads * o.head_dim);
   AttendCall call = testing::attend_call(o, x, x, x, 1.0);
   call.request_id = "slow";

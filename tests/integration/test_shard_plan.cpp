@@ -10,24 +10,21 @@
 
 #include "plsh/draws.h"
 #include "plsh/sharding.h"
+#include "shaped.h"
 
 namespace plsh::client {
 namespace {
 
+using plsh::testing::shaped;
+
 AttentionOptions base_options(Mode mode, bool causal) {
-  return {.batch = 2,
-          .q_len = 1000,
-          .kv_len = 2600,
-          .heads = 6,
-          .kv_heads = 3,
-          .head_dim = 40,
-          .causal = causal,
-          .slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125},
-          .q_pos0 = 5000 + 1200,
-          .k_pos0 = 5000,
-          .mode = mode,
-          .samples = 8,
-          .seed = 11};
+  return shaped({2, 1000, 2600, 6, 3, 40}, {.causal = causal,
+                                            .slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125},
+                                            .q_pos0 = 5000 + 1200,
+                                            .k_pos0 = 5000,
+                                            .mode = mode,
+                                            .samples = 8,
+                                            .seed = 11});
 }
 
 bool same_draw(const Draw& a, const Draw& b) {

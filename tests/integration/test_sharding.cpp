@@ -26,11 +26,13 @@
 #include "plsh/numeric.h"
 #include "plsh/sharding.h"
 #include "server_process.h"
+#include "shaped.h"
 
 namespace plsh::client {
 namespace {
 
 using plsh::testing::ServerProcess;
+using plsh::testing::shaped;
 
 struct Inputs {
   std::vector<uint8_t> q, k, v;
@@ -167,20 +169,14 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 // standard slopes of H = 6 (which a 2-head shard must be sent explicitly);
 // sequence shards steep slopes, so that windows and blocks cut the keys.
 AttentionOptions case_options(const Case& c) {
-  AttentionOptions o{.batch = 2,
-                     .q_len = 768,
-                     .kv_len = 2048,
-                     .heads = 6,
-                     .kv_heads = 3,
-                     .head_dim = 40,
-                     .causal = c.causal,
-                     .q_pos0 = 6000,
-                     .k_pos0 = 5000,
-                     .mode = c.mode,
-                     .samples = 8,
-                     .seed = 3,
-                     .lsh_algorithm = c.algorithm,
-                     .sampling = c.sampling};
+  AttentionOptions o = shaped({2, 768, 2048, 6, 3, 40}, {.causal = c.causal,
+                                                         .q_pos0 = 6000,
+                                                         .k_pos0 = 5000,
+                                                         .mode = c.mode,
+                                                         .samples = 8,
+                                                         .seed = 3,
+                                                         .lsh_algorithm = c.algorithm,
+                                                         .sampling = c.sampling});
   if (c.by == ShardBy::kSequence) o.slopes = {1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125};
   return o;
 }
@@ -270,15 +266,8 @@ INSTANTIATE_TEST_SUITE_P(
 // One batch item, float16, default positions, the standard slopes: sequence
 // shards are sent straight from the caller's tensors (no copies).
 TEST_F(Sharding, HalfPrecisionSequenceShardsOfOneItem) {
-  const AttentionOptions o{.q_len = 1000,
-                           .kv_len = 1000,
-                           .heads = 4,
-                           .kv_heads = 1,
-                           .head_dim = 64,
-                           .dtype = DType::kF16,
-                           .causal = true,
-                           .mode = Mode::kWindow,
-                           .window_width = 100};
+  const AttentionOptions o = shaped({1, 1000, 1000, 4, 1, 64},
+                                    {.dtype = DType::kF16, .causal = true, .mode = Mode::kWindow, .window_width = 100});
   const Inputs in = random_inputs(o, 5);
   const AttendCall call = call_of(o, in);
   const AttendReply reference = whole(call);

@@ -17,25 +17,18 @@
 #include <vector>
 
 #include "plsh/shared_memory.h"
+#include "shaped.h"
 #include "trust_test_util.h"
 
 namespace plsh {
 namespace {
 
 using client::SharedMemoryFile;
+using plsh::testing::shaped;
 using testing::TempDir;
 
 AttentionOptions options() {
-  return {.batch = 2,
-          .q_len = 33,
-          .kv_len = 40,
-          .heads = 4,
-          .kv_heads = 2,
-          .head_dim = 16,
-          .causal = true,
-          .mode = Mode::kLsh,
-          .samples = 8,
-          .seed = 3};
+  return shaped({2, 33, 40, 4, 2, 16}, {.causal = true, .mode = Mode::kLsh, .samples = 8, .seed = 3});
 }
 
 struct Sizes {

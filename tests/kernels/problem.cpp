@@ -1,30 +1,26 @@
 #include "problem.h"
+#include "shaped.h"
 
 #include <cmath>
 
 namespace plsh::testing {
 
 AttentionOptions options_of(const AttentionCase& c, uint64_t seed) {
-  return {.batch = c.batch,
-          .q_len = c.q_len,
-          .kv_len = c.kv_len,
-          .heads = c.heads,
-          .kv_heads = c.kv_heads,
-          .head_dim = c.head_dim,
-          .dtype = c.dtype,
-          .out_dtype = c.out_dtype,
-          .scale = std::nullopt,
-          .causal = c.causal,
-          .slopes = c.slopes,
-          .q_pos0 = c.q_pos0,
-          .k_pos0 = c.k_pos0,
-          .mode = c.mode,
-          .samples = c.samples > 0 ? c.samples : kDefaultSamples,
-          .seed = seed,
-          .lsh_algorithm = c.algorithm,
-          .sampling = c.sampling,
-          .window_width = c.window_width,
-          .estimates = false};
+  return shaped({c.batch, c.q_len, c.kv_len, c.heads, c.kv_heads, c.head_dim},
+                {.dtype = c.dtype,
+                 .out_dtype = c.out_dtype,
+                 .scale = std::nullopt,
+                 .causal = c.causal,
+                 .slopes = c.slopes,
+                 .q_pos0 = c.q_pos0,
+                 .k_pos0 = c.k_pos0,
+                 .mode = c.mode,
+                 .samples = c.samples > 0 ? c.samples : kDefaultSamples,
+                 .seed = seed,
+                 .lsh_algorithm = c.algorithm,
+                 .sampling = c.sampling,
+                 .window_width = c.window_width,
+                 .estimates = false});
 }
 
 Problem make_problem(const AttentionOptions& o, uint64_t seed, bool with_lse) {

@@ -43,6 +43,14 @@ struct AttentionCase {
   Sampling sampling = kDefaultSampling;            // lsh: how a head's hashes depend on each other
 };
 
+// A case's per-head slopes written as a call, head_slopes(0.5, 1.0 / 64),
+// not as a nested braced list: clang-format lays out a table entry that
+// holds a nested list with one element a line.
+template <typename... Slope>
+std::vector<double> head_slopes(Slope... s) {
+  return {static_cast<double>(s)...};
+}
+
 // ctest lists a case by its name, not by a byte dump of the struct (a case
 // type derived from this one needs a PrintTo of its own that calls this).
 inline void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }

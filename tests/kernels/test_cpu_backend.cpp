@@ -17,10 +17,12 @@
 #include "plsh/numeric.h"
 #include "problem.h"
 #include "reference.h"
+#include "shaped.h"
 
 namespace plsh {
 namespace {
 
+using plsh::testing::shaped;
 using testing::make_problem;
 using testing::Problem;
 using testing::ReferenceOutput;
@@ -485,17 +487,12 @@ namespace {
 TEST(CpuBackend, SteepSlopeFarFromZeroFinishesAndMatches) {
   for (LshAlgorithm a : {LshAlgorithm::kPerSample, LshAlgorithm::kBanded}) {
     const int64_t near_2_52 = (int64_t{1} << 52) - 40;
-    const AttentionOptions o{.q_len = 40,
-                             .kv_len = 40,
-                             .heads = 2,
-                             .kv_heads = 2,
-                             .head_dim = 16,
-                             .slopes = {1024.0, 0.5},
-                             .q_pos0 = near_2_52,
-                             .k_pos0 = near_2_52,
-                             .mode = Mode::kLsh,
-                             .samples = 16,
-                             .lsh_algorithm = a};
+    const AttentionOptions o = shaped({1, 40, 40, 2, 2, 16}, {.slopes = {1024.0, 0.5},
+                                                              .q_pos0 = near_2_52,
+                                                              .k_pos0 = near_2_52,
+                                                              .mode = Mode::kLsh,
+                                                              .samples = 16,
+                                                              .lsh_algorithm = a});
     Problem pr = make_problem(o, 21, false);
     ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
     ASSERT_TRUE(testing::plan_and_forward(*make_cpu_backend(), pr.params, ExecContext{}, nullptr).ok());

@@ -19,11 +19,13 @@
 #include "plsh/estimates.h"
 #include "plsh/numeric.h"
 #include "reference.h"
+#include "shaped.h"
 #include "src/estimates_internal.h"
 
 namespace plsh {
 namespace {
 
+using plsh::testing::shaped;
 using testing::reference_attention;
 using testing::reference_weight;
 
@@ -479,20 +481,14 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
   };
   for (const Types types : {Types{DType::kF32, DType::kF32}, Types{DType::kF16, DType::kBF16}}) {
     for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
-      const AttentionOptions o{.batch = 2,
-                               .q_len = 40,
-                               .kv_len = 70,
-                               .heads = 4,
-                               .kv_heads = 2,
-                               .head_dim = 24,
-                               .dtype = types.in,
-                               .out_dtype = types.out,
-                               .causal = true,
-                               .slopes = {0.5, 0.1, 0.02, 0.0},
-                               .mode = mode,
-                               .samples = 8,
-                               .window_eps = 0.02,
-                               .probe_rows = 80};  // = batch * q_len
+      const AttentionOptions o = shaped({2, 40, 70, 4, 2, 24}, {.dtype = types.in,
+                                                                .out_dtype = types.out,
+                                                                .causal = true,
+                                                                .slopes = {0.5, 0.1, 0.02, 0.0},
+                                                                .mode = mode,
+                                                                .samples = 8,
+                                                                .window_eps = 0.02,
+                                                                .probe_rows = 80});  // = batch * q_len
       const auto pr = make_estimates_problem(o, 5);
       fill_output_with_reference(pr.get());
       const testing::ReferenceOutput exact = reference_attention(as_exact(pr->params));
@@ -518,16 +514,9 @@ TEST(Estimates, ProbeOfEveryRowIsTheFullErrorPooledOverHeads) {
 TEST(Estimates, BoundHoldsForEveryRow) {
   for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
     for (const bool causal : {false, true}) {
-      const AttentionOptions o{.batch = 2,
-                               .q_len = 60,
-                               .kv_len = 90,
-                               .heads = 3,
-                               .head_dim = 16,
-                               .causal = causal,
-                               .slopes = {1.0, 0.1, 0.01},
-                               .mode = mode,
-                               .samples = 4,
-                               .window_eps = 0.1};
+      const AttentionOptions o =
+          shaped({2, 60, 90, 3, 0, 16},
+                 {.causal = causal, .slopes = {1.0, 0.1, 0.01}, .mode = mode, .samples = 4, .window_eps = 0.1});
       const auto pr = make_estimates_problem(o, 11);
       fill_output_with_reference(pr.get());
       const AttentionParams& p = pr->params;
@@ -563,16 +552,8 @@ TEST(Estimates, BoundHoldsForEveryRow) {
 // row at a time.
 TEST(Estimates, ProbeRowsInOnePassMatchOneRowAtATime) {
   for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
-    const AttentionOptions o{.batch = 2,
-                             .q_len = 300,
-                             .kv_len = 300,
-                             .heads = 2,
-                             .kv_heads = 1,
-                             .head_dim = 40,
-                             .causal = true,
-                             .slopes = {0.3, 0.01},
-                             .mode = mode,
-                             .samples = 5};
+    const AttentionOptions o =
+        shaped({2, 300, 300, 2, 1, 40}, {.causal = true, .slopes = {0.3, 0.01}, .mode = mode, .samples = 5});
     const auto pr = make_estimates_problem(o, 21);
     fill_output_with_reference(pr.get());
     const AttentionParams& p = pr->params;

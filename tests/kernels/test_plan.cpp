@@ -11,23 +11,16 @@
 #include "plsh/estimates.h"
 #include "plsh/plan.h"
 #include "reference.h"
+#include "shaped.h"
 
 namespace plsh {
 namespace {
 
+using plsh::testing::shaped;
+
 AttentionOptions lsh_options() {
-  return {.batch = 2,
-          .q_len = 97,
-          .kv_len = 131,
-          .heads = 4,
-          .kv_heads = 2,
-          .head_dim = 24,
-          .causal = true,
-          .mode = Mode::kLsh,
-          .samples = 6,
-          .seed = 5,
-          .probe_rows = 16,
-          .return_draws = true};
+  return shaped({2, 97, 131, 4, 2, 24},
+                {.causal = true, .mode = Mode::kLsh, .samples = 6, .seed = 5, .probe_rows = 16, .return_draws = true});
 }
 
 struct Tensors {

@@ -21,8 +21,11 @@
 #include "plsh/workspace.h"
 #include "problem.h"
 #include "reference.h"
+#include "shaped.h"
 
 namespace {
+using plsh::testing::shaped;
+
 std::atomic<bool> g_counting{false};
 std::atomic<int64_t> g_allocations{0};
 std::atomic<int64_t> g_allocated_bytes{0};
@@ -112,19 +115,13 @@ const WorkspaceCase kCases[] = {
 };
 
 AttentionOptions options_of(const WorkspaceCase& c) {
-  return {.batch = 2,
-          .q_len = 197,
-          .kv_len = 261,
-          .heads = 4,
-          .kv_heads = 2,
-          .head_dim = 24,
-          .dtype = c.dtype,
-          .causal = true,
-          .mode = c.mode,
-          .samples = 8,
-          .seed = 3,
-          .lsh_algorithm = c.algorithm,
-          .probe_rows = 24};
+  return shaped({2, 197, 261, 4, 2, 24}, {.dtype = c.dtype,
+                                          .causal = true,
+                                          .mode = c.mode,
+                                          .samples = 8,
+                                          .seed = 3,
+                                          .lsh_algorithm = c.algorithm,
+                                          .probe_rows = 24});
 }
 
 TEST(Workspace, ForwardRunsInExactlyThePlannedBytesAndRefusesFewer) {

@@ -285,7 +285,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
   for (int64_t r = 0; r < R; ++r) order[static_cast<size_t>(r)] = r;
   std::sort(order.begin(), order.end(),
             [&](int64_t x, int64_t y) { return st[static_cast<size_t>(x)].lo < st[static_cast<size_t>(y)].lo; });
-  std::vector<double> logit(kExactRowsKeyTile), logw(kExactRowsKeyTile);
+  std::vector<double> logit(kExactRowsKeyTile), logw(kExactRowsKeyTile), a_of(kExactRowsKeyTile);
   std::vector<int64_t> group, group_rows;
   std::vector<KeyRange> windows;
   bool finished = true;
@@ -330,6 +330,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
             row.bound_num *= rescale_a;
             row.bound_den *= rescale_a;
             row.max_a = max_a;
+            exp_shifted(logit.data(), n, max_a, a_of.data());  // a_ij relative to the row's largest
             for (int64_t jj = first; jj < last; ++jj) {
               const int64_t x = p.k_pos0 + tile.j0 + jj;
               if (keys == nullptr) row.max_v2 = std::max(row.max_v2, squared_norm64(tile.values + jj * D, D));
@@ -344,7 +345,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
               } else {
                 mask = m.window == kNoWindow || distance < m.window ? lstar : 0.0;
               }
-              const double a = std::exp(logit[static_cast<size_t>(jj - first)] - max_a);
+              const double a = a_of[static_cast<size_t>(jj - first)];
               row.bound_num += a * std::fabs(lstar - mask);
               row.bound_den += a * mask;
             }

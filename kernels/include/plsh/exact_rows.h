@@ -60,6 +60,13 @@ struct SoftmaxRow64 {
   // ([n][dim]): one rescale for the tile, then the sums in key order.
   void fold(const double* logits, int64_t n, const double* values);
   double lse() const { return max + std::log(sum); }
+
+ private:
+  std::vector<double> weights_;  // a tile's exp(l_j - max), reused
 };
+
+// out[j] = exp(x[j] - shift) for j < n, every x[j] <= shift (-inf gives 0),
+// in vector lanes (exp_nonpositive64, within a few ulp of std::exp).
+void exp_shifted(const double* x, int64_t n, double shift, double* out);
 
 }  // namespace plsh

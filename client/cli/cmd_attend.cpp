@@ -278,12 +278,7 @@ int attend(const AttendArgs& args) {
 RunFn setup_attend(CLI::App& app) {
   auto args = std::make_shared<AttendArgs>();
   add_compute_flags(app, *args);
-  app.add_option("--target", args->target,
-                 "plsh-server address host:port (or $PLSH_TARGET); a list a:1,b:2 or dns:///name:port shards the "
-                 "request across them")
-      ->envname("PLSH_TARGET")
-      ->capture_default_str();
-  add_shard_flags(app, args->sharding);
+  add_target_and_shard_flags(app, args->target, args->sharding, "the request");
   add_connection_flags(app, args->channel);
   app.add_option("--wire-dtype", args->wire_dtype,
                  "dtype of q, k, v on the wire: f32, f16 or bf16 (default: the files')")

@@ -389,12 +389,7 @@ Status bench(const BenchArgs& a, int* exit_code) {
 
 RunFn setup_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
-  app.add_option("--target", a->target,
-                 "plsh-server address host:port (or $PLSH_TARGET); a list a:1,b:2 or dns:///name:port shards each "
-                 "request across them")
-      ->envname("PLSH_TARGET")
-      ->capture_default_str();
-  add_shard_flags(app, a->sharding);
+  add_target_and_shard_flags(app, a->target, a->sharding, "each request");
   add_connection_flags(app, a->channel);
   app.add_option("--concurrency", a->concurrency,
                  "requests in flight (closed loop), one value or a sweep '1,2,4,8'; with --rate: the most in flight "

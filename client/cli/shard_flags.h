@@ -18,6 +18,7 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "plsh/sharding.h"
 
@@ -46,6 +47,17 @@ inline void add_shard_flags(CLI::App& app, ShardCliArgs& a) {
                  "(whichever sends fewer bytes per shard)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "heads", "sequence"}));
+}
+
+// --target, one server or the replicas that `what` ("the request", "each
+// request") is sharded across, then the sharding flags above.
+inline void add_target_and_shard_flags(CLI::App& app, std::string& target, ShardCliArgs& a, const std::string& what) {
+  app.add_option("--target", target,
+                 "plsh-server address host:port (or $PLSH_TARGET); a list a:1,b:2 or dns:///name:port shards " + what +
+                     " across them")
+      ->envname("PLSH_TARGET")
+      ->capture_default_str();
+  add_shard_flags(app, a);
 }
 
 inline client::ShardingOptions sharding_options(const ShardCliArgs& a) {

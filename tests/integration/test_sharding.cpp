@@ -406,8 +406,11 @@ TEST(ShardingFailure, ReplicaKilledMidRequest) {
   EXPECT_NE(retried.replica, replicas[1]);
   EXPECT_FALSE(victim.running());
   // Killed while it held the shard: had the victim answered first, the
-  // shard would show no failure above.
-  EXPECT_GE(retried.failures[0].seconds, 0.05);
+  // shard would show no failure above. (The attempt's seconds are mostly
+  // its ingest on loopback before the worker took it: 0.0501 s in one run
+  // on 2 cores, a hair over the 0.05 s floor this checked before. The kill
+  // is sent only once busy(victim) == 1, so the failure is the kill's.)
+  EXPECT_GT(retried.failures[0].seconds, 0.0);
   std::cout << "killed replica's attempt: " << retried.failures[0].status << " after " << retried.failures[0].seconds
             << " s; retried on " << retried.replica << " in " << retried.seconds << " s" << std::endl;
 

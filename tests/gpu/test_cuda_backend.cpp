@@ -37,8 +37,6 @@
 namespace plsh {
 namespace {
 
-using plsh::testing::head_slopes;
-using plsh::testing::shaped;
 using testing::AttentionCase;
 using testing::compare;
 using testing::ErrorStats;
@@ -114,14 +112,14 @@ std::vector<AttentionCase> forward_cases() {
   v.push_back({"exact_one_row_f32", 1, 1, 1, 1, 1, 40, f, Mode::kExact, true});
   v.push_back({"lsh_noncausal_f32", 2, 97, 97, 8, 2, 40, f, Mode::kLsh, false, std::nullopt, 0, 7});
   v.push_back({"lsh_tail_positions_f32", 1, 70, 700, 4, 1, 64, f, Mode::kLsh, true, int64_t{123456 + 630}, 123456, 16,
-               kAuto, head_slopes(1.0 / 300, 0.8, 0.2, 0.04)});
+               kAuto, testing::head_slopes(1.0 / 300, 0.8, 0.2, 0.04)});
   // The backend reads plan.draws, whichever sampler made them.
   v.push_back({"lsh_ash_causal_f32", 1, 300, 300, 4, 2, 64, f, Mode::kLsh, true, std::nullopt, 0, 64, kAuto,
-               head_slopes(), 0, std::nullopt, std::nullopt, Sampling::kAsh});
+               testing::head_slopes(), 0, std::nullopt, std::nullopt, Sampling::kAsh});
   v.push_back({"lsh_stratified_noncausal_f32", 1, 97, 97, 4, 4, 40, f, Mode::kLsh, false, std::nullopt, 0, 16, kAuto,
-               head_slopes(), 0, std::nullopt, std::nullopt, Sampling::kStratified});
+               testing::head_slopes(), 0, std::nullopt, std::nullopt, Sampling::kStratified});
   v.push_back({"lsh_wide_pitch_f32", 1, 600, 600, 2, 2, 128, f, Mode::kLsh, false, std::nullopt, 0, 4, kAuto,
-               head_slopes(1.0 / 400, 1.0 / 150)});
+               testing::head_slopes(1.0 / 400, 1.0 / 150)});
   v.push_back(
       {"window_fixed_width_f32", 1, 257, 300, 2, 1, 64, f, Mode::kWindow, false, std::nullopt, 0, 0, kAuto, {}, 17});
   v.push_back({"window_wide_f32", 1, 200, 1100, 2, 2, 40, f, Mode::kWindow, true, std::nullopt, 0, 0, kAuto, {}, 700});
@@ -134,13 +132,13 @@ std::vector<AttentionCase> forward_cases() {
   // Queries far from every key (shards of a long sequence): the logits are
   // relative to the nearest key and lse adds the offset back (issue 15).
   v.push_back({"exact_far_queries_causal_f32", 1, 40, 300, 2, 1, 40, f, Mode::kExact, true, int64_t{1000000}, 0, 0,
-               kAuto, head_slopes(0.5, 1.0 / 64)});
+               kAuto, testing::head_slopes(0.5, 1.0 / 64)});
   v.push_back({"exact_queries_before_keys_f32", 1, 40, 300, 2, 2, 64, f, Mode::kExact, false, int64_t{-200000}, 0, 0,
-               kAuto, head_slopes(0.5, 0.125)});
+               kAuto, testing::head_slopes(0.5, 0.125)});
   v.push_back({"exact_shard_at_65536_f32", 1, 64, 4096, 2, 1, 64, f, Mode::kExact, true, int64_t{65536}, 0, 0, kAuto,
-               head_slopes(0.5, 1.0 / 16)});
+               testing::head_slopes(0.5, 1.0 / 16)});
   v.push_back({"exact_shard_at_65536_bf16", 1, 64, 4096, 2, 1, 64, DType::kBF16, Mode::kExact, true, int64_t{65536}, 0,
-               0, kAuto, head_slopes(0.5, 1.0 / 16)});
+               0, kAuto, testing::head_slopes(0.5, 1.0 / 16)});
   return v;
 }
 
@@ -168,8 +166,8 @@ TEST(CudaBins, DeviceBinsEqualHostBinOf) {
 TEST(CudaMemory, DeviceTensorsGiveTheHostResult) {
   REQUIRE_CUDA(cuda);
   const AttentionOptions o =
-      shaped({1, 150, 150, 4, 2, 64},
-             {.dtype = DType::kBF16, .causal = true, .mode = Mode::kLsh, .samples = 8, .estimates = false});
+      testing::shaped({1, 150, 150, 4, 2, 64},
+                      {.dtype = DType::kBF16, .causal = true, .mode = Mode::kLsh, .samples = 8, .estimates = false});
   Problem host = make_problem(o, 3, false);
   ASSERT_TRUE(host.status.ok());
   ASSERT_TRUE(testing::plan_and_forward(*cuda, host.params, ExecContext{}, nullptr).ok());
@@ -225,9 +223,10 @@ TEST(CudaControl, CancelStopsTheWork) {
 // not built for (head_dim 8) is refused, saying why, not sent elsewhere.
 TEST(CudaControl, BandedOutsideTheFusedKernelIsRefusedWithAReason) {
   REQUIRE_CUDA(cuda);
-  Problem pr = make_problem(
-      shaped({1, 16, 16, 1, 0, 8}, {.mode = Mode::kLsh, .lsh_algorithm = LshAlgorithm::kBanded, .estimates = false}), 4,
-      false);
+  Problem pr =
+      make_problem(testing::shaped({1, 16, 16, 1, 0, 8},
+                                   {.mode = Mode::kLsh, .lsh_algorithm = LshAlgorithm::kBanded, .estimates = false}),
+                   4, false);
   ASSERT_TRUE(pr.status.ok());
   const Status s = cuda->supports(pr.params);
   EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
@@ -240,13 +239,13 @@ TEST(CudaControl, BandedOutsideTheFusedKernelIsRefusedWithAReason) {
 TEST(CudaControl, TightBudgetChunksAndStillMatches) {
   const int64_t budget = 1536 * 1024;  // staging ~0.6 MB; leaves room for about 5 tile slots
   REQUIRE_CUDA_BUDGET(small, budget);
-  Problem pr = make_problem(shaped({1, 300, 300, 4, 2, 64}, {.dtype = DType::kBF16,
-                                                             .causal = true,
-                                                             .slopes = {0.9, 0.2, 0.03, 0.0},
-                                                             .mode = Mode::kLsh,
-                                                             .samples = 8,
-                                                             .lsh_algorithm = LshAlgorithm::kPerSample,
-                                                             .estimates = false}),
+  Problem pr = make_problem(testing::shaped({1, 300, 300, 4, 2, 64}, {.dtype = DType::kBF16,
+                                                                      .causal = true,
+                                                                      .slopes = {0.9, 0.2, 0.03, 0.0},
+                                                                      .mode = Mode::kLsh,
+                                                                      .samples = 8,
+                                                                      .lsh_algorithm = LshAlgorithm::kPerSample,
+                                                                      .estimates = false}),
                             8, false);
   ASSERT_TRUE(pr.status.ok());
   ForwardStats stats;
@@ -264,8 +263,8 @@ TEST(CudaControl, TightBudgetChunksAndStillMatches) {
 TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
   const int64_t budget = int64_t{256} << 20;
   REQUIRE_CUDA_BUDGET(backend, budget);
-  const AttentionOptions o = shaped({1, 8192, 8192, 8, 0, 40},
-                                    {.dtype = DType::kBF16, .causal = true, .mode = Mode::kExact, .estimates = false});
+  const AttentionOptions o = testing::shaped(
+      {1, 8192, 8192, 8, 0, 40}, {.dtype = DType::kBF16, .causal = true, .mode = Mode::kExact, .estimates = false});
   StatusOr<AttentionParams> p = resolve_params(o);
   ASSERT_TRUE(p.ok());
   StatusOr<Plan> half = backend->plan(*p, PlanLimits{});
@@ -299,8 +298,8 @@ TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
 TEST(CudaWorkspace, AllocateDeviceHoldsThePoolForTheRequest) {
   const int64_t budget = int64_t{64} << 20;
   REQUIRE_CUDA_BUDGET(backend, budget);
-  const AttentionOptions o = shaped({1, 512, 512, 4, 0, 64},
-                                    {.dtype = DType::kBF16, .causal = true, .mode = Mode::kExact, .estimates = false});
+  const AttentionOptions o = testing::shaped(
+      {1, 512, 512, 4, 0, 64}, {.dtype = DType::kBF16, .causal = true, .mode = Mode::kExact, .estimates = false});
   StatusOr<AttentionParams> p = resolve_params(o);
   ASSERT_TRUE(p.ok());
   StatusOr<Plan> plan = backend->plan(*p, PlanLimits{});
@@ -339,7 +338,7 @@ TEST(CudaWorkspace, AllocateDeviceHoldsThePoolForTheRequest) {
 TEST(CudaMemory, UnalignedDeviceTensorsAreRefused) {
   REQUIRE_CUDA(cuda);
   const AttentionOptions o =
-      shaped({1, 64, 64, 4, 0, 20}, {.dtype = DType::kBF16, .mode = Mode::kExact, .estimates = false});
+      testing::shaped({1, 64, 64, 4, 0, 20}, {.dtype = DType::kBF16, .mode = Mode::kExact, .estimates = false});
   const size_t bytes = static_cast<size_t>(o.q_len * o.heads * o.head_dim * 2);
   void* d[4] = {};
   for (void*& b : d) ASSERT_EQ(cudaMalloc(&b, bytes), cudaSuccess);
@@ -356,12 +355,12 @@ TEST(CudaMemory, UnalignedDeviceTensorsAreRefused) {
 // several batched calls; the result is the CPU backend's.
 TEST(CudaLarge, RoundsAbove65535SlotsMatchTheCpu) {
   REQUIRE_CUDA(cuda);
-  const AttentionOptions o = shaped({1, 65536, 32, 64, 8, 8}, {.dtype = DType::kF32,
-                                                               .causal = false,
-                                                               .q_pos0 = 0,
-                                                               .mode = Mode::kExact,
-                                                               .estimates = false,
-                                                               .check_finite = false});
+  const AttentionOptions o = testing::shaped({1, 65536, 32, 64, 8, 8}, {.dtype = DType::kF32,
+                                                                        .causal = false,
+                                                                        .q_pos0 = 0,
+                                                                        .mode = Mode::kExact,
+                                                                        .estimates = false,
+                                                                        .check_finite = false});
   Problem gpu = make_problem(o, 21, false), on_cpu = make_problem(o, 21, false);
   ASSERT_TRUE(gpu.status.ok() && on_cpu.status.ok());
   StatusOr<Plan> plan = cuda->plan(gpu.params, PlanLimits{});
@@ -405,8 +404,9 @@ TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
   REQUIRE_CUDA(cuda);
   // fp32 GEMMs without TF32: the slow path, about 9 TFLOP here.
   Problem pr = make_problem(
-      shaped({1, 32768, 32768, 32, 0, 128},
-             {.dtype = DType::kF32, .causal = true, .mode = Mode::kExact, .estimates = false, .check_finite = false}),
+      testing::shaped(
+          {1, 32768, 32768, 32, 0, 128},
+          {.dtype = DType::kF32, .causal = true, .mode = Mode::kExact, .estimates = false, .check_finite = false}),
       13, false);
   ASSERT_TRUE(pr.status.ok());
   StatusOr<Plan> plan = cuda->plan(pr.params, PlanLimits{});
@@ -462,8 +462,8 @@ TEST(CudaErrors, StaleRecoverableErrorDoesNotFailTheNextRequest) {
   void* huge = nullptr;
   ASSERT_EQ(cudaMalloc(&huge, size_t{1} << 60), cudaErrorMemoryAllocation);
   ASSERT_EQ(cudaPeekAtLastError(), cudaErrorMemoryAllocation) << "the runtime keeps it as the last error";
-  Problem pr = make_problem(shaped({1, 100, 100, 2, 0, 64}, {.causal = true, .mode = Mode::kExact, .estimates = false}),
-                            6, false);
+  Problem pr = make_problem(
+      testing::shaped({1, 100, 100, 2, 0, 64}, {.causal = true, .mode = Mode::kExact, .estimates = false}), 6, false);
   ASSERT_TRUE(pr.status.ok());
   const Status s = testing::plan_and_forward(*cuda, pr.params, ExecContext{}, nullptr);
   ASSERT_TRUE(s.ok()) << s.to_string();
@@ -483,7 +483,7 @@ void sticky_fault_child() {
   std::unique_ptr<Backend> cuda = cuda::make_cuda_backend(&why);
   if (cuda == nullptr) std::exit(3);
   const AttentionOptions o =
-      shaped({1, 65536, 65536, 32, 0, 128}, {.dtype = DType::kBF16, .mode = Mode::kExact, .estimates = false});
+      testing::shaped({1, 65536, 65536, 32, 0, 128}, {.dtype = DType::kBF16, .mode = Mode::kExact, .estimates = false});
   void* small[4] = {};
   for (void*& b : small)
     if (cudaMalloc(&b, 4096) != cudaSuccess) std::exit(4);

@@ -33,8 +33,6 @@
 namespace plsh {
 namespace {
 
-using plsh::testing::head_slopes;
-using plsh::testing::shaped;
 using testing::AttentionCase;
 using testing::grad_tensors;
 using testing::GradTensors;
@@ -94,11 +92,11 @@ std::vector<AttentionCase> backward_cases() {
   v.push_back({"exact_decode_f32", 2, 1, 1025, 4, 4, 59, f, Mode::kExact, true});
   v.push_back({"lsh_noncausal_f32", 2, 97, 97, 8, 2, 40, f, Mode::kLsh, false, std::nullopt, 0, 7});
   v.push_back({"lsh_tail_positions_f32", 1, 70, 700, 4, 1, 64, f, Mode::kLsh, true, int64_t{123456 + 630}, 123456, 16,
-               kAuto, head_slopes(1.0 / 300, 0.8, 0.2, 0.04)});
+               kAuto, testing::head_slopes(1.0 / 300, 0.8, 0.2, 0.04)});
   v.push_back({"exact_bf16_f32_grads", 1, 257, 257, 2, 1, 64, DType::kBF16, Mode::kExact, true, std::nullopt, 0, 16,
-               kAuto, head_slopes(), 0, std::nullopt, f});
+               kAuto, testing::head_slopes(), 0, std::nullopt, f});
   v.push_back({"exact_far_queries_f32", 1, 40, 300, 2, 1, 40, f, Mode::kExact, false, int64_t{5000}, 0, 16, kAuto,
-               head_slopes(0.5, 1.0 / 64)});
+               testing::head_slopes(0.5, 1.0 / 64)});
   return v;
 }
 
@@ -109,7 +107,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardVsCpu, ::testing::ValuesIn(backward_
 TEST(CudaBackwardControl, TightBudgetChunksAndStillMatches) {
   REQUIRE_CUDA_BUDGET(small, 3 << 20);
   const AttentionOptions o = options_of({"tight", 1, 300, 300, 4, 2, 64, DType::kF32, Mode::kLsh, true, std::nullopt, 0,
-                                         8, LshAlgorithm::kPerSample, head_slopes(0.9, 0.2, 0.03, 0.0)},
+                                         8, LshAlgorithm::kPerSample, testing::head_slopes(0.9, 0.2, 0.03, 0.0)},
                                         4321);
   Problem on_gpu = make_problem(o, 8, false), on_cpu = make_problem(o, 8, false);
   ASSERT_TRUE(on_gpu.status.ok() && on_cpu.status.ok());
@@ -135,7 +133,7 @@ TEST(CudaBackwardControl, TightBudgetChunksAndStillMatches) {
 // without PlanLimits::backward, another backend's plan.
 TEST(CudaBackwardControl, RefusalsNameTheReason) {
   REQUIRE_CUDA(cuda);
-  const AttentionOptions o = shaped({1, 64, 64, 2, 0, 16}, {.mode = Mode::kExact, .estimates = false});
+  const AttentionOptions o = testing::shaped({1, 64, 64, 2, 0, 16}, {.mode = Mode::kExact, .estimates = false});
   StatusOr<AttentionParams> p = resolve_params(o);
   ASSERT_TRUE(p.ok());
   EXPECT_TRUE(cuda->supports_backward(*p).ok()) << cuda->supports_backward(*p).to_string();
@@ -171,8 +169,8 @@ TEST(CudaBackwardControl, RefusalsNameTheReason) {
 // Cancel and deadline act while the GPU works through the rounds.
 TEST(CudaBackwardControl, CancelAndDeadlineStopTheBackward) {
   REQUIRE_CUDA(cuda);
-  const AttentionOptions o = shaped({1, 8192, 8192, 8, 0, 64},
-                                    {.dtype = DType::kBF16, .causal = true, .mode = Mode::kExact, .estimates = false});
+  const AttentionOptions o = testing::shaped(
+      {1, 8192, 8192, 8, 0, 64}, {.dtype = DType::kBF16, .causal = true, .mode = Mode::kExact, .estimates = false});
   Problem pr = make_problem(o, 3);
   ASSERT_TRUE(pr.status.ok());
   PlanLimits limits;

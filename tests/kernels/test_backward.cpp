@@ -31,8 +31,6 @@
 namespace plsh {
 namespace {
 
-using plsh::testing::head_slopes;
-using plsh::testing::shaped;
 using testing::DenseInputs;
 using testing::HeadWeights;
 using testing::ReferenceGradients;
@@ -58,15 +56,15 @@ class ReferenceBackward : public ::testing::TestWithParam<FdCase> {};
 TEST_P(ReferenceBackward, MatchesCentralFiniteDifferences) {
   const FdCase& c = GetParam();
   // GQA (dk, dv sum two query heads); slopes of sigma from 1.4 to infinity.
-  const AttentionOptions o = shaped({2, 5, 7, 4, 2, 3}, {.scale = 0.8,
-                                                         .causal = c.causal,
-                                                         .slopes = {0.7, 0.3, 0.1, 0.0},
-                                                         .q_pos0 = c.q_pos0,
-                                                         .k_pos0 = c.k_pos0,
-                                                         .mode = c.mode,
-                                                         .samples = 4,
-                                                         .seed = 3,
-                                                         .window_width = c.window_width});
+  const AttentionOptions o = testing::shaped({2, 5, 7, 4, 2, 3}, {.scale = 0.8,
+                                                                  .causal = c.causal,
+                                                                  .slopes = {0.7, 0.3, 0.1, 0.0},
+                                                                  .q_pos0 = c.q_pos0,
+                                                                  .k_pos0 = c.k_pos0,
+                                                                  .mode = c.mode,
+                                                                  .samples = 4,
+                                                                  .seed = 3,
+                                                                  .window_width = c.window_width});
   const testing::Problem pr = testing::make_problem(o, 17, false);
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   const AttentionParams& p = pr.params;
@@ -226,9 +224,9 @@ INSTANTIATE_TEST_SUITE_P(
         BackwardCase{"exact_noncausal_1025_f32", 1, 1025, 1025, 2, 2, 40, kF32, Mode::kExact, false},
         BackwardCase{"exact_causal_d128_f32", 1, 200, 300, 2, 1, 128, kF32, Mode::kExact, true},
         BackwardCase{"window_causal_1025_f32", 1, 1025, 1025, 2, 1, 40, kF32, Mode::kWindow, true, std::nullopt, 0, 0,
-                     LshAlgorithm::kAuto, head_slopes(0.3, 0.02)},
+                     LshAlgorithm::kAuto, testing::head_slopes(0.3, 0.02)},
         BackwardCase{"window_width_noncausal_offsets_f16", 2, 97, 131, 4, 2, 59, kF16, Mode::kWindow, false,
-                     int64_t{520}, 500, 0, LshAlgorithm::kAuto, head_slopes(), 37},
+                     int64_t{520}, 500, 0, LshAlgorithm::kAuto, testing::head_slopes(), 37},
         BackwardCase{"window_causal_gqa_bf16", 1, 300, 300, 4, 1, 40, kBF16, Mode::kWindow, true},
         BackwardCase{"lsh_banded_causal_1025_f32", 1, 1025, 1025, 2, 1, 40, kF32, Mode::kLsh, true, std::nullopt, 0, 8,
                      LshAlgorithm::kBanded},
@@ -238,28 +236,28 @@ INSTANTIATE_TEST_SUITE_P(
                      0, 5, LshAlgorithm::kPerSample},
         // sigma from 1.1 to infinity (slope 0: one block, M~ = 1), offsets.
         BackwardCase{"lsh_banded_offsets_f16", 2, 97, 131, 4, 2, 40, kF16, Mode::kLsh, true, int64_t{40}, 10, 16,
-                     LshAlgorithm::kBanded, head_slopes(0.9, 0.05, 1.0 / 300, 0.0)},
+                     LshAlgorithm::kBanded, testing::head_slopes(0.9, 0.05, 1.0 / 300, 0.0)},
         BackwardCase{"lsh_per_sample_noncausal_offsets_f32", 1, 97, 131, 2, 1, 59, kF32, Mode::kLsh, false,
-                     int64_t{1030}, 1000, 16, LshAlgorithm::kPerSample, head_slopes(0.2, 0.01)},
+                     int64_t{1030}, 1000, 16, LshAlgorithm::kPerSample, testing::head_slopes(0.2, 0.01)},
         BackwardCase{"lsh_n1_f32", 1, 1, 1, 2, 1, 40, kF32, Mode::kLsh, false, std::nullopt, 0, 4},
         // fixed_blocks (SPEC section 4): the reference's floor(p / 2 sigma)
         // mask; widths 2.2 to infinity, offsets mid-block, both algorithms.
         BackwardCase{"fixed_blocks_banded_causal_1025_f32", 1, 1025, 1025, 2, 1, 40, kF32, Mode::kFixedBlocks, true,
                      std::nullopt, 0, 0, LshAlgorithm::kBanded},
         BackwardCase{"fixed_blocks_per_sample_offsets_gqa_f16", 2, 97, 131, 4, 2, 40, kF16, Mode::kFixedBlocks, true,
-                     int64_t{40}, 10, 0, LshAlgorithm::kPerSample, head_slopes(0.9, 0.05, 1.0 / 300, 0.0)},
+                     int64_t{40}, 10, 0, LshAlgorithm::kPerSample, testing::head_slopes(0.9, 0.05, 1.0 / 300, 0.0)},
         BackwardCase{"fixed_blocks_per_sample_noncausal_f32", 1, 300, 300, 4, 4, 59, kF32, Mode::kFixedBlocks, false,
                      std::nullopt, 0, 0, LshAlgorithm::kPerSample},
         // No bias (every slope 0): exact and lsh (one block, M~ = 1).
         BackwardCase{"exact_no_bias_causal_f32", 1, 300, 300, 4, 2, 40, kF32, Mode::kExact, true, std::nullopt, 0, 0,
-                     LshAlgorithm::kAuto, head_slopes(0.0, 0.0, 0.0, 0.0)},
+                     LshAlgorithm::kAuto, testing::head_slopes(0.0, 0.0, 0.0, 0.0)},
         BackwardCase{"lsh_no_bias_causal_f32", 1, 300, 300, 4, 2, 40, kF32, Mode::kLsh, true, std::nullopt, 0, 8,
-                     LshAlgorithm::kAuto, head_slopes(0.0, 0.0, 0.0, 0.0)},
+                     LshAlgorithm::kAuto, testing::head_slopes(0.0, 0.0, 0.0, 0.0)},
         // Gradient dtype float32 for 16-bit inputs; float32 out too.
         BackwardCase{"exact_bf16_in_f32_grads", 1, 97, 97, 2, 1, 40, kBF16, Mode::kExact, true, std::nullopt, 0, 0,
-                     LshAlgorithm::kAuto, head_slopes(), 0, std::nullopt, kF32},
+                     LshAlgorithm::kAuto, testing::head_slopes(), 0, std::nullopt, kF32},
         BackwardCase{"lsh_f16_in_f32_out_f32_grads", 1, 97, 97, 2, 1, 40, kF16, Mode::kLsh, true, std::nullopt, 0, 8,
-                     LshAlgorithm::kBanded, head_slopes(), 0, kF32, kF32}),
+                     LshAlgorithm::kBanded, testing::head_slopes(), 0, kF32, kF32}),
     testing::CaseName());
 
 // A query far from every key keeps its forward exact by taking its logits
@@ -268,7 +266,7 @@ INSTANTIATE_TEST_SUITE_P(
 // bounds what P = exp(s - lse) can be: |lse| * 2^-24 relative, on top of
 // float32's 1e-5. This pins that limit down rather than hiding it.
 TEST(CpuBackwardPrecision, FarQueriesAreLimitedByLseRounding) {
-  const AttentionOptions o = shaped(
+  const AttentionOptions o = testing::shaped(
       {1, 40, 300, 2, 0, 40}, {.slopes = {0.5, 1.0 / 64}, .q_pos0 = 5000, .mode = Mode::kExact, .estimates = false});
   BackwardProblem pr = make_backward_problem(o, std::nullopt, 29);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
@@ -288,8 +286,8 @@ TEST(CpuBackwardPrecision, FarQueriesAreLimitedByLseRounding) {
 }
 
 AttentionOptions lsh_backward_options() {
-  return shaped({2, 97, 131, 4, 4, 24},
-                {.causal = true, .mode = Mode::kLsh, .samples = 6, .seed = 5, .estimates = false});
+  return testing::shaped({2, 97, 131, 4, 4, 24},
+                         {.causal = true, .mode = Mode::kLsh, .samples = 6, .seed = 5, .estimates = false});
 }
 
 // Per-sample and banded plans differentiate one function: their gradients
@@ -470,7 +468,8 @@ TEST(BackwardPlan, BackendsWithoutABackwardSayUnimplemented) {
 
 BackwardProblem stop_problem() {
   return make_backward_problem(
-      shaped({1, 2048, 2048, 2, 0, 64}, {.causal = true, .mode = Mode::kExact, .estimates = false}), std::nullopt, 47);
+      testing::shaped({1, 2048, 2048, 2, 0, 64}, {.causal = true, .mode = Mode::kExact, .estimates = false}),
+      std::nullopt, 47);
 }
 
 TEST(BackwardStop, CancelAndDeadlineStopTheBackward) {

@@ -183,11 +183,11 @@ int64_t head_estimate_bytes(const AttentionParams& p) {
 int64_t probe_task_bytes(const AttentionParams& p) {
   const int64_t rows = static_cast<int64_t>(kProbeRowsPerTask);
   const int64_t s = uses_draws(p.mode) ? p.samples : 0;
-  // q, the k (transposed) and v tiles, the scores, two logit rows, the
-  // accumulators, each row's sorted block edges, and L* by distance up to
-  // the farthest key.
+  // q, the k (transposed) and v tiles, the scores, four rows of a tile
+  // (logits, weighted logits, and the exps of each), the accumulators, each
+  // row's sorted block edges, and L* by distance up to the farthest key.
   return 8 * (p.head_dim * rows + 2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile * rows +
-              2 * kExactRowsKeyTile + rows * p.head_dim) +
+              4 * kExactRowsKeyTile + rows * p.head_dim) +
          rows * 16 * s + 4 * p.head_dim + DecayTable::bytes(max_distance(position_range(p)));
 }
 

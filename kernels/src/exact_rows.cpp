@@ -166,7 +166,7 @@ PLSH_VECTOR_CLONES void accumulate_weighted(const double* logits, const double* 
 
 }  // namespace
 
-void SoftmaxRow64::fold(const double* logits, int64_t n, const double* values) {
+void SoftmaxRow64::fold(const double* logits, int64_t n, const double* values, double* weights) {
   double tile_max = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, logits[j]);
   const double new_max = std::max(max, tile_max);
@@ -176,9 +176,8 @@ void SoftmaxRow64::fold(const double* logits, int64_t n, const double* values) {
   for (int64_t d = 0; d < dim; ++d) acc[static_cast<size_t>(d)] *= rescale;
   sum *= rescale;
   max = new_max;
-  if (static_cast<int64_t>(weights_.size()) < n) weights_.resize(static_cast<size_t>(n));
-  exp_shifted(logits, n, new_max, weights_.data());
-  accumulate_weighted(logits, weights_.data(), n, values, dim, acc.data(), &sum);
+  exp_shifted(logits, n, new_max, weights);
+  accumulate_weighted(logits, weights, n, values, dim, acc.data(), &sum);
 }
 
 }  // namespace plsh

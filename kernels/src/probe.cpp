@@ -285,7 +285,8 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
   for (int64_t r = 0; r < R; ++r) order[static_cast<size_t>(r)] = r;
   std::sort(order.begin(), order.end(),
             [&](int64_t x, int64_t y) { return st[static_cast<size_t>(x)].lo < st[static_cast<size_t>(y)].lo; });
-  std::vector<double> logit(kExactRowsKeyTile), logw(kExactRowsKeyTile), a_of(kExactRowsKeyTile);
+  std::vector<double> logit(kExactRowsKeyTile), logw(kExactRowsKeyTile), weight(kExactRowsKeyTile),
+      a_of(kExactRowsKeyTile);
   std::vector<int64_t> group, group_rows;
   std::vector<KeyRange> windows;
   bool finished = true;
@@ -323,7 +324,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
               logw[static_cast<size_t>(jj - first)] = logit[static_cast<size_t>(jj - first)] - distance / m.sigma;
               tile_max_a = std::max(tile_max_a, logit[static_cast<size_t>(jj - first)]);
             }
-            exact_row.fold(logw.data(), n, tile.values + first * D);
+            exact_row.fold(logw.data(), n, tile.values + first * D, weight.data());
 
             const double max_a = std::max(row.max_a, tile_max_a);
             const double rescale_a = std::exp(row.max_a - max_a);

@@ -75,7 +75,8 @@ TEST(SoftmaxRow64, FoldedTilesAreTheDirectSoftmax) {
   for (double& v : values) v = z(rng);
   logits[4] = -std::numeric_limits<double>::infinity();
   SoftmaxRow64 row(dim);
-  for (int64_t t = 0; t < 3; ++t) row.fold(logits.data() + t * 7, 7, values.data() + t * 7 * dim);
+  std::vector<double> scratch(7);
+  for (int64_t t = 0; t < 3; ++t) row.fold(logits.data() + t * 7, 7, values.data() + t * 7 * dim, scratch.data());
 
   double top = -std::numeric_limits<double>::infinity();
   for (double l : logits) top = std::max(top, l);

@@ -58,11 +58,10 @@ struct SoftmaxRow64 {
   explicit SoftmaxRow64(int64_t dim) : acc(static_cast<size_t>(dim), 0.0) {}
   // Folds n keys with logits l[0, n) (-inf: not allowed) and values v
   // ([n][dim]): one rescale for the tile, then the sums in key order.
-  void fold(const double* logits, int64_t n, const double* values);
+  // `weights`: room for n doubles, the caller's scratch (the tile's
+  // exp(l_j - max)), so that the rows of a task share one.
+  void fold(const double* logits, int64_t n, const double* values, double* weights);
   double lse() const { return max + std::log(sum); }
-
- private:
-  std::vector<double> weights_;  // a tile's exp(l_j - max), reused
 };
 
 // out[j] = exp(x[j] - shift) for j < n, every x[j] <= shift (-inf gives 0),

@@ -100,15 +100,18 @@ double dot(const std::vector<double>& x, const std::vector<double>& y) {
   return s;
 }
 
-// Block edges over a range are kept while they fit in 64 MiB (8M edges: s =
-// 256 hashes of sigma = 2 over 65536 positions take 6.6M); else found again
-// in every product, one hash at a time. Lanczos at sigma = 2, s = 256, n =
-// 65536: 10 s -> 3 s.
-constexpr size_t kEdgeCacheEntries = 64 * 1024 * 1024 / sizeof(int64_t);
+// Block edges over a range are kept while there are at most 8M block changes
+// (12 bytes each, 96 MiB; s = 256 hashes of sigma = 2 over 65536 positions
+// make 6.6M); else found again in every product, one hash at a time.
+// Lanczos at sigma = 2, s = 256, n = 65536: 10 s -> 3 s.
+constexpr size_t kEdgeCacheEntries = size_t{8} << 20;
 
 // Block edges of every hash over one target range, kept across the Lanczos
-// iterations: finding them (block_end, three floor divisions a block) costs
-// more than the product itself when blocks are short.
+// iterations as what the products read: finding them (block_end, three
+// floor divisions a block) costs more than the product itself when blocks
+// are short. Each BlockEdges serves one direction of product, so it knows
+// its sources' range too, and stores every block change as the indices
+// into the sources' prefix sums that the change moves between.
 class BlockEdges {
  public:
   // Per hash: the begin of the block holding t0, then every block end up to
@@ -123,49 +126,82 @@ class BlockEdges {
       edges->push_back(e);
     }
   }
-  // Gives up (complete() false, nothing kept) past max_entries edges.
-  BlockEdges(std::span<const Draw> draws, int64_t t0, int64_t nt, size_t max_entries) : t0_(t0), nt_(nt) {
+  // Targets t0 + [0, nt), sources s0 + [0, ns). Gives up (complete()
+  // false, nothing kept) past max_events block changes.
+  BlockEdges(std::span<const Draw> draws, int64_t t0, int64_t nt, int64_t s0, int64_t ns, size_t max_events)
+      : t0_(t0), nt_(nt), s0_(s0), ns_(ns), hashes_(draws.size()) {
+    // Where a source position falls in the prefix sums, clamped to the
+    // range (an infinite pitch's edges are the int64 limits).
+    auto at = [&](int64_t x) { return static_cast<int32_t>(x <= s0 ? 0 : x >= s0 + ns ? ns : x - s0); };
+    if (ns > INT32_MAX) return;
+    // First pass: how many blocks change at each target.
     std::vector<int64_t> one;
+    event_start_.assign(static_cast<size_t>(nt) + 1, 0);
+    size_t events = 0;
     for (const Draw& d : draws) {
       of_hash(d, t0, t0 + nt, &one);
-      if (flat_.size() + one.size() > max_entries) {
-        std::vector<int64_t>().swap(flat_);
-        offsets_.clear();
+      for (size_t i = 1; i < one.size(); ++i)
+        if (one[i] < t0 + nt) {
+          ++event_start_[static_cast<size_t>(one[i] - t0) + 1];
+          ++events;
+        }
+      if (events > max_events) {
+        std::vector<int64_t>().swap(event_start_);
         return;
       }
-      offsets_.push_back(flat_.size());
-      flat_.insert(flat_.end(), one.begin(), one.end());
     }
-    offsets_.push_back(flat_.size());
-    // Every block change in target order: at target n, the hashes whose
-    // block starts there (their edges 1, 2, ... inside the range).
-    event_start_.assign(static_cast<size_t>(nt) + 1, 0);
-    for (size_t k = 0; k + 1 < offsets_.size(); ++k)
-      for (size_t i = offsets_[k] + 1; i < offsets_[k + 1]; ++i)
-        if (flat_[i] < t0 + nt) ++event_start_[static_cast<size_t>(flat_[i] - t0) + 1];
     for (size_t n = 1; n < event_start_.size(); ++n) event_start_[n] += event_start_[n - 1];
-    event_hash_.resize(static_cast<size_t>(event_start_.back()));
+    // Second pass, the edges found again hash by hash: at each change the
+    // block [e_(c-1), e_c) gives way to [e_c, e_(c+1)); and, every
+    // kResumEvery targets, each hash's block then (for the running sums'
+    // fresh start).
+    const size_t s = hashes_;
+    const int64_t checkpoints = (nt + kResumEvery - 1) / kResumEvery;
+    moves_.resize(events);
+    checkpoint_.resize(static_cast<size_t>(checkpoints) * s);
     std::vector<int64_t> fill(event_start_.begin(), event_start_.end() - 1);
-    for (size_t k = 0; k + 1 < offsets_.size(); ++k)
-      for (size_t i = offsets_[k] + 1; i < offsets_[k + 1]; ++i)
-        if (flat_[i] < t0 + nt)
-          event_hash_[static_cast<size_t>(fill[static_cast<size_t>(flat_[i] - t0)]++)] = static_cast<int32_t>(k);
+    for (size_t k = 0; k < s; ++k) {
+      of_hash(draws[k], t0, t0 + nt, &one);
+      for (size_t i = 1; i + 1 < one.size() && one[i] < t0 + nt; ++i)
+        moves_[static_cast<size_t>(fill[static_cast<size_t>(one[i] - t0)]++)] = {at(one[i - 1]), at(one[i]),
+                                                                                 at(one[i + 1])};
+      // The block holding target t0 + n after the changes at n.
+      size_t c = 1;
+      for (int64_t q = 0; q < checkpoints; ++q) {
+        const int64_t t = t0 + q * kResumEvery;
+        while (one[c] <= t) ++c;
+        checkpoint_[static_cast<size_t>(q) * s + k] = {at(one[c - 1]), at(one[c])};
+      }
+    }
     complete_ = true;
   }
   bool complete() const { return complete_; }
-  bool covers(int64_t t0, int64_t nt) const { return complete_ && t0 == t0_ && nt == nt_; }
-  const int64_t* hash(size_t k) const { return flat_.data() + offsets_[k]; }
-  // The hashes whose block changes at target n: [events(n), events(n + 1)).
+  bool covers(int64_t t0, int64_t nt, int64_t s0, int64_t ns) const {
+    return complete_ && t0 == t0_ && nt == nt_ && s0 == s0_ && ns == ns_;
+  }
+
+  // A block change: the prefix-sum indices of the old block's begin, of
+  // its end (the new block's begin) and of the new block's end.
+  struct Move {
+    int32_t old_begin, mid, new_end;
+  };
+  struct Block {
+    int32_t begin, end;
+  };
+  static constexpr int64_t kResumEvery = 256;
+  // The changes at target n: [events(n), events(n + 1)).
   int64_t events(int64_t n) const { return event_start_[static_cast<size_t>(n)]; }
-  int32_t event_hash(int64_t e) const { return event_hash_[static_cast<size_t>(e)]; }
+  const Move& move(int64_t e) const { return moves_[static_cast<size_t>(e)]; }
+  // Hash k's block at target q * kResumEvery (after its changes there).
+  const Block* checkpoint(int64_t q) const { return checkpoint_.data() + static_cast<size_t>(q) * hashes_; }
 
  private:
-  int64_t t0_, nt_;
+  int64_t t0_, nt_, s0_, ns_;
+  size_t hashes_;
   bool complete_ = false;
   std::vector<int64_t> event_start_;  // [nt + 1]
-  std::vector<int32_t> event_hash_;
-  std::vector<int64_t> flat_;
-  std::vector<size_t> offsets_;
+  std::vector<Move> moves_;
+  std::vector<Block> checkpoint_;  // [ceil(nt / kResumEvery)][hashes]
 };
 
 void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose,
@@ -210,54 +246,43 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
   // Sum of x over source positions < a.
   auto below = [&](int64_t a) { return pre[std::clamp<int64_t>(a - s0, 0, ns)]; };
   const double inv_s = 1.0 / static_cast<double>(m.draws.size());
-  if (cached != nullptr && !cached->covers(t0, nt)) cached = nullptr;
+  if (cached != nullptr && !cached->covers(t0, nt, s0, ns)) cached = nullptr;
   if (cached != nullptr) {
     // Summed over the hashes at once: with B = sum_k below(begin_k) and
     // E = sum_k below(end_k) over the blocks holding target t, M~ x at t is
     // (E - B) / s (both sides), (s below(t + 1) - B) / s (sources <= t) or
     // (E - s below(t)) / s (sources >= t). B and E change only where a block
     // does: O(nt + edges) a product instead of O(nt s) (spectral error at
-    // s = 256: most of the estimates' time). Summed afresh every 256
-    // targets, so the running updates' rounding cannot drift.
+    // s = 256: most of the estimates' time), each change read as three
+    // prefix indices the BlockEdges found once. Summed afresh every
+    // kResumEvery targets, so the running updates' rounding cannot drift.
     const size_t s = m.draws.size();
     const double ds = static_cast<double>(s);
-    std::vector<int64_t>& cursor = scratch->edges;  // per hash: index of the current block's end
-    cursor.assign(s, 1);
-    auto resum = [&](double* b, double* e) {
-      *b = 0;
-      *e = 0;
-      for (size_t k = 0; k < s; ++k) {
-        const int64_t* edges = cached->hash(k);
-        *b += below(edges[cursor[k] - 1]);
-        *e += below(edges[cursor[k]]);
-      }
-    };
     double sum_b = 0, sum_e = 0;
     for (int64_t n = 0; n < nt; ++n) {
       const int64_t t = t0 + n;
       for (int64_t ev = cached->events(n); ev < cached->events(n + 1); ++ev) {
-        const size_t k = static_cast<size_t>(cached->event_hash(ev));
-        const int64_t* edges = cached->hash(k);
-        // The block [edges[c - 1], edges[c]) ends at t; [t, edges[c + 1]) begins.
-        const int64_t c = cursor[k];
-        sum_b += below(edges[c]) - below(edges[c - 1]);
-        sum_e += below(edges[c + 1]) - below(edges[c]);
-        cursor[k] = c + 1;
+        const BlockEdges::Move& mv = cached->move(ev);
+        sum_b += pre[mv.mid] - pre[mv.old_begin];
+        sum_e += pre[mv.new_end] - pre[mv.mid];
       }
-      if (n % 256 == 0) resum(&sum_b, &sum_e);
+      if (n % BlockEdges::kResumEvery == 0) {
+        const BlockEdges::Block* blocks = cached->checkpoint(n / BlockEdges::kResumEvery);
+        sum_b = 0;
+        sum_e = 0;
+        for (size_t k = 0; k < s; ++k) {
+          sum_b += pre[blocks[k].begin];
+          sum_e += pre[blocks[k].end];
+        }
+      }
       const double mx = left && right ? sum_e - sum_b : left ? ds * below(t + 1) - sum_b : sum_e - ds * below(t);
       y[n] -= inv_s * mx;
     }
     return;
   }
   for (size_t k = 0; k < m.draws.size(); ++k) {
-    const int64_t* edges;
-    if (cached != nullptr) {
-      edges = cached->hash(k);
-    } else {
-      BlockEdges::of_hash(m.draws[k], t0, t0 + nt, &scratch->edges);
-      edges = scratch->edges.data();
-    }
+    BlockEdges::of_hash(m.draws[k], t0, t0 + nt, &scratch->edges);
+    const int64_t* edges = scratch->edges.data();
     int64_t begin = edges[0], end = edges[1];
     size_t next = 2;
     for (int64_t n = 0; n < nt;) {
@@ -288,7 +313,8 @@ void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x
   std::unique_ptr<BlockEdges> edges;
   if (uses_draws(m.mode)) {
     const int64_t t0 = transpose ? r.k_pos0 : r.q_pos0, nt = transpose ? r.kv_len : r.q_len;
-    edges = std::make_unique<BlockEdges>(m.draws, t0, nt, kEdgeCacheEntries);
+    const int64_t s0 = transpose ? r.q_pos0 : r.k_pos0, ns = transpose ? r.q_len : r.kv_len;
+    edges = std::make_unique<BlockEdges>(m.draws, t0, nt, s0, ns, kEdgeCacheEntries);
   }
   apply_mask_error_with(m, r, x, y, transpose, edges.get(), &scratch);
 }
@@ -313,13 +339,14 @@ SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uin
   const bool on_keys = r.kv_len <= r.q_len;
   const size_t n = static_cast<size_t>(on_keys ? r.kv_len : r.q_len);
   std::vector<double> between(static_cast<size_t>(on_keys ? r.q_len : r.kv_len));
-  // Block edges over the query and the key range (kEdgeCacheEntries).
+  // Block edges over the query range (targets of E, sources the keys) and
+  // the key range (targets of E^T, sources the queries), kEdgeCacheEntries.
   std::unique_ptr<BlockEdges> query_edges, key_edges;
   if (uses_draws(m.mode)) {
-    query_edges = std::make_unique<BlockEdges>(m.draws, r.q_pos0, r.q_len, kEdgeCacheEntries);
+    query_edges = std::make_unique<BlockEdges>(m.draws, r.q_pos0, r.q_len, r.k_pos0, r.kv_len, kEdgeCacheEntries);
     // The same range (the usual self-attention case): one set serves both.
     if (r.k_pos0 != r.q_pos0 || r.kv_len != r.q_len)
-      key_edges = std::make_unique<BlockEdges>(m.draws, r.k_pos0, r.kv_len, kEdgeCacheEntries);
+      key_edges = std::make_unique<BlockEdges>(m.draws, r.k_pos0, r.kv_len, r.q_pos0, r.q_len, kEdgeCacheEntries);
   }
   const BlockEdges* to_queries = query_edges.get();
   const BlockEdges* to_keys = key_edges ? key_edges.get() : query_edges.get();

@@ -25,11 +25,15 @@ jobs=${PLSH_JOBS:-$(nproc)}
 # so that a bad read anywhere below a target is a crash; recovery off, so
 # that UBSan's findings stop the run like ASan's.
 sanitize="-fsanitize=address,undefined,fuzzer-no-link -fno-sanitize-recover=all -fno-omit-frame-pointer"
+# Line tables only (as OSS-Fuzz builds): a report's stack still names every
+# function, file and line, and the build takes 164 s instead of 196 s on 2
+# cores (2026-12-06), the full debug information being most of the rest.
 launcher=()
 command -v ccache >/dev/null 2>&1 && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang-16 -DCMAKE_CXX_COMPILER=clang++-16 "${launcher[@]}" \
   -DCMAKE_C_FLAGS="$sanitize" -DCMAKE_CXX_FLAGS="$sanitize" \
+  -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only -DNDEBUG" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only -DNDEBUG" \
   -DPLSH_FUZZ=ON -DPLSH_WITH_CUDA=OFF >/dev/null
 cmake --build "$build_dir" -j"$jobs" --target plsh_fuzz
 

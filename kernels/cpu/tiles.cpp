@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include "cpu/exp.h"
+#include "src/vector_clones.h"
 
 // The exp and max loops below vectorise only if GCC may if-convert float
 // compares, i.e. without trapping-math (we never unmask FP exceptions).
@@ -15,10 +16,7 @@ namespace plsh::cpu {
 namespace {
 
 // s[i] += log_count[count[i]]: a gather, which AVX2 does in vector lanes.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
-void add_log_counts(float* s, const int32_t* count, int64_t n, const float* log_count) {
+PLSH_VECTOR_CLONES void add_log_counts(float* s, const int32_t* count, int64_t n, const float* log_count) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) s[i] += log_count[count[i]];
 }

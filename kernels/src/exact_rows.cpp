@@ -5,18 +5,17 @@
 
 #include "exp64.h"
 #include "plsh/numeric.h"
+#include "vector_clones.h"
+
+// The loops per (row, key) run in vector lanes (PLSH_VECTOR_CLONES): the
+// scores, the probe's two exps (a scalar libm call each before) and the
+// weighted sums. The exp's clamps are if-converted only without
+// trapping-math (we never unmask FP exceptions), as in cpu/tiles.cpp.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 
 namespace plsh {
-
-// The loops per (row, key) run in vector lanes, built for AVX2 + FMA too
-// and picked at load time: the scores, the probe's two exps (a scalar libm
-// call each before) and the weighted sums. The file is built with
-// -fno-trapping-math so that the exp's clamps can be if-converted.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PLSH_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define PLSH_VECTOR_CLONES
-#endif
 
 namespace {
 

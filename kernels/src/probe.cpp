@@ -12,6 +12,7 @@
 #include "estimates_internal.h"
 #include "plsh/exact_rows.h"
 #include "plsh/numeric.h"
+#include "vector_clones.h"
 
 namespace plsh {
 
@@ -90,11 +91,7 @@ namespace {
 // ~64 ulp of double at most, far inside the (1 + 1e-12) that probe_rows
 // allows the norms' rounding), built for AVX2+FMA too and picked at load
 // time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
-double
-squared_norm_f32(const float* x, int64_t n) {
+PLSH_VECTOR_CLONES double squared_norm_f32(const float* x, int64_t n) {
   double s = 0;
 #pragma omp simd reduction(+ : s)
   for (int64_t d = 0; d < n; ++d) s += static_cast<double>(x[d]) * x[d];

@@ -100,11 +100,15 @@ double dot(const std::vector<double>& x, const std::vector<double>& y) {
   return s;
 }
 
+// Where source position x falls in prefix sums over sources s0 + [0, ns):
+// clamped to [0, ns], without overflow at an infinite pitch's int64 limits.
+int64_t source_index(int64_t x, int64_t s0, int64_t ns) { return x <= s0 ? 0 : x >= s0 + ns ? ns : x - s0; }
+
 // Block edges over a range are kept while there are at most 8M block changes
 // (12 bytes each, 96 MiB; s = 256 hashes of sigma = 2 over 65536 positions
 // make 6.6M); else found again in every product, one hash at a time.
 // Lanczos at sigma = 2, s = 256, n = 65536: 10 s -> 3 s.
-constexpr size_t kEdgeCacheEntries = size_t{8} << 20;
+constexpr size_t kEdgeCacheChanges = size_t{8} << 20;
 
 // Block edges of every hash over one target range, kept across the Lanczos
 // iterations as what the products read: finding them (block_end, three
@@ -130,9 +134,7 @@ class BlockEdges {
   // false, nothing kept) past max_events block changes.
   BlockEdges(std::span<const Draw> draws, int64_t t0, int64_t nt, int64_t s0, int64_t ns, size_t max_events)
       : t0_(t0), nt_(nt), s0_(s0), ns_(ns), hashes_(draws.size()) {
-    // Where a source position falls in the prefix sums, clamped to the
-    // range (an infinite pitch's edges are the int64 limits).
-    auto at = [&](int64_t x) { return static_cast<int32_t>(x <= s0 ? 0 : x >= s0 + ns ? ns : x - s0); };
+    auto at = [&](int64_t x) { return static_cast<int32_t>(source_index(x, s0, ns)); };
     if (ns > INT32_MAX) return;
     // First pass: how many blocks change at each target.
     std::vector<int64_t> one;
@@ -244,7 +246,7 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
   for (int64_t j = 0; j < ns; ++j) prefix[static_cast<size_t>(j) + 1] = prefix[static_cast<size_t>(j)] + x[j];
   const double* pre = prefix.data();
   // Sum of x over source positions < a.
-  auto below = [&](int64_t a) { return pre[std::clamp<int64_t>(a - s0, 0, ns)]; };
+  auto below = [&](int64_t a) { return pre[source_index(a, s0, ns)]; };
   const double inv_s = 1.0 / static_cast<double>(m.draws.size());
   if (cached != nullptr && !cached->covers(t0, nt, s0, ns)) cached = nullptr;
   if (cached != nullptr) {
@@ -314,7 +316,7 @@ void apply_mask_error(const HeadMask& m, const PositionRange& r, const double* x
   if (uses_draws(m.mode)) {
     const int64_t t0 = transpose ? r.k_pos0 : r.q_pos0, nt = transpose ? r.kv_len : r.q_len;
     const int64_t s0 = transpose ? r.q_pos0 : r.k_pos0, ns = transpose ? r.q_len : r.kv_len;
-    edges = std::make_unique<BlockEdges>(m.draws, t0, nt, s0, ns, kEdgeCacheEntries);
+    edges = std::make_unique<BlockEdges>(m.draws, t0, nt, s0, ns, kEdgeCacheChanges);
   }
   apply_mask_error_with(m, r, x, y, transpose, edges.get(), &scratch);
 }
@@ -340,13 +342,13 @@ SpectralError mask_spectral_error(const HeadMask& m, const PositionRange& r, uin
   const size_t n = static_cast<size_t>(on_keys ? r.kv_len : r.q_len);
   std::vector<double> between(static_cast<size_t>(on_keys ? r.q_len : r.kv_len));
   // Block edges over the query range (targets of E, sources the keys) and
-  // the key range (targets of E^T, sources the queries), kEdgeCacheEntries.
+  // the key range (targets of E^T, sources the queries), kEdgeCacheChanges.
   std::unique_ptr<BlockEdges> query_edges, key_edges;
   if (uses_draws(m.mode)) {
-    query_edges = std::make_unique<BlockEdges>(m.draws, r.q_pos0, r.q_len, r.k_pos0, r.kv_len, kEdgeCacheEntries);
+    query_edges = std::make_unique<BlockEdges>(m.draws, r.q_pos0, r.q_len, r.k_pos0, r.kv_len, kEdgeCacheChanges);
     // The same range (the usual self-attention case): one set serves both.
     if (r.k_pos0 != r.q_pos0 || r.kv_len != r.q_len)
-      key_edges = std::make_unique<BlockEdges>(m.draws, r.k_pos0, r.kv_len, r.q_pos0, r.q_len, kEdgeCacheEntries);
+      key_edges = std::make_unique<BlockEdges>(m.draws, r.k_pos0, r.kv_len, r.q_pos0, r.q_len, kEdgeCacheChanges);
   }
   const BlockEdges* to_queries = query_edges.get();
   const BlockEdges* to_keys = key_edges ? key_edges.get() : query_edges.get();

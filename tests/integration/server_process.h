@@ -13,6 +13,21 @@
 
 namespace plsh::testing {
 
+// Whether this build runs under AddressSanitizer: the tests and the
+// plsh-server they start are built alike (GCC says so by a macro, clang by
+// __has_feature).
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool kAddressSanitizer = true;
+#else
+inline constexpr bool kAddressSanitizer = false;
+#endif
+#else
+inline constexpr bool kAddressSanitizer = false;
+#endif
+
 class ServerProcess {
  public:
   // Extra flags after --listen/--metrics-listen (which pick free ports);

@@ -31,21 +31,10 @@
 #include "temp_dir.h"
 
 namespace plsh {
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-
 namespace {
 
 using plsh::testing::shaped;
+using testing::kAddressSanitizer;
 using testing::scrape;
 using testing::seconds_since;
 using testing::TempDir;

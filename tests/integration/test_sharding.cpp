@@ -376,11 +376,7 @@ TEST(ShardingFailure, ReplicaKilledMidRequest) {
   // 0.4-2 s of compute per shard on one core. Under AddressSanitizer the
   // compute is about ten times slower (the whole test took 72-78 s at 8192
   // rows): a quarter of the work still leaves seconds to kill it in.
-#if defined(__SANITIZE_ADDRESS__)
-  o.q_len = o.kv_len = 4096;
-#else
-  o.q_len = o.kv_len = 8192;
-#endif
+  o.q_len = o.kv_len = plsh::testing::kAddressSanitizer ? 4096 : 8192;
   o.heads = 6;
   o.kv_heads = 3;
   o.head_dim = 64;

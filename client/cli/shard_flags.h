@@ -35,7 +35,14 @@ inline bool wants_sharding(const std::string& target, const ShardCliArgs& a) {
   return client::is_replica_list(target) || a.shards > 0;
 }
 
-inline void add_shard_flags(CLI::App& app, ShardCliArgs& a) {
+// --target, one server or the replicas that `what` ("the request", "each
+// request") is sharded across, and the sharding flags --shards, --shard-by.
+inline void add_target_and_shard_flags(CLI::App& app, std::string& target, ShardCliArgs& a, const std::string& what) {
+  app.add_option("--target", target,
+                 "plsh-server address host:port (or $PLSH_TARGET); a list a:1,b:2 or dns:///name:port shards " + what +
+                     " across them")
+      ->envname("PLSH_TARGET")
+      ->capture_default_str();
   app.add_option("--shards", a.shards,
                  "split the request into this many shards, sent to the replicas of --target at once (a list a:1,b:2 "
                  "or dns:///name:port, every address a replica); 0: one per replica when each shard keeps at least "
@@ -47,17 +54,6 @@ inline void add_shard_flags(CLI::App& app, ShardCliArgs& a) {
                  "(whichever sends fewer bytes per shard)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "heads", "sequence"}));
-}
-
-// --target, one server or the replicas that `what` ("the request", "each
-// request") is sharded across, then the sharding flags above.
-inline void add_target_and_shard_flags(CLI::App& app, std::string& target, ShardCliArgs& a, const std::string& what) {
-  app.add_option("--target", target,
-                 "plsh-server address host:port (or $PLSH_TARGET); a list a:1,b:2 or dns:///name:port shards " + what +
-                     " across them")
-      ->envname("PLSH_TARGET")
-      ->capture_default_str();
-  add_shard_flags(app, a);
 }
 
 inline client::ShardingOptions sharding_options(const ShardCliArgs& a) {

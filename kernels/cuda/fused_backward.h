@@ -152,11 +152,7 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
           for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
           for (int i = 0; i < 4; ++i) L.s[nt][i] = L.dp[nt][i] = 0;
         });
-        if constexpr (Cfg::kTC) {
-          fused_abt_tc_smem<Cfg>(x, sm.q, rf, sm.k, s_acc, tmp);
-        } else {
-          fused_abt_simt<Cfg>(x, sm.q, rf, sm.k, s_acc);
-        }
+        fused_abt_smem<Cfg>(x, sm.q, rf, sm.k, s_acc, tmp);
         x.lanes([&](int lane) {
           Lane& L = st(w, lane);
           const int rr[2] = {rf + frag_row(lane, 0), rf + frag_row(lane, 1)};
@@ -173,11 +169,7 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
             put(sm.p, lane, nt, i, p);
           }
         });
-        if constexpr (Cfg::kTC) {
-          fused_abt_tc_smem<Cfg>(x, sm.dout, rf, sm.v, dp_acc, tmp);
-        } else {
-          fused_abt_simt<Cfg>(x, sm.dout, rf, sm.v, dp_acc);
-        }
+        fused_abt_smem<Cfg>(x, sm.dout, rf, sm.v, dp_acc, tmp);
         x.lanes([&](int lane) {
           Lane& L = st(w, lane);
           PLSH_UNROLL

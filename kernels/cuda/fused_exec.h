@@ -66,36 +66,20 @@ struct F32 {
   static constexpr int kDType = 0;  // DType::kF32
 };
 
-PLSH_HD inline float bits_to_float(Bf16, uint16_t x) {
+// bits <-> float, rounding to nearest even: the device's intrinsics under
+// nvcc (host and device passes), plsh/numeric.h's conversions elsewhere.
 #if defined(__CUDACC__)
-  return __bfloat162float(__ushort_as_bfloat16(x));
+PLSH_HD inline float bits_to_float(Bf16, uint16_t x) { return __bfloat162float(__ushort_as_bfloat16(x)); }
+PLSH_HD inline float bits_to_float(F16, uint16_t x) { return __half2float(__ushort_as_half(x)); }
+PLSH_HD inline uint16_t float_to_bits(Bf16, float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+PLSH_HD inline uint16_t float_to_bits(F16, float x) { return __half_as_ushort(__float2half_rn(x)); }
 #else
-  return bf16_to_float(x);
+inline float bits_to_float(Bf16, uint16_t x) { return bf16_to_float(x); }
+inline float bits_to_float(F16, uint16_t x) { return half_to_float(x); }
+inline uint16_t float_to_bits(Bf16, float x) { return float_to_bf16(x); }
+inline uint16_t float_to_bits(F16, float x) { return float_to_half(x); }
 #endif
-}
-PLSH_HD inline float bits_to_float(F16, uint16_t x) {
-#if defined(__CUDACC__)
-  return __half2float(__ushort_as_half(x));
-#else
-  return half_to_float(x);
-#endif
-}
 PLSH_HD inline float bits_to_float(F32, float x) { return x; }
-
-PLSH_HD inline uint16_t float_to_bits(Bf16, float x) {
-#if defined(__CUDACC__)
-  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-#else
-  return float_to_bf16(x);
-#endif
-}
-PLSH_HD inline uint16_t float_to_bits(F16, float x) {
-#if defined(__CUDACC__)
-  return __half_as_ushort(__float2half_rn(x));
-#else
-  return float_to_half(x);
-#endif
-}
 PLSH_HD inline float float_to_bits(F32, float x) { return x; }
 
 // Two 16-bit values in one register, the lower column in the lower half

@@ -20,21 +20,43 @@
 
 namespace plsh::cuda {
 
-// The query tiles [tile_begin, tile_end) of every (head, batch item).
-inline bool fused_forward_on_host(DType dtype, int64_t head_dim, const FusedArgs& a, int64_t tile_begin,
-                                  int64_t tile_end) {
+// Every CTA (x, y, z) of the grid [0, nz) x [0, ny) x [x0, x1) in turn, each
+// in freshly poisoned shared memory of smem_bytes.
+template <typename Cta>
+void run_grid_on_host(int64_t smem_bytes, int64_t nz, int64_t ny, int64_t x0, int64_t x1, Cta&& cta) {
+  std::vector<unsigned char> smem(static_cast<size_t>(smem_bytes));
+  for (int64_t z = 0; z < nz; ++z)
+    for (int64_t y = 0; y < ny; ++y)
+      for (int64_t t = x0; t < x1; ++t) {
+        std::memset(smem.data(), 0xFF, smem.size());
+        HostExec x;
+        cta(t, y, z, smem.data(), x);
+      }
+}
+
+// The tiles [t0, t1) of every (head, batch item): the forward's query
+// tiles, or with Backward the backward's key tiles of every (kv head,
+// batch item).
+template <bool Backward>
+bool fused_tiles_on_host(DType dtype, int64_t head_dim, const FusedArgs& a, int64_t t0, int64_t t1) {
   return dispatch_fused(dtype, head_dim, false, [&](auto cfg) {
     using Cfg = decltype(cfg);
-    std::vector<unsigned char> smem(static_cast<size_t>(fused_forward_smem_bytes<Cfg>(a.max_samples)));
-    for (int64_t b = 0; b < a.batch; ++b)
-      for (int64_t h = 0; h < a.heads; ++h)
-        for (int64_t t = tile_begin; t < tile_end; ++t) {
-          std::memset(smem.data(), 0xFF, smem.size());
-          HostExec x;
-          fused_forward_cta<Cfg>(a, t, h, b, smem.data(), x);
-        }
+    const int64_t smem_bytes =
+        Backward ? fused_backward_smem_bytes<Cfg>(a.max_samples) : fused_forward_smem_bytes<Cfg>(a.max_samples);
+    run_grid_on_host(smem_bytes, a.batch, Backward ? a.kv_heads : a.heads, t0, t1,
+                     [&](int64_t t, int64_t h, int64_t b, unsigned char* smem, HostExec& x) {
+                       if constexpr (Backward)
+                         fused_backward_cta<Cfg>(a, t, h, b, smem, x);
+                       else
+                         fused_forward_cta<Cfg>(a, t, h, b, smem, x);
+                     });
     return true;
   });
+}
+
+inline bool fused_forward_on_host(DType dtype, int64_t head_dim, const FusedArgs& a, int64_t tile_begin,
+                                  int64_t tile_end) {
+  return fused_tiles_on_host<false>(dtype, head_dim, a, tile_begin, tile_end);
 }
 
 // The probe's CTAs and merge on the host.
@@ -42,13 +64,10 @@ inline bool fused_probe_on_host(DType dtype, int64_t head_dim, const FusedArgs& 
                                 int64_t groups) {
   const bool ran = dispatch_fused(dtype, head_dim, false, [&](auto cfg) {
     using Cfg = decltype(cfg);
-    std::vector<unsigned char> smem(static_cast<size_t>(fused_probe_smem_bytes<Cfg>(a.max_samples)));
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t c = 0; c < pa.splits; ++c) {
-        std::memset(smem.data(), 0xFF, smem.size());
-        HostExec x;
-        fused_probe_cta<Cfg>(a, pa, g, c, smem.data(), x);
-      }
+    run_grid_on_host(fused_probe_smem_bytes<Cfg>(a.max_samples), 1, groups, 0, pa.splits,
+                     [&](int64_t c, int64_t g, int64_t, unsigned char* smem, HostExec& x) {
+                       fused_probe_cta<Cfg>(a, pa, g, c, smem, x);
+                     });
     return true;
   });
   for (int64_t g = 0; ran && g < groups; ++g)
@@ -84,20 +103,7 @@ struct HostBackwardSteps {
     return fused_forward_on_host(dtype, head_dim, s, tiles.begin, tiles.end);
   }
   bool between(int64_t, int64_t) const { return true; }
-  bool main(int64_t kt0, int64_t kt1) const {
-    return dispatch_fused(dtype, head_dim, false, [&](auto cfg) {
-      using Cfg = decltype(cfg);
-      std::vector<unsigned char> smem(static_cast<size_t>(fused_backward_smem_bytes<Cfg>(a.max_samples)));
-      for (int64_t b = 0; b < a.batch; ++b)
-        for (int64_t hk = 0; hk < a.kv_heads; ++hk)
-          for (int64_t kt = kt0; kt < kt1; ++kt) {
-            std::memset(smem.data(), 0xFF, smem.size());
-            HostExec x;
-            fused_backward_cta<Cfg>(a, kt, hk, b, smem.data(), x);
-          }
-      return true;
-    });
-  }
+  bool main(int64_t kt0, int64_t kt1) const { return fused_tiles_on_host<true>(dtype, head_dim, a, kt0, kt1); }
   void* dq;  // dense [B, Nq, H, D] in a.grad_dtype
   bool dq_out() const {
     const int64_t n = a.batch * a.q_len * a.heads * head_dim;

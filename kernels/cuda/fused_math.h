@@ -262,6 +262,19 @@ PLSH_HD void fused_atb_simt(X& x, const float* a_tile, int r0, const float* b_ti
   });
 }
 
+// S = A B^T from two shared tiles on whichever units the dtype uses:
+// fused_abt_tc_smem's tensor cores (tmp: its fragment scratch) or
+// fused_abt_simt's CUDA cores.
+template <typename Cfg, typename X, typename Acc, typename Tmp>
+PLSH_HD void fused_abt_smem(X& x, const typename Cfg::Storage* a_tile, int r0, const typename Cfg::Storage* b_tile,
+                            Acc&& acc, Tmp&& tmp) {
+  if constexpr (Cfg::kTC) {
+    fused_abt_tc_smem<Cfg>(x, a_tile, r0, b_tile, acc, tmp);
+  } else {
+    fused_abt_simt<Cfg>(x, a_tile, r0, b_tile, acc);
+  }
+}
+
 // ---- the weights ---------------------------------------------------------------------
 
 // A warp's view of one key tile: its valid key columns [c0, c1] and, under

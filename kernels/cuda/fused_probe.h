@@ -200,13 +200,9 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
         for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
         for (int i = 0; i < 4; ++i) L.s[nt][i] = 0;
       });
-      if constexpr (Cfg::kTC) {
-        fused_abt_tc_smem<Cfg>(
-            x, sm.q, rf, sm.k(stage), [&](int lane, int nt) { return st(w, lane).s[nt]; },
-            [&](int lane) { return st(w, lane).tmp; });
-      } else {
-        fused_abt_simt<Cfg>(x, sm.q, rf, sm.k(stage), [&](int lane, int nt) { return st(w, lane).s[nt]; });
-      }
+      fused_abt_smem<Cfg>(
+          x, sm.q, rf, sm.k(stage), [&](int lane, int nt) { return st(w, lane).s[nt]; },
+          [&](int lane) { return st(w, lane).tmp; });
       // Per element: the exact logit (into s), a's logit, L* and M~ (into w: |L* - M~| and M~ after the max).
       x.lanes([&](int lane) {
         Lane& L = st(w, lane);

@@ -1,6 +1,7 @@
 #include "cuda/fused_run.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,16 @@ StatusOr<unsigned long long> tiles_done(const FusedForwardBuffers& fb, cudaStrea
   return n;
 }
 
+// Host tensors move through Transfers on a pinned set leased for the call;
+// device tensors need none (tr stays empty).
+Status open_transfers(bool host, const ExecContext& ctx, cudaStream_t stream, int threads, PinnedLease& lease,
+                      std::optional<Transfers>* tr) {
+  if (!host) return Status::Ok();
+  RETURN_IF_ERROR(lease.take());
+  tr->emplace(ctx, stream, lease.set(), threads);
+  return (*tr)->init();
+}
+
 // p's tensors as the kernels see them: host tensors' dense device copies
 // (the same strides), device tensors as they are.
 AttentionParams on_device(const AttentionParams& p, const FusedForwardBuffers& fb) {
@@ -76,14 +87,13 @@ Status run_fused_probe(const AttentionParams& p, const FusedLayout& fused, const
       cudaMemcpyAsync(pb.groups, groups.data(), groups.size() * sizeof(ProbeGroup), cudaMemcpyHostToDevice, stream));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pb.row_index, row_index.data(), row_index.size() * sizeof(int32_t),
                                        cudaMemcpyHostToDevice, stream));
-  ProbeArgs pa;
-  pa.groups = pb.groups;
-  pa.row_index = pb.row_index;
-  pa.splits = l.splits;
-  pa.mode = static_cast<int32_t>(p.mode);
-  pa.partial = pb.partial;
-  pa.result = pb.result;
-  pa.head_dim = p.head_dim;
+  const ProbeArgs pa{.groups = pb.groups,
+                     .row_index = pb.row_index,
+                     .splits = l.splits,
+                     .mode = static_cast<int32_t>(p.mode),
+                     .partial = pb.partial,
+                     .result = pb.result,
+                     .head_dim = p.head_dim};
   RETURN_IF_ERROR(launch_fused_probe(p.dtype, p.head_dim, a, pa, static_cast<int64_t>(groups.size()), stream));
   result->resize(row_index.size() * static_cast<size_t>(p.head_dim + 3));
   return tr->download(result->data(), pb.result, static_cast<int64_t>(result->size() * sizeof(float)));
@@ -127,11 +137,7 @@ Status run_fused_forward(const Plan& plan, const FusedLayout& fused, const ExecC
   const int64_t q_row = p.heads * p.head_dim, kv_row = p.kv_heads * p.head_dim;
   PinnedLease lease(pinned);
   std::optional<Transfers> tr;
-  if (host) {
-    RETURN_IF_ERROR(lease.take());
-    tr.emplace(ctx, stream, lease.set(), plan.threads);
-    RETURN_IF_ERROR(tr->init());
-  }
+  RETURN_IF_ERROR(open_transfers(host, ctx, stream, plan.threads, lease, &tr));
   PacedRounds paced(p.batch * static_cast<int64_t>(steps.size()));
   RETURN_IF_ERROR(paced.start(stream, ctx));
   int64_t chunk = 0;
@@ -208,10 +214,8 @@ Status run_fused_backward(const Plan& plan, const FusedLayout& fused, const Back
   void* dq = host ? static_cast<void*>(bb.dq) : g.dq;
   PinnedLease lease(pinned);
   std::optional<Transfers> tr;
+  RETURN_IF_ERROR(open_transfers(host, ctx, stream, plan.threads, lease, &tr));
   if (host) {
-    RETURN_IF_ERROR(lease.take());
-    tr.emplace(ctx, stream, lease.set(), plan.threads);
-    RETURN_IF_ERROR(tr->init());
     RETURN_IF_ERROR(tr->upload(bb.fwd.q, p.q, bb.fwd.q_bytes));
     RETURN_IF_ERROR(tr->upload(bb.fwd.k, p.k, bb.fwd.kv_bytes));
     RETURN_IF_ERROR(tr->upload(bb.fwd.v, p.v, bb.fwd.kv_bytes));

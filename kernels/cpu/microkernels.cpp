@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "cpu/exp.h"
 
@@ -148,36 +149,22 @@ void fold_generic(float* st, int64_t ldst, int64_t keys, int64_t rows, float* ac
 #define PLSH_AVX2 __attribute__((target("avx2,fma")))
 constexpr int kBlockRows = 6;
 
-// Calls block(std::integral_constant<int, m>{}) for m in [1, 6]: a partial
-// register block's row count as the compile-time constant the blocks take.
+// Calls block(std::integral_constant<int, m>{}) for m in [1, kBlockRows]: a
+// partial register block's row count as the compile-time constant the
+// blocks take.
 template <typename Block>
 void with_block_rows(int64_t m, Block&& block) {
-  switch (m) {
-    case 6:
-      block(std::integral_constant<int, 6>{});
-      break;
-    case 5:
-      block(std::integral_constant<int, 5>{});
-      break;
-    case 4:
-      block(std::integral_constant<int, 4>{});
-      break;
-    case 3:
-      block(std::integral_constant<int, 3>{});
-      break;
-    case 2:
-      block(std::integral_constant<int, 2>{});
-      break;
-    default:
-      block(std::integral_constant<int, 1>{});
-      break;
+  [&]<int... M>(std::integer_sequence<int, M...>) {
+    (void)((m == M + 1 && (block(std::integral_constant<int, M + 1>{}), true)) || ...);
   }
+  (std::make_integer_sequence<int, kBlockRows>{});
 }
 
-// c[r][0, 16) (+)= sum_d a[r][d] b[d][0, 16) for r < M: a's elements
-// broadcast from M of its rows, b read 16 floats a step, ldb apart (the
-// packed queries' 16, or the rows of a tensor's tile).
-template <int M, bool Accumulate>
+// c[r][0, 16) (+)= sum_d A[r][d] b[d][0, 16) for r < M: A's elements
+// broadcast, b read 16 floats a step, ldb apart (the packed queries' 16, or
+// the rows of a tensor's tile). A[r][d] is a[r * lda + d], or with
+// ATransposed a[d * lda + r] (P^T, whose rows are keys).
+template <int M, bool Accumulate, bool ATransposed = false>
 PLSH_AVX2 void rows_block(const float* a, int64_t lda, int64_t depth, const float* b, int64_t ldb, float* c,
                           int64_t ldc) {
   __m256 c0[M], c1[M];
@@ -187,11 +174,16 @@ PLSH_AVX2 void rows_block(const float* a, int64_t lda, int64_t depth, const floa
     c1[r] = Accumulate ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
   }
   for (int64_t d = 0; d < depth; ++d) {
+    if constexpr (ATransposed) {
+      // The rows eight steps on: P^T's stride defeats the hardware prefetcher.
+      _mm_prefetch(reinterpret_cast<const char*>(b + (d + 8) * ldb), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a + (d + 8) * lda), _MM_HINT_T0);
+    }
     const __m256 b0 = _mm256_loadu_ps(b + d * ldb);
     const __m256 b1 = _mm256_loadu_ps(b + d * ldb + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < M; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r * lda + d);
+      const __m256 x = _mm256_broadcast_ss(ATransposed ? a + d * lda + r : a + r * lda + d);
       c0[r] = _mm256_fmadd_ps(x, b0, c0[r]);
       c1[r] = _mm256_fmadd_ps(x, b1, c1[r]);
     }
@@ -243,36 +235,6 @@ PLSH_AVX2 void ab_avx2(const float* a, int64_t lda, int64_t m, int64_t depth, co
   if (full < dim) ab_generic(a, lda, m, depth, b, ldb, full, dim, c, ldc);
 }
 
-// acc[r][0, 16) += sum_j pt[j][r] v[j][0, 16) for r < M.
-template <int M>
-PLSH_AVX2 void pv_block(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, float* acc,
-                        int64_t ldacc) {
-  __m256 c0[M], c1[M];
-#pragma GCC unroll 6
-  for (int r = 0; r < M; ++r) {
-    c0[r] = _mm256_loadu_ps(acc + r * ldacc);
-    c1[r] = _mm256_loadu_ps(acc + r * ldacc + 8);
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    // The rows eight keys on: P^T's stride defeats the hardware prefetcher.
-    _mm_prefetch(reinterpret_cast<const char*>(v + (j + 8) * ldv), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pt + (j + 8) * ldpt), _MM_HINT_T0);
-    const __m256 b0 = _mm256_loadu_ps(v + j * ldv);
-    const __m256 b1 = _mm256_loadu_ps(v + j * ldv + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < M; ++r) {
-      const __m256 a = _mm256_broadcast_ss(pt + j * ldpt + r);
-      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < M; ++r) {
-    _mm256_storeu_ps(acc + r * ldacc, c0[r]);
-    _mm256_storeu_ps(acc + r * ldacc + 8, c1[r]);
-  }
-}
-
 PLSH_AVX2 void pv_avx2(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows,
                        int64_t dim, float* acc, int64_t ldacc) {
   const int64_t full = dim / kQueryPanel * kQueryPanel;
@@ -283,7 +245,8 @@ PLSH_AVX2 void pv_avx2(const float* pt, int64_t ldpt, int64_t keys, const float*
     const int64_t m = std::min<int64_t>(kBlockRows, rows - i);
     for (int64_t d0 = 0; d0 < full; d0 += kQueryPanel) {
       float* ai = acc + i * ldacc + d0;
-      with_block_rows(m, [&](auto rows_c) { pv_block<rows_c()>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); });
+      with_block_rows(m,
+                      [&](auto rows_c) { rows_block<rows_c(), true, true>(pi, ldpt, keys, v + d0, ldv, ai, ldacc); });
     }
   }
   if (full < dim) pv_generic(pt, ldpt, keys, v, ldv, rows, full, dim, acc, ldacc);

@@ -46,6 +46,17 @@ std::vector<bool> implementations() {
   return which;
 }
 
+// A float64 sum of terms and of their magnitudes: a float32 sum of the
+// same terms is within 1e-6 of their magnitude (plus 1) of it.
+struct Sum64 {
+  double sum = 0, mag = 0;
+  void add(double t) {
+    sum += t;
+    mag += std::abs(t);
+  }
+  double tolerance() const { return 1e-6 * (mag + 1); }
+};
+
 // c[r][x] == before[r][x] + sum_{k < depth} a(r, k) b[k][x] in float64 for
 // x < dim (within float32 accumulation over the terms' magnitudes), and
 // columns past dim untouched: pv_tile's and ab_tile's contract.
@@ -58,13 +69,10 @@ void expect_accumulated(const std::vector<float>& c, const std::vector<float>& b
         ASSERT_EQ(c[r * ldc + x], before[r * ldc + x]) << "row " << r << " column " << x << " past dim";
         continue;
       }
-      double want = before[r * ldc + x], mag = std::abs(want);
-      for (int64_t k = 0; k < depth; ++k) {
-        const double t = static_cast<double>(a(r, k)) * b[k * ldb + x];
-        want += t;
-        mag += std::abs(t);
-      }
-      ASSERT_NEAR(c[r * ldc + x], want, 1e-6 * (mag + 1)) << "row " << r << " column " << x;
+      Sum64 want;
+      want.add(before[r * ldc + x]);
+      for (int64_t k = 0; k < depth; ++k) want.add(static_cast<double>(a(r, k)) * b[k * ldb + x]);
+      ASSERT_NEAR(c[r * ldc + x], want.sum, want.tolerance()) << "row " << r << " column " << x;
     }
   }
 }
@@ -83,14 +91,11 @@ TEST(Microkernels, QueryKeyProductMatchesFloat64) {
       k::qk_tile(avx2, kk.data(), ldk, z.keys, z.dim, qt.data(), z.rows, st.data(), ldst);
       for (int64_t j = 0; j < z.keys; ++j) {
         for (int64_t i = 0; i < padded_rows(z.rows); ++i) {
-          double want = 0, mag = 0;
-          for (int64_t d = 0; i < z.rows && d < z.dim; ++d) {
-            const double t = static_cast<double>(scale) * q[i * ldq + d] * kk[j * ldk + d];
-            want += t;
-            mag += std::abs(t);
-          }
+          Sum64 want;
+          for (int64_t d = 0; i < z.rows && d < z.dim; ++d)
+            want.add(static_cast<double>(scale) * q[i * ldq + d] * kk[j * ldk + d]);
           // Padding rows are zero queries: their logits are 0, not garbage.
-          ASSERT_NEAR(st[j * ldst + i], want, 1e-6 * (mag + 1)) << "key " << j << " row " << i;
+          ASSERT_NEAR(st[j * ldst + i], want.sum, want.tolerance()) << "key " << j << " row " << i;
         }
       }
     }

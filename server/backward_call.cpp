@@ -35,20 +35,18 @@ Workspace GradRequest::workspace() const {
 }
 
 MemoryLayout GradRequest::memory_layout() const {
-  MemoryLayout m;
-  if (stateless) {
-    m.q = shape.q.bytes();
-    m.k = shape.k.bytes();
-    m.v = shape.v.bytes();
-    m.out = shape.out.bytes();
-    m.lse = shape.lse.bytes();
-  }
-  m.dout = shape.dout.bytes();
-  m.dq = shape.dq.bytes();
-  m.dk = shape.dk.bytes();
-  m.dv = shape.dv.bytes();
-  m.workspace = workspace().host_bytes;
-  return m;
+  // The forward's tensors come with a stateless backward; a context holds its own.
+  const auto forward = [&](const TensorShape& t) { return stateless ? t.bytes() : 0; };
+  return MemoryLayout{.q = forward(shape.q),
+                      .k = forward(shape.k),
+                      .v = forward(shape.v),
+                      .out = forward(shape.out),
+                      .lse = forward(shape.lse),
+                      .dout = shape.dout.bytes(),
+                      .dq = shape.dq.bytes(),
+                      .dk = shape.dk.bytes(),
+                      .dv = shape.dv.bytes(),
+                      .workspace = workspace().host_bytes};
 }
 
 StatusOr<GradRequest> check_backward_header(const v1::BackwardHeader& h, const RequestLimits& limits) {

@@ -128,15 +128,13 @@ bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span
         while (r1 > r0 && row_windows[static_cast<size_t>(r1 - 1)].begin >= j0 + tn) --r1;
       }
       score_tile(qr.data(), R, r0, r1, D, kt.data(), tn, scores.data());
-      KeyTile tile;
-      tile.j0 = j0;
-      tile.count = tn;
-      tile.rows = R;
-      tile.row_begin = r0;
-      tile.row_end = r1;
-      tile.scores = scores.data();
-      tile.values = vt.data();
-      visit(tile);
+      visit(KeyTile{.j0 = j0,
+                    .count = tn,
+                    .rows = R,
+                    .row_begin = r0,
+                    .row_end = r1,
+                    .scores = scores.data(),
+                    .values = vt.data()});
     }
   }
   return true;

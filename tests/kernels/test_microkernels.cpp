@@ -46,6 +46,18 @@ std::vector<bool> implementations() {
   return which;
 }
 
+// f(z, avx2) for every size and every implementation, traced.
+template <typename F>
+void for_each_case(F&& f) {
+  for (const Sizes& z : kSizes) {
+    for (bool avx2 : implementations()) {
+      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " dim " << z.dim << " avx2 "
+                                        << avx2);
+      f(z, avx2);
+    }
+  }
+}
+
 // A float64 sum of terms and of their magnitudes: a float32 sum of the
 // same terms is within 1e-6 of their magnitude (plus 1) of it.
 struct Sum64 {
@@ -78,45 +90,37 @@ void expect_accumulated(const std::vector<float>& c, const std::vector<float>& b
 }
 
 TEST(Microkernels, QueryKeyProductMatchesFloat64) {
-  for (const Sizes& z : kSizes) {
-    for (bool avx2 : implementations()) {
-      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " dim " << z.dim << " avx2 "
-                                        << avx2);
-      const int64_t ldq = z.dim + 3, ldk = z.dim + 7, ldst = padded_rows(z.rows) + 5;
-      const std::vector<float> q = random_floats(z.rows * ldq, 1), kk = random_floats(z.keys * ldk, 2);
-      const float scale = 0.37f;
-      std::vector<float> qt(static_cast<size_t>(padded_rows(z.rows) * z.dim), std::nanf(""));
-      k::pack_queries(avx2, q.data(), ldq, z.rows, z.dim, scale, qt.data());
-      std::vector<float> st(static_cast<size_t>(z.keys * ldst), std::nanf(""));
-      k::qk_tile(avx2, kk.data(), ldk, z.keys, z.dim, qt.data(), z.rows, st.data(), ldst);
-      for (int64_t j = 0; j < z.keys; ++j) {
-        for (int64_t i = 0; i < padded_rows(z.rows); ++i) {
-          Sum64 want;
-          for (int64_t d = 0; i < z.rows && d < z.dim; ++d)
-            want.add(static_cast<double>(scale) * q[i * ldq + d] * kk[j * ldk + d]);
-          // Padding rows are zero queries: their logits are 0, not garbage.
-          ASSERT_NEAR(st[j * ldst + i], want.sum, want.tolerance()) << "key " << j << " row " << i;
-        }
+  for_each_case([&](const Sizes& z, bool avx2) {
+    const int64_t ldq = z.dim + 3, ldk = z.dim + 7, ldst = padded_rows(z.rows) + 5;
+    const std::vector<float> q = random_floats(z.rows * ldq, 1), kk = random_floats(z.keys * ldk, 2);
+    const float scale = 0.37f;
+    std::vector<float> qt(static_cast<size_t>(padded_rows(z.rows) * z.dim), std::nanf(""));
+    k::pack_queries(avx2, q.data(), ldq, z.rows, z.dim, scale, qt.data());
+    std::vector<float> st(static_cast<size_t>(z.keys * ldst), std::nanf(""));
+    k::qk_tile(avx2, kk.data(), ldk, z.keys, z.dim, qt.data(), z.rows, st.data(), ldst);
+    for (int64_t j = 0; j < z.keys; ++j) {
+      for (int64_t i = 0; i < padded_rows(z.rows); ++i) {
+        Sum64 want;
+        for (int64_t d = 0; i < z.rows && d < z.dim; ++d)
+          want.add(static_cast<double>(scale) * q[i * ldq + d] * kk[j * ldk + d]);
+        // Padding rows are zero queries: their logits are 0, not garbage.
+        ASSERT_NEAR(st[j * ldst + i], want.sum, want.tolerance()) << "key " << j << " row " << i;
       }
     }
-  }
+  });
 }
 
 TEST(Microkernels, ProbabilityValueProductAccumulatesInFloat64Agreement) {
-  for (const Sizes& z : kSizes) {
-    for (bool avx2 : implementations()) {
-      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " dim " << z.dim << " avx2 "
-                                        << avx2);
-      const int64_t ldpt = z.rows + 9, ldv = z.dim + 11, ldacc = z.dim + 2;
-      const std::vector<float> pt = random_floats(z.keys * ldpt, 3), v = random_floats(z.keys * ldv, 4);
-      std::vector<float> acc = random_floats(z.rows * ldacc, 5);
-      const std::vector<float> before = acc;
-      k::pv_tile(avx2, pt.data(), ldpt, z.keys, v.data(), ldv, z.rows, z.dim, acc.data(), ldacc);
-      expect_accumulated(
-          acc, before, ldacc, z.rows, z.dim, z.keys, [&](int64_t i, int64_t j) { return pt[j * ldpt + i]; }, v.data(),
-          ldv);
-    }
-  }
+  for_each_case([&](const Sizes& z, bool avx2) {
+    const int64_t ldpt = z.rows + 9, ldv = z.dim + 11, ldacc = z.dim + 2;
+    const std::vector<float> pt = random_floats(z.keys * ldpt, 3), v = random_floats(z.keys * ldv, 4);
+    std::vector<float> acc = random_floats(z.rows * ldacc, 5);
+    const std::vector<float> before = acc;
+    k::pv_tile(avx2, pt.data(), ldpt, z.keys, v.data(), ldv, z.rows, z.dim, acc.data(), ldacc);
+    expect_accumulated(
+        acc, before, ldacc, z.rows, z.dim, z.keys, [&](int64_t i, int64_t j) { return pt[j * ldpt + i]; }, v.data(),
+        ldv);
+  });
 }
 
 // The online softmax over two tiles equals the one-shot softmax of both,
@@ -124,77 +128,70 @@ TEST(Microkernels, ProbabilityValueProductAccumulatesInFloat64Agreement) {
 // column masked in both (its state stays empty: max -inf, sum 0).
 TEST(Microkernels, FoldIsTheOnlineSoftmax) {
   const float inf = std::numeric_limits<float>::infinity();
-  for (const Sizes& z : kSizes) {
-    for (bool avx2 : implementations()) {
-      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " avx2 " << avx2);
-      const int64_t ld = z.rows + 3, dim = 3;
-      std::vector<float> t1 = random_floats(z.keys * ld, 6), t2 = random_floats(z.keys * ld, 7);
-      for (float& x : t2) x = 4 * x + 3;  // the second tile's max is larger: acc is rescaled
-      for (int64_t j = 0; j < z.keys; ++j) {
-        t1[j * ld + 0] = -inf;  // column 0: nothing in the first tile
-        if (z.rows > 1) t1[j * ld + z.rows - 1] = t2[j * ld + z.rows - 1] = -inf;  // last: nothing at all
-        if (j % 3 == 1) t1[j * ld + z.rows / 2] = -inf;
-      }
-      const std::vector<float> l1 = t1, l2 = t2;
-      std::vector<float> acc(static_cast<size_t>(z.rows * dim), 0.0f);
-      std::vector<float> row_max(static_cast<size_t>(z.rows), -inf), row_sum(static_cast<size_t>(z.rows), 0.0f);
-      std::vector<double> want_acc(acc.size(), 0.0);
-      for (std::vector<float>* tile : {&t1, &t2}) {
-        k::fold_tile(avx2, tile->data(), ld, z.keys, z.rows, acc.data(), dim, row_max.data(), row_sum.data());
-        // acc += P V with V[j] = (1, j, j^2 mod 7) from the probabilities left in the tile.
-        for (int64_t i = 0; i < z.rows; ++i)
-          for (int64_t j = 0; j < z.keys; ++j) {
-            const float p = (*tile)[j * ld + i];
-            acc[i * dim + 0] += p;
-            acc[i * dim + 1] += p * static_cast<float>(j % 5);
-            acc[i * dim + 2] += p * static_cast<float>(j * j % 7);
-          }
-      }
-      for (int64_t i = 0; i < z.rows; ++i) {
-        double m = -std::numeric_limits<double>::infinity();
-        for (const std::vector<float>* l : {&l1, &l2})
-          for (int64_t j = 0; j < z.keys; ++j) m = std::max(m, static_cast<double>((*l)[j * ld + i]));
-        if (m == -std::numeric_limits<double>::infinity()) {
-          EXPECT_EQ(row_max[i], -inf) << "row " << i;
-          EXPECT_EQ(row_sum[i], 0.0f) << "row " << i;
-          EXPECT_EQ(acc[i * dim], 0.0f) << "row " << i;
-          continue;
-        }
-        double sum = 0, o1 = 0, o2 = 0;
-        for (const std::vector<float>* l : {&l1, &l2})
-          for (int64_t j = 0; j < z.keys; ++j) {
-            const double e = std::exp(static_cast<double>((*l)[j * ld + i]) - m);
-            sum += e;
-            o1 += e * static_cast<double>(j % 5);
-            o2 += e * static_cast<double>(j * j % 7);
-          }
-        EXPECT_EQ(row_max[i], static_cast<float>(m)) << "row " << i;
-        EXPECT_NEAR(row_sum[i] / sum, 1.0, 2e-6) << "row " << i;
-        EXPECT_NEAR(acc[i * dim + 0] / sum, 1.0, 2e-6) << "row " << i;
-        EXPECT_NEAR(acc[i * dim + 1] / row_sum[i], o1 / sum, 2e-5) << "row " << i;
-        EXPECT_NEAR(acc[i * dim + 2] / row_sum[i], o2 / sum, 2e-5) << "row " << i;
-      }
+  for_each_case([&](const Sizes& z, bool avx2) {
+    const int64_t ld = z.rows + 3, dim = 3;
+    std::vector<float> t1 = random_floats(z.keys * ld, 6), t2 = random_floats(z.keys * ld, 7);
+    for (float& x : t2) x = 4 * x + 3;  // the second tile's max is larger: acc is rescaled
+    for (int64_t j = 0; j < z.keys; ++j) {
+      t1[j * ld + 0] = -inf;                                                     // column 0: nothing in the first tile
+      if (z.rows > 1) t1[j * ld + z.rows - 1] = t2[j * ld + z.rows - 1] = -inf;  // last: nothing at all
+      if (j % 3 == 1) t1[j * ld + z.rows / 2] = -inf;
     }
-  }
+    const std::vector<float> l1 = t1, l2 = t2;
+    std::vector<float> acc(static_cast<size_t>(z.rows * dim), 0.0f);
+    std::vector<float> row_max(static_cast<size_t>(z.rows), -inf), row_sum(static_cast<size_t>(z.rows), 0.0f);
+    std::vector<double> want_acc(acc.size(), 0.0);
+    for (std::vector<float>* tile : {&t1, &t2}) {
+      k::fold_tile(avx2, tile->data(), ld, z.keys, z.rows, acc.data(), dim, row_max.data(), row_sum.data());
+      // acc += P V with V[j] = (1, j, j^2 mod 7) from the probabilities left in the tile.
+      for (int64_t i = 0; i < z.rows; ++i)
+        for (int64_t j = 0; j < z.keys; ++j) {
+          const float p = (*tile)[j * ld + i];
+          acc[i * dim + 0] += p;
+          acc[i * dim + 1] += p * static_cast<float>(j % 5);
+          acc[i * dim + 2] += p * static_cast<float>(j * j % 7);
+        }
+    }
+    for (int64_t i = 0; i < z.rows; ++i) {
+      double m = -std::numeric_limits<double>::infinity();
+      for (const std::vector<float>* l : {&l1, &l2})
+        for (int64_t j = 0; j < z.keys; ++j) m = std::max(m, static_cast<double>((*l)[j * ld + i]));
+      if (m == -std::numeric_limits<double>::infinity()) {
+        EXPECT_EQ(row_max[i], -inf) << "row " << i;
+        EXPECT_EQ(row_sum[i], 0.0f) << "row " << i;
+        EXPECT_EQ(acc[i * dim], 0.0f) << "row " << i;
+        continue;
+      }
+      double sum = 0, o1 = 0, o2 = 0;
+      for (const std::vector<float>* l : {&l1, &l2})
+        for (int64_t j = 0; j < z.keys; ++j) {
+          const double e = std::exp(static_cast<double>((*l)[j * ld + i]) - m);
+          sum += e;
+          o1 += e * static_cast<double>(j % 5);
+          o2 += e * static_cast<double>(j * j % 7);
+        }
+      EXPECT_EQ(row_max[i], static_cast<float>(m)) << "row " << i;
+      EXPECT_NEAR(row_sum[i] / sum, 1.0, 2e-6) << "row " << i;
+      EXPECT_NEAR(acc[i * dim + 0] / sum, 1.0, 2e-6) << "row " << i;
+      EXPECT_NEAR(acc[i * dim + 1] / row_sum[i], o1 / sum, 2e-5) << "row " << i;
+      EXPECT_NEAR(acc[i * dim + 2] / row_sum[i], o2 / sum, 2e-5) << "row " << i;
+    }
+  });
 }
 
 // The backward's dV += P^T dO and dK += dS^T Q: c[j][x] += sum_i a[j][i]
 // b[i][x], columns past dim untouched.
 TEST(Microkernels, RowBroadcastProductAccumulatesInFloat64Agreement) {
-  for (const Sizes& z : kSizes) {
-    for (bool avx2 : implementations()) {
-      // keys x rows times rows x dim: m = keys, depth = rows.
-      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " dim " << z.dim << " avx2 "
-                                        << avx2);
-      const int64_t lda = z.rows + 5, ldb = z.dim + 13, ldc = z.dim + 3;
-      const std::vector<float> a = random_floats(z.keys * lda, 6), b = random_floats(z.rows * ldb, 7);
-      std::vector<float> c = random_floats(z.keys * ldc, 8);
-      const std::vector<float> before = c;
-      k::ab_tile(avx2, a.data(), lda, z.keys, z.rows, b.data(), ldb, z.dim, c.data(), ldc);
-      expect_accumulated(
-          c, before, ldc, z.keys, z.dim, z.rows, [&](int64_t j, int64_t i) { return a[j * lda + i]; }, b.data(), ldb);
-    }
-  }
+  for_each_case([&](const Sizes& z, bool avx2) {
+    // keys x rows times rows x dim: m = keys, depth = rows.
+    const int64_t lda = z.rows + 5, ldb = z.dim + 13, ldc = z.dim + 3;
+    const std::vector<float> a = random_floats(z.keys * lda, 6), b = random_floats(z.rows * ldb, 7);
+    std::vector<float> c = random_floats(z.keys * ldc, 8);
+    const std::vector<float> before = c;
+    k::ab_tile(avx2, a.data(), lda, z.keys, z.rows, b.data(), ldb, z.dim, c.data(), ldc);
+    expect_accumulated(
+        c, before, ldc, z.keys, z.dim, z.rows, [&](int64_t j, int64_t i) { return a[j * lda + i]; }, b.data(), ldb);
+  });
 }
 
 // P^T = exp(S^T - lse) within exp's error, -inf logits and an lse of +inf
@@ -202,42 +199,39 @@ TEST(Microkernels, RowBroadcastProductAccumulatesInFloat64Agreement) {
 // columns past `rows` untouched; then dS^T = P^T (dP^T - D) exactly.
 TEST(Microkernels, ProbabilitiesAndScoreGradientsMatchFloat64) {
   const float inf = std::numeric_limits<float>::infinity();
-  for (const Sizes& z : kSizes) {
-    for (bool avx2 : implementations()) {
-      SCOPED_TRACE(::testing::Message() << "rows " << z.rows << " keys " << z.keys << " avx2 " << avx2);
-      const int64_t ld = z.rows + 7;
-      std::vector<float> st = random_floats(z.keys * ld, 9), lse = random_floats(z.rows, 10);
-      for (float& x : lse) x = std::abs(x) + 4.0f;  // above every logit but the planted ones
-      for (int64_t j = 0; j < z.keys; ++j) {
-        if (j % 5 == 1) st[j * ld + (j % z.rows)] = -inf;
-        if (j % 7 == 2) st[j * ld + (j % z.rows)] = lse[j % z.rows] + 1e-6f;
-      }
-      if (z.rows > 2) lse[2] = inf;
-      const std::vector<float> logits = st;
-      k::probs_tile(avx2, st.data(), ld, z.keys, z.rows, lse.data());
-      for (int64_t j = 0; j < z.keys; ++j) {
-        for (int64_t i = 0; i < ld; ++i) {
-          const float got = st[j * ld + i], s = logits[j * ld + i];
-          if (i >= z.rows) {
-            ASSERT_EQ(got, s);
-            continue;
-          }
-          if (s == -inf || lse[i] == inf) {
-            ASSERT_EQ(got, 0.0f) << "key " << j << " row " << i;
-            continue;
-          }
-          const double want = std::exp(static_cast<double>(s) - lse[i]);
-          ASSERT_NEAR(got, want, 1e-6 * want) << "key " << j << " row " << i;
-        }
-      }
-      std::vector<float> dpt = random_floats(z.keys * ld, 11);
-      const std::vector<float> dots = random_floats(z.rows, 12), dp = dpt;
-      k::dscores_tile(avx2, dpt.data(), st.data(), ld, z.keys, z.rows, dots.data());
-      for (int64_t j = 0; j < z.keys; ++j)
-        for (int64_t i = 0; i < ld; ++i)
-          ASSERT_EQ(dpt[j * ld + i], i >= z.rows ? dp[j * ld + i] : st[j * ld + i] * (dp[j * ld + i] - dots[i]));
+  for_each_case([&](const Sizes& z, bool avx2) {
+    const int64_t ld = z.rows + 7;
+    std::vector<float> st = random_floats(z.keys * ld, 9), lse = random_floats(z.rows, 10);
+    for (float& x : lse) x = std::abs(x) + 4.0f;  // above every logit but the planted ones
+    for (int64_t j = 0; j < z.keys; ++j) {
+      if (j % 5 == 1) st[j * ld + (j % z.rows)] = -inf;
+      if (j % 7 == 2) st[j * ld + (j % z.rows)] = lse[j % z.rows] + 1e-6f;
     }
-  }
+    if (z.rows > 2) lse[2] = inf;
+    const std::vector<float> logits = st;
+    k::probs_tile(avx2, st.data(), ld, z.keys, z.rows, lse.data());
+    for (int64_t j = 0; j < z.keys; ++j) {
+      for (int64_t i = 0; i < ld; ++i) {
+        const float got = st[j * ld + i], s = logits[j * ld + i];
+        if (i >= z.rows) {
+          ASSERT_EQ(got, s);
+          continue;
+        }
+        if (s == -inf || lse[i] == inf) {
+          ASSERT_EQ(got, 0.0f) << "key " << j << " row " << i;
+          continue;
+        }
+        const double want = std::exp(static_cast<double>(s) - lse[i]);
+        ASSERT_NEAR(got, want, 1e-6 * want) << "key " << j << " row " << i;
+      }
+    }
+    std::vector<float> dpt = random_floats(z.keys * ld, 11);
+    const std::vector<float> dots = random_floats(z.rows, 12), dp = dpt;
+    k::dscores_tile(avx2, dpt.data(), st.data(), ld, z.keys, z.rows, dots.data());
+    for (int64_t j = 0; j < z.keys; ++j)
+      for (int64_t i = 0; i < ld; ++i)
+        ASSERT_EQ(dpt[j * ld + i], i >= z.rows ? dp[j * ld + i] : st[j * ld + i] * (dp[j * ld + i] - dots[i]));
+  });
 }
 
 TEST(Microkernels, ExpHasItsStatedRelativeErrorAndUnderflowsToZero) {

@@ -27,11 +27,15 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "cuda/cuda_backend.h"
@@ -71,50 +75,56 @@ struct Args {
   std::exit(2);
 }
 
+// A value's text into the field's type; nullopt where it is not one.
+template <typename T>
+std::optional<T> parse_value(const std::string& text) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    return text;
+  } else {
+    std::istringstream in(text);
+    T value{};
+    if (!(in >> value) || !in.eof()) return std::nullopt;
+    return value;
+  }
+}
+
 Args parse(int argc, char** argv) {
   Args a;
+  using Field = std::variant<int64_t*, uint64_t*, int*, double*, std::string*>;
+  const std::map<std::string, Field> options = {{"--n", &a.n},
+                                                {"--heads", &a.heads},
+                                                {"--kv-heads", &a.kv_heads},
+                                                {"--dim", &a.dim},
+                                                {"--dtype", &a.dtype},
+                                                {"--samples", &a.samples},
+                                                {"--seed", &a.seed},
+                                                {"--modes", &a.modes},
+                                                {"--warmup", &a.warmup},
+                                                {"--repeats", &a.repeats},
+                                                {"--max-seconds", &a.max_seconds},
+                                                {"--inputs", &a.inputs},
+                                                {"--json", &a.json}};
+  // Flags: the field and the value they set.
+  const std::map<std::string, std::pair<bool*, bool>> flags = {
+      {"--backward", {&a.backward, true}}, {"--write-out", {&a.write_out, true}}, {"--noncausal", {&a.causal, false}}};
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) usage(("missing value after " + k).c_str());
-      return argv[++i];
-    };
-    if (k == "--n")
-      a.n = std::stoll(next());
-    else if (k == "--heads")
-      a.heads = std::stoll(next());
-    else if (k == "--kv-heads")
-      a.kv_heads = std::stoll(next());
-    else if (k == "--dim")
-      a.dim = std::stoll(next());
-    else if (k == "--dtype")
-      a.dtype = next();
-    else if (k == "--samples")
-      a.samples = std::stoll(next());
-    else if (k == "--seed")
-      a.seed = std::stoull(next());
-    else if (k == "--modes")
-      a.modes = next();
-    else if (k == "--backward")
-      a.backward = true;
-    else if (k == "--warmup")
-      a.warmup = std::stoi(next());
-    else if (k == "--repeats")
-      a.repeats = std::stoi(next());
-    else if (k == "--max-seconds")
-      a.max_seconds = std::stod(next());
-    else if (k == "--inputs")
-      a.inputs = next();
-    else if (k == "--json")
-      a.json = next();
-    else if (k == "--write-out")
-      a.write_out = true;
-    else if (k == "--noncausal")
-      a.causal = false;
-    else if (k == "--help" || k == "-h")
-      usage("help");
-    else
-      usage(("unknown argument " + k).c_str());
+    if (k == "--help" || k == "-h") usage("help");
+    if (const auto flag = flags.find(k); flag != flags.end()) {
+      *flag->second.first = flag->second.second;
+      continue;
+    }
+    const auto option = options.find(k);
+    if (option == options.end()) usage(("unknown argument " + k).c_str());
+    if (i + 1 >= argc) usage(("missing value after " + k).c_str());
+    const std::string text = argv[++i];
+    std::visit(
+        [&](auto* field) {
+          const auto value = parse_value<std::remove_pointer_t<decltype(field)>>(text);
+          if (!value) usage(("bad value '" + text + "' for " + k).c_str());
+          *field = *value;
+        },
+        option->second);
   }
   if (a.inputs.empty()) usage("--inputs DIR is required (q.bin, k.bin, v.bin from peers.py prepare)");
   if (a.repeats < 1) usage("--repeats must be >= 1");

@@ -69,12 +69,16 @@ struct Sum64 {
   double tolerance() const { return 1e-6 * (mag + 1); }
 };
 
-// c[r][x] == before[r][x] + sum_{k < depth} a(r, k) b[k][x] in float64 for
-// x < dim (within float32 accumulation over the terms' magnitudes), and
-// columns past dim untouched: pv_tile's and ab_tile's contract.
-template <typename A>
-void expect_accumulated(const std::vector<float>& c, const std::vector<float>& before, int64_t ldc, int64_t m,
-                        int64_t dim, int64_t depth, A&& a, const float* b, int64_t ldb) {
+// product(c, ldc) on a random c (m rows, seed) adds sum_{k < depth} a(r, k)
+// b[k][x] to c[r][x] for x < dim, as a float64 sum would within float32
+// accumulation over the terms' magnitudes, and leaves columns past dim
+// untouched: pv_tile's and ab_tile's contract.
+template <typename Product, typename A>
+void expect_accumulates(Product&& product, int64_t m, int64_t ldc, int64_t dim, int64_t depth, uint32_t seed, A&& a,
+                        const float* b, int64_t ldb) {
+  std::vector<float> c = random_floats(m * ldc, seed);
+  const std::vector<float> before = c;
+  product(c.data(), ldc);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t x = 0; x < ldc; ++x) {
       if (x >= dim) {
@@ -112,14 +116,13 @@ TEST(Microkernels, QueryKeyProductMatchesFloat64) {
 
 TEST(Microkernels, ProbabilityValueProductAccumulatesInFloat64Agreement) {
   for_each_case([&](const Sizes& z, bool avx2) {
-    const int64_t ldpt = z.rows + 9, ldv = z.dim + 11, ldacc = z.dim + 2;
+    const int64_t ldpt = z.rows + 9, ldv = z.dim + 11;
     const std::vector<float> pt = random_floats(z.keys * ldpt, 3), v = random_floats(z.keys * ldv, 4);
-    std::vector<float> acc = random_floats(z.rows * ldacc, 5);
-    const std::vector<float> before = acc;
-    k::pv_tile(avx2, pt.data(), ldpt, z.keys, v.data(), ldv, z.rows, z.dim, acc.data(), ldacc);
-    expect_accumulated(
-        acc, before, ldacc, z.rows, z.dim, z.keys, [&](int64_t i, int64_t j) { return pt[j * ldpt + i]; }, v.data(),
-        ldv);
+    expect_accumulates(
+        [&](float* acc, int64_t ldacc) {
+          k::pv_tile(avx2, pt.data(), ldpt, z.keys, v.data(), ldv, z.rows, z.dim, acc, ldacc);
+        },
+        z.rows, z.dim + 2, z.dim, z.keys, 5, [&](int64_t i, int64_t j) { return pt[j * ldpt + i]; }, v.data(), ldv);
   });
 }
 
@@ -184,13 +187,11 @@ TEST(Microkernels, FoldIsTheOnlineSoftmax) {
 TEST(Microkernels, RowBroadcastProductAccumulatesInFloat64Agreement) {
   for_each_case([&](const Sizes& z, bool avx2) {
     // keys x rows times rows x dim: m = keys, depth = rows.
-    const int64_t lda = z.rows + 5, ldb = z.dim + 13, ldc = z.dim + 3;
+    const int64_t lda = z.rows + 5, ldb = z.dim + 13;
     const std::vector<float> a = random_floats(z.keys * lda, 6), b = random_floats(z.rows * ldb, 7);
-    std::vector<float> c = random_floats(z.keys * ldc, 8);
-    const std::vector<float> before = c;
-    k::ab_tile(avx2, a.data(), lda, z.keys, z.rows, b.data(), ldb, z.dim, c.data(), ldc);
-    expect_accumulated(
-        c, before, ldc, z.keys, z.dim, z.rows, [&](int64_t j, int64_t i) { return a[j * lda + i]; }, b.data(), ldb);
+    expect_accumulates(
+        [&](float* c, int64_t ldc) { k::ab_tile(avx2, a.data(), lda, z.keys, z.rows, b.data(), ldb, z.dim, c, ldc); },
+        z.keys, z.dim + 3, z.dim, z.rows, 8, [&](int64_t j, int64_t i) { return a[j * lda + i]; }, b.data(), ldb);
   });
 }
 

@@ -67,27 +67,28 @@ def parse_args(argv):
     ap.add_argument("--preamble", help="markdown file put at the top of results.md (run.sh's phases)")
     ap.add_argument("--sizes", default="131072,8192,32768,524288",
                     help="comma-separated N, run in this order (the first is the one that matters most)")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=32, help="query heads, and as many kv heads (bf16, causal)")
+    ap.add_argument("--dim", type=int, default=128, help="head dim")
+    ap.add_argument("--samples", type=int, default=16, help="lsh hashes per head")
     ap.add_argument("--seed", type=int, default=0, help="plsh draws seed")
-    ap.add_argument("--window-eps", type=float, default=1e-4)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--window-eps", type=float, default=1e-4,
+                    help="window mode: each head's width W_h = ceil(sigma_h ln(1/eps))")
+    ap.add_argument("--repeats", type=int, default=5, help="timed calls per case (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed calls per case before them")
     ap.add_argument("--budget-seconds", type=float, default=300,
                     help="time for everything; no size or case starts unless its estimate fits what is left")
     ap.add_argument("--grace-seconds", type=float, default=20,
                     help="after budget + grace, stop hard (results written first)")
     ap.add_argument("--max-seconds-per-case", type=float, default=20,
                     help="fewer repeats when one call is slow, here and in bench_cuda")
-    ap.add_argument("--flex-lsh-max-n", type=int, default=131072,
-                    help="largest N for the FlexAttention lsh peer (its block tables are dense, N^2 / 128^2 per sample)")
-    ap.add_argument("--ours-exact-max-n", type=int, default=131072,
-                    help="largest N for our exact mode")
-    ap.add_argument("--ours-per-sample-max-n", type=int, default=131072,
-                    help="largest N for our cuBLAS per-sample lsh (memory-bound: ~0.5 TB moved at 128k)")
-    ap.add_argument("--ours-estimates-max-n", type=int, default=131072,
-                    help="largest N for our lsh with its error estimates on host tensors (transfers included)")
+    # The largest N of each costly case; a larger size skips it.
+    for flag, what in (
+            ("--flex-lsh-max-n", "the FlexAttention lsh peer (its block tables are dense, N^2 / 128^2 per sample)"),
+            ("--ours-exact-max-n", "our exact mode"),
+            ("--ours-per-sample-max-n", "our cuBLAS per-sample lsh (memory-bound: ~0.5 TB moved at 128k)"),
+            ("--ours-estimates-max-n",
+             "our lsh with its error estimates on host tensors (transfers included)")):
+        ap.add_argument(flag, type=int, default=131072, help=f"largest N for {what}")
     ap.add_argument("--no-backward", action="store_true", help="forward only, ours and FlexAttention")
     ap.add_argument("--dry-run", action="store_true",
                     help="no torch, no GPU: sleeps of the estimated length stand in for each case")

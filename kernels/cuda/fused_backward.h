@@ -79,9 +79,7 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
   typename Cfg::Elem elem{};
   BwdSmem<Cfg> sm(smem_base, a.max_samples);
   const int64_t k0 = kt * kFusedKeys;
-  fused_load_rows<Cfg>(x, sm.k, a.k, b * a.k_bs + hk * a.k_hs, a.k_rs, k0, a.kv_len, kFusedKeys);
-  fused_load_rows<Cfg>(x, sm.v, a.v, b * a.v_bs + hk * a.v_hs, a.v_rs, k0, a.kv_len, kFusedKeys);
-  x.commit();
+  fused_load_kv<Cfg>(x, a, b, hk, kt, sm.k, sm.v, true);
 
   typename X::template PerThread<Lane> st;
   x.warps([&](int w) {

@@ -91,12 +91,7 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
                             ? fused_setup_blocks(x, a, head, t, sm.bins, sm.edges, sm.blocks)
                             : fused_alibi_keys(a, head, t);
   const TileSpan span = fused_key_tiles(keys);
-  const int64_t k_base = b * a.k_bs + hk * a.k_hs, v_base = b * a.v_bs + hk * a.v_hs;
-  auto load_kv = [&](int64_t kt, int stage) {
-    fused_load_rows<Cfg>(x, sm.k(stage), a.k, k_base, a.k_rs, kt * kFusedKeys, a.kv_len, kFusedKeys);
-    if (pv) fused_load_rows<Cfg>(x, sm.v(stage), a.v, v_base, a.v_rs, kt * kFusedKeys, a.kv_len, kFusedKeys);
-    x.commit();
-  };
+  auto load_kv = [&](int64_t kt, int stage) { fused_load_kv<Cfg>(x, a, b, hk, kt, sm.k(stage), sm.v(stage), pv); };
   if (span.begin < span.end) load_kv(span.begin, 0);
 
   typename X::template PerThread<Lane> st;

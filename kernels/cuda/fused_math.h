@@ -64,6 +64,17 @@ PLSH_HD void fused_load_rows(X& x, typename Cfg::Storage* dst, const void* tenso
   });
 }
 
+// Key tile kt's rows of K, and of V with with_v, for (batch item b, kv head
+// hk) into k and v: one cp.async group, committed.
+template <typename Cfg, typename X>
+PLSH_HD void fused_load_kv(X& x, const FusedArgs& a, int64_t b, int64_t hk, int64_t kt, typename Cfg::Storage* k,
+                           typename Cfg::Storage* v, bool with_v) {
+  const int64_t row0 = kt * kFusedKeys;
+  fused_load_rows<Cfg>(x, k, a.k, b * a.k_bs + hk * a.k_hs, a.k_rs, row0, a.kv_len, kFusedKeys);
+  if (with_v) fused_load_rows<Cfg>(x, v, a.v, b * a.v_bs + hk * a.v_hs, a.v_rs, row0, a.kv_len, kFusedKeys);
+  x.commit();
+}
+
 // A warp's A fragments of 16 rows (from row r0 of a shared tile) for every
 // k16 step of D: ldmatrix, matrix m = lane / 8 holding rows + 8 (m & 1),
 // columns + 8 (m >> 1).

@@ -144,12 +144,7 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
   const int64_t last_row = pa.row_index[g.first + g.rows - 1];
   const int64_t key_end = a.causal ? min64(a.kv_len, max64(0, last_row + a.qk_offset + 1)) : a.kv_len;
   const TileSpan span = probe_split(fused_tiles(key_end, kFusedKeys), split, pa.splits);
-  const int64_t k_base = b * a.k_bs + hk * a.k_hs, v_base = b * a.v_bs + hk * a.v_hs;
-  auto load_kv = [&](int64_t kt, int stage) {
-    fused_load_rows<Cfg>(x, sm.k(stage), a.k, k_base, a.k_rs, kt * kFusedKeys, a.kv_len, kFusedKeys);
-    fused_load_rows<Cfg>(x, sm.v(stage), a.v, v_base, a.v_rs, kt * kFusedKeys, a.kv_len, kFusedKeys);
-    x.commit();
-  };
+  auto load_kv = [&](int64_t kt, int stage) { fused_load_kv<Cfg>(x, a, b, hk, kt, sm.k(stage), sm.v(stage), true); };
   if (span.begin < span.end) load_kv(span.begin, 0);
 
   typename X::template PerThread<Lane> st;

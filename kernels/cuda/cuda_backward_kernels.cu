@@ -82,21 +82,14 @@ __global__ void __launch_bounds__(kThreads)
 // The chunk's dq accumulators += each slot's dQ share over its owned rows.
 __global__ void __launch_bounds__(kThreads)
     dq_merge_kernel(BackwardProblem pr, const LanePass* lanes, BackwardRoundBuffers rb, Accumulators a) {
-  const int64_t slot = blockIdx.x;
-  const TileDesc d = rb.desc[slot];
-  const int64_t acc_lane = lanes[d.lane].acc_lane;
-  const int64_t T = pr.shape.tile_rows;
   const int64_t D = pr.head_dim;
   const int64_t Dp = partial_pitch(D);
-  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  for (int64_t r = warp; r < T; r += kWarps) {
-    const int64_t i = d.row0 + r;
-    if (i < d.own_begin || i >= d.own_end) continue;
-    float* acc = a.acc + (acc_lane * a.rows_per_lane + (i - a.row0)) * D;
-    const float* part = rb.dq_part + (slot * T + r) * Dp;
+  for_owned_acc_rows(rb.desc, lanes, pr.shape, a, [&](int64_t part_row, int64_t idx) {
+    float* acc = a.acc + idx * D;
+    const float* part = rb.dq_part + part_row * Dp;
     for (int64_t x = lane; x < D; x += 32) acc[x] += part[x];
-  }
+  });
 }
 
 // dk_acc, dv_acc += each slot's shares for its valid keys.

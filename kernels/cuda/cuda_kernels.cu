@@ -82,32 +82,24 @@ __global__ void __launch_bounds__(kThreads)
 // Each row of a lane has one owner tile per round, so no two warps meet.
 __global__ void __launch_bounds__(kThreads)
     merge_kernel(DeviceProblem pr, const LanePass* lanes, RoundBuffers rb, Accumulators a) {
-  const int64_t slot = blockIdx.x;
-  const TileDesc d = rb.desc[slot];
-  const int64_t acc_lane = lanes[d.lane].acc_lane;
-  const int64_t T = pr.shape.tile_rows;
   const int64_t D = pr.head_dim;
-  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  for (int64_t r = warp; r < T; r += kWarps) {
-    const int64_t i = d.row0 + r;
-    if (i < d.own_begin || i >= d.own_end) continue;
-    const float l_part = rb.row_sum[slot * T + r];
-    if (l_part == 0.0f) continue;  // no allowed key in this chunk
-    const float m_part = rb.row_max[slot * T + r];
-    const int64_t idx = acc_lane * a.rows_per_lane + (i - a.row0);
+  for_owned_acc_rows(rb.desc, lanes, pr.shape, a, [&](int64_t part_row, int64_t idx) {
+    const float l_part = rb.row_sum[part_row];
+    if (l_part == 0.0f) return;  // no allowed key in this chunk
+    const float m_part = rb.row_max[part_row];
     const float l_acc = a.acc_sum[idx];
     const float m_acc = a.acc_max[idx];
     const MergeCoefficients c = merge_coefficients(m_acc, l_acc, m_part);
     float* acc = a.acc + idx * D;
-    const float* part = rb.partial + (slot * T + r) * partial_pitch(D);
+    const float* part = rb.partial + part_row * partial_pitch(D);
     for (int64_t x = lane; x < D; x += 32) acc[x] = acc[x] * c.c_acc + part[x] * c.c_part;
     __syncwarp();
     if (lane == 0) {
       a.acc_max[idx] = c.m_new;
       a.acc_sum[idx] = l_acc * c.c_acc + l_part * c.c_part;
     }
-  }
+  });
 }
 
 // out = acc / l in the output dtype; lse = row_lse (tile_plan.h), in double.

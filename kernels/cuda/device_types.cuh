@@ -4,7 +4,8 @@
 // warp reductions, and what the forward's and the backward's kernels both do
 // per slot: build_round's slot and pointers (round_slot, set_slot_pointers),
 // and the masked rows of the softmax and of P (SlotView, for_slot_rows,
-// slot_logit_at); and per chunk, the row a finalize writes (acc_row).
+// slot_logit_at); and per chunk, the row a finalize writes (acc_row) and
+// the rows a merge folds (for_owned_acc_rows).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -75,6 +76,23 @@ __device__ __forceinline__ bool acc_row(const Accumulators& a, int64_t q_len, in
   const int64_t g = lane0 + acc_lane;
   *r = AccRow{i, g / heads, g % heads, acc_lane * a.rows_per_lane + local};
   return true;
+}
+
+// A merge kernel's rows (one block of kThreads per slot, one warp per
+// row): on_row(part_row, idx) for each row of the slot's tile that the tile
+// owns, part_row its row in the round's per-slot outputs (slot * T + r) and
+// idx its row in the chunk's accumulators.
+template <typename OnRow>
+__device__ __forceinline__ void for_owned_acc_rows(const TileDesc* desc, const LanePass* lanes, const SpanShape& shape,
+                                                   const Accumulators& a, OnRow&& on_row) {
+  const int64_t slot = blockIdx.x;
+  const TileDesc d = desc[slot];
+  const int64_t acc_lane = lanes[d.lane].acc_lane;
+  const int64_t T = shape.tile_rows;
+  for (int64_t r = threadIdx.x / 32; r < T; r += kWarps) {
+    const int64_t i = d.row0 + r;
+    if (i >= d.own_begin && i < d.own_end) on_row(slot * T + r, acc_lane * a.rows_per_lane + (i - a.row0));
+  }
 }
 
 // build_round's slot: one thread per slot, -1 past the round's slots; its

@@ -36,35 +36,23 @@ struct BackwardCliCase {
   std::optional<DType> grad_dtype;  // --grad-dtype
 };
 
+// A table, one case a line or two: clang-format would put each field on a
+// line of its own.
+// clang-format off
 std::vector<BackwardCliCase> backward_cases() {
   return {
-      {"exact_gqa_causal_f32",
-       shaped({2, 33, 40, 4, 2, 16}, {.causal = true, .mode = Mode::kExact}),
-       true,
-       {"--mode", "exact", "--causal"},
-       std::nullopt},
-      {"lsh_rank3_f16_f32_grads",
-       shaped({1, 48, 48, 2, 0, 8}, {.dtype = DType::kF16,
-                                     .causal = true,
-                                     .mode = Mode::kLsh,
-                                     .samples = 6,
-                                     .seed = 9,
-                                     .lsh_algorithm = LshAlgorithm::kPerSample}),
-       false,
-       {"--mode", "lsh", "--samples", "6", "--seed", "9", "--lsh-algorithm", "per_sample", "--causal"},
-       DType::kF32},
-      {"fixed_blocks_causal_f32",
-       shaped({2, 40, 40, 4, 2, 16}, {.causal = true, .mode = Mode::kFixedBlocks}),
-       true,
-       {"--mode", "fixed_blocks", "--causal"},
-       std::nullopt},
-      {"window_bf16_bits",
-       shaped({1, 24, 24, 2, 0, 16}, {.dtype = DType::kBF16, .mode = Mode::kWindow, .window_width = 5}),
-       true,
-       {"--mode", "window", "--window-width", "5", "--bf16-bits"},
-       std::nullopt},
+      {"exact_gqa_causal_f32", shaped({2, 33, 40, 4, 2, 16}, {.causal = true, .mode = Mode::kExact}), true,
+       {"--mode", "exact", "--causal"}, std::nullopt},
+      {"lsh_rank3_f16_f32_grads", shaped({1, 48, 48, 2, 0, 8}, {.dtype = DType::kF16, .causal = true,
+           .mode = Mode::kLsh, .samples = 6, .seed = 9, .lsh_algorithm = LshAlgorithm::kPerSample}), false,
+       {"--mode", "lsh", "--samples", "6", "--seed", "9", "--lsh-algorithm", "per_sample", "--causal"}, DType::kF32},
+      {"fixed_blocks_causal_f32", shaped({2, 40, 40, 4, 2, 16}, {.causal = true, .mode = Mode::kFixedBlocks}), true,
+       {"--mode", "fixed_blocks", "--causal"}, std::nullopt},
+      {"window_bf16_bits", shaped({1, 24, 24, 2, 0, 16}, {.dtype = DType::kBF16, .mode = Mode::kWindow,
+           .window_width = 5}), true, {"--mode", "window", "--window-width", "5", "--bf16-bits"}, std::nullopt},
   };
 }
+// clang-format on
 
 void PrintTo(const BackwardCliCase& c, std::ostream* os) { *os << c.name; }
 

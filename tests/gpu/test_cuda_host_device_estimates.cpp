@@ -25,6 +25,7 @@
 namespace plsh {
 namespace {
 
+using plsh::testing::head_slopes;
 using plsh::testing::shaped;
 
 // The CPU backend, plus probe rows from the emulated fused probe kernel.
@@ -127,35 +128,21 @@ TEST_P(DeviceEstimatesOnHost, AreTheCpuBackendsEstimates) {
     EXPECT_TRUE(on_device->timings.count(t)) << t;
 }
 
+// A table, one case a line or two: clang-format would put each designated
+// field on a line of its own.
+// clang-format off
 std::vector<EstimatesCase> estimates_cases() {
   return {
-      {"lsh_causal_gqa_bf16",
-       shaped({1, 300, 300, 4, 2, 64}, {.dtype = DType::kBF16,
-                                        .causal = true,
-                                        .slopes = {0.9, 0.31, 0.05, 0.0},
-                                        .mode = Mode::kLsh,
-                                        .samples = 16,
-                                        .probe_rows = 40}),
-       false},
-      {"lsh_batch2_f32",
-       shaped({2, 150, 150, 2, 0, 128}, {.dtype = DType::kF32,
-                                         .causal = false,
-                                         .slopes = {0.5, 0.02},
-                                         .mode = Mode::kLsh,
-                                         .samples = 8,
-                                         .probe_rows = 70}),
-       false},
+      {"lsh_causal_gqa_bf16", shaped({1, 300, 300, 4, 2, 64}, {.dtype = DType::kBF16, .causal = true,
+           .slopes = head_slopes(0.9, 0.31, 0.05, 0.0), .mode = Mode::kLsh, .samples = 16, .probe_rows = 40}), false},
+      {"lsh_batch2_f32", shaped({2, 150, 150, 2, 0, 128}, {.dtype = DType::kF32, .causal = false,
+           .slopes = head_slopes(0.5, 0.02), .mode = Mode::kLsh, .samples = 8, .probe_rows = 70}), false},
       // A window so wide its error is below float32's reach: the float64 probe.
-      {"window_tiny_error_f32",
-       shaped({1, 200, 200, 2, 0, 64}, {.dtype = DType::kF32,
-                                        .causal = true,
-                                        .slopes = {0.5, 0.25},
-                                        .mode = Mode::kWindow,
-                                        .window_eps = 1e-9,
-                                        .probe_rows = 64}),
-       true},
+      {"window_tiny_error_f32", shaped({1, 200, 200, 2, 0, 64}, {.dtype = DType::kF32, .causal = true,
+           .slopes = head_slopes(0.5, 0.25), .mode = Mode::kWindow, .window_eps = 1e-9, .probe_rows = 64}), true},
   };
 }
+// clang-format on
 
 INSTANTIATE_TEST_SUITE_P(Cases, DeviceEstimatesOnHost, ::testing::ValuesIn(estimates_cases()), testing::CaseName());
 

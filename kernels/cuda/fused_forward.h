@@ -121,14 +121,7 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
   }
 
   for (int64_t kt = span.begin; kt < span.end; ++kt) {
-    const int stage = static_cast<int>((kt - span.begin) & 1);
-    if (kt + 1 < span.end) {
-      load_kv(kt + 1, stage ^ 1);
-      x.template wait<1>();
-    } else {
-      x.template wait<0>();
-    }
-    x.sync();
+    const int stage = fused_key_step(x, span, kt, load_kv);
     x.warps([&](int w) {
       const int rf = w * 16;
       const int rl = static_cast<int>(min64(w * 16 + 15, a.q_len - 1 - row0));

@@ -75,6 +75,23 @@ PLSH_HD void fused_load_kv(X& x, const FusedArgs& a, int64_t b, int64_t hk, int6
   x.commit();
 }
 
+// One step of a double-buffered walk over the key tiles of span: tile kt
+// (in stage (kt - span.begin) & 1) has landed and the CTA is in step, and
+// tile kt + 1, if any, is on its way into the other stage (load(kt, stage)).
+// Returns kt's stage.
+template <typename X, typename Load>
+PLSH_HD int fused_key_step(X& x, const TileSpan& span, int64_t kt, Load&& load) {
+  const int stage = static_cast<int>((kt - span.begin) & 1);
+  if (kt + 1 < span.end) {
+    load(kt + 1, stage ^ 1);
+    x.template wait<1>();
+  } else {
+    x.template wait<0>();
+  }
+  x.sync();
+  return stage;
+}
+
 // A warp's A fragments of 16 rows (from row r0 of a shared tile) for every
 // k16 step of D: ldmatrix, matrix m = lane / 8 holding rows + 8 (m & 1),
 // columns + 8 (m >> 1).

@@ -164,14 +164,7 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
     });
   });
   for (int64_t kt = span.begin; kt < span.end; ++kt) {
-    const int stage = static_cast<int>((kt - span.begin) & 1);
-    if (kt + 1 < span.end) {
-      load_kv(kt + 1, stage ^ 1);
-      x.template wait<1>();
-    } else {
-      x.template wait<0>();
-    }
-    x.sync();
+    const int stage = fused_key_step(x, span, kt, load_kv);
     // ||v_j||^2 of the tile's keys.
     x.threads([&](int tid) {
       if (tid >= kFusedKeys) return;

@@ -74,6 +74,24 @@ class Carver {
   int64_t offset_ = 0;
 };
 
+// The slices a forward's and a backward's round both have (RoundBuffers,
+// BackwardRoundBuffers): S and P ([slot][T][Kp], float32 and the input
+// dtype), the cuBLAS pointer arrays of q, k, v, S and P that
+// set_slot_pointers fills, one entry a slot, and the slots' tiles. The
+// caller carves its own slices after them.
+template <typename Buffers>
+void carve_round_slices(Carver& c, int64_t slots, int64_t tile_rows, int64_t key_pitch, int64_t elem_bytes,
+                        Buffers* r) {
+  r->scores = c.take<float>(slots * tile_rows * key_pitch);
+  r->probs = c.take<char>(slots * tile_rows * key_pitch * elem_bytes);
+  r->q_ptr = c.take<const void*>(slots);
+  r->k_ptr = c.take<const void*>(slots);
+  r->v_ptr = c.take<const void*>(slots);
+  r->score_ptr = c.take<float*>(slots);
+  r->prob_ptr = c.take<void*>(slots);
+  r->desc = c.take<TileDesc>(slots);
+}
+
 // One round's slices of the work buffer (device pointers on the GPU).
 struct RoundBuffers {
   TileDesc* desc = nullptr;

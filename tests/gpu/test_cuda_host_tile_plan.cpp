@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "cuda/backward_plan.h"
 #include "cuda/workspace_slots.h"
 #include "plsh/draws.h"
 #include "plsh/params.h"
@@ -345,8 +347,26 @@ TEST(Workspace, RefusesABudgetBelowOneTile) {
   EXPECT_NE(p.status().message().find("device memory"), std::string::npos) << p.status().message();
 }
 
-// The work buffer's slices, as forward carves them from one allocation:
-// aligned, disjoint, in order, and inside the size the plan charged.
+// A slice of a carved buffer: where it starts and the bytes it must hold.
+struct Slice {
+  const void* at;
+  int64_t bytes;
+};
+
+// The slices, listed in carving order, are aligned, disjoint, in that order,
+// and inside the buffer's `bytes`.
+void expect_carved_in_order(const char* base, int64_t bytes, std::initializer_list<Slice> slices) {
+  int64_t end = 0;
+  for (const Slice& s : slices) {
+    const int64_t at = static_cast<const char*>(s.at) - base;
+    EXPECT_EQ(at % kSliceAlign, 0);
+    EXPECT_GE(at, end) << "slices overlap";
+    end = at + s.bytes;
+  }
+  EXPECT_LE(end, bytes);
+}
+
+// The work buffer's slices, as forward carves them from one allocation.
 TEST(Layout, WorkSlicesAreAlignedDisjointAndInside) {
   for (int64_t slots : {int64_t{1}, int64_t{3}, int64_t{1000}}) {
     const int64_t bytes = carve_work(slots, 64, 512, 40, 2, nullptr, nullptr, nullptr);
@@ -355,32 +375,55 @@ TEST(Layout, WorkSlicesAreAlignedDisjointAndInside) {
     RoundBuffers r;
     Accumulators a;
     ASSERT_EQ(carve_work(slots, 64, 512, 40, 2, base, &r, &a), bytes);
-    const struct {
-      const void* at;
-      int64_t bytes;
-    } slices[] = {{r.scores, slots * 64 * 512 * 4},
-                  {r.probs, slots * 64 * 512 * 2},
-                  {r.partial, slots * 64 * 40 * 4},
-                  {r.row_max, slots * 64 * 4},
-                  {r.row_sum, slots * 64 * 4},
-                  {a.acc, slots * 64 * 40 * 4},
-                  {a.acc_max, slots * 64 * 4},
-                  {a.acc_sum, slots * 64 * 4},
-                  {r.q_ptr, slots * 8},
-                  {r.k_ptr, slots * 8},
-                  {r.v_ptr, slots * 8},
-                  {r.score_ptr, slots * 8},
-                  {r.prob_ptr, slots * 8},
-                  {r.partial_ptr, slots * 8},
-                  {r.desc, slots * static_cast<int64_t>(sizeof(TileDesc))}};
-    int64_t end = 0;
-    for (const auto& s : slices) {
-      const int64_t at = static_cast<const char*>(s.at) - base;
-      EXPECT_EQ(at % kSliceAlign, 0);
-      EXPECT_GE(at, end) << "slices overlap";
-      end = at + s.bytes;
-    }
-    EXPECT_LE(end, bytes);
+    const int64_t S = slots, T = 64, Kp = key_pitch(512), Dp = partial_pitch(40);
+    expect_carved_in_order(base, bytes,
+                           {{r.scores, S * T * Kp * 4},
+                            {r.probs, S * T * Kp * 2},
+                            {r.q_ptr, S * 8},
+                            {r.k_ptr, S * 8},
+                            {r.v_ptr, S * 8},
+                            {r.score_ptr, S * 8},
+                            {r.prob_ptr, S * 8},
+                            {r.desc, S * static_cast<int64_t>(sizeof(TileDesc))},
+                            {r.partial, S * T * Dp * 4},
+                            {r.partial_ptr, S * 8},
+                            {r.row_max, S * T * 4},
+                            {r.row_sum, S * T * 4},
+                            {a.acc, S * T * 40 * 4},
+                            {a.acc_max, S * T * 4},
+                            {a.acc_sum, S * T * 4}});
+  }
+}
+
+// The backward's work buffer likewise (carve_backward_work).
+TEST(Layout, BackwardWorkSlicesAreAlignedDisjointAndInside) {
+  for (int64_t slots : {int64_t{1}, int64_t{3}, int64_t{1000}}) {
+    const int64_t bytes = carve_backward_work(slots, 64, 512, 40, 2, nullptr, nullptr, nullptr);
+    std::vector<char> buffer(static_cast<size_t>(bytes));
+    char* base = buffer.data();
+    BackwardRoundBuffers r;
+    Accumulators a;
+    ASSERT_EQ(carve_backward_work(slots, 64, 512, 40, 2, base, &r, &a), bytes);
+    const int64_t S = slots, T = 64, Kc = 512, Kp = key_pitch(Kc), Dp = partial_pitch(40);
+    expect_carved_in_order(base, bytes,
+                           {{r.scores, S * T * Kp * 4},
+                            {r.probs, S * T * Kp * 2},
+                            {r.q_ptr, S * 8},
+                            {r.k_ptr, S * 8},
+                            {r.v_ptr, S * 8},
+                            {r.score_ptr, S * 8},
+                            {r.prob_ptr, S * 8},
+                            {r.desc, S * static_cast<int64_t>(sizeof(TileDesc))},
+                            {r.ds, S * T * Kp * 2},
+                            {r.ds_ptr, S * 8},
+                            {r.dout_ptr, S * 8},
+                            {r.dq_part, S * T * Dp * 4},
+                            {r.dq_ptr, S * 8},
+                            {r.dk_part, S * Kc * Dp * 4},
+                            {r.dk_ptr, S * 8},
+                            {r.dv_part, S * Kc * Dp * 4},
+                            {r.dv_ptr, S * 8},
+                            {a.acc, S * T * 40 * 4}});
   }
 }
 

@@ -354,76 +354,56 @@ struct Slice {
 };
 
 // The slices, listed in carving order, are aligned, disjoint, in that order,
-// and inside the buffer's `bytes`.
-void expect_carved_in_order(const char* base, int64_t bytes, std::initializer_list<Slice> slices) {
+// and inside the buffer.
+void expect_carved_in_order(const std::vector<char>& buffer, std::initializer_list<Slice> slices) {
   int64_t end = 0;
   for (const Slice& s : slices) {
-    const int64_t at = static_cast<const char*>(s.at) - base;
+    const int64_t at = static_cast<const char*>(s.at) - buffer.data();
     EXPECT_EQ(at % kSliceAlign, 0);
     EXPECT_GE(at, end) << "slices overlap";
     end = at + s.bytes;
   }
-  EXPECT_LE(end, bytes);
+  EXPECT_LE(end, static_cast<int64_t>(buffer.size()));
 }
 
-// The work buffer's slices, as forward carves them from one allocation.
+// A buffer of the bytes carve measures for `slots` slots (T = 64 rows, 512
+// key columns, D = 40, 2-byte elements), carved into r and a.
+template <typename Buffers>
+std::vector<char> carved(int64_t (*carve)(int64_t, int64_t, int64_t, int64_t, int64_t, char*, Buffers*, Accumulators*),
+                         int64_t slots, Buffers* r, Accumulators* a) {
+  const int64_t bytes = carve(slots, 64, 512, 40, 2, nullptr, nullptr, nullptr);
+  std::vector<char> buffer(static_cast<size_t>(bytes));
+  EXPECT_EQ(carve(slots, 64, 512, 40, 2, buffer.data(), r, a), bytes);
+  return buffer;
+}
+
+// The work buffers' slices, as the forward (carve_work) and the backward
+// (carve_backward_work) carve them from one allocation.
 TEST(Layout, WorkSlicesAreAlignedDisjointAndInside) {
-  for (int64_t slots : {int64_t{1}, int64_t{3}, int64_t{1000}}) {
-    const int64_t bytes = carve_work(slots, 64, 512, 40, 2, nullptr, nullptr, nullptr);
-    std::vector<char> buffer(static_cast<size_t>(bytes));
-    char* base = buffer.data();
+  const int64_t T = 64, Kc = 512, Kp = key_pitch(Kc), D = 40, Dp = partial_pitch(D);
+  const int64_t ptrs = 8, desc = static_cast<int64_t>(sizeof(TileDesc));
+  for (int64_t S : {int64_t{1}, int64_t{3}, int64_t{1000}}) {
+    SCOPED_TRACE(::testing::Message() << S << " slots");
     RoundBuffers r;
     Accumulators a;
-    ASSERT_EQ(carve_work(slots, 64, 512, 40, 2, base, &r, &a), bytes);
-    const int64_t S = slots, T = 64, Kp = key_pitch(512), Dp = partial_pitch(40);
-    expect_carved_in_order(base, bytes,
-                           {{r.scores, S * T * Kp * 4},
-                            {r.probs, S * T * Kp * 2},
-                            {r.q_ptr, S * 8},
-                            {r.k_ptr, S * 8},
-                            {r.v_ptr, S * 8},
-                            {r.score_ptr, S * 8},
-                            {r.prob_ptr, S * 8},
-                            {r.desc, S * static_cast<int64_t>(sizeof(TileDesc))},
-                            {r.partial, S * T * Dp * 4},
-                            {r.partial_ptr, S * 8},
-                            {r.row_max, S * T * 4},
-                            {r.row_sum, S * T * 4},
-                            {a.acc, S * T * 40 * 4},
-                            {a.acc_max, S * T * 4},
-                            {a.acc_sum, S * T * 4}});
-  }
-}
-
-// The backward's work buffer likewise (carve_backward_work).
-TEST(Layout, BackwardWorkSlicesAreAlignedDisjointAndInside) {
-  for (int64_t slots : {int64_t{1}, int64_t{3}, int64_t{1000}}) {
-    const int64_t bytes = carve_backward_work(slots, 64, 512, 40, 2, nullptr, nullptr, nullptr);
-    std::vector<char> buffer(static_cast<size_t>(bytes));
-    char* base = buffer.data();
-    BackwardRoundBuffers r;
-    Accumulators a;
-    ASSERT_EQ(carve_backward_work(slots, 64, 512, 40, 2, base, &r, &a), bytes);
-    const int64_t S = slots, T = 64, Kc = 512, Kp = key_pitch(Kc), Dp = partial_pitch(40);
-    expect_carved_in_order(base, bytes,
-                           {{r.scores, S * T * Kp * 4},
-                            {r.probs, S * T * Kp * 2},
-                            {r.q_ptr, S * 8},
-                            {r.k_ptr, S * 8},
-                            {r.v_ptr, S * 8},
-                            {r.score_ptr, S * 8},
-                            {r.prob_ptr, S * 8},
-                            {r.desc, S * static_cast<int64_t>(sizeof(TileDesc))},
-                            {r.ds, S * T * Kp * 2},
-                            {r.ds_ptr, S * 8},
-                            {r.dout_ptr, S * 8},
-                            {r.dq_part, S * T * Dp * 4},
-                            {r.dq_ptr, S * 8},
-                            {r.dk_part, S * Kc * Dp * 4},
-                            {r.dk_ptr, S * 8},
-                            {r.dv_part, S * Kc * Dp * 4},
-                            {r.dv_ptr, S * 8},
-                            {a.acc, S * T * 40 * 4}});
+    BackwardRoundBuffers b;
+    Accumulators ba;
+    const std::vector<char> forward = carved(carve_work, S, &r, &a);
+    const std::vector<char> backward = carved(carve_backward_work, S, &b, &ba);
+    // Two tables, their slices in carving order.
+    // clang-format off
+    expect_carved_in_order(forward,
+        {{r.scores, S * T * Kp * 4}, {r.probs, S * T * Kp * 2}, {r.q_ptr, S * ptrs}, {r.k_ptr, S * ptrs},
+         {r.v_ptr, S * ptrs}, {r.score_ptr, S * ptrs}, {r.prob_ptr, S * ptrs}, {r.desc, S * desc},
+         {r.partial, S * T * Dp * 4}, {r.partial_ptr, S * ptrs}, {r.row_max, S * T * 4}, {r.row_sum, S * T * 4},
+         {a.acc, S * T * D * 4}, {a.acc_max, S * T * 4}, {a.acc_sum, S * T * 4}});
+    expect_carved_in_order(backward,
+        {{b.scores, S * T * Kp * 4}, {b.probs, S * T * Kp * 2}, {b.q_ptr, S * ptrs}, {b.k_ptr, S * ptrs},
+         {b.v_ptr, S * ptrs}, {b.score_ptr, S * ptrs}, {b.prob_ptr, S * ptrs}, {b.desc, S * desc},
+         {b.ds, S * T * Kp * 2}, {b.ds_ptr, S * ptrs}, {b.dout_ptr, S * ptrs}, {b.dq_part, S * T * Dp * 4},
+         {b.dq_ptr, S * ptrs}, {b.dk_part, S * Kc * Dp * 4}, {b.dk_ptr, S * ptrs}, {b.dv_part, S * Kc * Dp * 4},
+         {b.dv_ptr, S * ptrs}, {ba.acc, S * T * D * 4}});
+    // clang-format on
   }
 }
 

@@ -82,14 +82,11 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
   fused_load_kv<Cfg>(x, a, b, hk, kt, sm.k, sm.v, true);
 
   typename X::template PerThread<Lane> st;
-  x.warps([&](int w) {
-    x.lanes([&](int lane) {
-      Lane& L = st(w, lane);
-      PLSH_UNROLL
-      for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
-      for (int i = 0; i < 4; ++i) L.dk[dt][i] = L.dv[dt][i] = 0;
-      L.tiles = 0;
-    });
+  fused_each_lane(x, st, [&](Lane& L, int, int) {
+    PLSH_UNROLL
+    for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+    for (int i = 0; i < 4; ++i) L.dk[dt][i] = L.dv[dt][i] = 0;
+    L.tiles = 0;
   });
   const int64_t tiles = fused_tiles(a.q_len, kFusedRows);
   const float scale = a.scale2 * 0.6931471805599453f;  // back from base 2
@@ -230,22 +227,19 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
 
   // dK (times the scale) and dV of the warp's keys, in the gradients' dtype.
   x.template wait<0>();  // K and V, where no query tile reached this key tile
-  x.warps([&](int w) {
-    x.lanes([&](int lane) {
-      Lane& L = st(w, lane);
-      if (lane == 0 && a.tiles_done != nullptr) x.count(a.tiles_done, L.tiles);
+  fused_each_lane(x, st, [&](Lane& L, int w, int lane) {
+    if (lane == 0 && a.tiles_done != nullptr) x.count(a.tiles_done, L.tiles);
+    PLSH_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int64_t j = k0 + w * 16 + frag_row(lane, i >> 1);
+      if (j >= a.kv_len) continue;
+      const int64_t at = ((b * a.kv_len + j) * a.kv_heads + hk) * Cfg::D + frag_col(lane, i & 1);
       PLSH_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const int64_t j = k0 + w * 16 + frag_row(lane, i >> 1);
-        if (j >= a.kv_len) continue;
-        const int64_t at = ((b * a.kv_len + j) * a.kv_heads + hk) * Cfg::D + frag_col(lane, i & 1);
-        PLSH_UNROLL
-        for (int dt = 0; dt < Cfg::kDT; ++dt) {
-          store_out(a.dk, a.grad_dtype, at + 8 * dt, scale * L.dk[dt][i]);
-          store_out(a.dv, a.grad_dtype, at + 8 * dt, L.dv[dt][i]);
-        }
+      for (int dt = 0; dt < Cfg::kDT; ++dt) {
+        store_out(a.dk, a.grad_dtype, at + 8 * dt, scale * L.dk[dt][i]);
+        store_out(a.dv, a.grad_dtype, at + 8 * dt, L.dv[dt][i]);
       }
-    });
+    }
   });
 }
 

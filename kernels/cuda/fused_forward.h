@@ -95,20 +95,17 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
   if (span.begin < span.end) load_kv(span.begin, 0);
 
   typename X::template PerThread<Lane> st;
-  x.warps([&](int w) {
-    x.lanes([&](int lane) {
-      Lane& L = st(w, lane);
-      PLSH_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        L.row[half] = fused_row(a, head, row0 + w * 16 + frag_row(lane, half));
-        L.m[half] = -INFINITY;
-        L.l[half] = 0;
-      }
-      L.tiles = 0;
-      PLSH_UNROLL
-      for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
-      for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
-    });
+  fused_each_lane(x, st, [&](Lane& L, int w, int lane) {
+    PLSH_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      L.row[half] = fused_row(a, head, row0 + w * 16 + frag_row(lane, half));
+      L.m[half] = -INFINITY;
+      L.l[half] = 0;
+    }
+    L.tiles = 0;
+    PLSH_UNROLL
+    for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+    for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
   });
   // Q has landed (the K/V group may still fly); its fragments to registers.
   if (span.begin < span.end)

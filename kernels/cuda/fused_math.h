@@ -92,6 +92,13 @@ PLSH_HD int fused_key_step(X& x, const TileSpan& span, int64_t kt, Load&& load) 
   return stage;
 }
 
+// f(L, w, lane) for every lane of the CTA, L its registers st(w, lane): one
+// phase, each warp on its own lanes.
+template <typename X, typename PerThread, typename F>
+PLSH_HD void fused_each_lane(X& x, PerThread& st, F&& f) {
+  x.warps([&](int w) { x.lanes([&](int lane) { f(st(w, lane), w, lane); }); });
+}
+
 // A warp's A fragments of 16 rows (from row r0 of a shared tile) for every
 // k16 step of D: ldmatrix, matrix m = lane / 8 holding rows + 8 (m & 1),
 // columns + 8 (m >> 1).

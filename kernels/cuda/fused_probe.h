@@ -148,20 +148,17 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
   if (span.begin < span.end) load_kv(span.begin, 0);
 
   typename X::template PerThread<Lane> st;
-  x.warps([&](int w) {
-    x.lanes([&](int lane) {
-      Lane& L = st(w, lane);
-      PLSH_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const int r = w * 16 + frag_row(lane, half);
-        L.row[half] = fused_row(a, head, r < g.rows ? sm.rows[r] : a.q_len);  // past the group: no key
-        L.m[half] = L.ma[half] = -INFINITY;
-        L.l[half] = L.num[half] = L.den[half] = L.vmax[half] = 0;
-      }
-      PLSH_UNROLL
-      for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
-      for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
-    });
+  fused_each_lane(x, st, [&](Lane& L, int w, int lane) {
+    PLSH_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int r = w * 16 + frag_row(lane, half);
+      L.row[half] = fused_row(a, head, r < g.rows ? sm.rows[r] : a.q_len);  // past the group: no key
+      L.m[half] = L.ma[half] = -INFINITY;
+      L.l[half] = L.num[half] = L.den[half] = L.vmax[half] = 0;
+    }
+    PLSH_UNROLL
+    for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+    for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
   });
   for (int64_t kt = span.begin; kt < span.end; ++kt) {
     const int stage = fused_key_step(x, span, kt, load_kv);

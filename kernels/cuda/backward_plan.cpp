@@ -127,12 +127,8 @@ StatusOr<CudaBackwardLayout> plan_backward_layout(const AttentionParams& p, cons
   CudaBackwardLayout b;
   b.staging_bytes = carve_backward_staging(p, 4, nullptr, nullptr);
   b.table_bytes = forward.table_bytes;  // the same head terms, lane table and cuBLAS workspace
-  const int64_t left = device_cap_bytes - b.staging_bytes - b.table_bytes;
-  if (left <= 0)
-    return resource_exhausted("cuda backward workspace: staging (" + std::to_string(b.staging_bytes) +
-                              " bytes) and lane tables (" + std::to_string(b.table_bytes) +
-                              " bytes) alone exceed the request's device memory of " +
-                              std::to_string(device_cap_bytes) + " bytes");
+  ASSIGN_OR_RETURN(const int64_t left,
+                   work_budget("cuda backward workspace", device_cap_bytes, b.staging_bytes, b.table_bytes));
   const WorkspaceShape ws = workspace_shape(p);
   const int64_t T = std::min(kTileRows, p.q_len), Kc = std::min(kMaxKeyCols, p.kv_len);
   ASSIGN_OR_RETURN(b.work, size_workspace_for(ws, left, [&](int64_t slots) {

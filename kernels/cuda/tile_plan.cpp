@@ -194,6 +194,16 @@ StatusOr<WorkspaceSlots> size_workspace(const WorkspaceShape& s, int64_t budget_
   });
 }
 
+StatusOr<int64_t> work_budget(const char* what, int64_t device_cap_bytes, int64_t staging_bytes, int64_t table_bytes) {
+  const int64_t left = device_cap_bytes - staging_bytes - table_bytes;
+  if (left <= 0)
+    return resource_exhausted(std::string(what) + ": staging (" + std::to_string(staging_bytes) +
+                              " bytes) and lane tables (" + std::to_string(table_bytes) +
+                              " bytes) alone exceed the request's device memory of " +
+                              std::to_string(device_cap_bytes) + " bytes");
+  return left;
+}
+
 StatusOr<WorkspaceSlots> size_workspace_for(const WorkspaceShape& s, int64_t budget_bytes,
                                             const std::function<int64_t(int64_t slots)>& work_bytes) {
   if (s.lanes < 1 || s.q_len < 1 || s.kv_len < 1 || s.head_dim < 1 || s.elem_bytes < 1)
@@ -389,12 +399,8 @@ StatusOr<CudaLayout> plan_layout(const AttentionParams& p, const std::vector<std
   layout.cublas_workspace_bytes = cublas_workspace_for(device_cap_bytes);
   layout.table_bytes = carve_tables(p.heads, layout.table_entries, layout.cublas_workspace_bytes, nullptr, nullptr);
   const WorkspaceShape ws = workspace_shape(p);
-  const int64_t left = device_cap_bytes - layout.staging_bytes - layout.table_bytes;
-  if (left <= 0)
-    return resource_exhausted("cuda workspace: staging (" + std::to_string(layout.staging_bytes) +
-                              " bytes) and lane tables (" + std::to_string(layout.table_bytes) +
-                              " bytes) alone exceed the request's device memory of " +
-                              std::to_string(device_cap_bytes) + " bytes");
+  ASSIGN_OR_RETURN(const int64_t left,
+                   work_budget("cuda workspace", device_cap_bytes, layout.staging_bytes, layout.table_bytes));
   ASSIGN_OR_RETURN(layout.work, size_workspace(ws, left));
   layout.work_bytes = carve_work(layout.work.slots, layout.work.tile_rows, layout.work.key_cols, p.head_dim,
                                  ws.elem_bytes, nullptr, nullptr, nullptr);

@@ -216,6 +216,11 @@ StatusOr<WorkspaceSlots> size_workspace(const WorkspaceShape& shape, int64_t bud
 StatusOr<WorkspaceSlots> size_workspace_for(const WorkspaceShape& shape, int64_t budget_bytes,
                                             const std::function<int64_t(int64_t slots)>& work_bytes);
 
+// The device bytes a request's cap leaves to its work buffer once staging
+// and tables are carved; RESOURCE_EXHAUSTED, naming `what` (the forward's
+// or the backward's workspace), when it leaves none.
+StatusOr<int64_t> work_budget(const char* what, int64_t device_cap_bytes, int64_t staging_bytes, int64_t table_bytes);
+
 // One lane's passes, as the planner needs them: per pass the rule and its
 // parameters (acc_lane, batch and head filled, tiles and slots not).
 struct LaneSetup {

@@ -83,9 +83,8 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
 
   typename X::template PerThread<Lane> st;
   fused_each_lane(x, st, [&](Lane& L, int, int) {
-    PLSH_UNROLL
-    for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
-    for (int i = 0; i < 4; ++i) L.dk[dt][i] = L.dv[dt][i] = 0;
+    fused_zero(L.dk);
+    fused_zero(L.dv);
     L.tiles = 0;
   });
   const int64_t tiles = fused_tiles(a.q_len, kFusedRows);
@@ -143,9 +142,8 @@ PLSH_HD void fused_backward_cta(const FusedArgs& a, int64_t kt, int64_t hk, int6
           ++L.tiles;
           PLSH_UNROLL
           for (int half = 0; half < 2; ++half) L.row[half] = fused_row(a, head, row0 + rf + frag_row(lane, half));
-          PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
-          for (int i = 0; i < 4; ++i) L.s[nt][i] = L.dp[nt][i] = 0;
+          fused_zero(L.s);
+          fused_zero(L.dp);
         });
         fused_abt_smem<Cfg>(x, sm.q, rf, sm.k, s_acc, tmp);
         x.lanes([&](int lane) {

@@ -96,16 +96,14 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
 
   typename X::template PerThread<Lane> st;
   fused_each_lane(x, st, [&](Lane& L, int w, int lane) {
+    L.tiles = 0;
+    fused_zero(L.o);
     PLSH_UNROLL
     for (int half = 0; half < 2; ++half) {
       L.row[half] = fused_row(a, head, row0 + w * 16 + frag_row(lane, half));
       L.m[half] = -INFINITY;
       L.l[half] = 0;
     }
-    L.tiles = 0;
-    PLSH_UNROLL
-    for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
-    for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
   });
   // Q has landed (the K/V group may still fly); its fragments to registers.
   if (span.begin < span.end)
@@ -129,9 +127,7 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
       x.lanes([&](int lane) {
         Lane& L = st(w, lane);
         ++L.tiles;
-        PLSH_UNROLL
-        for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
-        for (int i = 0; i < 4; ++i) L.s[nt][i] = 0;
+        fused_zero(L.s);
       });
       if constexpr (Cfg::kTC) {
         fused_abt_tc<Cfg>(

@@ -99,6 +99,14 @@ PLSH_HD void fused_each_lane(X& x, PerThread& st, F&& f) {
   x.warps([&](int w) { x.lanes([&](int lane) { f(st(w, lane), w, lane); }); });
 }
 
+// Zeroes a lane's accumulator fragments: N column tiles of 4 registers.
+template <int N>
+PLSH_HD void fused_zero(float (&acc)[N][4]) {
+  PLSH_UNROLL
+  for (int t = 0; t < N; ++t) PLSH_UNROLL
+  for (int i = 0; i < 4; ++i) acc[t][i] = 0;
+}
+
 // A warp's A fragments of 16 rows (from row r0 of a shared tile) for every
 // k16 step of D: ldmatrix, matrix m = lane / 8 holding rows + 8 (m & 1),
 // columns + 8 (m >> 1).

@@ -156,9 +156,7 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
       L.m[half] = L.ma[half] = -INFINITY;
       L.l[half] = L.num[half] = L.den[half] = L.vmax[half] = 0;
     }
-    PLSH_UNROLL
-    for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
-    for (int i = 0; i < 4; ++i) L.o[dt][i] = 0;
+    fused_zero(L.o);
   });
   for (int64_t kt = span.begin; kt < span.end; ++kt) {
     const int stage = fused_key_step(x, span, kt, load_kv);
@@ -181,9 +179,7 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
       const WarpKeys wk = hashes ? fused_warp_keys(x, a, head, sm.blocks, rf, rl, first, last, kt) : WarpKeys{};
       x.lanes([&](int lane) {
         Lane& L = st(w, lane);
-        PLSH_UNROLL
-        for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
-        for (int i = 0; i < 4; ++i) L.s[nt][i] = 0;
+        fused_zero(L.s);
       });
       fused_abt_smem<Cfg>(
           x, sm.q, rf, sm.k(stage), [&](int lane, int nt) { return st(w, lane).s[nt]; },

@@ -121,6 +121,32 @@ PLSH_HD void fused_a_frags(X& x, const typename Cfg::Storage* tile, int r0, Out&
         [&](int lane) { return out(lane, kk); }, false);
 }
 
+// C (16 x kN8 * 8, C layout: acc(lane, n8)) += A B over kK16 steps of 16
+// k, two m16n8k16 mmas per 16 columns: prepare(kk) runs first (for A
+// fragments loaded step by step), then a(lane, kk) are A's fragments and
+// B's 16 x 16 block (kk, n16) comes by one ldmatrix x4 from
+// b_row(lane, kk, n16), transposed with TransB. tmp(lane): 8 registers,
+// [0, 4) B.
+template <typename Cfg, int kK16, int kN8, bool TransB, typename X, typename Prepare, typename AFrag, typename BRow,
+          typename Acc, typename Tmp>
+PLSH_HD void fused_mma_tc(X& x, Prepare&& prepare, AFrag&& a, BRow&& b_row, Acc&& acc, Tmp&& tmp) {
+  typename Cfg::Elem t{};
+  PLSH_UNROLL
+  for (int kk = 0; kk < kK16; ++kk) {
+    prepare(kk);
+    PLSH_UNROLL
+    for (int n16 = 0; n16 < kN8 / 2; ++n16) {
+      x.ldsm_x4([&](int lane) { return b_row(lane, kk, n16); }, tmp, TransB);
+      x.mma(
+          t, [&](int lane) { return acc(lane, 2 * n16); }, [&](int lane) { return a(lane, kk); },
+          [&](int lane) { return tmp(lane); });
+      x.mma(
+          t, [&](int lane) { return acc(lane, 2 * n16 + 1); }, [&](int lane) { return a(lane, kk); },
+          [&](int lane) { return tmp(lane) + 2; });
+    }
+  }
+}
+
 // S (16 x 64, C layout: s[nt][i]) = A B^T, A a warp's 16 rows in A
 // fragments a(lane, kk) for each k16 step of D (prepare(kk) runs first, for
 // fragments loaded step by step), B a shared tile of 64 rows (keys) by D:
@@ -129,26 +155,13 @@ PLSH_HD void fused_a_frags(X& x, const typename Cfg::Storage* tile, int r0, Out&
 template <typename Cfg, typename X, typename Prepare, typename AFrag, typename Acc, typename Tmp>
 PLSH_HD void fused_abt_tc(X& x, Prepare&& prepare, AFrag&& a, const typename Cfg::Storage* b_tile, Acc&& acc,
                           Tmp&& tmp) {
-  typename Cfg::Elem t{};
-  PLSH_UNROLL
-  for (int kk = 0; kk < Cfg::kKQ; ++kk) {
-    prepare(kk);
-    PLSH_UNROLL
-    for (int np = 0; np < Cfg::kNT / 2; ++np) {
-      x.ldsm_x4(
-          [&](int lane) {
-            const int m = lane / 8;
-            return b_tile + (np * 16 + 8 * (m >> 1) + lane % 8) * Cfg::kPitch + kk * 16 + 8 * (m & 1);
-          },
-          tmp, false);
-      x.mma(
-          t, [&](int lane) { return acc(lane, 2 * np); }, [&](int lane) { return a(lane, kk); },
-          [&](int lane) { return tmp(lane); });
-      x.mma(
-          t, [&](int lane) { return acc(lane, 2 * np + 1); }, [&](int lane) { return a(lane, kk); },
-          [&](int lane) { return tmp(lane) + 2; });
-    }
-  }
+  fused_mma_tc<Cfg, Cfg::kKQ, Cfg::kNT, false>(
+      x, prepare, a,
+      [&](int lane, int kk, int np) {
+        const int m = lane / 8;
+        return b_tile + (np * 16 + 8 * (m >> 1) + lane % 8) * Cfg::kPitch + kk * 16 + 8 * (m & 1);
+      },
+      acc, tmp);
 }
 
 // S = A B^T with A's fragments from a shared tile (rows r0.., D columns),
@@ -175,26 +188,13 @@ PLSH_HD void fused_abt_tc_smem(X& x, const typename Cfg::Storage* a_tile, int r0
 template <typename Cfg, int kN8, typename X, typename PrepareA, typename Acc, typename Tmp>
 PLSH_HD void fused_ab_tc(X& x, PrepareA&& prepare_a, const typename Cfg::Storage* b_tile, int col0, Acc&& acc,
                          Tmp&& tmp) {
-  typename Cfg::Elem t{};
-  PLSH_UNROLL
-  for (int kk = 0; kk < Cfg::kKP; ++kk) {
-    prepare_a(kk);
-    PLSH_UNROLL
-    for (int dp = 0; dp < kN8 / 2; ++dp) {
-      x.ldsm_x4(
-          [&](int lane) {
-            const int m = lane / 8;
-            return b_tile + (kk * 16 + 8 * (m & 1) + lane % 8) * Cfg::kPitch + col0 + dp * 16 + 8 * (m >> 1);
-          },
-          tmp, true);
-      x.mma(
-          t, [&](int lane) { return acc(lane, 2 * dp); }, [&](int lane) { return tmp(lane) + 4; },
-          [&](int lane) { return tmp(lane); });
-      x.mma(
-          t, [&](int lane) { return acc(lane, 2 * dp + 1); }, [&](int lane) { return tmp(lane) + 4; },
-          [&](int lane) { return tmp(lane) + 2; });
-    }
-  }
+  fused_mma_tc<Cfg, Cfg::kKP, kN8, true>(
+      x, prepare_a, [&](int lane, int) -> const uint32_t* { return tmp(lane) + 4; },
+      [&](int lane, int kk, int dp) {
+        const int m = lane / 8;
+        return b_tile + (kk * 16 + 8 * (m & 1) + lane % 8) * Cfg::kPitch + col0 + dp * 16 + 8 * (m >> 1);
+      },
+      acc, tmp);
 }
 
 // prepare_a for fused_ab_tc from C-layout registers p(lane, nt) (16 x 64):
@@ -247,61 +247,51 @@ PLSH_HD void fused_load_a(X& x, const uint16_t* tile, int pitch, int r0, int kk,
       [&](int lane) { return tmp(lane) + 4; }, trans);
 }
 
-// The f32 path of the same two products, per lane on the CUDA cores: the
-// lane's C-layout elements as dot products over shared rows.
-//   S_ij = sum_d A[r0 + i][d] B[j][d]       (A, B shared tiles of D columns)
-template <typename Cfg, typename X, typename Acc>
-PLSH_HD void fused_abt_simt(X& x, const float* a_tile, int r0, const float* b_tile, Acc&& acc) {
+// The f32 path of the same products, per lane on the CUDA cores: each of
+// the lane's C-layout elements of kN8 column tiles, row frag_row and column
+// n8 * 8 + frag_col, gets c[i] += dot(row, column), a dot product over
+// shared rows.
+template <int kN8, typename X, typename Acc, typename Dot>
+PLSH_HD void fused_simt_each(X& x, Acc&& acc, Dot&& dot) {
   x.lanes([&](int lane) {
     PLSH_UNROLL
-    for (int nt = 0; nt < Cfg::kNT; ++nt) {
-      float* c = acc(lane, nt);
+    for (int n8 = 0; n8 < kN8; ++n8) {
+      float* c = acc(lane, n8);
       PLSH_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const float* ar = a_tile + (r0 + frag_row(lane, i >> 1)) * Cfg::kPitch;
-        const float* br = b_tile + (nt * 8 + frag_col(lane, i & 1)) * Cfg::kPitch;
-        float s = 0;
-        for (int d = 0; d < Cfg::D; ++d) s += ar[d] * br[d];
-        c[i] += s;
-      }
+      for (int i = 0; i < 4; ++i) c[i] += dot(frag_row(lane, i >> 1), n8 * 8 + frag_col(lane, i & 1));
     }
   });
 }
+
+//   S_ij = sum_d A[r0 + i][d] B[j][d]       (A, B shared tiles of D columns)
+template <typename Cfg, typename X, typename Acc>
+PLSH_HD void fused_abt_simt(X& x, const float* a_tile, int r0, const float* b_tile, Acc&& acc) {
+  fused_simt_each<Cfg::kNT>(x, acc, [&](int i, int j) {
+    const float *ar = a_tile + (r0 + i) * Cfg::kPitch, *br = b_tile + j * Cfg::kPitch;
+    float s = 0;
+    for (int d = 0; d < Cfg::D; ++d) s += ar[d] * br[d];
+    return s;
+  });
+}
+
 //   O_ic += sum_j P[i][j] B[j][col0 + c]    (P: a warp's rows in shared memory, kPPitch apart)
 template <typename Cfg, int kN8, typename X, typename Acc>
 PLSH_HD void fused_pb_simt(X& x, const float* p_rows, const float* b_tile, int col0, Acc&& acc) {
-  x.lanes([&](int lane) {
-    PLSH_UNROLL
-    for (int dt = 0; dt < kN8; ++dt) {
-      float* c = acc(lane, dt);
-      PLSH_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const float* pr = p_rows + frag_row(lane, i >> 1) * Cfg::kPPitch;
-        const int col = col0 + dt * 8 + frag_col(lane, i & 1);
-        float s = 0;
-        for (int j = 0; j < kFusedKeys; ++j) s += pr[j] * b_tile[j * Cfg::kPitch + col];
-        c[i] += s;
-      }
-    }
+  fused_simt_each<kN8>(x, acc, [&](int i, int c) {
+    const float* pr = p_rows + i * Cfg::kPPitch;
+    float s = 0;
+    for (int j = 0; j < kFusedKeys; ++j) s += pr[j] * b_tile[j * Cfg::kPitch + col0 + c];
+    return s;
   });
 }
 
 //   C_ic += sum_r A[r][r0 + i] B[r][col0 + c]  (A^T B: A a shared 64-row tile, kPPitch apart)
 template <typename Cfg, int kN8, typename X, typename Acc>
 PLSH_HD void fused_atb_simt(X& x, const float* a_tile, int r0, const float* b_tile, int col0, Acc&& acc) {
-  x.lanes([&](int lane) {
-    PLSH_UNROLL
-    for (int dt = 0; dt < kN8; ++dt) {
-      float* c = acc(lane, dt);
-      PLSH_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const int m = r0 + frag_row(lane, i >> 1);
-        const int col = col0 + dt * 8 + frag_col(lane, i & 1);
-        float s = 0;
-        for (int r = 0; r < kFusedRows; ++r) s += a_tile[r * Cfg::kPPitch + m] * b_tile[r * Cfg::kPitch + col];
-        c[i] += s;
-      }
-    }
+  fused_simt_each<kN8>(x, acc, [&](int i, int c) {
+    float s = 0;
+    for (int r = 0; r < kFusedRows; ++r) s += a_tile[r * Cfg::kPPitch + r0 + i] * b_tile[r * Cfg::kPitch + col0 + c];
+    return s;
   });
 }
 

@@ -150,33 +150,28 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
           L.tile_max[half] = m;
         }
       });
-      PLSH_UNROLL
-      for (int half = 0; half < 2; ++half) x.quad_max([&](int lane) -> float& { return st(w, lane).tile_max[half]; });
+      fused_quad_max(x, st, w, &Lane::tile_max);
       // Rescale, P = 2^(x - m) (times c_ij), the row sums.
-      x.lanes([&](int lane) {
-        Lane& L = st(w, lane);
-        PLSH_UNROLL
-        for (int half = 0; half < 2; ++half) {
-          const RowScale rs = fused_rescale(L.m[half], L.tile_max[half]);
-          L.m[half] = rs.m_new;
-          L.l[half] *= rs.alpha;
-          if (pv) {
-            PLSH_UNROLL
-            for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
-            for (int j = 0; j < 2; ++j) L.o[dt][2 * half + j] *= rs.alpha;
-          }
-          float sum = 0;
+      fused_each_row(x, st, w, [&](Lane& L, int, int half) {
+        const RowScale rs = fused_rescale(L.m[half], L.tile_max[half]);
+        L.m[half] = rs.m_new;
+        L.l[half] *= rs.alpha;
+        if (pv) {
           PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
-          for (int j = 0; j < 2; ++j) {
-            float& e = L.s[nt][2 * half + j];
-            float p = e == -INFINITY ? 0.0f : fused_prob(e, rs.m_new);
-            if (head.rule == FusedRule::kHashes) p *= L.w[nt][2 * half + j];
-            e = p;
-            sum += p;
-          }
-          L.l[half] += sum;
+          for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+          for (int j = 0; j < 2; ++j) L.o[dt][2 * half + j] *= rs.alpha;
         }
+        float sum = 0;
+        PLSH_UNROLL
+        for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          float& e = L.s[nt][2 * half + j];
+          float p = e == -INFINITY ? 0.0f : fused_prob(e, rs.m_new);
+          if (head.rule == FusedRule::kHashes) p *= L.w[nt][2 * half + j];
+          e = p;
+          sum += p;
+        }
+        L.l[half] += sum;
       });
       if (!pv) return;
       // O += P V
@@ -209,8 +204,7 @@ PLSH_HD void fused_forward_cta(const FusedArgs& a, int64_t t, int64_t h, int64_t
 
   // out = O / l, lse (or the statistics alone).
   x.warps([&](int w) {
-    PLSH_UNROLL
-    for (int half = 0; half < 2; ++half) x.quad_sum([&](int lane) -> float& { return st(w, lane).l[half]; });
+    fused_quad_sum(x, st, w, &Lane::l);
     x.lanes([&](int lane) {
       Lane& L = st(w, lane);
       if (lane == 0 && a.tiles_done != nullptr) x.count(a.tiles_done, L.tiles);

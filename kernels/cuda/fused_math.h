@@ -99,12 +99,36 @@ PLSH_HD void fused_each_lane(X& x, PerThread& st, F&& f) {
   x.warps([&](int w) { x.lanes([&](int lane) { f(st(w, lane), w, lane); }); });
 }
 
+// f(L, lane, half) for both rows of every lane of warp w (rows g and g + 8:
+// half 0 and 1), L the lane's registers st(w, lane).
+template <typename X, typename PerThread, typename F>
+PLSH_HD void fused_each_row(X& x, PerThread& st, int w, F&& f) {
+  x.lanes([&](int lane) {
+    PLSH_UNROLL
+    for (int half = 0; half < 2; ++half) f(st(w, lane), lane, half);
+  });
+}
+
 // Zeroes a lane's accumulator fragments: N column tiles of 4 registers.
 template <int N>
 PLSH_HD void fused_zero(float (&acc)[N][4]) {
   PLSH_UNROLL
   for (int t = 0; t < N; ++t) PLSH_UNROLL
   for (int i = 0; i < 4; ++i) acc[t][i] = 0;
+}
+
+// A quad's reduction of its lanes' shares of the rows g and g + 8 (a member
+// float[2] of each lane of warp w): afterwards every lane of the quad holds
+// the max (fused_quad_max) or the sum (fused_quad_sum) of both rows.
+template <typename X, typename PerThread, typename Lane>
+PLSH_HD void fused_quad_max(X& x, PerThread& st, int w, float (Lane::*rows)[2]) {
+  PLSH_UNROLL
+  for (int half = 0; half < 2; ++half) x.quad_max([&](int lane) -> float& { return (st(w, lane).*rows)[half]; });
+}
+template <typename X, typename PerThread, typename Lane>
+PLSH_HD void fused_quad_sum(X& x, PerThread& st, int w, float (Lane::*rows)[2]) {
+  PLSH_UNROLL
+  for (int half = 0; half < 2; ++half) x.quad_sum([&](int lane) -> float& { return (st(w, lane).*rows)[half]; });
 }
 
 // A warp's A fragments of 16 rows (from row r0 of a shared tile) for every

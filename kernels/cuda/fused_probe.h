@@ -216,52 +216,45 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
           }
         }
       });
-      PLSH_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        x.quad_max([&](int lane) -> float& { return st(w, lane).tmax[half]; });
-        x.quad_max([&](int lane) -> float& { return st(w, lane).tmax_a[half]; });
-      }
-      x.lanes([&](int lane) {
-        Lane& L = st(w, lane);
+      fused_quad_max(x, st, w, &Lane::tmax);
+      fused_quad_max(x, st, w, &Lane::tmax_a);
+      fused_each_row(x, st, w, [&](Lane& L, int lane, int half) {
+        const RowScale rs = fused_rescale(L.m[half], L.tmax[half]);
+        const RowScale ra = fused_rescale(L.ma[half], L.tmax_a[half]);
+        L.m[half] = rs.m_new;
+        L.l[half] *= rs.alpha;
+        L.ma[half] = ra.m_new;
+        L.num[half] *= ra.alpha;
+        L.den[half] *= ra.alpha;
         PLSH_UNROLL
-        for (int half = 0; half < 2; ++half) {
-          const RowScale rs = fused_rescale(L.m[half], L.tmax[half]);
-          const RowScale ra = fused_rescale(L.ma[half], L.tmax_a[half]);
-          L.m[half] = rs.m_new;
-          L.l[half] *= rs.alpha;
-          L.ma[half] = ra.m_new;
-          L.num[half] *= ra.alpha;
-          L.den[half] *= ra.alpha;
-          PLSH_UNROLL
-          for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
-          for (int j = 0; j < 2; ++j) L.o[dt][2 * half + j] *= rs.alpha;
-          float sum = 0, num = 0, den = 0;
-          PLSH_UNROLL
-          for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
-          for (int j = 0; j < 2; ++j) {
-            float& e = L.s[nt][2 * half + j];
-            const float mask = L.w[nt][2 * half + j];
-            if (e == -INFINITY) {
-              e = 0;
-              continue;
-            }
-            const float dist_part = e;  // xa - slope2 dist
-            const float p = fused_prob(dist_part, rs.m_new);
-            // a relative to its own max: 2^(xa - m_a), xa = e + slope2 dist.
-            const int32_t jj = static_cast<int32_t>(kt * kFusedKeys) + nt * 8 + frag_col(lane, j);
-            const FusedRow& r = L.row[half];
-            const float dist = static_cast<float>(r.anchor > jj ? r.anchor - jj : jj - r.anchor);
-            const float av = exp2f(e + slope2 * dist - ra.m_new);
-            const float lstar = exp2f(-slope2 * dist);
-            num += av * fabsf(lstar - mask);
-            den += av * mask;
-            e = p;
-            sum += p;
+        for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+        for (int j = 0; j < 2; ++j) L.o[dt][2 * half + j] *= rs.alpha;
+        float sum = 0, num = 0, den = 0;
+        PLSH_UNROLL
+        for (int nt = 0; nt < Cfg::kNT; ++nt) PLSH_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          float& e = L.s[nt][2 * half + j];
+          const float mask = L.w[nt][2 * half + j];
+          if (e == -INFINITY) {
+            e = 0;
+            continue;
           }
-          L.l[half] += sum;
-          L.num[half] += num;
-          L.den[half] += den;
+          const float dist_part = e;  // xa - slope2 dist
+          const float p = fused_prob(dist_part, rs.m_new);
+          // a relative to its own max: 2^(xa - m_a), xa = e + slope2 dist.
+          const int32_t jj = static_cast<int32_t>(kt * kFusedKeys) + nt * 8 + frag_col(lane, j);
+          const FusedRow& r = L.row[half];
+          const float dist = static_cast<float>(r.anchor > jj ? r.anchor - jj : jj - r.anchor);
+          const float av = exp2f(e + slope2 * dist - ra.m_new);
+          const float lstar = exp2f(-slope2 * dist);
+          num += av * fabsf(lstar - mask);
+          den += av * mask;
+          e = p;
+          sum += p;
         }
+        L.l[half] += sum;
+        L.num[half] += num;
+        L.den[half] += den;
       });
       if constexpr (Cfg::kTC) {
         // P in two parts (fused_pack_a_split): o* to float32's accuracy on 16-bit inputs too.
@@ -291,31 +284,24 @@ PLSH_HD void fused_probe_cta(const FusedArgs& a, const ProbeArgs& pa, int64_t gr
 
   // The partial rows: quad sums of the lanes' shares, one lane per row writes.
   x.warps([&](int w) {
-    PLSH_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      x.quad_sum([&](int lane) -> float& { return st(w, lane).l[half]; });
-      x.quad_sum([&](int lane) -> float& { return st(w, lane).num[half]; });
-      x.quad_sum([&](int lane) -> float& { return st(w, lane).den[half]; });
-      x.quad_max([&](int lane) -> float& { return st(w, lane).vmax[half]; });
-    }
-    x.lanes([&](int lane) {
-      Lane& L = st(w, lane);
+    fused_quad_sum(x, st, w, &Lane::l);
+    fused_quad_sum(x, st, w, &Lane::num);
+    fused_quad_sum(x, st, w, &Lane::den);
+    fused_quad_max(x, st, w, &Lane::vmax);
+    fused_each_row(x, st, w, [&](Lane& L, int lane, int half) {
+      const int r = w * 16 + frag_row(lane, half);
+      if (r >= g.rows) return;
+      float* out = pa.partial + ((group * pa.splits + split) * kFusedRows + r) * probe_floats(Cfg::D);
       PLSH_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const int r = w * 16 + frag_row(lane, half);
-        if (r >= g.rows) continue;
-        float* out = pa.partial + ((group * pa.splits + split) * kFusedRows + r) * probe_floats(Cfg::D);
-        PLSH_UNROLL
-        for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
-        for (int j = 0; j < 2; ++j) out[6 + dt * 8 + frag_col(lane, j)] = L.o[dt][2 * half + j];
-        if (lane % 4 == 0) {
-          out[0] = L.m[half];
-          out[1] = L.l[half];
-          out[2] = L.ma[half];
-          out[3] = L.num[half];
-          out[4] = L.den[half];
-          out[5] = L.vmax[half];
-        }
+      for (int dt = 0; dt < Cfg::kDT; ++dt) PLSH_UNROLL
+      for (int j = 0; j < 2; ++j) out[6 + dt * 8 + frag_col(lane, j)] = L.o[dt][2 * half + j];
+      if (lane % 4 == 0) {
+        out[0] = L.m[half];
+        out[1] = L.l[half];
+        out[2] = L.ma[half];
+        out[3] = L.num[half];
+        out[4] = L.den[half];
+        out[5] = L.vmax[half];
       }
     });
   });

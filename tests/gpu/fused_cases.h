@@ -48,6 +48,15 @@ inline std::vector<AttentionCase> fused_cases() {
   };
 }
 
+// A fused case's options (draws of seed 99). With on_cpu, the same for the
+// CPU backend that the fused results are compared with: lsh banded, the
+// fused kernels' algorithm.
+inline AttentionOptions fused_options(const AttentionCase& c, bool on_cpu = false) {
+  AttentionOptions o = options_of(c, 99);
+  if (on_cpu) o.lsh_algorithm = c.mode == Mode::kLsh ? LshAlgorithm::kBanded : LshAlgorithm::kAuto;
+  return o;
+}
+
 // Error tolerances by precision (the GPU tests' for the cuBLAS path):
 // float32 inputs and outputs 1e-4 of the largest output (lse 1e-5); 16-bit
 // ones 1e-2, two roundings of 2^-9 and the P fed to P V (lse 4e-3).

@@ -256,6 +256,19 @@ TEST(CudaControl, TightBudgetChunksAndStillMatches) {
   EXPECT_LE(compare(pr.out.data(), pr.params.dtype, ref.out).max_rel, tolerance(pr.params.dtype));
 }
 
+// The workspace tests' request: exact, causal, bf16, without estimates.
+AttentionOptions exact_bf16(int64_t n, int64_t heads, int64_t head_dim) {
+  return testing::shaped({1, n, n, heads, 0, head_dim},
+                         {.dtype = DType::kBF16, .causal = true, .mode = Mode::kExact, .estimates = false});
+}
+
+// o's plan on the backend, within limits.
+StatusOr<Plan> plan_of(Backend& backend, const AttentionOptions& o, const PlanLimits& limits) {
+  StatusOr<AttentionParams> p = resolve_params(o);
+  if (!p.ok()) return p.status();
+  return backend.plan(*p, limits);
+}
+
 // Without a share from the caller a request plans for at most half the pool,
 // so a second one can run beside it; with a share, at most that; and the
 // bytes forward reports are what the plan charged (issue 15). head_dim 40:
@@ -263,17 +276,14 @@ TEST(CudaControl, TightBudgetChunksAndStillMatches) {
 TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
   const int64_t budget = int64_t{256} << 20;
   REQUIRE_CUDA_BUDGET(backend, budget);
-  const AttentionOptions o = testing::shaped(
-      {1, 8192, 8192, 8, 0, 40}, {.dtype = DType::kBF16, .causal = true, .mode = Mode::kExact, .estimates = false});
-  StatusOr<AttentionParams> p = resolve_params(o);
-  ASSERT_TRUE(p.ok());
-  StatusOr<Plan> half = backend->plan(*p, PlanLimits{});
+  const AttentionOptions o = exact_bf16(8192, 8, 40);
+  StatusOr<Plan> half = plan_of(*backend, o, PlanLimits{});
   ASSERT_TRUE(half.ok()) << half.status().to_string();
   EXPECT_LE(half->forward_workspace.device_bytes, budget / 2);
   EXPECT_GT(half->forward_workspace.device_bytes, budget / 4) << "the work buffer fills its share";
   PlanLimits share;
   share.device_bytes = int64_t{64} << 20;
-  StatusOr<Plan> shared = backend->plan(*p, share);
+  StatusOr<Plan> shared = plan_of(*backend, o, share);
   ASSERT_TRUE(shared.ok()) << shared.status().to_string();
   EXPECT_LE(shared->forward_workspace.device_bytes, share.device_bytes);
 
@@ -298,11 +308,8 @@ TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
 TEST(CudaWorkspace, AllocateDeviceHoldsThePoolForTheRequest) {
   const int64_t budget = int64_t{64} << 20;
   REQUIRE_CUDA_BUDGET(backend, budget);
-  const AttentionOptions o = testing::shaped(
-      {1, 512, 512, 4, 0, 64}, {.dtype = DType::kBF16, .causal = true, .mode = Mode::kExact, .estimates = false});
-  StatusOr<AttentionParams> p = resolve_params(o);
-  ASSERT_TRUE(p.ok());
-  StatusOr<Plan> plan = backend->plan(*p, PlanLimits{});
+  const AttentionOptions o = exact_bf16(512, 4, 64);
+  StatusOr<Plan> plan = plan_of(*backend, o, PlanLimits{});
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   const int64_t bytes = plan->workspace().device_bytes;
   ASSERT_GT(bytes, 0);

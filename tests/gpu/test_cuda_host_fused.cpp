@@ -59,8 +59,7 @@ class FusedForwardOnHost : public ::testing::TestWithParam<testing::AttentionCas
 
 TEST_P(FusedForwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   const testing::AttentionCase& c = GetParam();
-  AttentionOptions o = testing::options_of(c, 99);
-  testing::Problem pr = testing::make_problem(o, 5);
+  testing::Problem pr = testing::make_problem(testing::fused_options(c), 5);
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   const AttentionParams& p = pr.params;
   ASSERT_TRUE(fused_supported(p).ok()) << fused_supported(p).to_string();
@@ -69,8 +68,7 @@ TEST_P(FusedForwardOnHost, MatchesFloat64ReferenceAndCpuBackend) {
   const testing::ReferenceOutput ref = testing::log_domain_reference(p);
   const testing::FusedErrors vs_ref = testing::fused_errors(e.out, e.lse, ref.out, ref.lse);
   // The CPU backend on the same inputs (banded lsh: the same algorithm).
-  o.lsh_algorithm = c.mode == Mode::kLsh ? LshAlgorithm::kBanded : LshAlgorithm::kAuto;
-  testing::Problem on_cpu = testing::make_problem(o, 5);
+  testing::Problem on_cpu = testing::make_problem(testing::fused_options(c, true), 5);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   const Status s = testing::plan_and_forward(*cpu, on_cpu.params, ExecContext{}, nullptr, 1);
   ASSERT_TRUE(s.ok()) << s.to_string();

@@ -102,7 +102,7 @@ class FusedBackwardOnHost : public ::testing::TestWithParam<testing::AttentionCa
 
 TEST_P(FusedBackwardOnHost, MatchesFloat64AutogradAndCpuBackend) {
   const testing::AttentionCase& c = GetParam();
-  AttentionOptions o = testing::options_of(c, 99);
+  const AttentionOptions o = testing::fused_options(c);
   testing::Problem pr = testing::make_problem(o, 5);
   ASSERT_TRUE(pr.status.ok()) << pr.status.to_string();
   const AttentionParams& p = pr.params;
@@ -114,8 +114,7 @@ TEST_P(FusedBackwardOnHost, MatchesFloat64AutogradAndCpuBackend) {
       testing::reference_backward(p, testing::dense_inputs(p), testing::reference_weights(p), cpu_grads.dout_values());
   const GradErrors vs_ref = grad_errors(e, grad_dtype, ref.dq, ref.dk, ref.dv);
   // The CPU backend's forward and backward on the same inputs and draws.
-  o.lsh_algorithm = c.mode == Mode::kLsh ? LshAlgorithm::kBanded : LshAlgorithm::kAuto;
-  testing::Problem on_cpu = testing::make_problem(o, 5);
+  testing::Problem on_cpu = testing::make_problem(testing::fused_options(c, true), 5);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   PlanLimits limits;
   limits.threads = 1;

@@ -75,6 +75,8 @@ class SharedMemoryTest : public ::testing::Test {
     delete dir_;
   }
   void SetUp() override { ASSERT_TRUE(server_->started()) << server_->log(); }
+  // Whatever a test sent, the server still serves.
+  void TearDown() override { EXPECT_TRUE(serving()); }
 
   // The server still answers health and a plain streamed request.
   static ::testing::AssertionResult serving() {
@@ -112,17 +114,20 @@ class SharedMemoryTest : public ::testing::Test {
 
   static TempDir* dir_;
   static ServerProcess* server_;
+
+  // Each test's client and the request its tensors are sized for (named as
+  // the tests' locals).
+  Client c{server_->grpc_address()};
+  const AttentionOptions o = options();
+  const Sizes z = sizes(o);
 };
 TempDir* SharedMemoryTest::dir_ = nullptr;
 ServerProcess* SharedMemoryTest::server_ = nullptr;
 
 TEST_F(SharedMemoryTest, EqualsTheStreamedResultBitForBit) {
-  Client c(server_->grpc_address());
   v1::GetInfoResponse info;
   ASSERT_TRUE(c.info(&info).ok());
   EXPECT_TRUE(info.limits().shared_memory());
-  const AttentionOptions o = options();
-  const Sizes z = sizes(o);
   const std::vector<float> q = gaussian(z.q, 1), k = gaussian(z.kv, 2), v = gaussian(z.kv, 3);
   AttendCall call = testing::attend_call(o, q, k, v, /*deadline_seconds=*/0);  // 0: none
   call.return_lse = true;
@@ -188,7 +193,6 @@ TEST_F(SharedMemoryTest, EqualsTheStreamedResultBitForBit) {
 // Registering what is not a plain, private, large enough file of the
 // directory: the code, no key or path in the message, the server serving.
 TEST_F(SharedMemoryTest, RegisteringAnythingButAPrivateFileOfTheDirectoryIsRefused) {
-  Client c(server_->grpc_address());
   const std::string d = dir_->path();
   std::unique_ptr<SharedMemoryFile> file;
   ASSERT_TRUE(SharedMemoryFile::create(d, "plsh-small", 4096, &file).ok());
@@ -232,15 +236,11 @@ TEST_F(SharedMemoryTest, RegisteringAnythingButAPrivateFileOfTheDirectoryIsRefus
   EXPECT_TRUE(refused(c.register_shared_memory("r", "plsh-small", 0, 16), grpc::StatusCode::ALREADY_EXISTS, "'r'"));
   EXPECT_TRUE(refused(c.unregister_shared_memory("nope"), grpc::StatusCode::NOT_FOUND, "'nope'"));
   EXPECT_TRUE(c.unregister_shared_memory("r").ok());
-  EXPECT_TRUE(serving());
 }
 
 // A request's references that do not fit its region, overlap, or come with
 // chunks: refused at the header (or the chunk), the server serving.
 TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
-  Client c(server_->grpc_address());
-  const AttentionOptions o = options();
-  const Sizes z = sizes(o);
   const Layout at(z);
   std::unique_ptr<SharedMemoryFile> file;
   ASSERT_NO_FATAL_FAILURE(register_file(c, "refs", at.total, &file));
@@ -310,13 +310,9 @@ TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
   ASSERT_EQ(regions.size(), 1u);
   EXPECT_EQ(regions[0].requests(), 0);  // the refused requests hold nothing
   EXPECT_TRUE(c.unregister_shared_memory("refs").ok());
-  EXPECT_TRUE(serving());
 }
 
 TEST_F(SharedMemoryTest, ARegionInUseCannotBeUnregistered) {
-  Client c(server_->grpc_address());
-  const AttentionOptions o = options();
-  const Sizes z = sizes(o);
   std::unique_ptr<SharedMemoryFile> file;
   ASSERT_NO_FATAL_FAILURE(register_file(c, "busy", z.q, &file));
   // A request that holds it: header, ack, and then nothing.
@@ -342,16 +338,12 @@ TEST_F(SharedMemoryTest, ARegionInUseCannotBeUnregistered) {
   ctx->TryCancel();
   stream->Finish();
   EXPECT_TRUE(trust::eventually([&] { return c.unregister_shared_memory("busy").ok(); }));
-  EXPECT_TRUE(serving());
 }
 
 // The client shrinks the file after the header was accepted: the worker's
 // accesses past the new end (which would raise SIGBUS and kill a server
 // that did not expect them) fail the request; the server goes on.
 TEST_F(SharedMemoryTest, AFileShrunkUnderARequestFailsItNotTheServer) {
-  Client c(server_->grpc_address());
-  const AttentionOptions o = options();
-  const Sizes z = sizes(o);
   for (const bool input : {true, false}) {
     SCOPED_TRACE(input ? "q in the shrunk file" : "out in the shrunk file");
     std::unique_ptr<SharedMemoryFile> file;

@@ -345,14 +345,9 @@ void ContextStore::sweep() {
   }
 }
 
-int64_t ContextStore::held() const {
+ContextStore::Held ContextStore::held() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return held_;
-}
-
-int64_t ContextStore::bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return bytes_;
+  return {held_, bytes_};
 }
 
 }  // namespace plsh::server

@@ -146,8 +146,12 @@ class ContextStore {
   // refuses new ids.
   void close();
 
-  int64_t held() const;   // contexts in the store (idle or checked out)
-  int64_t bytes() const;  // their charged host bytes
+  // The contexts in the store (idle or checked out) and their charged host
+  // bytes, read together.
+  struct Held {
+    int64_t contexts = 0, bytes = 0;
+  };
+  Held held() const;
 
  private:
   using Clock = std::chrono::steady_clock;

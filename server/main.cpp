@@ -292,9 +292,10 @@ void drain(int signal_number, const plsh::server::ServerConfig& config,
   exit_step("stopping the workers (a computation that does not stop)");
   scheduler.stop();
   // Nothing held past the drain: tests read these.
+  const plsh::server::ContextStore::Held held = contexts.held();
   log_event(spdlog::level::info, "stopped",
-            {{"contexts", contexts.held()},
-             {"context_bytes", contexts.bytes()},
+            {{"contexts", held.contexts},
+             {"context_bytes", held.bytes},
              {"reserved_host_bytes", memory.reserved().host_bytes}});
   exit_step("releasing gRPC and the backends (destructors, grpc_shutdown)");
 }

@@ -46,8 +46,8 @@ TEST(ContextStore, IdsAreRandomAndWellFormed) {
 TEST(ContextStore, ChargeMovesWithTheContextAndReturnsWhenConsumed) {
   Fixture f;
   const std::string id = f.keep(300);
-  EXPECT_EQ(f.store.held(), 1);
-  EXPECT_EQ(f.store.bytes(), 300);
+  EXPECT_EQ(f.store.held().contexts, 1);
+  EXPECT_EQ(f.store.held().bytes, 300);
   EXPECT_EQ(f.budget.reserved().host_bytes, 300);
   StatusOr<std::shared_ptr<KeptContext>> out = f.store.check_out(id, "", "r1");
   ASSERT_TRUE(out.ok()) << out.status().to_string();
@@ -55,7 +55,7 @@ TEST(ContextStore, ChargeMovesWithTheContextAndReturnsWhenConsumed) {
                         {"in use by backward request r1"}));
   EXPECT_TRUE(has_error(f.store.release(id, "").status(), StatusCode::kFailedPrecondition, {"in use"}));
   f.store.check_in(id, /*consume=*/true, "r1");
-  EXPECT_EQ(f.store.held(), 0);
+  EXPECT_EQ(f.store.held().contexts, 0);
   // The backward still holds it: the charge goes with the last reference.
   EXPECT_EQ(f.budget.reserved().host_bytes, 300);
   out = Status::Ok();
@@ -69,7 +69,7 @@ TEST(ContextStore, ACheckInWithoutConsumingKeepsIt) {
   const std::string id = f.keep(100);
   ASSERT_TRUE(f.store.check_out(id, "", "r1").ok());
   f.store.check_in(id, /*consume=*/false, "r1");
-  EXPECT_EQ(f.store.held(), 1);
+  EXPECT_EQ(f.store.held().contexts, 1);
   ASSERT_TRUE(f.store.check_out(id, "", "r2").ok());
   f.store.check_in(id, false, "r2");
   StatusOr<int64_t> released = f.store.release(id, "");
@@ -125,7 +125,7 @@ TEST(ContextStore, APendingIdIsNotUsableAndAnAbandonedOneIsRemembered) {
   EXPECT_TRUE(
       has_error(f.store.check_out(*id, "", "r1").status(), StatusCode::kFailedPrecondition, {"has not finished yet"}));
   f.store.abandon(*id);
-  EXPECT_EQ(f.store.held(), 0);
+  EXPECT_EQ(f.store.held().contexts, 0);
   EXPECT_TRUE(has_error(f.store.check_out(*id, "", "r1").status(), StatusCode::kFailedPrecondition,
                         {"cancelled", "did not finish OK"}));
 }
@@ -137,12 +137,12 @@ TEST(ContextStore, RoomIsMadeLeastRecentlyUsedFirstAndOnlyWhenItHelps) {
   ASSERT_TRUE(f.store.check_out(a, "", "r1").ok());
   f.store.check_in(a, false, "r1");
   EXPECT_TRUE(is_ok(f.store.reserve({350, 0})));  // 900 + 350 > 1000: one must go
-  EXPECT_EQ(f.store.held(), 2);
+  EXPECT_EQ(f.store.held().contexts, 2);
   EXPECT_TRUE(has_error(f.store.check_out(b, "", "r2").status(), StatusCode::kFailedPrecondition,
                         {"evicted", "--memory-budget"}));
   // More than the budget could ever give: refused, nothing evicted.
   EXPECT_TRUE(has_error(f.store.reserve({2000, 0}), StatusCode::kResourceExhausted, {}));
-  EXPECT_EQ(f.store.held(), 2);
+  EXPECT_EQ(f.store.held().contexts, 2);
   // A checked-out context is never evicted.
   ASSERT_TRUE(f.store.check_out(c, "", "r3").ok());
   f.budget.release({350, 0});
@@ -158,7 +158,7 @@ TEST(ContextStore, OverMaxContextsTheLeastRecentlyUsedGoes) {
   o.max_contexts = 2;
   Fixture f(1000, o);
   const std::string a = f.keep(10), b = f.keep(10), c = f.keep(10);
-  EXPECT_EQ(f.store.held(), 2);
+  EXPECT_EQ(f.store.held().contexts, 2);
   EXPECT_TRUE(has_error(f.store.check_out(a, "", "r").status(), StatusCode::kFailedPrecondition,
                         {"evicted", "--max-contexts = 2"}));
   EXPECT_TRUE(f.store.check_out(b, "", "r").ok());
@@ -173,13 +173,13 @@ TEST(ContextStore, TheSweeperExpiresIdleContexts) {
   ASSERT_TRUE(f.store.check_out(b, "", "r1").ok());  // checked out: never expires meanwhile
   // The sweeper drops the context, then gives its bytes back outside the
   // store's lock: wait for both.
-  EXPECT_TRUE(eventually([&] { return f.store.held() == 1 && f.budget.reserved().host_bytes == 100; }))
-      << f.store.held() << " held, " << f.budget.reserved().host_bytes << " bytes reserved";
+  EXPECT_TRUE(eventually([&] { return f.store.held().contexts == 1 && f.budget.reserved().host_bytes == 100; }))
+      << f.store.held().contexts << " held, " << f.budget.reserved().host_bytes << " bytes reserved";
   EXPECT_TRUE(has_error(f.store.check_out(a, "", "r2").status(), StatusCode::kFailedPrecondition,
                         {"expired", "--context-ttl = 0.1 s"}));
   f.store.check_in(b, false, "r1");  // back in: its TTL restarts
-  EXPECT_TRUE(eventually([&] { return f.store.held() == 0 && f.budget.reserved().host_bytes == 0; }))
-      << f.store.held() << " held, " << f.budget.reserved().host_bytes << " bytes reserved";
+  EXPECT_TRUE(eventually([&] { return f.store.held().contexts == 0 && f.budget.reserved().host_bytes == 0; }))
+      << f.store.held().contexts << " held, " << f.budget.reserved().host_bytes << " bytes reserved";
 }
 
 TEST(ContextStore, ADrainDropsIdleContextsNowAndCheckedOutOnesAtCheckIn) {
@@ -189,16 +189,16 @@ TEST(ContextStore, ADrainDropsIdleContextsNowAndCheckedOutOnesAtCheckIn) {
   ASSERT_TRUE(pending.ok());
   ASSERT_TRUE(f.store.check_out(b, "", "r1").ok());
   f.store.close();
-  EXPECT_EQ(f.store.held(), 1);
+  EXPECT_EQ(f.store.held().contexts, 1);
   EXPECT_TRUE(has_error(f.store.check_out(a, "", "r2").status(), StatusCode::kFailedPrecondition, {"drained"}));
   EXPECT_TRUE(has_error(f.store.reserve_id("").status(), StatusCode::kUnavailable, {"shutting down"}));
   f.store.check_in(b, /*consume=*/false, "r1");
-  EXPECT_EQ(f.store.held(), 0);
+  EXPECT_EQ(f.store.held().contexts, 0);
   // The forward that was still running: its context is dropped on arrival.
   ASSERT_TRUE(is_ok(f.budget.reserve({50, 0})));
   f.store.put(*pending,
               std::make_shared<KeptContext>(Request{}, RequestMemory{}, MemoryCharge{50, 0}, &f.budget, nullptr));
-  EXPECT_EQ(f.store.held(), 0);
+  EXPECT_EQ(f.store.held().contexts, 0);
   EXPECT_EQ(f.budget.reserved().host_bytes, 0);
 }
 

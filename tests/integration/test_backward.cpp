@@ -665,26 +665,45 @@ std::string stopped_line(const std::string& log) {
   return std::regex_search(log, m, std::regex("stopped[^\n]*")) ? m[0].str() : "";
 }
 
-TEST(BackwardContexts, ExpireAfterTheirTimeToLive) {
-  ServerProcess server({"--context-ttl", "0.3", "--threads", "1"});
-  ASSERT_TRUE(server.started()) << server.log();
-  Client c(server.grpc_address());
+// Each test starts a server of its own flags (start) and a client of it;
+// the server must exit cleanly at the end, in stop() or TearDown.
+class BackwardContexts : public ::testing::Test {
+ protected:
+  void start(const std::vector<std::string>& flags) {
+    server_ = std::make_unique<ServerProcess>(flags);
+    ASSERT_TRUE(server_->started()) << server_->log();
+    client_ = std::make_unique<Client>(server_->grpc_address());
+  }
+  void stop() {
+    EXPECT_EQ(server_->terminate(), 0) << server_->log();
+    stopped_ = true;
+  }
+  void TearDown() override {
+    if (server_ != nullptr && !stopped_) stop();
+  }
+
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<Client> client_;
+  bool stopped_ = false;
+};
+
+TEST_F(BackwardContexts, ExpireAfterTheirTimeToLive) {
+  ASSERT_NO_FATAL_FAILURE(start({"--context-ttl", "0.3", "--threads", "1"}));
   const Problem p = make_problem(odd_gqa_options(Mode::kExact, false), 37);
   AttendReply forward;
-  ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
+  ASSERT_TRUE(client_->attend(forward_call(p, true), &forward).ok());
   EXPECT_EQ(forward.context_ttl_seconds, 0.3);
-  EXPECT_TRUE(eventually([&] { return gauge(server, "plsh_contexts") == 0; }, 5));
-  EXPECT_EQ(gauge(server, "plsh_context_evictions_total", {"reason=\"expired\""}), 1);
-  EXPECT_EQ(gauge(server, "plsh_memory_reserved_bytes", {"space=\"host\""}), 0);
+  EXPECT_TRUE(eventually([&] { return gauge(*server_, "plsh_contexts") == 0; }, 5));
+  EXPECT_EQ(gauge(*server_, "plsh_context_evictions_total", {"reason=\"expired\""}), 1);
+  EXPECT_EQ(gauge(*server_, "plsh_memory_reserved_bytes", {"space=\"host\""}), 0);
   BackwardReply grads;
-  const grpc::Status s = c.backward(by_context(p, forward.context_id), &grads);
+  const grpc::Status s = client_->backward(by_context(p, forward.context_id), &grads);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(s.error_message().find("expired"), std::string::npos) << s.error_message();
   EXPECT_NE(s.error_message().find("--context-ttl = 0.3 s"), std::string::npos) << s.error_message();
-  EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
-TEST(BackwardContexts, AreEvictedLeastRecentlyUsedFirstWhenTheBudgetNeedsRoom) {
+TEST_F(BackwardContexts, AreEvictedLeastRecentlyUsedFirstWhenTheBudgetNeedsRoom) {
   // Exact, one thread: the workspaces are known here, so that the budget
   // fits one kept context and its backward (dout, dq, dk, dv and the
   // backward's workspace beside it), and not two contexts.
@@ -707,109 +726,97 @@ TEST(BackwardContexts, AreEvictedLeastRecentlyUsedFirstWhenTheBudgetNeedsRoom) {
   ASSERT_GT(2 * tensors + w_keep, budget) << "the budget would hold two: the test would prove nothing (tensors "
                                           << tensors << ", workspaces " << w_keep << " " << w_backward << ")";
 
-  ServerProcess server({"--threads", "1", "--memory-budget", std::to_string(budget)});
-  ASSERT_TRUE(server.started()) << server.log();
-  Client c(server.grpc_address());
+  ASSERT_NO_FATAL_FAILURE(start({"--threads", "1", "--memory-budget", std::to_string(budget)}));
   AttendReply a, b;
-  ASSERT_TRUE(c.attend(forward_call(p, true), &a).ok());
+  ASSERT_TRUE(client_->attend(forward_call(p, true), &a).ok());
   EXPECT_EQ(a.context_bytes, tensors);
-  EXPECT_EQ(gauge(server, "plsh_contexts"), 1);
+  EXPECT_EQ(gauge(*server_, "plsh_contexts"), 1);
   // A second forward needs the room: the first context goes.
-  grpc::Status s = c.attend(forward_call(p, true), &b);
+  grpc::Status s = client_->attend(forward_call(p, true), &b);
   ASSERT_TRUE(s.ok()) << client::status_string(s);
-  EXPECT_EQ(gauge(server, "plsh_contexts"), 1);
-  EXPECT_EQ(gauge(server, "plsh_context_evictions_total", {"reason=\"evicted\""}), 1);
+  EXPECT_EQ(gauge(*server_, "plsh_contexts"), 1);
+  EXPECT_EQ(gauge(*server_, "plsh_context_evictions_total", {"reason=\"evicted\""}), 1);
   BackwardReply grads;
-  s = c.backward(by_context(p, a.context_id), &grads);
+  s = client_->backward(by_context(p, a.context_id), &grads);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(s.error_message().find("evicted"), std::string::npos) << s.error_message();
   EXPECT_NE(s.error_message().find("--memory-budget"), std::string::npos) << s.error_message();
   // The second one's backward fits beside it, and consumes it.
-  s = c.backward(by_context(p, b.context_id), &grads);
+  s = client_->backward(by_context(p, b.context_id), &grads);
   ASSERT_TRUE(s.ok()) << client::status_string(s);
   EXPECT_EQ(grads.dq, local_gradients(p, DType::kF32).dq);
-  EXPECT_EQ(gauge(server, "plsh_contexts"), 0);
-  EXPECT_EQ(gauge(server, "plsh_memory_reserved_bytes", {"space=\"host\""}), 0);
+  EXPECT_EQ(gauge(*server_, "plsh_contexts"), 0);
+  EXPECT_EQ(gauge(*server_, "plsh_memory_reserved_bytes", {"space=\"host\""}), 0);
   // A request larger than the whole budget evicts nothing.
-  ASSERT_TRUE(c.attend(forward_call(p, true), &a).ok());
+  ASSERT_TRUE(client_->attend(forward_call(p, true), &a).ok());
   AttentionOptions big = o;
   big.q_len = big.kv_len = 4096;
   const Problem large = make_problem(big, 43);
-  s = c.attend(forward_call(large, false), &b);
+  s = client_->attend(forward_call(large, false), &b);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_EQ(gauge(server, "plsh_contexts"), 1);
-  EXPECT_EQ(server.terminate(), 0) << server.log();
+  EXPECT_EQ(gauge(*server_, "plsh_contexts"), 1);
 }
 
-TEST(BackwardContexts, OverMaxContextsTheLeastRecentlyUsedGoes) {
-  ServerProcess server({"--threads", "1", "--max-contexts", "2"});
-  ASSERT_TRUE(server.started()) << server.log();
-  Client c(server.grpc_address());
+TEST_F(BackwardContexts, OverMaxContextsTheLeastRecentlyUsedGoes) {
+  ASSERT_NO_FATAL_FAILURE(start({"--threads", "1", "--max-contexts", "2"}));
   const Problem p = make_problem(odd_gqa_options(Mode::kExact, true), 47);
   AttendReply f[3];
-  for (AttendReply& r : f) ASSERT_TRUE(c.attend(forward_call(p, true), &r).ok());
-  EXPECT_EQ(gauge(server, "plsh_contexts"), 2);
+  for (AttendReply& r : f) ASSERT_TRUE(client_->attend(forward_call(p, true), &r).ok());
+  EXPECT_EQ(gauge(*server_, "plsh_contexts"), 2);
   BackwardReply grads;
-  const grpc::Status s = c.backward(by_context(p, f[0].context_id), &grads);
+  const grpc::Status s = client_->backward(by_context(p, f[0].context_id), &grads);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(s.error_message().find("--max-contexts = 2"), std::string::npos) << s.error_message();
-  EXPECT_TRUE(c.backward(by_context(p, f[2].context_id), &grads).ok());
-  EXPECT_EQ(server.terminate(), 0) << server.log();
+  EXPECT_TRUE(client_->backward(by_context(p, f[2].context_id), &grads).ok());
 }
 
-TEST(BackwardContexts, ADrainDropsThemAll) {
-  ServerProcess server({"--threads", "1"});
-  ASSERT_TRUE(server.started()) << server.log();
-  Client c(server.grpc_address());
+TEST_F(BackwardContexts, ADrainDropsThemAll) {
+  ASSERT_NO_FATAL_FAILURE(start({"--threads", "1"}));
   const Problem p = make_problem(odd_gqa_options(Mode::kLsh, true), 53);
   AttendReply f;
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(c.attend(forward_call(p, true), &f).ok());
-  EXPECT_EQ(gauge(server, "plsh_contexts"), 3);
-  EXPECT_GT(gauge(server, "plsh_context_bytes"), 0);
-  EXPECT_EQ(server.terminate(), 0) << server.log();
-  const std::string line = stopped_line(server.log());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(client_->attend(forward_call(p, true), &f).ok());
+  EXPECT_EQ(gauge(*server_, "plsh_contexts"), 3);
+  EXPECT_GT(gauge(*server_, "plsh_context_bytes"), 0);
+  stop();
+  const std::string line = stopped_line(server_->log());
   EXPECT_NE(line.find("contexts=0"), std::string::npos) << line;
   EXPECT_NE(line.find("context_bytes=0"), std::string::npos) << line;
   EXPECT_NE(line.find("reserved_host_bytes=0"), std::string::npos) << line;
 }
 
-TEST(BackwardContexts, AServerWithoutContextsRefusesKeepContextButServesStateless) {
-  ServerProcess server({"--context-ttl", "0"});
-  ASSERT_TRUE(server.started()) << server.log();
-  Client c(server.grpc_address());
+TEST_F(BackwardContexts, AServerWithoutContextsRefusesKeepContextButServesStateless) {
+  ASSERT_NO_FATAL_FAILURE(start({"--context-ttl", "0"}));
   const Problem p = make_problem(odd_gqa_options(Mode::kWindow, true), 59);
   AttendReply f;
-  grpc::Status s = c.attend(forward_call(p, true), &f);
+  grpc::Status s = client_->attend(forward_call(p, true), &f);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(s.error_message().find("--context-ttl 0"), std::string::npos) << s.error_message();
   BackwardReply grads;
-  s = c.backward(by_context(p, "ctx-x"), &grads);
+  s = client_->backward(by_context(p, "ctx-x"), &grads);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   BackwardCall b = by_context(p, "");
   b.q = p.q.data();
   b.k = p.k.data();
   b.v = p.v.data();
   b.recompute_forward = true;
-  s = c.backward(b, &grads);
+  s = client_->backward(b, &grads);
   EXPECT_TRUE(s.ok()) << client::status_string(s);
   v1::GetInfoResponse info;
-  ASSERT_TRUE(c.info(&info).ok());
+  ASSERT_TRUE(client_->info(&info).ok());
   EXPECT_EQ(info.limits().context_ttl_seconds(), 0);
-  EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
 // AttendUnary keeps a context too; a backward stream that goes silent is
 // ended by the watchdog like a forward's, and its context stays.
-TEST(BackwardContexts, UnaryForwardsKeepThemAndSilentBackwardsTimeOut) {
-  ServerProcess server({"--threads", "1", "--stream-idle-timeout", "0.5"});
-  ASSERT_TRUE(server.started()) << server.log();
-  Client c(server.grpc_address());
+TEST_F(BackwardContexts, UnaryForwardsKeepThemAndSilentBackwardsTimeOut) {
+  ASSERT_NO_FATAL_FAILURE(start({"--threads", "1", "--stream-idle-timeout", "0.5"}));
   const Problem p = make_problem(odd_gqa_options(Mode::kWindow, true), 67);
   AttendReply forward;
-  ASSERT_TRUE(c.attend_unary(forward_call(p, true), &forward).ok());
+  ASSERT_TRUE(client_->attend_unary(forward_call(p, true), &forward).ok());
   ASSERT_FALSE(forward.context_id.empty());
   {
-    auto stub = v1::Attention::NewStub(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
+    auto stub =
+        v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     auto stream = stub->AttendBackward(&ctx);
@@ -823,19 +830,18 @@ TEST(BackwardContexts, UnaryForwardsKeepThemAndSilentBackwardsTimeOut) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
     EXPECT_NE(s.error_message().find("--stream-idle-timeout"), std::string::npos) << s.error_message();
   }
-  EXPECT_TRUE(eventually([&] { return gauge(server, "plsh_inflight_requests") == 0; }));
-  EXPECT_EQ(gauge(server, "plsh_stream_timeouts_total", {"reason=\"receive_idle\""}), 1);
-  EXPECT_EQ(gauge(server, "plsh_contexts"), 1);
+  EXPECT_TRUE(eventually([&] { return gauge(*server_, "plsh_inflight_requests") == 0; }));
+  EXPECT_EQ(gauge(*server_, "plsh_stream_timeouts_total", {"reason=\"receive_idle\""}), 1);
+  EXPECT_EQ(gauge(*server_, "plsh_contexts"), 1);
   BackwardReply grads;
-  const grpc::Status s = c.backward(by_context(p, forward.context_id), &grads);
+  const grpc::Status s = client_->backward(by_context(p, forward.context_id), &grads);
   ASSERT_TRUE(s.ok()) << client::status_string(s);
   EXPECT_EQ(grads.dq, local_gradients(p, DType::kF32).dq);
-  EXPECT_EQ(gauge(server, "plsh_memory_reserved_bytes", {"space=\"host\""}), 0);
-  EXPECT_EQ(server.terminate(), 0) << server.log();
+  EXPECT_EQ(gauge(*server_, "plsh_memory_reserved_bytes", {"space=\"host\""}), 0);
 }
 
 // With a token file a context belongs to the client that made it.
-TEST(BackwardContexts, AreBoundToTheirClient) {
+TEST_F(BackwardContexts, AreBoundToTheirClient) {
   testing::TempDir dir;
   const std::string alice = testing::random_token(), bob = testing::random_token(), fwd = testing::random_token();
   auto entry = [](const std::string& name, const std::string& token, nlohmann::json methods) {
@@ -849,13 +855,12 @@ TEST(BackwardContexts, AreBoundToTheirClient) {
                                                  {entry("alice", alice, nullptr), entry("bob", bob, nullptr),
                                                   entry("forward_only", fwd, {"Attend", "GetInfo"})}}}
                                      .dump());
-  ServerProcess server({"--token-file", dir.file("tokens.json"), "--threads", "1"});
-  ASSERT_TRUE(server.started()) << server.log();
+  ASSERT_NO_FATAL_FAILURE(start({"--token-file", dir.file("tokens.json"), "--threads", "1"}));
   auto connect = [&](const std::string& token) {
     client::ChannelOptions o;
     o.token = token;
     std::unique_ptr<Client> c;
-    EXPECT_TRUE(Client::connect(server.grpc_address(), o, &c).ok());
+    EXPECT_TRUE(Client::connect(server_->grpc_address(), o, &c).ok());
     return c;
   };
   std::unique_ptr<Client> a = connect(alice), b = connect(bob), f = connect(fwd);
@@ -899,12 +904,11 @@ TEST(BackwardContexts, AreBoundToTheirClient) {
   EXPECT_EQ(seen(s, forward.context_id), never_backward);
   EXPECT_EQ(seen(b->release_context(forward.context_id), forward.context_id), never_release);
   // The context counted against alice's reservations while it was held.
-  const auto m = scrape(server);
+  const auto m = scrape(*server_);
   EXPECT_EQ(metric_sum(m, "plsh_client_reserved_bytes", {"client=\"alice\"", "space=\"host\""}), 0);
   EXPECT_EQ(metric_sum(m, "plsh_client_requests_total",
                        {"client=\"bob\"", "method=\"AttendBackward\"", "code=\"NOT_FOUND\""}),
             3);
-  EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -31,6 +32,12 @@ namespace testing {
 
 inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A raw Attention stub on a plaintext channel to target (host:port), for
+// tests that write the wire messages themselves.
+inline std::unique_ptr<v1::Attention::Stub> insecure_stub(const std::string& target) {
+  return v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
 }
 
 // Polls f every 20 ms for up to `seconds`.

@@ -438,8 +438,7 @@ TEST_F(BackwardTest, ACancelledBackwardLeavesItsContextForARetry) {
   AttendReply forward;
   ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
   {
-    auto stub =
-        v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+    auto stub = testing::insecure_stub(server_->grpc_address());
     grpc::ClientContext ctx;
     auto stream = stub->AttendBackward(&ctx);
     v1::BackwardRequest r;
@@ -473,7 +472,7 @@ struct RawResult {
 };
 
 RawResult raw_backward(const std::string& target, const std::vector<v1::BackwardRequest>& messages) {
-  auto stub = v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  auto stub = testing::insecure_stub(target);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   auto stream = stub->AttendBackward(&ctx);
@@ -815,8 +814,7 @@ TEST_F(BackwardContexts, UnaryForwardsKeepThemAndSilentBackwardsTimeOut) {
   ASSERT_TRUE(client_->attend_unary(forward_call(p, true), &forward).ok());
   ASSERT_FALSE(forward.context_id.empty());
   {
-    auto stub =
-        v1::Attention::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+    auto stub = testing::insecure_stub(server_->grpc_address());
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     auto stream = stub->AttendBackward(&ctx);

@@ -265,7 +265,7 @@ TEST_F(ServiceTest, BadInputTableGetsTheRightCodeAndNamesTheField) {
       {"message with nothing set", stream_of({v1::AttendRequest{}}), INV, "kind"},
       {"unary q of the wrong size",
        [](auto& t) {
-         auto stub = v1::Attention::NewStub(grpc::CreateChannel(t, grpc::InsecureChannelCredentials()));
+         auto stub = testing::insecure_stub(t);
          grpc::ClientContext ctx;
          v1::AttendUnaryRequest req;
          *req.mutable_header() = header_msg().header();

@@ -111,11 +111,8 @@ struct BackwardStaging {
   char* dout = nullptr;
   float* row_d = nullptr;
   float* row_lse = nullptr;
-  float* dk_acc = nullptr;
-  float* dv_acc = nullptr;
-  char* dq = nullptr;
-  char* dk = nullptr;
-  char* dv = nullptr;
+  float *dk_acc = nullptr, *dv_acc = nullptr;
+  char *dq = nullptr, *dk = nullptr, *dv = nullptr;  // the gradients, in their dtype
   int64_t q_bytes = 0, kv_bytes = 0, dq_bytes = 0, dkv_bytes = 0, rows = 0, kv_elems = 0;
 };
 int64_t carve_backward_staging(const AttentionParams& p, int64_t grad_bytes, char* base, BackwardStaging* out);

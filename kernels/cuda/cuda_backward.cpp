@@ -72,15 +72,10 @@ Status run_cuda_backward(const Plan& plan, const CudaLayout& layout, const Backw
 
   const WorkspaceSlots& work = bl.work;
   const int64_t T = work.tile_rows;
-  DeviceBuffer work_buffer;
-  BackwardRoundBuffers rb;
-  Accumulators acc;
-  RETURN_IF_ERROR(
-      carve_work_buffer(pool, work, bl.work_bytes, D, esz, stream, carve_backward_work, &work_buffer, &rb, &acc));
-
-  DeviceBuffer table_buffer;
-  TableBuffers tables;
-  RETURN_IF_ERROR(carve_table_buffer(pool, layout, bl.table_bytes, p.heads, handle, stream, &table_buffer, &tables));
+  CallBuffers<BackwardRoundBuffers> dev;
+  RETURN_IF_ERROR(carve_call_buffers(pool, layout, bl, p, handle, stream, carve_backward_work, &dev));
+  const BackwardRoundBuffers& rb = dev.rb;
+  const TableBuffers& tables = dev.tables;
 
   const BatchedGemm gemm{handle, p.dtype};
   const float scale = static_cast<float>(p.scale);
@@ -95,7 +90,7 @@ Status run_cuda_backward(const Plan& plan, const CudaLayout& layout, const Backw
     RETURN_IF_ERROR(gemm(gemms.dprob, 1.0f, rb.v_ptr, rb.dout_ptr, rb.score_ptr, r.slots));
     RETURN_IF_ERROR(launch_backward_ds(p.dtype, pr, r, tables.lanes, rb, stream));
     RETURN_IF_ERROR(gemm(gemms.dq, scale, rb.k_ptr, rb.ds_ptr, rb.dq_ptr, r.slots));
-    RETURN_IF_ERROR(launch_dq_merge(pr, r, tables.lanes, rb, acc, stream));
+    RETURN_IF_ERROR(launch_dq_merge(pr, r, tables.lanes, rb, dev.acc, stream));
     RETURN_IF_ERROR(gemm(gemms.dv, 1.0f, rb.dout_ptr, rb.prob_ptr, rb.dv_ptr, r.slots));
     RETURN_IF_ERROR(gemm(gemms.dk, scale, rb.q_ptr, rb.ds_ptr, rb.dk_ptr, r.slots));
     RETURN_IF_ERROR(launch_kv_scatter(pr, r, tables.lanes, rb, stream));
@@ -104,10 +99,10 @@ Status run_cuda_backward(const Plan& plan, const CudaLayout& layout, const Backw
   };
   // After a chunk's rounds: its dq rows from the accumulators.
   auto finalize_dq = [&](const Chunk& c, size_t) {
-    return launch_dq_finalize(g.grad_dtype, st.dq, p.q_len, p.heads, D, c.lane0, c.lane1 - c.lane0, acc, stream);
+    return launch_dq_finalize(g.grad_dtype, st.dq, p.q_len, p.heads, D, c.lane0, c.lane1 - c.lane0, dev.acc, stream);
   };
   DeviceRounds rounds(ctx, stream);
-  RETURN_IF_ERROR(rounds.run(work, layout.heads, p, pr.shape, tables, &acc, round, finalize_dq));
+  RETURN_IF_ERROR(rounds.run(work, layout.heads, p, pr.shape, tables, &dev.acc, round, finalize_dq));
   RETURN_IF_ERROR(launch_to_dtype(g.grad_dtype, st.dk_acc, st.dk, st.kv_elems, stream));
   RETURN_IF_ERROR(launch_to_dtype(g.grad_dtype, st.dv_acc, st.dv, st.kv_elems, stream));
   // dq, dk, dv are dense (make_backward_params): one copy each.

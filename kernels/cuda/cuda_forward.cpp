@@ -24,7 +24,6 @@ Status run_cuda_forward(const Plan& plan, const CudaLayout& layout, const ExecCo
   pr.operands = operand_layout(p);
   out.out = p.out;
   out.lse = p.lse;
-  const int64_t esz = static_cast<int64_t>(dtype_bytes(p.dtype));
   if (p.memory == MemorySpace::kHost) {
     RETURN_IF_ERROR(staging_buffer.allocate(pool, layout.staging_bytes, stream));
     carve_staging(p, staging_buffer.get(), &staged);
@@ -47,17 +46,12 @@ Status run_cuda_forward(const Plan& plan, const CudaLayout& layout, const ExecCo
   const WorkspaceSlots& work = layout.work;
   const int64_t T = work.tile_rows;
   const int64_t D = p.head_dim;
-  DeviceBuffer work_buffer;
-  RoundBuffers rb;
-  Accumulators acc;
-  RETURN_IF_ERROR(
-      carve_work_buffer(pool, work, layout.work_bytes, D, esz, stream, carve_work, &work_buffer, &rb, &acc));
+  CallBuffers<RoundBuffers> dev;
+  RETURN_IF_ERROR(carve_call_buffers(pool, layout, layout, p, handle, stream, carve_work, &dev));
+  const RoundBuffers& rb = dev.rb;
+  const TableBuffers& tables = dev.tables;
 
   const std::vector<LaneSetup>& heads = layout.heads;
-  DeviceBuffer table_buffer;
-  TableBuffers tables;
-  RETURN_IF_ERROR(
-      carve_table_buffer(pool, layout, layout.table_bytes, p.heads, handle, stream, &table_buffer, &tables));
   std::vector<HeadLse> lse_terms(static_cast<size_t>(p.heads));
   for (int64_t h = 0; h < p.heads; ++h) lse_terms[static_cast<size_t>(h)] = head_lse(p, heads[static_cast<size_t>(h)]);
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tables.head_lse, lse_terms.data(), lse_terms.size() * sizeof(HeadLse),
@@ -66,7 +60,7 @@ Status run_cuda_forward(const Plan& plan, const CudaLayout& layout, const ExecCo
   // A chunk's out and lse from its accumulators: queued with its last round
   // (so that the round's step covers it), or alone for a chunk of none.
   auto finalize = [&](const Chunk& c) {
-    return launch_finalize(p.out_dtype, out, p.q_len, D, c.lane0, c.lane1 - c.lane0, tables.head_lse, acc, stream);
+    return launch_finalize(p.out_dtype, out, p.q_len, D, c.lane0, c.lane1 - c.lane0, tables.head_lse, dev.acc, stream);
   };
   const BatchedGemm gemm{handle, p.dtype};
   auto round = [&](const Chunk& c, const Round& r, bool last) -> StatusOr<double> {
@@ -75,13 +69,13 @@ Status run_cuda_forward(const Plan& plan, const CudaLayout& layout, const ExecCo
     RETURN_IF_ERROR(gemm(gemms.scores, static_cast<float>(p.scale), rb.k_ptr, rb.q_ptr, rb.score_ptr, r.slots));
     RETURN_IF_ERROR(launch_masked_softmax(p.dtype, pr, r, tables.lanes, rb, stream));
     RETURN_IF_ERROR(gemm(gemms.partial, 1.0f, rb.v_ptr, rb.prob_ptr, rb.partial_ptr, r.slots));
-    RETURN_IF_ERROR(launch_merge(pr, r, tables.lanes, rb, acc, stream));
+    RETURN_IF_ERROR(launch_merge(pr, r, tables.lanes, rb, dev.acc, stream));
     if (last) RETURN_IF_ERROR(finalize(c));
     return 4.0 * static_cast<double>(r.slots) * static_cast<double>(T) * static_cast<double>(r.key_cols) *
            static_cast<double>(D);
   };
   DeviceRounds rounds(ctx, stream);
-  RETURN_IF_ERROR(rounds.run(work, heads, p, pr.shape, tables, &acc, round,
+  RETURN_IF_ERROR(rounds.run(work, heads, p, pr.shape, tables, &dev.acc, round,
                              [&](const Chunk& c, size_t n) { return n == 0 ? finalize(c) : Status::Ok(); }));
 
   if (p.memory == MemorySpace::kHost) {

@@ -41,26 +41,40 @@ Status stage_rows(char* dst, int64_t pitch_elems, const void* src, int64_t rows,
 // operand layout `ops`.
 Status stage_qkv(const AttentionParams& p, const OperandLayout& ops, const StagedQkv& dst, cudaStream_t stream);
 
-// The work buffer of `work_bytes` from the pool, carved for the plan's
-// slots by `carve` (carve_work, carve_backward_work) into the round's
-// slices and the chunk accumulators.
-template <typename RoundBuffersT>
-Status carve_work_buffer(DevicePool& pool, const WorkspaceSlots& work, int64_t work_bytes, int64_t head_dim,
-                         int64_t elem_bytes, cudaStream_t stream,
-                         int64_t (*carve)(int64_t, int64_t, int64_t, int64_t, int64_t, char*, RoundBuffersT*,
-                                          Accumulators*),
-                         DeviceBuffer* buffer, RoundBuffersT* rb, Accumulators* acc) {
-  RETURN_IF_ERROR(buffer->allocate(pool, work_bytes, stream));
-  carve(work.slots, work.tile_rows, work.key_cols, head_dim, elem_bytes, buffer->get(), rb, acc);
-  return Status::Ok();
-}
-
 // The lane tables' buffer of `table_bytes` from the pool, carved as the
 // plan sized it (carve_tables), with cuBLAS's workspace set to its slice: no
 // allocation outside what the plan charged (cublasSetStream has just reset
 // the handle to its default pool).
 Status carve_table_buffer(DevicePool& pool, const CudaLayout& layout, int64_t table_bytes, int64_t heads,
                           cublasHandle_t handle, cudaStream_t stream, DeviceBuffer* buffer, TableBuffers* tables);
+
+// A call's device buffers beside its staging, freed with it on its stream:
+// the work buffer, carved into the round's slices (rb) and the chunk
+// accumulators, and the lane tables' buffer with cuBLAS's workspace.
+template <typename RoundBuffersT>
+struct CallBuffers {
+  DeviceBuffer work_buffer, table_buffer;
+  RoundBuffersT rb;
+  Accumulators acc;
+  TableBuffers tables;
+};
+
+// Both buffers of a call from the pool, as `sizes` (the forward's
+// CudaLayout, the backward's CudaBackwardLayout) planned them: work_bytes
+// carved by `carve` (carve_work, carve_backward_work) for sizes.work's
+// slots, and table_bytes by carve_table_buffer.
+template <typename Sizes, typename RoundBuffersT>
+Status carve_call_buffers(DevicePool& pool, const CudaLayout& layout, const Sizes& sizes, const AttentionParams& p,
+                          cublasHandle_t handle, cudaStream_t stream,
+                          int64_t (*carve)(int64_t, int64_t, int64_t, int64_t, int64_t, char*, RoundBuffersT*,
+                                           Accumulators*),
+                          CallBuffers<RoundBuffersT>* b) {
+  const WorkspaceSlots& work = sizes.work;
+  RETURN_IF_ERROR(b->work_buffer.allocate(pool, sizes.work_bytes, stream));
+  carve(work.slots, work.tile_rows, work.key_cols, p.head_dim, static_cast<int64_t>(dtype_bytes(p.dtype)),
+        b->work_buffer.get(), &b->rb, &b->acc);
+  return carve_table_buffer(pool, layout, sizes.table_bytes, p.heads, handle, stream, &b->table_buffer, &b->tables);
+}
 
 // The start of a chunk: the stop check, its rounds (plan_rounds) with their
 // lane table (`table`, reused from chunk to chunk) copied to the device,

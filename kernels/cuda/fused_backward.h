@@ -43,14 +43,10 @@ struct BwdSmem {
 
   PLSH_HD BwdSmem(unsigned char* base, int max_samples) {
     SmemCarver c{base};
-    k = c.take<S>(kFusedKeys * Cfg::kPitch);
-    v = c.take<S>(kFusedKeys * Cfg::kPitch);
-    q = c.take<S>(kFusedRows * Cfg::kPitch);
-    dout = c.take<S>(kFusedRows * Cfg::kPitch);
-    p = c.take<PS>(kFusedRows * kSP);
-    ds = c.take<PS>(kFusedRows * kSP);
-    lse2 = c.take<float>(kFusedRows);
-    dsum = c.take<float>(kFusedRows);
+    c.take_each(kFusedKeys * Cfg::kPitch, k, v);
+    c.take_each(kFusedRows * Cfg::kPitch, q, dout);
+    c.take_each(kFusedRows * kSP, p, ds);
+    c.take_each(kFusedRows, lse2, dsum);
     blocks = c.take<FusedBlock>(static_cast<int64_t>(max_samples) * kFusedRows);
     edges = c.take<int64_t>(2 * static_cast<int64_t>(max_samples));
     bins = c.take<int64_t>(static_cast<int64_t>(max_samples) * kFusedRows);

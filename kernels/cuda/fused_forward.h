@@ -42,10 +42,7 @@ struct FwdSmem {
     SmemCarver c{base};
     q = c.take<S>(kFusedRows * Cfg::kPitch);
     const int64_t kv_at = c.at;
-    k0 = c.take<S>(kFusedKeys * Cfg::kPitch);
-    v0 = c.take<S>(kFusedKeys * Cfg::kPitch);
-    k1 = c.take<S>(kFusedKeys * Cfg::kPitch);
-    v1 = c.take<S>(kFusedKeys * Cfg::kPitch);
+    c.take_each(kFusedKeys * Cfg::kPitch, k0, v0, k1, v1);
     const int64_t kv_end = c.at;
     if (!Cfg::kTC) p = c.take<float>(kFusedWarps * 16 * Cfg::kPPitch);
     blocks = c.take<FusedBlock>(static_cast<int64_t>(max_samples) * kFusedRows);

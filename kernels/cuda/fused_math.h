@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/fused_exec.h"
 #include "cuda/fused_tile.h"
@@ -41,6 +42,14 @@ struct SmemCarver {
     T* p = base == nullptr ? nullptr : reinterpret_cast<T*>(base + at);
     at += (count * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16;
     return p;
+  }
+  // `count` elements of T for each of `slices`, one after another: the
+  // same-sized slices (the stages of k and v, the per-row terms) in one call.
+  template <typename T, typename... Rest>
+  PLSH_HD void take_each(int64_t count, T*& first, Rest*&... rest) {
+    static_assert((std::is_same_v<T, Rest> && ...), "slices of one element type");
+    first = take<T>(count);
+    ((rest = take<T>(count)), ...);
   }
 };
 

@@ -77,10 +77,8 @@ struct FusedBackwardBuffers {
   float* row_d = nullptr;
   float* row_lse2 = nullptr;
   float* dq_acc = nullptr;
-  int32_t* spans = nullptr;  // [H][query tiles][2]
-  char* dq = nullptr;
-  char* dk = nullptr;
-  char* dv = nullptr;
+  int32_t* spans = nullptr;                          // [H][query tiles][2]
+  char *dq = nullptr, *dk = nullptr, *dv = nullptr;  // the gradients, in their dtype
   int64_t rows = 0, dq_elems = 0, dkv_elems = 0;
 };
 int64_t carve_fused_backward(const AttentionParams& p, const FusedTables& t, int64_t grad_bytes, char* base,

@@ -60,12 +60,8 @@ struct ProbeSmem {
   PLSH_HD ProbeSmem(unsigned char* base, int max_samples) {
     SmemCarver c{base};
     q = c.take<S>(kFusedRows * Cfg::kPitch);
-    k0 = c.take<S>(kFusedKeys * Cfg::kPitch);
-    v0 = c.take<S>(kFusedKeys * Cfg::kPitch);
-    k1 = c.take<S>(kFusedKeys * Cfg::kPitch);
-    v1 = c.take<S>(kFusedKeys * Cfg::kPitch);
-    vnorm0 = c.take<float>(kFusedKeys);
-    vnorm1 = c.take<float>(kFusedKeys);
+    c.take_each(kFusedKeys * Cfg::kPitch, k0, v0, k1, v1);
+    c.take_each(kFusedKeys, vnorm0, vnorm1);
     if (!Cfg::kTC) p = c.take<float>(kFusedWarps * 16 * Cfg::kPPitch);
     blocks = c.take<FusedBlock>(static_cast<int64_t>(max_samples) * kFusedRows);
     rows = c.take<int32_t>(kFusedRows);

@@ -33,6 +33,7 @@
 #include "problem.h"
 #include "reference.h"
 #include "shaped.h"
+#include "status_assert.h"
 
 namespace plsh {
 namespace {
@@ -155,10 +156,9 @@ TEST(CudaBins, DeviceBinsEqualHostBinOf) {
   for (int i = 0; i < 256; ++i) positions.push_back((int64_t{1} << 50) + static_cast<int64_t>(rng() % 100000));
   for (int64_t k = 0; k < 48; ++k) {
     const Draw d = draw_hash(2024, k % 5, k, k % 3 == 0 ? 1.19 : k % 3 == 1 ? 16.0 : 256.0);
-    StatusOr<std::vector<int64_t>> bins = cuda::device_bins(d, positions);
-    ASSERT_TRUE(bins.ok()) << bins.status().to_string();
+    ASSERT_OK_AND_ASSIGN(std::vector<int64_t> bins, cuda::device_bins(d, positions));
     for (size_t i = 0; i < positions.size(); ++i)
-      ASSERT_EQ((*bins)[i], bin_of(positions[i], d)) << "position " << positions[i] << " pitch " << d.pitch;
+      ASSERT_EQ(bins[i], bin_of(positions[i], d)) << "position " << positions[i] << " pitch " << d.pitch;
   }
 }
 
@@ -277,25 +277,23 @@ TEST(CudaWorkspace, DefaultShareIsHalfThePool) {
   const int64_t budget = int64_t{256} << 20;
   REQUIRE_CUDA_BUDGET(backend, budget);
   const AttentionOptions o = exact_bf16(8192, 8, 40);
-  StatusOr<Plan> half = plan_of(*backend, o, PlanLimits{});
-  ASSERT_TRUE(half.ok()) << half.status().to_string();
-  EXPECT_LE(half->forward_workspace.device_bytes, budget / 2);
-  EXPECT_GT(half->forward_workspace.device_bytes, budget / 4) << "the work buffer fills its share";
+  ASSERT_OK_AND_ASSIGN(Plan half, plan_of(*backend, o, PlanLimits{}));
+  EXPECT_LE(half.forward_workspace.device_bytes, budget / 2);
+  EXPECT_GT(half.forward_workspace.device_bytes, budget / 4) << "the work buffer fills its share";
   PlanLimits share;
   share.device_bytes = int64_t{64} << 20;
-  StatusOr<Plan> shared = plan_of(*backend, o, share);
-  ASSERT_TRUE(shared.ok()) << shared.status().to_string();
-  EXPECT_LE(shared->forward_workspace.device_bytes, share.device_bytes);
+  ASSERT_OK_AND_ASSIGN(Plan shared, plan_of(*backend, o, share));
+  EXPECT_LE(shared.forward_workspace.device_bytes, share.device_bytes);
 
   const testing::RandomTensors t = testing::random_qkv(o, 12);
   std::vector<uint8_t> out = testing::output_buffer(o);
-  Plan run = *half;
+  Plan run = half;
   ASSERT_TRUE(
       bind_tensors(&run.params, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost}).ok());
   ForwardStats stats;
   const Status s = testing::run_forward(*backend, run, ExecContext{}, &stats);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  EXPECT_EQ(stats.workspace.device_bytes, half->forward_workspace.device_bytes);
+  EXPECT_EQ(stats.workspace.device_bytes, half.forward_workspace.device_bytes);
   const std::optional<DeviceMemory> mem = backend->device_memory();
   ASSERT_TRUE(mem.has_value());
   EXPECT_EQ(mem->budget_bytes, budget);
@@ -309,34 +307,31 @@ TEST(CudaWorkspace, AllocateDeviceHoldsThePoolForTheRequest) {
   const int64_t budget = int64_t{64} << 20;
   REQUIRE_CUDA_BUDGET(backend, budget);
   const AttentionOptions o = exact_bf16(512, 4, 64);
-  StatusOr<Plan> plan = plan_of(*backend, o, PlanLimits{});
-  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-  const int64_t bytes = plan->workspace().device_bytes;
+  ASSERT_OK_AND_ASSIGN(Plan plan, plan_of(*backend, o, PlanLimits{}));
+  const int64_t bytes = plan.workspace().device_bytes;
   ASSERT_GT(bytes, 0);
-  StatusOr<std::shared_ptr<void>> hold = backend->allocate_device(bytes);
-  ASSERT_TRUE(hold.ok()) << hold.status().to_string();
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<void> hold, backend->allocate_device(bytes));
   EXPECT_EQ(backend->allocate_device(budget - bytes + 1).status().code(), StatusCode::kResourceExhausted);
 
   const testing::RandomTensors t = testing::random_qkv(o, 21);
   std::vector<uint8_t> out = testing::output_buffer(o);
-  Plan run = *plan;
+  Plan run = plan;
   ASSERT_TRUE(
       bind_tensors(&run.params, {t.q.data(), t.k.data(), t.v.data(), out.data(), nullptr, MemorySpace::kHost}).ok());
   StatusOr<HostWorkspace> host = HostWorkspace::allocate(run.workspace().host_bytes);
   ASSERT_TRUE(host.ok());
   // The rest of the pool held elsewhere: a forward that reserved again
   // would be refused; this one runs in the caller's hold.
-  StatusOr<std::shared_ptr<void>> rest = backend->allocate_device(budget - bytes);
-  ASSERT_TRUE(rest.ok()) << rest.status().to_string();
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<void> rest, backend->allocate_device(budget - bytes));
   WorkspaceRef w = host->ref();
-  w.device = hold->get();
+  w.device = hold.get();
   w.device_bytes = bytes;
   const Status s = backend->forward(run, w, ExecContext{}, nullptr);
   ASSERT_TRUE(s.ok()) << s.to_string();
   const testing::ReferenceOutput ref = testing::reference_attention(run.params);
   EXPECT_LE(compare(out.data(), o.dtype, ref.out).max_rel, tolerance(o.dtype));
-  rest->reset();
-  hold->reset();
+  rest.reset();
+  hold.reset();
   EXPECT_TRUE(backend->allocate_device(budget).ok()) << "every hold given back";
 }
 
@@ -370,9 +365,8 @@ TEST(CudaLarge, RoundsAbove65535SlotsMatchTheCpu) {
                                                                         .check_finite = false});
   Problem gpu = make_problem(o, 21, false), on_cpu = make_problem(o, 21, false);
   ASSERT_TRUE(gpu.status.ok() && on_cpu.status.ok());
-  StatusOr<Plan> plan = cuda->plan(gpu.params, PlanLimits{});
-  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-  ASSERT_TRUE(testing::run_forward(*cuda, *plan, ExecContext{}, nullptr).ok());
+  ASSERT_OK_AND_ASSIGN(Plan plan, cuda->plan(gpu.params, PlanLimits{}));
+  ASSERT_TRUE(testing::run_forward(*cuda, plan, ExecContext{}, nullptr).ok());
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   ASSERT_TRUE(testing::plan_and_forward(*cpu, on_cpu.params, ExecContext{}, nullptr).ok());
   EXPECT_LE(compare(gpu.out.data(), o.dtype, testing::to_doubles(on_cpu.out, o.dtype)).max_rel, 1e-4);
@@ -416,10 +410,9 @@ TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
           {.dtype = DType::kF32, .causal = true, .mode = Mode::kExact, .estimates = false, .check_finite = false}),
       13, false);
   ASSERT_TRUE(pr.status.ok());
-  StatusOr<Plan> plan = cuda->plan(pr.params, PlanLimits{});
-  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  ASSERT_OK_AND_ASSIGN(Plan plan, cuda->plan(pr.params, PlanLimits{}));
 
-  const TimedRun full = timed_forward(*cuda, *plan, nullptr, std::chrono::steady_clock::time_point::max());
+  const TimedRun full = timed_forward(*cuda, plan, nullptr, std::chrono::steady_clock::time_point::max());
   ASSERT_TRUE(full.status.ok()) << full.status.to_string();
   std::printf("uncancelled: %.3f s, %zu progress reports\n", full.seconds, full.progress.size());
   ASSERT_GT(full.seconds, 0.1) << "too fast to measure a cancel against";
@@ -434,7 +427,7 @@ TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
     std::this_thread::sleep_for(std::chrono::duration<double>(full.seconds / 4));
     cancel.store(true);
   });
-  const TimedRun cancelled = timed_forward(*cuda, *plan, &cancel, std::chrono::steady_clock::time_point::max());
+  const TimedRun cancelled = timed_forward(*cuda, plan, &cancel, std::chrono::steady_clock::time_point::max());
   canceller.join();
   EXPECT_EQ(cancelled.status.code(), StatusCode::kCancelled) << cancelled.status.to_string();
   EXPECT_LT(cancelled.seconds, full.seconds / 2) << "cancelled at " << full.seconds / 4 << " s";
@@ -442,12 +435,12 @@ TEST(CudaControl, CancelAndDeadlineActWhileTheGpuWorks) {
   const auto deadline =
       std::chrono::steady_clock::now() +
       std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(full.seconds / 4));
-  const TimedRun late = timed_forward(*cuda, *plan, nullptr, deadline);
+  const TimedRun late = timed_forward(*cuda, plan, nullptr, deadline);
   EXPECT_EQ(late.status.code(), StatusCode::kDeadlineExceeded) << late.status.to_string();
   EXPECT_LT(late.seconds, full.seconds / 2);
 
   // The backend serves again after a stop.
-  EXPECT_TRUE(timed_forward(*cuda, *plan, nullptr, std::chrono::steady_clock::time_point::max()).status.ok());
+  EXPECT_TRUE(timed_forward(*cuda, plan, nullptr, std::chrono::steady_clock::time_point::max()).status.ok());
 }
 
 // A budget too small for one tile is refused before any memory is touched.

@@ -27,6 +27,7 @@
 #include "problem.h"
 #include "reference.h"
 #include "shaped.h"
+#include "status_assert.h"
 
 namespace plsh {
 namespace {
@@ -60,11 +61,10 @@ TEST_P(FusedOnDevice, ForwardMatchesReferenceAndHostEmulation) {
   testing::Problem pr = testing::make_problem(testing::options_of(c, 99), 5);
   ASSERT_TRUE(pr.status.ok());
   std::fill(pr.out.begin(), pr.out.end(), 0xFF);
-  StatusOr<Plan> plan = cuda->plan(pr.params, PlanLimits{});
-  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-  ASSERT_TRUE(plan_is_fused(*plan)) << "the fused path did not take " << c.name;
+  ASSERT_OK_AND_ASSIGN(Plan plan, cuda->plan(pr.params, PlanLimits{}));
+  ASSERT_TRUE(plan_is_fused(plan)) << "the fused path did not take " << c.name;
   ForwardStats stats;
-  const Status s = testing::run_forward(*cuda, *plan, ExecContext{}, &stats);
+  const Status s = testing::run_forward(*cuda, plan, ExecContext{}, &stats);
   ASSERT_TRUE(s.ok()) << s.to_string();
   EXPECT_GT(stats.flops, 0);
 
@@ -101,13 +101,10 @@ TEST_P(FusedBackwardOnDevice, MatchesFloat64Autograd) {
   testing::GradTensors g = testing::grad_tensors(o, grad_dtype, 6);
   PlanLimits limits;
   limits.backward = true;
-  StatusOr<Plan> plan = plan_attention(*cuda, pr.params, limits);
-  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-  ASSERT_TRUE(plan_is_fused(*plan));
-  StatusOr<AttentionResult> fwd = run_attention(*cuda, *plan, ExecContext{});
-  ASSERT_TRUE(fwd.ok()) << fwd.status().to_string();
-  StatusOr<BackwardResult> bwd = run_backward(*cuda, *plan, g.refs(), ExecContext{});
-  ASSERT_TRUE(bwd.ok()) << bwd.status().to_string();
+  ASSERT_OK_AND_ASSIGN(Plan plan, plan_attention(*cuda, pr.params, limits));
+  ASSERT_TRUE(plan_is_fused(plan));
+  ASSERT_OK_AND_ASSIGN(AttentionResult fwd, run_attention(*cuda, plan, ExecContext{}));
+  ASSERT_OK_AND_ASSIGN(BackwardResult bwd, run_backward(*cuda, plan, g.refs(), ExecContext{}));
   const testing::ReferenceGradients ref = testing::reference_backward(
       pr.params, testing::dense_inputs(pr.params), testing::reference_weights(pr.params), g.dout_values());
   const double eq = testing::compare(g.dq.data(), grad_dtype, ref.dq).max_rel;
@@ -115,7 +112,7 @@ TEST_P(FusedBackwardOnDevice, MatchesFloat64Autograd) {
   const double ev = testing::compare(g.dv.data(), grad_dtype, ref.dv).max_rel;
   const double tol = testing::backward_tolerance(o.dtype, grad_dtype, 1e-4);
   std::printf("%s: backward %.3g FLOP; vs float64 max_rel dq %.2e dk %.2e dv %.2e; tolerance %.1e\n", c.name.c_str(),
-              bwd->flops, eq, ek, ev, tol);
+              bwd.flops, eq, ek, ev, tol);
   EXPECT_LE(eq, tol) << "dq";
   EXPECT_LE(ek, tol) << "dk";
   EXPECT_LE(ev, tol) << "dv";
@@ -135,8 +132,8 @@ TEST(FusedMemory, DeviceTensorsGiveTheHostResults) {
   testing::GradTensors hg = testing::grad_tensors(o, DType::kBF16, 4);
   PlanLimits limits;
   limits.backward = true;
-  StatusOr<ForwardBackwardResult> on_host = run_forward_backward(*cuda, host.params, limits, hg.refs(), ExecContext{});
-  ASSERT_TRUE(on_host.ok()) << on_host.status().to_string();
+  ASSERT_OK_AND_ASSIGN(ForwardBackwardResult on_host,
+                       run_forward_backward(*cuda, host.params, limits, hg.refs(), ExecContext{}));
 
   auto to_device = [](const std::vector<uint8_t>& h) {
     void* d = nullptr;
@@ -160,12 +157,10 @@ TEST(FusedMemory, DeviceTensorsGiveTheHostResults) {
   ASSERT_EQ(cudaMalloc(&lse, host.lse.size() * 4), cudaSuccess);
   StatusOr<AttentionParams> pd = make_params(o, {q, k, v, out, lse, MemorySpace::kDevice});
   ASSERT_TRUE(pd.ok());
-  StatusOr<Plan> plan = cuda->plan(*pd, limits);
-  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-  ASSERT_TRUE(testing::run_forward(*cuda, *plan, ExecContext{}, nullptr).ok());
+  ASSERT_OK_AND_ASSIGN(Plan plan, cuda->plan(*pd, limits));
+  ASSERT_TRUE(testing::run_forward(*cuda, plan, ExecContext{}, nullptr).ok());
   GradientRefs refs{.dout = dout, .dq = dq, .dk = dk, .dv = dv, .memory = MemorySpace::kDevice};
-  const StatusOr<BackwardResult> b = run_backward(*cuda, *plan, refs, ExecContext{});
-  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  ASSERT_OK_AND_ASSIGN(BackwardResult b, run_backward(*cuda, plan, refs, ExecContext{}));
   const std::vector<uint8_t> out_d = to_host(out, host.out.size()), dq_d = to_host(dq, hg.dq.size()),
                              dk_d = to_host(dk, hg.dk.size()), dv_d = to_host(dv, hg.dv.size());
   for (void* x : {q, k, v, out, dout, dq, dk, dv, static_cast<void*>(lse)}) cudaFree(x);

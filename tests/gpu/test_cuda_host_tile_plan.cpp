@@ -18,6 +18,7 @@
 #include "plsh/params.h"
 #include "plsh/plan.h"
 #include "shaped.h"
+#include "status_assert.h"
 
 namespace plsh::cuda {
 namespace {
@@ -301,19 +302,18 @@ TEST(Workspace, FitsTheBudgetAndDoesNotGrowWithN) {
   const int64_t budget = int64_t{1} << 30;
   int64_t per_slot = 0;
   for (int64_t n : {int64_t{1} << 13, int64_t{1} << 17, int64_t{1} << 19, int64_t{1} << 24}) {
-    StatusOr<WorkspaceSlots> p = size_workspace(shape_for(n), budget);
-    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    ASSERT_OK_AND_ASSIGN(WorkspaceSlots p, size_workspace(shape_for(n), budget));
     const WorkspaceShape s = shape_for(n);
     auto carved = [&](int64_t slots) {
-      return carve_work(slots, p->tile_rows, p->key_cols, s.head_dim, s.elem_bytes, nullptr, nullptr, nullptr);
+      return carve_work(slots, p.tile_rows, p.key_cols, s.head_dim, s.elem_bytes, nullptr, nullptr, nullptr);
     };
-    EXPECT_LE(carved(p->slots), budget);
-    EXPECT_EQ(p->slots, p->lanes_per_chunk * p->tiles_per_chunk);
-    EXPECT_EQ(p->bytes, p->slots * p->bytes_per_slot);
-    if (per_slot == 0) per_slot = p->bytes_per_slot;
-    EXPECT_EQ(p->bytes_per_slot, per_slot);
+    EXPECT_LE(carved(p.slots), budget);
+    EXPECT_EQ(p.slots, p.lanes_per_chunk * p.tiles_per_chunk);
+    EXPECT_EQ(p.bytes, p.slots * p.bytes_per_slot);
+    if (per_slot == 0) per_slot = p.bytes_per_slot;
+    EXPECT_EQ(p.bytes_per_slot, per_slot);
     // Fills the budget to within one lane's row of tiles, alignment included.
-    EXPECT_GT(carved(p->slots + p->lanes_per_chunk), budget) << "n " << n;
+    EXPECT_GT(carved(p.slots + p.lanes_per_chunk), budget) << "n " << n;
   }
   // 64 rows x 512 columns of fp32 scores and bf16 probabilities, 64 x 128 fp32
   // partial and accumulator rows, stats and pointers.
@@ -420,14 +420,13 @@ TEST(Layout, PlanChargesWhatForwardAllocatesWithinTheCap) {
   const AttentionParams p = layout_params(Mode::kLsh, 8192, 8, 16);
   const std::vector<std::vector<Draw>> draws = plan_draws(p);
   for (int64_t cap : {int64_t{1} << 26, int64_t{1} << 30}) {
-    StatusOr<CudaLayout> l = plan_layout(p, draws, cap);
-    ASSERT_TRUE(l.ok()) << l.status().to_string();
-    EXPECT_LE(l->device_bytes(), cap);
-    EXPECT_EQ(l->staging_bytes, carve_staging(p, nullptr, nullptr));
-    EXPECT_EQ(l->table_bytes, carve_tables(p.heads, l->table_entries, l->cublas_workspace_bytes, nullptr, nullptr));
-    EXPECT_EQ(l->work_bytes,
-              carve_work(l->work.slots, l->work.tile_rows, l->work.key_cols, p.head_dim, 2, nullptr, nullptr, nullptr));
-    EXPECT_EQ(l->device_bytes(), l->staging_bytes + l->table_bytes + l->work_bytes);
+    ASSERT_OK_AND_ASSIGN(CudaLayout l, plan_layout(p, draws, cap));
+    EXPECT_LE(l.device_bytes(), cap);
+    EXPECT_EQ(l.staging_bytes, carve_staging(p, nullptr, nullptr));
+    EXPECT_EQ(l.table_bytes, carve_tables(p.heads, l.table_entries, l.cublas_workspace_bytes, nullptr, nullptr));
+    EXPECT_EQ(l.work_bytes,
+              carve_work(l.work.slots, l.work.tile_rows, l.work.key_cols, p.head_dim, 2, nullptr, nullptr, nullptr));
+    EXPECT_EQ(l.device_bytes(), l.staging_bytes + l.table_bytes + l.work_bytes);
   }
   StatusOr<CudaLayout> small = plan_layout(p, draws, int64_t{1} << 26);
   StatusOr<CudaLayout> large = plan_layout(p, draws, int64_t{1} << 30);
@@ -457,17 +456,16 @@ TEST(Layout, PassesReadThePlanDraws) {
 TEST(Layout, LaneTablesFitThePlannedEntries) {
   for (const Mode mode : {Mode::kExact, Mode::kWindow, Mode::kLsh}) {
     const AttentionParams p = layout_params(mode, 3000, 3, 7);
-    StatusOr<CudaLayout> l = plan_layout(p, plan_draws(p), int64_t{1} << 28);
-    ASSERT_TRUE(l.ok()) << l.status().to_string();
+    ASSERT_OK_AND_ASSIGN(CudaLayout l, plan_layout(p, plan_draws(p), int64_t{1} << 28));
     const SpanShape shape = span_shape(p);
     const int64_t lanes = p.batch * p.heads, tiles = tile_count(shape);
-    for (int64_t lane0 = 0; lane0 < lanes; lane0 += l->work.lanes_per_chunk) {
-      const int64_t lane1 = std::min(lanes, lane0 + l->work.lanes_per_chunk);
-      const std::vector<LaneSetup> setups = chunk_lanes(l->heads, p.heads, lane0, lane1);
-      for (int64_t t0 = 0; t0 < tiles; t0 += l->work.tiles_per_chunk) {
+    for (int64_t lane0 = 0; lane0 < lanes; lane0 += l.work.lanes_per_chunk) {
+      const int64_t lane1 = std::min(lanes, lane0 + l.work.lanes_per_chunk);
+      const std::vector<LaneSetup> setups = chunk_lanes(l.heads, p.heads, lane0, lane1);
+      for (int64_t t0 = 0; t0 < tiles; t0 += l.work.tiles_per_chunk) {
         std::vector<LanePass> table;
-        plan_rounds(shape, setups, t0, std::min(tiles, t0 + l->work.tiles_per_chunk), &table);
-        EXPECT_LE(static_cast<int64_t>(table.size()), l->table_entries) << mode_name(mode);
+        plan_rounds(shape, setups, t0, std::min(tiles, t0 + l.work.tiles_per_chunk), &table);
+        EXPECT_LE(static_cast<int64_t>(table.size()), l.table_entries) << mode_name(mode);
       }
     }
   }
@@ -482,10 +480,9 @@ TEST(Layout, RequestCapIsTheCallersShareOrHalfThePool) {
   EXPECT_EQ(cublas_workspace_for(int64_t{1} << 30), kCublasWorkspaceBytes);
   EXPECT_EQ(cublas_workspace_for(int64_t{1} << 20), kCublasMinWorkspaceBytes);
   const AttentionParams p = layout_params(Mode::kExact, 4096, 8, 0);
-  StatusOr<CudaLayout> l = plan_layout(p, plan_draws(p), int64_t{1} << 30);
-  ASSERT_TRUE(l.ok()) << l.status().to_string();
-  EXPECT_EQ(l->cublas_workspace_bytes, kCublasWorkspaceBytes);
-  EXPECT_GE(l->table_bytes, kCublasWorkspaceBytes) << "cuBLAS's workspace is charged with the tables";
+  ASSERT_OK_AND_ASSIGN(CudaLayout l, plan_layout(p, plan_draws(p), int64_t{1} << 30));
+  EXPECT_EQ(l.cublas_workspace_bytes, kCublasWorkspaceBytes);
+  EXPECT_GE(l.table_bytes, kCublasWorkspaceBytes) << "cuBLAS's workspace is charged with the tables";
 }
 
 // Forward carves for the params it is given; a plan sized for other params
@@ -493,9 +490,8 @@ TEST(Layout, RequestCapIsTheCallersShareOrHalfThePool) {
 // with INTERNAL before any buffer is carved past its end.
 TEST(Layout, ForwardRefusesParamsThePlanDidNotSize) {
   AttentionParams p = layout_params(Mode::kExact, 1000, 4, 0);
-  StatusOr<CudaLayout> l = plan_layout(p, plan_draws(p), int64_t{1} << 28);
-  ASSERT_TRUE(l.ok()) << l.status().to_string();
-  EXPECT_TRUE(check_layout_fits(*l, p).ok());
+  ASSERT_OK_AND_ASSIGN(CudaLayout l, plan_layout(p, plan_draws(p), int64_t{1} << 28));
+  EXPECT_TRUE(check_layout_fits(l, p).ok());
   AttentionParams dev = p;
   dev.memory = MemorySpace::kDevice;
   StatusOr<CudaLayout> dl = plan_layout(dev, plan_draws(dev), int64_t{1} << 28);
@@ -508,9 +504,9 @@ TEST(Layout, ForwardRefusesParamsThePlanDidNotSize) {
   AttentionParams wider = p;
   wider.head_dim = 128;
   wider.q_head_stride = wider.k_head_stride = wider.v_head_stride = wider.o_head_stride = 128;
-  EXPECT_EQ(check_layout_fits(*l, wider).code(), StatusCode::kInternal);
+  EXPECT_EQ(check_layout_fits(l, wider).code(), StatusCode::kInternal);
   const AttentionParams more_heads = layout_params(Mode::kExact, 1000, 8, 0);
-  EXPECT_EQ(check_layout_fits(*l, more_heads).code(), StatusCode::kInternal);
+  EXPECT_EQ(check_layout_fits(l, more_heads).code(), StatusCode::kInternal);
 }
 
 AttentionParams operand_params(DType dtype, int64_t n, int64_t kv, int64_t heads, int64_t kv_heads, int64_t dim,

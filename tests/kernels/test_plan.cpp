@@ -12,6 +12,7 @@
 #include "plsh/plan.h"
 #include "reference.h"
 #include "shaped.h"
+#include "status_assert.h"
 
 namespace plsh {
 namespace {
@@ -40,23 +41,20 @@ Tensors tensors_for(const AttentionOptions& o) {
 TEST(Plan, MadeWithoutTensorsThenBoundGivesTheSameResult) {
   const AttentionOptions o = lsh_options();
   std::unique_ptr<Backend> cpu = make_cpu_backend();
-  StatusOr<AttentionParams> resolved = resolve_params(o);
-  ASSERT_TRUE(resolved.ok()) << resolved.status().to_string();
-  EXPECT_EQ(resolved->q, nullptr);
-  StatusOr<Plan> plan = plan_attention(*cpu, *resolved);
-  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  ASSERT_OK_AND_ASSIGN(AttentionParams resolved, resolve_params(o));
+  EXPECT_EQ(resolved.q, nullptr);
+  ASSERT_OK_AND_ASSIGN(Plan plan, plan_attention(*cpu, resolved));
 
   Tensors a = tensors_for(o), b = tensors_for(o);
-  ASSERT_TRUE(bind_tensors(&plan->params, a.refs()).ok());
-  StatusOr<AttentionResult> late = run_attention(*cpu, *plan, ExecContext{});
-  ASSERT_TRUE(late.ok()) << late.status().to_string();
+  ASSERT_TRUE(bind_tensors(&plan.params, a.refs()).ok());
+  ASSERT_OK_AND_ASSIGN(AttentionResult late, run_attention(*cpu, plan, ExecContext{}));
   StatusOr<AttentionParams> bound = make_params(o, b.refs());
   ASSERT_TRUE(bound.ok());
   StatusOr<AttentionResult> direct = run_attention(*cpu, *bound, PlanLimits{}, ExecContext{});
   ASSERT_TRUE(direct.ok());
   EXPECT_EQ(a.out, b.out);
   EXPECT_EQ(a.lse, b.lse);
-  EXPECT_EQ(late->probe.rel_err, direct->probe.rel_err);
+  EXPECT_EQ(late.probe.rel_err, direct->probe.rel_err);
 }
 
 TEST(Plan, ForwardRefusesUnboundTensorsAndAnotherBackendsPlan) {
@@ -182,11 +180,10 @@ TEST(Plan, PlanningBytesCoverThePlan) {
     EXPECT_GE(plan->own_host_bytes, o.heads * samples * 16);
     o.target_rel_err = 0.05;
     o.probe_rows = kMinTargetProbeRows;
-    StatusOr<AttentionParams> targeted = resolve_params(o);
-    ASSERT_TRUE(targeted.ok()) << targeted.status().to_string();
-    StatusOr<Plan> tp = plan_attention(*cpu, *targeted);
+    ASSERT_OK_AND_ASSIGN(AttentionParams targeted, resolve_params(o));
+    StatusOr<Plan> tp = plan_attention(*cpu, targeted);
     ASSERT_TRUE(tp.ok());
-    EXPECT_GE(planning_host_bytes(*cpu, *targeted), tp->own_host_bytes);
+    EXPECT_GE(planning_host_bytes(*cpu, targeted), tp->own_host_bytes);
     EXPECT_GT(tp->own_host_bytes, plan->own_host_bytes);  // every attempt's draws
   }
 }

@@ -16,6 +16,7 @@
 #include "plsh/attention.h"
 #include "plsh/draws.h"
 #include "plsh/targeted.h"
+#include "status_assert.h"
 
 namespace plsh {
 namespace {
@@ -34,9 +35,8 @@ TEST(Targeted, WindowLadderGrowsByHalfAndEndsWithExact) {
   AttentionOptions o = base_options(4096, 4, 4, 16, true);
   o.mode = Mode::kWindow;
   o.target_rel_err = 0.01;
-  StatusOr<AttentionParams> p = resolve_params(o);
-  ASSERT_TRUE(p.ok()) << p.status().to_string();
-  const std::vector<TargetStep> ladder = target_ladder(*p);
+  ASSERT_OK_AND_ASSIGN(AttentionParams p, resolve_params(o));
+  const std::vector<TargetStep> ladder = target_ladder(p);
   ASSERT_GE(ladder.size(), 3u);
   EXPECT_EQ(ladder.back().params.mode, Mode::kExact);
   double c = std::log(4.0 / 0.01);
@@ -47,10 +47,10 @@ TEST(Targeted, WindowLadderGrowsByHalfAndEndsWithExact) {
     EXPECT_EQ(s.params.target_rel_err, 0);
     EXPECT_NEAR(s.window_scale, c, 1e-12 * c);
     for (int64_t h = 0; h < 4; ++h)
-      EXPECT_EQ(s.params.window[static_cast<size_t>(h)], static_cast<int64_t>(std::ceil(c * p->sigma(h))));
+      EXPECT_EQ(s.params.window[static_cast<size_t>(h)], static_cast<int64_t>(std::ceil(c * p.sigma(h))));
     const double flops = window_flops(s.params, s.params.window);
     EXPECT_GT(flops, last_flops);
-    EXPECT_LT(flops, kTargetExactShare * dense_flops(*p));
+    EXPECT_LT(flops, kTargetExactShare * dense_flops(p));
     last_flops = flops;
     c *= kTargetWindowGrowth;
   }
@@ -119,13 +119,12 @@ TEST(Targeted, PlanHoldsEveryAttemptAndChargesTheLargest) {
   ASSERT_TRUE(p.ok());
   PlanLimits limits;
   limits.threads = 2;
-  StatusOr<Plan> plan = plan_attention(*cpu, *p, limits);
-  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  ASSERT_OK_AND_ASSIGN(Plan plan, plan_attention(*cpu, *p, limits));
   const std::vector<TargetStep> ladder = target_ladder(*p);
-  ASSERT_EQ(plan->attempts.size(), ladder.size());
+  ASSERT_EQ(plan.attempts.size(), ladder.size());
   int64_t largest_host = 0, draws = 0;
   for (size_t i = 0; i < ladder.size(); ++i) {
-    const Plan& a = plan->attempts[i];
+    const Plan& a = plan.attempts[i];
     EXPECT_TRUE(a.attempts.empty());
     EXPECT_EQ(a.params.mode, ladder[i].params.mode);
     EXPECT_EQ(a.params.samples, ladder[i].params.samples);
@@ -139,10 +138,10 @@ TEST(Targeted, PlanHoldsEveryAttemptAndChargesTheLargest) {
   }
   // The attempts run one after another in one workspace; the plan holds
   // every attempt's draws.
-  EXPECT_EQ(plan->workspace().host_bytes, largest_host);
-  EXPECT_EQ(plan->own_host_bytes, draws);
+  EXPECT_EQ(plan.workspace().host_bytes, largest_host);
+  EXPECT_EQ(plan.own_host_bytes, draws);
   EXPECT_GT(draws, 0);
-  EXPECT_GE(plan->workspace().device_bytes, 0);
+  EXPECT_GE(plan.workspace().device_bytes, 0);
 }
 
 // Inputs of three kinds, from a counter-based generator (SPEC's mix64 and
@@ -273,23 +272,22 @@ TEST(Targeted, TrueErrorUnderTheTargetInAtLeast95PercentOfRequests) {
     StatusOr<AttentionParams> p =
         make_params(o, {in.q.data(), in.k.data(), in.v.data(), out.data(), nullptr, MemorySpace::kHost});
     ASSERT_TRUE(p.ok()) << p.status().to_string();
-    StatusOr<AttentionResult> res = run_attention(*cpu, *p, limits, ExecContext{});
-    ASSERT_TRUE(res.ok()) << res.status().to_string();
+    ASSERT_OK_AND_ASSIGN(AttentionResult res, run_attention(*cpu, *p, limits, ExecContext{}));
     const double err = rel_l2(out, exact);
-    const TargetReport& t = res->target;
+    const TargetReport& t = res.target;
     ASSERT_EQ(t.target_rel_err, r.target);
     ASSERT_GE(t.chosen, 0);
     ASSERT_EQ(static_cast<size_t>(t.chosen) + 1, t.attempts.size());
     const TargetAttempt& kept = t.attempts.back();
     EXPECT_TRUE(t.met);
     EXPECT_TRUE(kept.met);
-    EXPECT_EQ(res->mode, kept.mode);
+    EXPECT_EQ(res.mode, kept.mode);
     if (kept.mode != Mode::kExact) {
       EXPECT_LE(kept.rel_err_upper, r.target);
     }
     double flops = 0;
     for (const TargetAttempt& a : t.attempts) flops += a.flops;
-    EXPECT_NEAR(res->flops, flops, 1e-9 * flops);
+    EXPECT_NEAR(res.flops, flops, 1e-9 * flops);
     misses += err > r.target ? 1 : 0;
     exact_kept += kept.mode == Mode::kExact;
     window_kept += kept.mode == Mode::kWindow;

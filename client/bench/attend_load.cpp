@@ -283,8 +283,10 @@ Outcome AttendLoad::call(int worker, int64_t index) {
   o.computing = reply.timings.computing;
   o.sending = reply.timings.sending;
   if (grads != nullptr) {
-    // A step's server phases: its two calls' summed; the backward's
-    // receiving phase alone too (bench/ingest.sh: dout's ingest).
+    // A step's server phases: its two calls' summed; each call's
+    // receiving phase alone too (bench/ingest.sh: dout's ingest against
+    // the same steps' q, k, v).
+    o.forward_receiving = reply.timings.receiving;
     o.backward_receiving = grads->timings.receiving;
     o.queued += grads->timings.queued;
     o.receiving += grads->timings.receiving;

@@ -24,7 +24,7 @@ struct WorkerTally {
   std::map<std::string, std::string> first_error;
   Samples latency, queued, receiving, computing, sending, lag;
   Samples forward, backward;  // --backward: the step's two calls
-  Samples backward_receiving;
+  Samples forward_receiving, backward_receiving;
   int64_t late_starts = 0;
   int64_t rpcs = 0, ok_rpcs = 0;
   int64_t tokens = 0, bytes_up = 0, bytes_down = 0;
@@ -65,6 +65,7 @@ struct WorkerTally {
     latency.add(end - latency_from);
     if (o.forward_seconds >= 0) forward.add(o.forward_seconds);
     if (o.backward_seconds >= 0) backward.add(o.backward_seconds);
+    if (o.forward_receiving >= 0) forward_receiving.add(o.forward_receiving);
     if (o.backward_receiving >= 0) backward_receiving.add(o.backward_receiving);
     if (o.has_server_timings) {
       queued.add(o.queued);
@@ -94,6 +95,7 @@ constexpr Reported<Samples, Summary> kDistributions[] = {
     {&WorkerTally::forward, &LevelResult::forward},
     {&WorkerTally::backward, &LevelResult::backward},
     {&WorkerTally::lag, &LevelResult::lag},
+    {&WorkerTally::forward_receiving, &LevelResult::forward_receiving},
     {&WorkerTally::backward_receiving, &LevelResult::backward_receiving}};
 constexpr Reported<int64_t, int64_t> kCounts[] = {{&WorkerTally::ok, &LevelResult::ok},
                                                   {&WorkerTally::failed, &LevelResult::failed},

@@ -38,8 +38,9 @@ struct Outcome {
   bool mismatch = false;                                         // ... and differed by more than the tolerance
   double verify_error = 0;                                       // max |out - ref| / max |ref|
   // --backward: a training step's two calls, client-side seconds (< 0: not a
-  // step), and the backward's own receiving phase (the server's: dout's ingest).
-  double forward_seconds = -1, backward_seconds = -1, backward_receiving = -1;
+  // step), and each call's own receiving phase (the server's: q, k, v's
+  // ingest and dout's).
+  double forward_seconds = -1, backward_seconds = -1, forward_receiving = -1, backward_receiving = -1;
   // RPCs the server saw for this request, and how many of them were OK
   // (-1: all of them when code is OK, else none): a step makes two.
   int rpcs = 1, ok_rpcs = -1;
@@ -83,6 +84,7 @@ struct LevelResult {
   Summary latency;                                // seconds, ok requests
   Summary queued, receiving, computing, sending;  // seconds, the server's, ok requests
   Summary forward, backward;                      // --backward: client latency of each call of a step, ok steps
+  Summary forward_receiving;      // --backward: the server's receiving phase of the forward alone (q, k, v)
   Summary backward_receiving;     // --backward: the server's receiving phase of the backward alone (dout)
   int64_t rpcs = 0, ok_rpcs = 0;  // RPCs made (warmup included), for the server's counters
   Summary lag;                    // open loop: actual start - scheduled start, seconds

@@ -241,6 +241,7 @@ json level_json(const LevelResult& l, const std::optional<double>& p99_threshold
   if (l.forward.count > 0 || l.backward.count > 0)
     j["step_ms"] = {{"forward", summary_json(l.forward, true)},
                     {"backward", summary_json(l.backward, true)},
+                    {"forward_receiving", summary_json(l.forward_receiving, false)},
                     {"backward_receiving", summary_json(l.backward_receiving, false)}};
   if (l.spec.rate) j["schedule"] = {{"late_starts", l.late_starts}, {"lag_ms", summary_json(l.lag, true)}};
   j["verify"] = {{"checked", l.verified}, {"mismatches", l.mismatches}, {"max_error", l.max_verify_error}};

@@ -380,6 +380,17 @@ TEST(BenchServer, BackwardStepsCountTwoCallsEachAndLeaveNoContext) {
   expect_ordered(level["step_ms"]["forward"], "forward");
   expect_ordered(level["step_ms"]["backward"], "backward");
   EXPECT_EQ(level["step_ms"]["forward"]["count"], 12);
+  // Each call's receiving phase alone (bench/ingest.sh compares dout's with
+  // the same steps' q, k, v): the step's summed phase is their sum.
+  const json& fwd_in = level["step_ms"]["forward_receiving"];
+  const json& bwd_in = level["step_ms"]["backward_receiving"];
+  ASSERT_TRUE(fwd_in.is_object() && bwd_in.is_object()) << level.dump();
+  EXPECT_EQ(fwd_in["count"], 12);
+  EXPECT_EQ(bwd_in["count"], 12);
+  EXPECT_GT(fwd_in["p50"].get<double>(), 0);
+  EXPECT_GT(bwd_in["p50"].get<double>(), 0);
+  const double summed = level["server_ms"]["receiving"]["avg"].get<double>();
+  EXPECT_NEAR(fwd_in["avg"].get<double>() + bwd_in["avg"].get<double>(), summed, 1e-9 * summed + 1e-12);
   EXPECT_TRUE(level["server_metrics"]["agrees"].get<bool>()) << run.out;
   const int64_t steps = 12 + level["warmup"]["ok"].get<int64_t>();
   const auto m = scrape(server);

@@ -43,7 +43,7 @@ struct SmemCarver {
     at += (count * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16;
     return p;
   }
-  // `count` elements of T for each of `slices`, one after another: the
+  // `count` elements of T for `first`, then for each of `rest` in order:
   // same-sized slices (the stages of k and v, the per-row terms) in one call.
   template <typename T, typename... Rest>
   PLSH_HD void take_each(int64_t count, T*& first, Rest*&... rest) {

@@ -34,10 +34,21 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// A raw Attention stub on a plaintext channel to target (host:port), for
-// tests that write the wire messages themselves.
-inline std::unique_ptr<v1::Attention::Stub> insecure_stub(const std::string& target) {
-  return v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+// A plaintext channel to target (host:port), as the client library makes
+// it for default ChannelOptions, with `args` (gRPC's defaults unless given):
+// for tests that write the wire messages themselves.
+inline std::shared_ptr<grpc::Channel> plaintext_channel(const std::string& target,
+                                                        const grpc::ChannelArguments& args = {}) {
+  std::shared_ptr<grpc::Channel> channel;
+  std::string token;
+  const grpc::Status s = client::make_channel(target, client::ChannelOptions{}, args, &channel, &token);
+  if (!s.ok()) ADD_FAILURE() << "make_channel(" << target << "): " << s.error_message();
+  return channel;
+}
+
+// A raw Attention stub on plaintext_channel(target).
+inline std::unique_ptr<v1::Attention::Stub> plaintext_stub(const std::string& target) {
+  return v1::Attention::NewStub(plaintext_channel(target));
 }
 
 // Polls f every 20 ms for up to `seconds`.

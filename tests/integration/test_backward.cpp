@@ -395,8 +395,7 @@ TEST_F(BackwardTest, ACancelledForwardLeavesNoContext) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
-  auto stub = v1::Attention::NewStub(
-      grpc::CreateCustomChannel(server_->grpc_address(), grpc::InsecureChannelCredentials(), args));
+  auto stub = v1::Attention::NewStub(testing::plaintext_channel(server_->grpc_address(), args));
   grpc::ClientContext ctx;
   auto stream = stub->Attend(&ctx);
   AttendCall call = forward_call(p, true);
@@ -438,7 +437,7 @@ TEST_F(BackwardTest, ACancelledBackwardLeavesItsContextForARetry) {
   AttendReply forward;
   ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
   {
-    auto stub = testing::insecure_stub(server_->grpc_address());
+    auto stub = testing::plaintext_stub(server_->grpc_address());
     grpc::ClientContext ctx;
     auto stream = stub->AttendBackward(&ctx);
     v1::BackwardRequest r;
@@ -472,7 +471,7 @@ struct RawResult {
 };
 
 RawResult raw_backward(const std::string& target, const std::vector<v1::BackwardRequest>& messages) {
-  auto stub = testing::insecure_stub(target);
+  auto stub = testing::plaintext_stub(target);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   auto stream = stub->AttendBackward(&ctx);
@@ -814,7 +813,7 @@ TEST_F(BackwardContexts, UnaryForwardsKeepThemAndSilentBackwardsTimeOut) {
   ASSERT_TRUE(client_->attend_unary(forward_call(p, true), &forward).ok());
   ASSERT_FALSE(forward.context_id.empty());
   {
-    auto stub = testing::insecure_stub(server_->grpc_address());
+    auto stub = testing::plaintext_stub(server_->grpc_address());
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     auto stream = stub->AttendBackward(&ctx);

@@ -74,7 +74,7 @@ TEST(Hardening, AStreamSilentAfterItsHeaderTimesOutAndGivesItsMemoryBack) {
   ServerProcess server(
       {"--backend", "cpu", "--stream-idle-timeout", "1.5", "--memory-budget", std::to_string(int64_t{700} << 20)});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   grpc::ClientContext ctx;
   auto stream = stub->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header_of(big)));
@@ -116,7 +116,7 @@ TEST(Hardening, AStreamSilentAfterItsHeaderTimesOutAndGivesItsMemoryBack) {
 TEST(Hardening, StreamsWithoutAHeaderTimeOutAndFreeTheirSlots) {
   ServerProcess server({"--backend", "cpu", "--stream-idle-timeout", "1", "--max-concurrent", "3"});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>>> streams;
   for (int i = 0; i < 3; ++i) {
@@ -142,7 +142,7 @@ TEST(Hardening, ADribblingClientIsCutByTheMinimumRate) {
   ServerProcess server(
       {"--backend", "cpu", "--stream-idle-timeout", "1", "--min-stream-rate", std::to_string(2 << 20)});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   grpc::ClientContext ctx;
   auto stream = stub->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header_of(o)));
@@ -194,7 +194,7 @@ TEST(Hardening, AClientThatDoesNotReadItsOutputTimesOut) {
   r.q.assign(static_cast<size_t>(65536 * 8 * 16), 0.5f);
   r.k.assign(static_cast<size_t>(8 * 16), 0.5f);
   r.v = r.k;
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   grpc::ClientContext ctx;
   auto stream = stub->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header_of(r.options)));
@@ -240,7 +240,7 @@ TEST(Hardening, AClientThatDoesNotReadItsOutputTimesOut) {
 TEST(Hardening, DrainEndsStreamsStillReceiving) {
   ServerProcess server({"--backend", "cpu", "--stream-idle-timeout", "600", "--drain-timeout", "30"});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   grpc::ClientContext ctx;
   auto stream = stub->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header_of(small_request().options)));
@@ -260,7 +260,7 @@ TEST(Hardening, DrainEndsStreamsStillReceiving) {
 TEST(Hardening, RefusedMessagesAreCountedWithTheCodeTheClientGot) {
   ServerProcess server({"--backend", "cpu", "--max-message-bytes", std::to_string(64 << 10)});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   // A 100 KB header: 12800 slopes.
   AttentionOptions o = small_request().options;
   o.heads = 12800;
@@ -288,7 +288,7 @@ TEST(Hardening, RefusedMessagesAreCountedWithTheCodeTheClientGot) {
   // Bytes that do not parse as an AttendRequest, through a generic stub.
   grpc::Status garbage;
   {
-    grpc::GenericStub generic(grpc::CreateChannel(server.grpc_address(), grpc::InsecureChannelCredentials()));
+    grpc::GenericStub generic(testing::plaintext_channel(server.grpc_address()));
     grpc::ClientContext ctx;
     grpc::CompletionQueue cq;
     auto call = generic.PrepareCall(&ctx, "/plsh.v1.Attention/Attend", &cq);
@@ -331,7 +331,7 @@ TEST(Hardening, RefusedMessagesAreCountedWithTheCodeTheClientGot) {
 TEST(Hardening, DrawsBeyondTheBudgetAreRefusedBeforeTheyAreMade) {
   ServerProcess server({"--backend", "cpu", "--memory-budget", std::to_string(int64_t{32} << 20)});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   AttentionOptions o;
   o.q_len = o.kv_len = 1;
   o.head_dim = 1;

@@ -158,7 +158,7 @@ TEST(Hostile, AHeaderAloneCostsNoTensorMemory) {
   big.options = {.q_len = 73728, .kv_len = 73728, .heads = 8, .head_dim = 256, .mode = Mode::kExact};
   v1::AttendRequest header;
   *header.mutable_header() = client::make_header(big);
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   grpc::ClientContext ctx;
   auto stream = stub->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header));
@@ -219,7 +219,7 @@ TEST(Hostile, ARegionCountsRequestsNotTensors) {
   call.out_shm = {"r", 3 * bytes};
   v1::AttendRequest header;
   *header.mutable_header() = client::make_header(call);
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   auto ctx = std::make_unique<grpc::ClientContext>();
   auto stream = stub->Attend(ctx.get());
   ASSERT_TRUE(stream->Write(header));

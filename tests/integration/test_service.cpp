@@ -148,7 +148,7 @@ Send attend_with(std::function<void(AttentionOptions&)> edit, std::function<void
 // Raw messages, for breaking the protocol itself.
 grpc::Status raw_stream(const std::string& target, const std::vector<v1::AttendRequest>& messages,
                         bool writes_done = true) {
-  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  auto channel = testing::plaintext_channel(target);
   auto stub = v1::Attention::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
@@ -265,7 +265,7 @@ TEST_F(ServiceTest, BadInputTableGetsTheRightCodeAndNamesTheField) {
       {"message with nothing set", stream_of({v1::AttendRequest{}}), INV, "kind"},
       {"unary q of the wrong size",
        [](auto& t) {
-         auto stub = testing::insecure_stub(t);
+         auto stub = testing::plaintext_stub(t);
          grpc::ClientContext ctx;
          v1::AttendUnaryRequest req;
          *req.mutable_header() = header_msg().header();

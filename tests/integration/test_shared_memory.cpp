@@ -272,7 +272,7 @@ TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
   // A byte size that is not the tensor's (the client library always sends
   // the right one: a raw header).
   {
-    auto stub = testing::insecure_stub(server_->grpc_address());
+    auto stub = testing::plaintext_stub(server_->grpc_address());
     // A header that places q at offset 0 of the region, byte_size bytes long.
     auto q_in_refs = [&](int64_t byte_size) {
       AttendCall call;
@@ -315,7 +315,7 @@ TEST_F(SharedMemoryTest, ARegionInUseCannotBeUnregistered) {
   std::unique_ptr<SharedMemoryFile> file;
   ASSERT_NO_FATAL_FAILURE(register_file(c, "busy", z.q, &file));
   // A request that holds it: header, ack, and then nothing.
-  auto stub = testing::insecure_stub(server_->grpc_address());
+  auto stub = testing::plaintext_stub(server_->grpc_address());
   auto ctx = std::make_unique<grpc::ClientContext>();
   auto stream = stub->Attend(ctx.get());
   AttendCall call;
@@ -351,7 +351,7 @@ TEST_F(SharedMemoryTest, AFileShrunkUnderARequestFailsItNotTheServer) {
     const std::vector<float> q = gaussian(z.q, 1), kv = gaussian(z.kv, 2);
     std::memcpy(file->data(), q.data(), static_cast<size_t>(z.q));
     ASSERT_TRUE(c.register_shared_memory("shrink", key, 0, std::max(z.q, z.out)).ok());
-    auto stub = testing::insecure_stub(server_->grpc_address());
+    auto stub = testing::plaintext_stub(server_->grpc_address());
     grpc::ClientContext ctx;
     auto stream = stub->Attend(&ctx);
     AttendCall call;

@@ -51,7 +51,7 @@ TEST_F(Trust, BearerTokensOnAPlaintextListener) {
 
   // The scheme is case-insensitive (RFC 6750); another scheme, or two
   // authorization entries, are not credentials.
-  auto stub = testing::insecure_stub(addr);
+  auto stub = testing::plaintext_stub(addr);
   auto call_info = [&](const std::vector<std::string>& values) {
     grpc::ClientContext ctx;
     for (const std::string& v : values) ctx.AddMetadata("authorization", v);
@@ -149,7 +149,7 @@ TEST_F(Trust, PerClientStreamLimitLeavesOtherClientsServed) {
   const TokenFile tokens({client_entry("a", {a}, {{"max_streams", 1}}), client_entry("b", {b})});
   ServerProcess server({"--token-file", tokens.path(), "--workers", "2"});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   HeldStream held;
   ASSERT_TRUE(held.open(*stub, a, Request()));
 
@@ -180,7 +180,7 @@ TEST_F(Trust, PerClientReservedBytesLimitLeavesOtherClientsServed) {
   const TokenFile tokens({client_entry("a", {a}), client_entry("b", {b})});
   ServerProcess server({"--token-file", tokens.path(), "--token-reload-interval", "0.1", "--workers", "2"});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::insecure_stub(server.grpc_address());
+  auto stub = testing::plaintext_stub(server.grpc_address());
   const Request request(2048);
 
   // One request of a's in flight: what it holds is its charge.

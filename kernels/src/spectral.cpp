@@ -8,6 +8,7 @@
 #include <random>
 
 #include "estimates_internal.h"
+#include "vector_clones.h"
 
 namespace plsh {
 
@@ -19,8 +20,9 @@ namespace {
 enum class Allowed { kAll, kSourceNotAfter /* s <= t */, kSourceNotBefore /* s >= t */ };
 
 // sum_s r^|t - s| x_s, r = exp(-1/sigma), split at t, over source positions
-// s0 + [0, n): two first-order recursions (one left to right, one right to
-// left) then O(1) per target, wherever the target lies.
+// s0 + [0, n): first-order recursions (left to right for the sources before
+// a target, right to left for those after; only the sides a product reads),
+// then O(1) per target, wherever the target lies.
 // Buffers of one product, kept across the Lanczos iterations: allocating
 // (and page-faulting) three vectors of n doubles per product cost as much
 // as the product at n = 131072.
@@ -31,27 +33,37 @@ struct ProductScratch {
 
 class ExpSums {
  public:
-  ExpSums(const double* x, int64_t n, int64_t s0, double sigma, ProductScratch* scratch)
+  ExpSums(const double* x, int64_t n, int64_t s0, double sigma, bool want_left, bool want_right,
+          ProductScratch* scratch)
       : s0_(s0), last_(s0 + n - 1), sigma_(sigma), left_(scratch->left), right_(scratch->right) {
-    left_.resize(static_cast<size_t>(n));
-    right_.resize(static_cast<size_t>(n));
     const double r = std::exp(-1.0 / sigma);
-    double acc = 0;
-    for (int64_t j = 0; j < n; ++j) left_[static_cast<size_t>(j)] = acc = acc * r + x[j];
-    acc = 0;
-    for (int64_t j = n - 1; j >= 0; --j) right_[static_cast<size_t>(j)] = acc = acc * r + x[j];
+    if (want_left) {
+      left_.resize(static_cast<size_t>(n));
+      double acc = 0;
+      for (int64_t j = 0; j < n; ++j) left_[static_cast<size_t>(j)] = acc = acc * r + x[j];
+    }
+    if (want_right) {
+      right_.resize(static_cast<size_t>(n));
+      double acc = 0;
+      for (int64_t j = n - 1; j >= 0; --j) right_[static_cast<size_t>(j)] = acc = acc * r + x[j];
+    }
   }
-  // sum over s <= t of r^(t - s) x_s
-  double up_to(int64_t t) const {
-    if (t < s0_) return 0;
-    if (t >= last_) return left_.back() * decay(t - last_, sigma_);
-    return left_[static_cast<size_t>(t - s0_)];
+  // y[i] += c * sum over s <= t of r^(t - s) x_s at t = t0 + i, i in
+  // [0, nt): a straight read where t lies among the sources.
+  void add_up_to(double c, int64_t t0, int64_t nt, double* y) const {
+    const int64_t inside = std::clamp<int64_t>(s0_ - t0, 0, nt);         // first i with t >= s0
+    const int64_t beyond = std::clamp<int64_t>(last_ - t0, inside, nt);  // first i with t >= last
+    const int64_t off = t0 - s0_;
+    for (int64_t i = inside; i < beyond; ++i) y[i] += c * left_[static_cast<size_t>(off + i)];
+    for (int64_t i = beyond; i < nt; ++i) y[i] += c * left_.back() * decay(t0 + i - last_, sigma_);
   }
-  // sum over s >= t of r^(s - t) x_s
-  double from(int64_t t) const {
-    if (t > last_) return 0;
-    if (t <= s0_) return right_.front() * decay(s0_ - t, sigma_);
-    return right_[static_cast<size_t>(t - s0_)];
+  // y[i] += c * sum over s >= t of r^(s - t) x_s, t = t0 + i.
+  void add_from(double c, int64_t t0, int64_t nt, double* y) const {
+    const int64_t inside = std::clamp<int64_t>(s0_ + 1 - t0, 0, nt);         // first i with t > s0
+    const int64_t beyond = std::clamp<int64_t>(last_ + 1 - t0, inside, nt);  // first i with t > last
+    for (int64_t i = 0; i < inside; ++i) y[i] += c * right_.front() * decay(s0_ - (t0 + i), sigma_);
+    const int64_t off = t0 - s0_;
+    for (int64_t i = inside; i < beyond; ++i) y[i] += c * right_[static_cast<size_t>(off + i)];
   }
 
  private:
@@ -94,9 +106,15 @@ double largest_tridiagonal_eigenvalue(const std::vector<double>& a, const std::v
   return hi;
 }
 
-double dot(const std::vector<double>& x, const std::vector<double>& y) {
+// In vector lanes (the sum's order is the lanes', not the index's): three
+// dots an iteration were 4 cycles an element each as one chain of adds.
+PLSH_VECTOR_CLONES double dot(const std::vector<double>& x, const std::vector<double>& y) {
   double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
+  const double* a = x.data();
+  const double* b = y.data();
+  const size_t n = x.size();
+#pragma omp simd reduction(+ : s)
+  for (size_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
@@ -178,6 +196,7 @@ class BlockEdges {
     complete_ = true;
   }
   bool complete() const { return complete_; }
+  size_t hashes() const { return hashes_; }
   bool covers(int64_t t0, int64_t nt, int64_t s0, int64_t ns) const {
     return complete_ && t0 == t0_ && nt == nt_ && s0 == s0_ && ns == ns_;
   }
@@ -206,6 +225,49 @@ class BlockEdges {
   std::vector<Block> checkpoint_;  // [ceil(nt / kResumEvery)][hashes]
 };
 
+// y[n] -= (M~ x)(t0 + n) from the cached block changes (see the caller),
+// for the sides kLeft (sources <= t) and kRight (sources >= t) allowed. The
+// changes at one target are summed first and then added to the running
+// sums, so that the running sums' chain of dependent adds is one add a
+// target, not one a change (four changes a target at sigma = 2, s = 16).
+template <bool kLeft, bool kRight>
+void subtract_summed_blocks(const BlockEdges& cached, const double* pre, int64_t t0, int64_t nt, int64_t s0, int64_t ns,
+                            double* y) {
+  const size_t s = cached.hashes();
+  const double ds = static_cast<double>(s), inv_s = 1.0 / ds;
+  for (int64_t c0 = 0; c0 < nt; c0 += BlockEdges::kResumEvery) {
+    // Afresh at every checkpoint, so the running updates' rounding cannot drift.
+    const BlockEdges::Block* blocks = cached.checkpoint(c0 / BlockEdges::kResumEvery);
+    double sum_b = 0, sum_e = 0;
+    for (size_t k = 0; k < s; ++k) {
+      if (kLeft) sum_b += pre[blocks[k].begin];
+      if (kRight) sum_e += pre[blocks[k].end];
+    }
+    const int64_t c1 = std::min(nt, c0 + BlockEdges::kResumEvery);
+    for (int64_t n = c0; n < c1; ++n) {
+      if (n > c0) {
+        double db = 0, de = 0;
+        for (int64_t ev = cached.events(n); ev < cached.events(n + 1); ++ev) {
+          const BlockEdges::Move& mv = cached.move(ev);
+          if (kLeft) db += pre[mv.mid] - pre[mv.old_begin];
+          if (kRight) de += pre[mv.new_end] - pre[mv.mid];
+        }
+        sum_b += db;
+        sum_e += de;
+      }
+      const int64_t t = t0 + n;
+      double mx;
+      if (kLeft && kRight)
+        mx = sum_e - sum_b;
+      else if (kLeft)
+        mx = ds * pre[source_index(t + 1, s0, ns)] - sum_b;
+      else
+        mx = sum_e - ds * pre[source_index(t, s0, ns)];
+      y[n] -= inv_s * mx;
+    }
+  }
+}
+
 void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose,
                            const BlockEdges* cached, ProductScratch* scratch) {
   // Source: the vector's side; target: the output's side.
@@ -215,25 +277,21 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
   std::fill(y, y + nt, 0.0);
   if (mask_is_exact(m, r) || ns <= 0) return;
 
-  const ExpSums sums(x, ns, s0, m.sigma, scratch);
   const bool left = allowed != Allowed::kSourceNotBefore;  // sources before the target count
   const bool right = allowed != Allowed::kSourceNotAfter;  // sources after the target count
   if (m.mode == Mode::kWindow) {
     // L* 1[|d| >= W] directly: no cancellation against the band.
+    const ExpSums sums(x, ns, s0, m.sigma, left, right, scratch);
     const double edge = decay(m.window, m.sigma);
-    for (int64_t n = 0; n < nt; ++n) {
-      const int64_t t = t0 + n;
-      y[n] = (left ? edge * sums.up_to(t - m.window) : 0.0) + (right ? edge * sums.from(t + m.window) : 0.0);
-    }
+    if (left) sums.add_up_to(edge, t0 - m.window, nt, y);
+    if (right) sums.add_from(edge, t0 + m.window, nt, y);
     return;
   }
 
-  const double step = decay(1, m.sigma);
-  for (int64_t n = 0; n < nt; ++n) {
-    const int64_t t = t0 + n;
-    // The source at t itself counts once whichever side is allowed.
-    y[n] = (left ? sums.up_to(t) : 0.0) + (right ? (left ? step * sums.from(t + 1) : sums.from(t)) : 0.0);
-  }
+  // The source at t itself counts once whichever side is allowed.
+  const ExpSums sums(x, ns, s0, m.sigma, left, right, scratch);
+  if (left) sums.add_up_to(1.0, t0, nt, y);
+  if (right) sums.add_from(left ? decay(1, m.sigma) : 1.0, left ? t0 + 1 : t0, nt, y);
 
   // M~ x: per hash and block, the sum of x over the block (clipped to the
   // allowed side), from prefix sums of x. Block by block, not target by
@@ -258,28 +316,12 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
     // s = 256: most of the estimates' time), each change read as three
     // prefix indices the BlockEdges found once. Summed afresh every
     // kResumEvery targets, so the running updates' rounding cannot drift.
-    const size_t s = m.draws.size();
-    const double ds = static_cast<double>(s);
-    double sum_b = 0, sum_e = 0;
-    for (int64_t n = 0; n < nt; ++n) {
-      const int64_t t = t0 + n;
-      for (int64_t ev = cached->events(n); ev < cached->events(n + 1); ++ev) {
-        const BlockEdges::Move& mv = cached->move(ev);
-        sum_b += pre[mv.mid] - pre[mv.old_begin];
-        sum_e += pre[mv.new_end] - pre[mv.mid];
-      }
-      if (n % BlockEdges::kResumEvery == 0) {
-        const BlockEdges::Block* blocks = cached->checkpoint(n / BlockEdges::kResumEvery);
-        sum_b = 0;
-        sum_e = 0;
-        for (size_t k = 0; k < s; ++k) {
-          sum_b += pre[blocks[k].begin];
-          sum_e += pre[blocks[k].end];
-        }
-      }
-      const double mx = left && right ? sum_e - sum_b : left ? ds * below(t + 1) - sum_b : sum_e - ds * below(t);
-      y[n] -= inv_s * mx;
-    }
+    if (left && right)
+      subtract_summed_blocks<true, true>(*cached, pre, t0, nt, s0, ns, y);
+    else if (left)
+      subtract_summed_blocks<true, false>(*cached, pre, t0, nt, s0, ns, y);
+    else
+      subtract_summed_blocks<false, true>(*cached, pre, t0, nt, s0, ns, y);
     return;
   }
   for (size_t k = 0; k < m.draws.size(); ++k) {

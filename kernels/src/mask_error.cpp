@@ -42,8 +42,17 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
   std::vector<int32_t> left_count, right_count;
   bool sorted_stale = true;  // the sorted edges do not follow begins / ends
   bool first = true;
-  for (size_t n = 0; n < rows.size(); ++n) {
-    if (n % 1024 == 0 && stop_requested(ctx)) {
+  // Rows whose blocks are the same in every hash (a cell) share M~'s step
+  // function. For a key left or right of the cell, L* is monotone in the
+  // row, so |L* - M~| is largest at the cell's first or last row; inside it
+  // M~ = 1 and the farthest pair is (last row, first key) or (first row,
+  // last key). So when every row is checked, a cell's first and last rows
+  // give its maximum exactly and the rows between are skipped: sigma = 256,
+  // s = 16, n = 32768: about 2000 rows instead of 32768.
+  const bool consecutive = !out.rows_sampled;
+  size_t visited = 0;
+  for (size_t n = 0, next = 1; n < rows.size(); n = next, next = n + 1) {
+    if (visited++ % 1024 == 0 && stop_requested(ctx)) {
       out.stopped = true;
       return out;
     }
@@ -57,7 +66,13 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
     moves.clear();
     for (size_t k = 0; k < s; ++k) {
       if (first || pos >= ends[k]) {
-        const int64_t b = block_begin(pos, m.draws[k]), e = block_end(pos, m.draws[k]);
+        // Blocks tile the line: the next block begins where this one ends,
+        // which spares a block_begin (floor divisions) per block.
+        int64_t b = ends[k], e = first ? pos : block_end(b, m.draws[k]);
+        if (first || pos >= e) {
+          b = block_begin(pos, m.draws[k]);
+          e = block_end(pos, m.draws[k]);
+        }
         moves.push_back({begins[k], ends[k], b, e});
         begins[k] = b;
         ends[k] = e;
@@ -66,6 +81,12 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
     first = false;
     const int64_t lo = *std::min_element(begins.begin(), begins.end());
     const int64_t hi = *std::max_element(ends.begin(), ends.end());  // exclusive
+    if (consecutive) {
+      // The cell of pos ends at the nearest block end: go on at its last row.
+      const int64_t cell_last = *std::min_element(ends.begin(), ends.end()) - 1;
+      const int64_t last_row = std::min<int64_t>(r.q_len - 1, cell_last - r.q_pos0);
+      next = static_cast<size_t>(std::max<int64_t>(last_row, rows[n] + 1));  // rows[n] == n
+    }
     if (hi - lo <= (int64_t{1} << 16) && static_cast<double>(hi - lo) < sort_cost) {
       // M~(x) = #{begin_k <= x} / s left of pos, #{end_k > x} / s right of
       // it: counted over [lo, hi); 0 outside, where |L* - M~| = L* peaks at

@@ -206,6 +206,9 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
     double a_max = kInf;        // |logit| <= a_max (with keys)
     double tail = 0;            // keys dropped: their weight's bound, relative to exp(a_max)
     double max_a = -kInf, bound_num = 0, bound_den = 0, max_v2 = 0;
+    // Window: the bound's sums over the keys outside and inside the window,
+    // in the exact softmax's scale (see below).
+    double out_w = 0, in_w = 0;
     std::vector<int64_t> begins, ends;  // sorted
     size_t opened = 0, closed = 0;      // begins / ends at or before the current key
   };
@@ -321,7 +324,30 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
               logw[static_cast<size_t>(jj - first)] = logit[static_cast<size_t>(jj - first)] - distance / m.sigma;
               tile_max_a = std::max(tile_max_a, logit[static_cast<size_t>(jj - first)]);
             }
+            const double old_max = exact_row.max;
             exact_row.fold(logw.data(), n, tile.values + first * D, weight.data());
+            if (m.mode == Mode::kWindow) {
+              // a_ij L*_ij = exp(logit - d / sigma) is the exact softmax's
+              // weight times exp(its max), and the window's M~ is L* inside
+              // the window and 0 outside: the bound's numerator sums the
+              // weights outside, its denominator those inside, in one scale
+              // that cancels. One exp a key instead of two.
+              const double rescale = std::exp(old_max - exact_row.max);  // 0 on the first tile
+              row.out_w *= rescale;
+              row.in_w *= rescale;
+              const int64_t x0 = p.k_pos0 + tile.j0 + first;
+              double out_sum = 0, in_sum = 0;
+              for (int64_t jj = 0; jj < n; ++jj) {
+                const bool inside = m.window == kNoWindow || std::llabs(row.pos - (x0 + jj)) < m.window;
+                (inside ? in_sum : out_sum) += weight[static_cast<size_t>(jj)];
+              }
+              row.out_w += out_sum;
+              row.in_w += in_sum;
+              if (keys == nullptr)
+                for (int64_t jj = first; jj < last; ++jj)
+                  row.max_v2 = std::max(row.max_v2, squared_norm64(tile.values + jj * D, D));
+              continue;
+            }
 
             const double max_a = std::max(row.max_a, tile_max_a);
             const double rescale_a = std::exp(row.max_a - max_a);
@@ -371,10 +397,15 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
     if (std::isnan(pr.err2)) pr.err2 = kInf;
     // The dropped keys' share of sum_j a_ij |L* - M~| (where M~ = 0, at most
     // a_ij L*_ij) keeps the bound rigorous.
-    const double num = row.bound_num + (row.tail > 0 ? row.tail * std::exp(row.a_max - row.max_a) : 0.0);
+    // The window's sums are in the exact softmax's scale, exp(e.max).
+    const bool window = m.mode == Mode::kWindow;
+    const double scale_max = window ? e.max : row.max_a;
+    const double num =
+        (window ? row.out_w : row.bound_num) + (row.tail > 0 ? row.tail * std::exp(row.a_max - scale_max) : 0.0);
+    const double den = window ? row.in_w : row.bound_den;
     // The bound holds for o~ in exact arithmetic; the stored output adds its
     // own rounding (float32 ~1e-7, bf16 ~4e-3 relative) on top.
-    pr.bound = row.bound_den > 0 ? 2 * std::sqrt(row.max_v2) * num / row.bound_den : kInf;
+    pr.bound = den > 0 ? 2 * std::sqrt(row.max_v2) * num / den : kInf;
   }
 }
 

@@ -327,6 +327,7 @@ void probe_rows(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t 
             const double old_max = exact_row.max;
             exact_row.fold(logw.data(), n, tile.values + first * D, weight.data());
             if (m.mode == Mode::kWindow) {
+              if (exact_row.max == -kInf) continue;  // no allowed key yet: nothing to add
               // a_ij L*_ij = exp(logit - d / sigma) is the exact softmax's
               // weight times exp(its max), and the window's M~ is L* inside
               // the window and 0 outside: the bound's numerator sums the

@@ -46,8 +46,9 @@ inline std::shared_ptr<grpc::Channel> plaintext_channel(const std::string& targe
   return channel;
 }
 
-// A raw Attention stub on plaintext_channel(target).
-inline std::unique_ptr<v1::Attention::Stub> plaintext_stub(const std::string& target) {
+// gRPC's generated Attention client (its class is named Stub) on
+// plaintext_channel(target), for tests that write the wire messages.
+inline std::unique_ptr<v1::Attention::Stub> plaintext_attention_client(const std::string& target) {
   return v1::Attention::NewStub(plaintext_channel(target));
 }
 

@@ -395,9 +395,9 @@ TEST_F(BackwardTest, ACancelledForwardLeavesNoContext) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
-  auto stub = v1::Attention::NewStub(testing::plaintext_channel(server_->grpc_address(), args));
+  auto rpc = v1::Attention::NewStub(testing::plaintext_channel(server_->grpc_address(), args));
   grpc::ClientContext ctx;
-  auto stream = stub->Attend(&ctx);
+  auto stream = rpc->Attend(&ctx);
   AttendCall call = forward_call(p, true);
   call.chunk_bytes = 1;  // one row per output chunk: many of them
   v1::AttendRequest r;
@@ -437,9 +437,9 @@ TEST_F(BackwardTest, ACancelledBackwardLeavesItsContextForARetry) {
   AttendReply forward;
   ASSERT_TRUE(c.attend(forward_call(p, true), &forward).ok());
   {
-    auto stub = testing::plaintext_stub(server_->grpc_address());
+    auto rpc = testing::plaintext_attention_client(server_->grpc_address());
     grpc::ClientContext ctx;
-    auto stream = stub->AttendBackward(&ctx);
+    auto stream = rpc->AttendBackward(&ctx);
     v1::BackwardRequest r;
     r.mutable_header()->set_context_id(forward.context_id);
     ASSERT_TRUE(stream->Write(r));
@@ -471,10 +471,10 @@ struct RawResult {
 };
 
 RawResult raw_backward(const std::string& target, const std::vector<v1::BackwardRequest>& messages) {
-  auto stub = testing::plaintext_stub(target);
+  auto rpc = testing::plaintext_attention_client(target);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  auto stream = stub->AttendBackward(&ctx);
+  auto stream = rpc->AttendBackward(&ctx);
   for (const v1::BackwardRequest& m : messages)
     if (!stream->Write(m)) break;
   stream->WritesDone();
@@ -813,10 +813,10 @@ TEST_F(BackwardContexts, UnaryForwardsKeepThemAndSilentBackwardsTimeOut) {
   ASSERT_TRUE(client_->attend_unary(forward_call(p, true), &forward).ok());
   ASSERT_FALSE(forward.context_id.empty());
   {
-    auto stub = testing::plaintext_stub(server_->grpc_address());
+    auto rpc = testing::plaintext_attention_client(server_->grpc_address());
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    auto stream = stub->AttendBackward(&ctx);
+    auto stream = rpc->AttendBackward(&ctx);
     v1::BackwardRequest r;
     r.mutable_header()->set_context_id(forward.context_id);
     ASSERT_TRUE(stream->Write(r));

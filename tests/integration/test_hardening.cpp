@@ -74,9 +74,9 @@ TEST(Hardening, AStreamSilentAfterItsHeaderTimesOutAndGivesItsMemoryBack) {
   ServerProcess server(
       {"--backend", "cpu", "--stream-idle-timeout", "1.5", "--memory-budget", std::to_string(int64_t{700} << 20)});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   grpc::ClientContext ctx;
-  auto stream = stub->Attend(&ctx);
+  auto stream = rpc->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header_of(big)));
   v1::AttendResponse ack;
   ASSERT_TRUE(stream->Read(&ack));
@@ -86,7 +86,7 @@ TEST(Hardening, AStreamSilentAfterItsHeaderTimesOutAndGivesItsMemoryBack) {
   // While it holds the budget, another 512 MiB request is refused...
   {
     grpc::ClientContext ctx2;
-    auto other = stub->Attend(&ctx2);
+    auto other = rpc->Attend(&ctx2);
     ASSERT_TRUE(other->Write(header_of(big)));
     EXPECT_EQ(drain(other.get()).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   }
@@ -116,12 +116,12 @@ TEST(Hardening, AStreamSilentAfterItsHeaderTimesOutAndGivesItsMemoryBack) {
 TEST(Hardening, StreamsWithoutAHeaderTimeOutAndFreeTheirSlots) {
   ServerProcess server({"--backend", "cpu", "--stream-idle-timeout", "1", "--max-concurrent", "3"});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>>> streams;
   for (int i = 0; i < 3; ++i) {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
-    streams.push_back(stub->Attend(contexts.back().get()));
+    streams.push_back(rpc->Attend(contexts.back().get()));
   }
   // Once the server holds all three, a fourth is refused.
   ASSERT_TRUE(testing::eventually([&] { return metric_sum(scrape(server), "plsh_inflight_requests") == 3; }));
@@ -142,9 +142,9 @@ TEST(Hardening, ADribblingClientIsCutByTheMinimumRate) {
   ServerProcess server(
       {"--backend", "cpu", "--stream-idle-timeout", "1", "--min-stream-rate", std::to_string(2 << 20)});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   grpc::ClientContext ctx;
-  auto stream = stub->Attend(&ctx);
+  auto stream = rpc->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header_of(o)));
   const std::vector<float> row(static_cast<size_t>(8 * 64), 0.5f);
   const auto t0 = Clock::now();
@@ -194,9 +194,9 @@ TEST(Hardening, AClientThatDoesNotReadItsOutputTimesOut) {
   r.q.assign(static_cast<size_t>(65536 * 8 * 16), 0.5f);
   r.k.assign(static_cast<size_t>(8 * 16), 0.5f);
   r.v = r.k;
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   grpc::ClientContext ctx;
-  auto stream = stub->Attend(&ctx);
+  auto stream = rpc->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header_of(r.options)));
   const struct {
     v1::Tensor t;
@@ -240,9 +240,9 @@ TEST(Hardening, AClientThatDoesNotReadItsOutputTimesOut) {
 TEST(Hardening, DrainEndsStreamsStillReceiving) {
   ServerProcess server({"--backend", "cpu", "--stream-idle-timeout", "600", "--drain-timeout", "30"});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   grpc::ClientContext ctx;
-  auto stream = stub->Attend(&ctx);
+  auto stream = rpc->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header_of(small_request().options)));
   v1::AttendResponse ack;
   ASSERT_TRUE(stream->Read(&ack));
@@ -260,21 +260,21 @@ TEST(Hardening, DrainEndsStreamsStillReceiving) {
 TEST(Hardening, RefusedMessagesAreCountedWithTheCodeTheClientGot) {
   ServerProcess server({"--backend", "cpu", "--max-message-bytes", std::to_string(64 << 10)});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   // A 100 KB header: 12800 slopes.
   AttentionOptions o = small_request().options;
   o.heads = 12800;
   o.slopes.assign(12800, 0.5);
   {
     grpc::ClientContext ctx;
-    auto stream = stub->Attend(&ctx);
+    auto stream = rpc->Attend(&ctx);
     stream->Write(header_of(o));
     EXPECT_EQ(drain(stream.get()).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   }
   // An oversized chunk after a valid header.
   {
     grpc::ClientContext ctx;
-    auto stream = stub->Attend(&ctx);
+    auto stream = rpc->Attend(&ctx);
     ASSERT_TRUE(stream->Write(header_of(small_request(4096).options)));
     v1::AttendRequest m;
     v1::TensorChunk* c = m.mutable_chunk();
@@ -285,7 +285,7 @@ TEST(Hardening, RefusedMessagesAreCountedWithTheCodeTheClientGot) {
     stream->Write(m);
     EXPECT_EQ(drain(stream.get()).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   }
-  // Bytes that do not parse as an AttendRequest, through a generic stub.
+  // Bytes that do not parse as an AttendRequest, through gRPC's generic client.
   grpc::Status garbage;
   {
     grpc::GenericStub generic(testing::plaintext_channel(server.grpc_address()));
@@ -331,7 +331,7 @@ TEST(Hardening, RefusedMessagesAreCountedWithTheCodeTheClientGot) {
 TEST(Hardening, DrawsBeyondTheBudgetAreRefusedBeforeTheyAreMade) {
   ServerProcess server({"--backend", "cpu", "--memory-budget", std::to_string(int64_t{32} << 20)});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   AttentionOptions o;
   o.q_len = o.kv_len = 1;
   o.head_dim = 1;
@@ -345,7 +345,7 @@ TEST(Hardening, DrawsBeyondTheBudgetAreRefusedBeforeTheyAreMade) {
     o.heads = heads;
     const auto t0 = Clock::now();
     grpc::ClientContext ctx;
-    auto stream = stub->Attend(&ctx);
+    auto stream = rpc->Attend(&ctx);
     ASSERT_TRUE(stream->Write(header_of(o)));
     const grpc::Status s = drain(stream.get());
     EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();

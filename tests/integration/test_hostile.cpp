@@ -158,9 +158,9 @@ TEST(Hostile, AHeaderAloneCostsNoTensorMemory) {
   big.options = {.q_len = 73728, .kv_len = 73728, .heads = 8, .head_dim = 256, .mode = Mode::kExact};
   v1::AttendRequest header;
   *header.mutable_header() = client::make_header(big);
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   grpc::ClientContext ctx;
-  auto stream = stub->Attend(&ctx);
+  auto stream = rpc->Attend(&ctx);
   ASSERT_TRUE(stream->Write(header));
   v1::AttendResponse ack;
   ASSERT_TRUE(stream->Read(&ack));
@@ -219,9 +219,9 @@ TEST(Hostile, ARegionCountsRequestsNotTensors) {
   call.out_shm = {"r", 3 * bytes};
   v1::AttendRequest header;
   *header.mutable_header() = client::make_header(call);
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   auto ctx = std::make_unique<grpc::ClientContext>();
-  auto stream = stub->Attend(ctx.get());
+  auto stream = rpc->Attend(ctx.get());
   ASSERT_TRUE(stream->Write(header));
   v1::AttendResponse ack;
   ASSERT_TRUE(stream->Read(&ack));  // the header holds the region from here until the request closes

@@ -59,8 +59,8 @@ bool wait_until_busy(const ServerProcess& server, int workers) {
 // the caller cancels ctx from another thread when it wants to.
 grpc::Status stream_request(const std::string& target, const Request& r, grpc::ClientContext* ctx) {
   const AttendCall call = r.call();
-  auto stub = testing::plaintext_stub(target);
-  auto stream = stub->Attend(ctx);
+  auto rpc = testing::plaintext_attention_client(target);
+  auto stream = rpc->Attend(ctx);
   v1::AttendRequest m;
   *m.mutable_header() = client::make_header(call);
   stream->Write(m);
@@ -163,10 +163,10 @@ TEST(ServiceLifecycle, CancelRightAfterEndWithoutReadingTheAck) {
   ServerProcess server({"--workers", "1", "--threads", "2"});
   ASSERT_TRUE(server.started()) << server.log();
   const Request r = make_request(Mode::kExact, 512, 4);
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   for (int i = 0; i < 40; ++i) {
     grpc::ClientContext ctx;
-    auto stream = stub->Attend(&ctx);
+    auto stream = rpc->Attend(&ctx);
     v1::AttendRequest m;
     *m.mutable_header() = client::make_header(r.call());
     stream->Write(m);
@@ -255,9 +255,9 @@ TEST(ServiceLifecycle, FullQueueAndTooManyStreamsAreResourceExhausted) {
   EXPECT_NE(queued.error_message().find("queue-depth"), std::string::npos) << queued.error_message();
 
   // The big stream is one of two allowed; hold a second open, a third is refused.
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   grpc::ClientContext held_ctx;
-  auto held = stub->Attend(&held_ctx);
+  auto held = rpc->Attend(&held_ctx);
   v1::AttendRequest header;
   *header.mutable_header() = client::make_header(small.call());
   ASSERT_TRUE(held->Write(header));
@@ -309,9 +309,9 @@ TEST(ServiceLifecycle, MemoryBudgetIsReleasedOnEveryPath) {
     grpc::Status s = c.attend(one.call(), &reply);
     EXPECT_TRUE(s.ok()) << client::status_string(s);
     // Reserved at the header, then the stream ends without its end message.
-    auto stub = testing::plaintext_stub(server.grpc_address());
+    auto rpc = testing::plaintext_attention_client(server.grpc_address());
     grpc::ClientContext ctx;
-    auto stream = stub->Attend(&ctx);
+    auto stream = rpc->Attend(&ctx);
     v1::AttendRequest m;
     *m.mutable_header() = client::make_header(one.call());
     stream->Write(m);

@@ -149,10 +149,10 @@ Send attend_with(std::function<void(AttentionOptions&)> edit, std::function<void
 grpc::Status raw_stream(const std::string& target, const std::vector<v1::AttendRequest>& messages,
                         bool writes_done = true) {
   auto channel = testing::plaintext_channel(target);
-  auto stub = v1::Attention::NewStub(channel);
+  auto rpc = v1::Attention::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  auto stream = stub->Attend(&ctx);
+  auto stream = rpc->Attend(&ctx);
   for (const v1::AttendRequest& m : messages)
     if (!stream->Write(m)) break;
   if (writes_done) stream->WritesDone();
@@ -265,13 +265,13 @@ TEST_F(ServiceTest, BadInputTableGetsTheRightCodeAndNamesTheField) {
       {"message with nothing set", stream_of({v1::AttendRequest{}}), INV, "kind"},
       {"unary q of the wrong size",
        [](auto& t) {
-         auto stub = testing::plaintext_stub(t);
+         auto rpc = testing::plaintext_attention_client(t);
          grpc::ClientContext ctx;
          v1::AttendUnaryRequest req;
          *req.mutable_header() = header_msg().header();
          req.set_q(std::string(10, '\0'));
          v1::AttendUnaryResponse resp;
-         return stub->AttendUnary(&ctx, req, &resp);
+         return rpc->AttendUnary(&ctx, req, &resp);
        },
        INV, "q = 10 bytes"},
   };

@@ -272,7 +272,7 @@ TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
   // A byte size that is not the tensor's (the client library always sends
   // the right one: a raw header).
   {
-    auto stub = testing::plaintext_stub(server_->grpc_address());
+    auto rpc = testing::plaintext_attention_client(server_->grpc_address());
     // A header that places q at offset 0 of the region, byte_size bytes long.
     auto q_in_refs = [&](int64_t byte_size) {
       AttendCall call;
@@ -284,11 +284,11 @@ TEST_F(SharedMemoryTest, ReferencesThatDoNotFitTheirRegionAreRefused) {
       return header;
     };
     grpc::ClientContext ctx;
-    auto stream = stub->Attend(&ctx);
+    auto stream = rpc->Attend(&ctx);
     stream->Write(q_in_refs(z.q - 4));
     // And a chunk of a tensor the header placed in shared memory.
     grpc::ClientContext ctx2;
-    auto stream2 = stub->Attend(&ctx2);
+    auto stream2 = rpc->Attend(&ctx2);
     stream2->Write(q_in_refs(z.q));
     v1::AttendRequest chunk;
     chunk.mutable_chunk()->set_tensor(v1::TENSOR_Q);
@@ -315,9 +315,9 @@ TEST_F(SharedMemoryTest, ARegionInUseCannotBeUnregistered) {
   std::unique_ptr<SharedMemoryFile> file;
   ASSERT_NO_FATAL_FAILURE(register_file(c, "busy", z.q, &file));
   // A request that holds it: header, ack, and then nothing.
-  auto stub = testing::plaintext_stub(server_->grpc_address());
+  auto rpc = testing::plaintext_attention_client(server_->grpc_address());
   auto ctx = std::make_unique<grpc::ClientContext>();
-  auto stream = stub->Attend(ctx.get());
+  auto stream = rpc->Attend(ctx.get());
   AttendCall call;
   call.options = o;
   call.q_shm = {"busy", 0};
@@ -351,9 +351,9 @@ TEST_F(SharedMemoryTest, AFileShrunkUnderARequestFailsItNotTheServer) {
     const std::vector<float> q = gaussian(z.q, 1), kv = gaussian(z.kv, 2);
     std::memcpy(file->data(), q.data(), static_cast<size_t>(z.q));
     ASSERT_TRUE(c.register_shared_memory("shrink", key, 0, std::max(z.q, z.out)).ok());
-    auto stub = testing::plaintext_stub(server_->grpc_address());
+    auto rpc = testing::plaintext_attention_client(server_->grpc_address());
     grpc::ClientContext ctx;
-    auto stream = stub->Attend(&ctx);
+    auto stream = rpc->Attend(&ctx);
     AttendCall call;
     call.options = o;
     (input ? call.q_shm : call.out_shm) = {"shrink", 0};

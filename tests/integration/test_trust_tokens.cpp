@@ -51,12 +51,12 @@ TEST_F(Trust, BearerTokensOnAPlaintextListener) {
 
   // The scheme is case-insensitive (RFC 6750); another scheme, or two
   // authorization entries, are not credentials.
-  auto stub = testing::plaintext_stub(addr);
+  auto rpc = testing::plaintext_attention_client(addr);
   auto call_info = [&](const std::vector<std::string>& values) {
     grpc::ClientContext ctx;
     for (const std::string& v : values) ctx.AddMetadata("authorization", v);
     v1::GetInfoResponse response;
-    return stub->GetInfo(&ctx, v1::GetInfoRequest{}, &response).error_code();
+    return rpc->GetInfo(&ctx, v1::GetInfoRequest{}, &response).error_code();
   };
   EXPECT_EQ(call_info({"bearer " + full}), grpc::StatusCode::OK);
   EXPECT_EQ(call_info({"BEARER  " + full}), grpc::StatusCode::OK);
@@ -149,9 +149,9 @@ TEST_F(Trust, PerClientStreamLimitLeavesOtherClientsServed) {
   const TokenFile tokens({client_entry("a", {a}, {{"max_streams", 1}}), client_entry("b", {b})});
   ServerProcess server({"--token-file", tokens.path(), "--workers", "2"});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   HeldStream held;
-  ASSERT_TRUE(held.open(*stub, a, Request()));
+  ASSERT_TRUE(held.open(*rpc, a, Request()));
 
   std::unique_ptr<Client> ca = connect(server.grpc_address(), plain(a));
   std::unique_ptr<Client> cb = connect(server.grpc_address(), plain(b));
@@ -180,12 +180,12 @@ TEST_F(Trust, PerClientReservedBytesLimitLeavesOtherClientsServed) {
   const TokenFile tokens({client_entry("a", {a}), client_entry("b", {b})});
   ServerProcess server({"--token-file", tokens.path(), "--token-reload-interval", "0.1", "--workers", "2"});
   ASSERT_TRUE(server.started()) << server.log();
-  auto stub = testing::plaintext_stub(server.grpc_address());
+  auto rpc = testing::plaintext_attention_client(server.grpc_address());
   const Request request(2048);
 
   // One request of a's in flight: what it holds is its charge.
   HeldStream held;
-  ASSERT_TRUE(held.open(*stub, a, request));
+  ASSERT_TRUE(held.open(*rpc, a, request));
   const double charge = metric_sum(scrape(server), "plsh_client_reserved_bytes", {"client=\"a\"", "space=\"host\""});
   ASSERT_GT(charge, 0);
   // Room for one and a half: a second one of a's does not fit, b's do.
@@ -237,16 +237,16 @@ TEST_F(Trust, SecretsNeverInLogsMetricsOrMessages) {
   }
   grpc::SslCredentialsOptions ssl;
   ssl.pem_root_certs = testing::read_file(pki("ca.crt"));
-  auto stub = v1::Attention::NewStub(grpc::CreateChannel(addr, grpc::SslCredentials(ssl)));
+  auto rpc = v1::Attention::NewStub(grpc::CreateChannel(addr, grpc::SslCredentials(ssl)));
   for (const std::string& header : {"Basic " + token, "Bearer " + token + " extra", "Bearer " + near_miss}) {
     grpc::ClientContext ctx;
     ctx.AddMetadata("authorization", header);
     v1::GetInfoResponse response;
-    statuses.push_back(stub->GetInfo(&ctx, v1::GetInfoRequest{}, &response));
+    statuses.push_back(rpc->GetInfo(&ctx, v1::GetInfoRequest{}, &response));
   }
   // A client over its stream limit, so that refusal's message is seen too.
   HeldStream held;
-  ASSERT_TRUE(held.open(*stub, token, Request()));
+  ASSERT_TRUE(held.open(*rpc, token, Request()));
   statuses.push_back(attend(*connect(addr, tls(token))));
   held.release();
   // A refused reload's message, with a raw token where a digest belongs.

@@ -169,9 +169,9 @@ struct HeldStream {
   grpc::ClientContext ctx;
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream;
 
-  bool open(v1::Attention::Stub& stub, const std::string& token, const Request& r) {
+  bool open(v1::Attention::Stub& rpc, const std::string& token, const Request& r) {
     ctx.AddMetadata("authorization", "Bearer " + token);
-    stream = stub.Attend(&ctx);
+    stream = rpc.Attend(&ctx);
     v1::AttendRequest header;
     *header.mutable_header() = client::make_header(r.call());
     v1::AttendResponse ack;

@@ -45,6 +45,7 @@ namespace {
 // 64) stay within L2.
 constexpr int64_t kBwdKeyTile = 256;
 constexpr int64_t kBwdRowTile = 32;
+static_assert(kBwdKeyTile <= kMaxBiasKeys && kBwdRowTile <= kMaxRowTile, "AlibiEpilogue holds a tile");
 
 // One work item: a key tile of one (batch item, kv head), across every
 // query head of the kv head's group.
@@ -221,13 +222,15 @@ double backward_pair(const Shared& sh, const BackwardJob& job, int64_t h, int64_
   const float* v = vt + c0 * ldt;
 
   float* st = sc.st;
-  qk_tile(k, ldt, len, D, sc.qt, rows, st, ldst);
   if (uses_draws(p.mode)) {
+    qk_tile(k, ldt, len, D, sc.qt, rows, st, ldst);
     add_counted_log_weight(st, ldst, sc.counts, rows, rows, c0, len, lo, pos_first, p.causal, sh.log_count);
   } else {
     for (int64_t r = 0; r < rows; ++r) sc.nearest[r] = nearest_key(p, pos_first + r);
     const AlibiBias bias{p, width, p.slopes[static_cast<size_t>(h)], pos_first, rows, sc.nearest};
-    bias(st, ldst, job.j0 + c0, len);
+    AlibiEpilogue epilogue;
+    bias.epilogue(job.j0 + c0, len, &epilogue);
+    qk_bias_tile(k, ldt, len, D, sc.qt, rows, st, ldst, epilogue.bias, nullptr);
   }
   const int64_t stat = (job.b * p.heads + h) * p.q_len + i0;
   probs_tile(st, ldst, len, rows, sh.row_lse + stat);

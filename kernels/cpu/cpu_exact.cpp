@@ -20,19 +20,19 @@ int64_t saturating_add(int64_t a, int64_t b) {
 
 }  // namespace
 
-void AlibiBias::operator()(float* st, int64_t ld, int64_t jt, int64_t len) const {
-  const float neg_slope = static_cast<float>(-slope);
+void AlibiBias::epilogue(int64_t jt, int64_t len, AlibiEpilogue* e) const {
   // Key c sits at distance d = e0 + r - c from query row r.
   const int64_t e0 = pos_first - (p.k_pos0 + jt);
   // |d| - nearest[r] is left[r] - c for keys at or before the query and
   // c - right[r] after it; both small by the choice of nearest.
-  float left[kMaxRowTile], right[kMaxRowTile];
   for (int64_t r = 0; r < rows; ++r) {
-    left[r] = static_cast<float>(e0 + r - nearest[r]);
-    right[r] = static_cast<float>(e0 + r + nearest[r]);
+    e->left[r] = static_cast<float>(e0 + r - nearest[r]);
+    e->right[r] = static_cast<float>(e0 + r + nearest[r]);
   }
+  std::fill(e->left + rows, e->left + padded_rows(rows), 0.0f);
+  std::fill(e->right + rows, e->right + padded_rows(rows), 0.0f);
+  // The query rows [rmin, rmax) that key c may meet.
   for (int64_t c = 0; c < len; ++c) {
-    float* sc = st + c * ld;
     const int64_t at_key = c - e0;  // the query row at distance 0
     int64_t rmin = 0, rmax = rows;
     if (width != kNoWindow) {
@@ -40,20 +40,11 @@ void AlibiBias::operator()(float* st, int64_t ld, int64_t jt, int64_t len) const
       rmax = std::min(rmax, saturating_add(at_key, width));
     }
     if (p.causal) rmin = std::max(rmin, at_key);
-    if (rmin >= rmax) {
-      std::fill_n(sc, rows, kNegInf);
-      continue;
-    }
-    std::fill(sc, sc + rmin, kNegInf);
-    std::fill(sc + rmax, sc + rows, kNegInf);
-    if (slope == 0) continue;
-    const int64_t split = std::clamp(at_key, rmin, rmax);
-    const float cf = static_cast<float>(c);
-#pragma omp simd
-    for (int64_t r = rmin; r < split; ++r) sc[r] += neg_slope * (cf - right[r]);
-#pragma omp simd
-    for (int64_t r = split; r < rmax; ++r) sc[r] += neg_slope * (left[r] - cf);
+    if (rmin >= rmax) rmin = rmax = 0;
+    e->lo[c] = static_cast<float>(rmin);
+    e->hi[c] = static_cast<float>(rmax);
   }
+  e->bias = {static_cast<float>(-slope), e0, e->left, e->right, e->lo, e->hi};
 }
 
 double exact_tile(const AttentionParams& p, const TileJob& job, Scratch& scratch) {

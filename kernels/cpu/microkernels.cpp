@@ -48,6 +48,23 @@ void qk_generic(const float* k, int64_t ldk, int64_t keys, int64_t dim, const fl
   }
 }
 
+// The bias epilogue (BiasEpilogue) on keys [j_begin, j_end) and query
+// columns [i_begin, i_end) of st, the columns' max into col_max if given.
+void bias_generic(float* st, int64_t ldst, int64_t j_begin, int64_t j_end, int64_t i_begin, int64_t i_end,
+                  const BiasEpilogue& e, float* col_max) {
+  for (int64_t j = j_begin; j < j_end; ++j) {
+    float* sj = st + j * ldst;
+    const float jf = static_cast<float>(j), lo = e.lo[j], hi = e.hi[j];
+    for (int64_t i = i_begin; i < i_end; ++i) {
+      const float fi = static_cast<float>(i);
+      const float distance = std::max(e.left[i] - jf, jf - e.right[i]);
+      const float s = fi >= lo && fi < hi ? sj[i] + e.neg_slope * distance : kNegInfinity;
+      sj[i] = s;
+      if (col_max != nullptr) col_max[i] = std::max(col_max[i], s);
+    }
+  }
+}
+
 // Panel rows [i_begin, i_end) of pack_queries, columns [d_begin, dim); the
 // panel's rows from i_end to the panel's end are zero.
 void pack_generic(const float* q, int64_t ldq, int64_t i_begin, int64_t i_end, int64_t d_begin, int64_t dim,
@@ -118,15 +135,19 @@ void fold_finish(int64_t n, const float* new_max, const float* sum, float* acc, 
 }
 
 void fold_generic(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
-                  float* row_sum) {
+                  float* row_sum, const float* tile_max) {
   for (int64_t i0 = 0; i0 < rows; i0 += kFoldColumns) {
     const int64_t n = std::min(kFoldColumns, rows - i0);
     float new_max[kFoldColumns], shift[kFoldColumns], sum[kFoldColumns];
     std::copy_n(row_max + i0, n, new_max);
-    for (int64_t j = 0; j < keys; ++j) {
-      const float* sj = st + j * ldst + i0;
+    if (tile_max != nullptr) {
+      for (int64_t i = 0; i < n; ++i) new_max[i] = std::max(new_max[i], tile_max[i0 + i]);
+    } else {
+      for (int64_t j = 0; j < keys; ++j) {
+        const float* sj = st + j * ldst + i0;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) new_max[i] = new_max[i] > sj[i] ? new_max[i] : sj[i];
+        for (int64_t i = 0; i < n; ++i) new_max[i] = new_max[i] > sj[i] ? new_max[i] : sj[i];
+      }
     }
     // A column with nothing allowed yet has max -inf: exp(-inf - 0) = 0.
     for (int64_t i = 0; i < n; ++i) shift[i] = new_max[i] == kNegInfinity ? 0.0f : new_max[i];
@@ -202,8 +223,92 @@ PLSH_AVX2 void prefetch_next_block(const float* a, int64_t lda, int64_t depth, i
     for (int64_t d = 0; d < depth; d += 16) _mm_prefetch(reinterpret_cast<const char*>(a + r * lda + d), _MM_HINT_T0);
 }
 
+// The query rows that the m keys j .. of a register block allow: every key
+// allows [every_lo, every_hi), some key allows rows within [some_lo,
+// some_hi) only (empty: some_lo >= some_hi).
+struct KeyBlockRows {
+  float every_lo, every_hi, some_lo, some_hi;
+};
+
+KeyBlockRows key_block_rows(const BiasEpilogue& e, int64_t j, int64_t m) {
+  KeyBlockRows b{0, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::infinity(), 0};
+  for (int64_t r = 0; r < m; ++r) {
+    const float lo = e.lo[j + r], hi = e.hi[j + r];
+    b.every_lo = std::max(b.every_lo, lo);
+    b.every_hi = std::min(b.every_hi, hi);
+    if (lo < hi) {
+      b.some_lo = std::min(b.some_lo, lo);
+      b.some_hi = std::max(b.some_hi, hi);
+    }
+  }
+  return b;
+}
+
+// The bias epilogue on the m x 16 block at s (keys j .., query columns i0
+// ..), just stored by rows_block and still in L1; the columns' max into
+// col_max if given. Most blocks of a tile lie wholly inside the allowed
+// region and on one side of the diagonal: they take one subtraction and one
+// FMA a vector, the others the masks and both sides.
+PLSH_AVX2 void bias_block_avx2(float* s, int64_t ldst, int64_t j, int64_t m, int64_t i0, const BiasEpilogue& e,
+                               const KeyBlockRows& rows, float* col_max) {
+  const float first = static_cast<float>(i0), end = static_cast<float>(i0 + kQueryPanel);
+  const bool all_in = rows.every_lo <= first && rows.every_hi >= end;
+  const bool all_out = rows.some_lo >= rows.some_hi || rows.some_hi <= first || rows.some_lo >= end;
+  const __m256 neg_inf = _mm256_set1_ps(kNegInfinity);
+  if (all_out) {
+    for (int64_t r = 0; r < m; ++r) {
+      _mm256_storeu_ps(s + r * ldst, neg_inf);
+      _mm256_storeu_ps(s + r * ldst + 8, neg_inf);
+    }
+    return;
+  }
+  const __m256 left0 = _mm256_loadu_ps(e.left + i0), left1 = _mm256_loadu_ps(e.left + i0 + 8);
+  const __m256 right0 = _mm256_loadu_ps(e.right + i0), right1 = _mm256_loadu_ps(e.right + i0 + 8);
+  const __m256 neg_slope = _mm256_set1_ps(e.neg_slope);
+  __m256 max0 = neg_inf, max1 = neg_inf;
+  // Every key at or before every query of the block, or every key after or at.
+  const bool before = e.diagonal + i0 - (j + m - 1) >= 0, after = e.diagonal + i0 + kQueryPanel - 1 - j <= 0;
+  if (all_in && (before || after)) {
+    for (int64_t r = 0; r < m; ++r) {
+      float* sr = s + r * ldst;
+      const __m256 jf = _mm256_set1_ps(static_cast<float>(j + r));
+      const __m256 d0 = before ? _mm256_sub_ps(left0, jf) : _mm256_sub_ps(jf, right0);
+      const __m256 d1 = before ? _mm256_sub_ps(left1, jf) : _mm256_sub_ps(jf, right1);
+      const __m256 s0 = _mm256_fmadd_ps(neg_slope, d0, _mm256_loadu_ps(sr));
+      const __m256 s1 = _mm256_fmadd_ps(neg_slope, d1, _mm256_loadu_ps(sr + 8));
+      _mm256_storeu_ps(sr, s0);
+      _mm256_storeu_ps(sr + 8, s1);
+      max0 = _mm256_max_ps(max0, s0);
+      max1 = _mm256_max_ps(max1, s1);
+    }
+  } else {
+    const __m256 idx0 = _mm256_add_ps(_mm256_set1_ps(first), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 idx1 = _mm256_add_ps(idx0, _mm256_set1_ps(8.0f));
+    for (int64_t r = 0; r < m; ++r) {
+      float* sr = s + r * ldst;
+      const __m256 jf = _mm256_set1_ps(static_cast<float>(j + r));
+      const __m256 lo = _mm256_broadcast_ss(e.lo + j + r), hi = _mm256_broadcast_ss(e.hi + j + r);
+      const __m256 d0 = _mm256_max_ps(_mm256_sub_ps(left0, jf), _mm256_sub_ps(jf, right0));
+      const __m256 d1 = _mm256_max_ps(_mm256_sub_ps(left1, jf), _mm256_sub_ps(jf, right1));
+      const __m256 in0 = _mm256_and_ps(_mm256_cmp_ps(idx0, lo, _CMP_GE_OQ), _mm256_cmp_ps(idx0, hi, _CMP_LT_OQ));
+      const __m256 in1 = _mm256_and_ps(_mm256_cmp_ps(idx1, lo, _CMP_GE_OQ), _mm256_cmp_ps(idx1, hi, _CMP_LT_OQ));
+      const __m256 s0 = _mm256_blendv_ps(neg_inf, _mm256_fmadd_ps(neg_slope, d0, _mm256_loadu_ps(sr)), in0);
+      const __m256 s1 = _mm256_blendv_ps(neg_inf, _mm256_fmadd_ps(neg_slope, d1, _mm256_loadu_ps(sr + 8)), in1);
+      _mm256_storeu_ps(sr, s0);
+      _mm256_storeu_ps(sr + 8, s1);
+      max0 = _mm256_max_ps(max0, s0);
+      max1 = _mm256_max_ps(max1, s1);
+    }
+  }
+  if (col_max != nullptr) {
+    _mm256_storeu_ps(col_max + i0, _mm256_max_ps(_mm256_loadu_ps(col_max + i0), max0));
+    _mm256_storeu_ps(col_max + i0 + 8, _mm256_max_ps(_mm256_loadu_ps(col_max + i0 + 8), max1));
+  }
+}
+
+// qk_tile, and with bias not null qk_bias_tile.
 PLSH_AVX2 void qk_avx2(const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
-                       int64_t ldst) {
+                       int64_t ldst, const BiasEpilogue* bias, float* col_max) {
   const int64_t panels = padded_rows(rows) / kQueryPanel;
   // Keys outer: six key rows stay in L1 while every query panel passes.
   for (int64_t j = 0; j < keys; j += kBlockRows) {
@@ -211,10 +316,12 @@ PLSH_AVX2 void qk_avx2(const float* k, int64_t ldk, int64_t keys, int64_t dim, c
     float* sj = st + j * ldst;
     const int64_t m = std::min<int64_t>(kBlockRows, keys - j);
     prefetch_next_block(kj, ldk, dim, keys - j);
+    const KeyBlockRows allowed = bias != nullptr ? key_block_rows(*bias, j, m) : KeyBlockRows{};
     for (int64_t p = 0; p < panels; ++p) {
       const float* qp = qt + p * dim * kQueryPanel;
       float* sp = sj + p * kQueryPanel;
       with_block_rows(m, [&](auto rows_c) { rows_block<rows_c(), false>(kj, ldk, dim, qp, kQueryPanel, sp, ldst); });
+      if (bias != nullptr) bias_block_avx2(sp, ldst, j, m, p * kQueryPanel, *bias, allowed, col_max);
     }
   }
 }
@@ -274,14 +381,20 @@ PLSH_AVX2 __m256 exp_nonpositive8(__m256 x) {
 // vectors a key row, so that each pass reads whole lines and keeps V
 // exponentials in flight. max and sum hold 8 V floats; max comes in as the
 // columns' running max.
+// tile_max, when not null, is the columns' max over the keys.
 template <int V>
-PLSH_AVX2 void fold_columns(float* st, int64_t ldst, int64_t keys, float* max, float* sum) {
+PLSH_AVX2 void fold_columns(float* st, int64_t ldst, int64_t keys, float* max, float* sum, const float* tile_max) {
   __m256 m[V], shift[V], s[V];
 #pragma GCC unroll 8
   for (int v = 0; v < V; ++v) m[v] = _mm256_loadu_ps(max + 8 * v);
-  for (int64_t j = 0; j < keys; ++j) {
+  if (tile_max != nullptr) {
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) m[v] = _mm256_max_ps(m[v], _mm256_loadu_ps(st + j * ldst + 8 * v));
+    for (int v = 0; v < V; ++v) m[v] = _mm256_max_ps(m[v], _mm256_loadu_ps(tile_max + 8 * v));
+  } else {
+    for (int64_t j = 0; j < keys; ++j) {
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) m[v] = _mm256_max_ps(m[v], _mm256_loadu_ps(st + j * ldst + 8 * v));
+    }
   }
 #pragma GCC unroll 8
   for (int v = 0; v < V; ++v) {
@@ -305,19 +418,25 @@ PLSH_AVX2 void fold_columns(float* st, int64_t ldst, int64_t keys, float* max, f
 }
 
 PLSH_AVX2 void fold_avx2(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
-                         float* row_sum) {
+                         float* row_sum, const float* tile_max) {
   constexpr int kVectors = 2;  // 16 columns, a line of a key row
   for (int64_t i0 = 0; i0 < rows; i0 += kFoldColumns) {
     const int64_t n = std::min(kFoldColumns, rows - i0);
     float new_max[kFoldColumns], sum[kFoldColumns];
     std::copy_n(row_max + i0, n, new_max);
     int64_t i = 0;
+    const float* known = tile_max != nullptr ? tile_max + i0 : nullptr;
     for (; i + 8 * kVectors <= n; i += 8 * kVectors)
-      fold_columns<kVectors>(st + i0 + i, ldst, keys, new_max + i, sum + i);
-    for (; i + 8 <= n; i += 8) fold_columns<1>(st + i0 + i, ldst, keys, new_max + i, sum + i);
+      fold_columns<kVectors>(st + i0 + i, ldst, keys, new_max + i, sum + i, known != nullptr ? known + i : nullptr);
+    for (; i + 8 <= n; i += 8)
+      fold_columns<1>(st + i0 + i, ldst, keys, new_max + i, sum + i, known != nullptr ? known + i : nullptr);
     for (; i < n; ++i) {
       float m = new_max[i];
-      for (int64_t j = 0; j < keys; ++j) m = std::max(m, st[j * ldst + i0 + i]);
+      if (known != nullptr) {
+        m = std::max(m, known[i]);
+      } else {
+        for (int64_t j = 0; j < keys; ++j) m = std::max(m, st[j * ldst + i0 + i]);
+      }
       new_max[i] = m;
       const float shift = m == kNegInfinity ? 0.0f : m;
       float s = 0;
@@ -442,9 +561,18 @@ void pack_queries(bool avx2, const float* q, int64_t ldq, int64_t rows, int64_t 
 void qk_tile(bool avx2, const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows,
              float* st, int64_t ldst) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (avx2) return qk_avx2(k, ldk, keys, dim, qt, rows, st, ldst);
+  if (avx2) return qk_avx2(k, ldk, keys, dim, qt, rows, st, ldst, nullptr, nullptr);
 #endif
   qk_generic(k, ldk, keys, dim, qt, rows, st, ldst);
+}
+
+void qk_bias_tile(bool avx2, const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows,
+                  float* st, int64_t ldst, const BiasEpilogue& bias, float* col_max) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx2) return qk_avx2(k, ldk, keys, dim, qt, rows, st, ldst, &bias, col_max);
+#endif
+  qk_generic(k, ldk, keys, dim, qt, rows, st, ldst);
+  bias_generic(st, ldst, 0, keys, 0, padded_rows(rows), bias, col_max);
 }
 
 void pv_tile(bool avx2, const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows,
@@ -456,11 +584,11 @@ void pv_tile(bool avx2, const float* pt, int64_t ldpt, int64_t keys, const float
 }
 
 void fold_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
-               float* row_sum) {
+               float* row_sum, const float* tile_max) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (avx2) return fold_avx2(st, ldst, keys, rows, acc, dim, row_max, row_sum);
+  if (avx2) return fold_avx2(st, ldst, keys, rows, acc, dim, row_max, row_sum, tile_max);
 #endif
-  fold_generic(st, ldst, keys, rows, acc, dim, row_max, row_sum);
+  fold_generic(st, ldst, keys, rows, acc, dim, row_max, row_sum, tile_max);
 }
 
 void ab_tile(bool avx2, const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t dim,
@@ -497,9 +625,14 @@ void pv_tile(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_
   kernels_for_testing::pv_tile(kHaveAvx2, pt, ldpt, keys, v, ldv, rows, dim, acc, ldacc);
 }
 
+void qk_bias_tile(const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
+                  int64_t ldst, const BiasEpilogue& bias, float* col_max) {
+  kernels_for_testing::qk_bias_tile(kHaveAvx2, k, ldk, keys, dim, qt, rows, st, ldst, bias, col_max);
+}
+
 void fold_tile(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
-               float* row_sum) {
-  kernels_for_testing::fold_tile(kHaveAvx2, st, ldst, keys, rows, acc, dim, row_max, row_sum);
+               float* row_sum, const float* tile_max) {
+  kernels_for_testing::fold_tile(kHaveAvx2, st, ldst, keys, rows, acc, dim, row_max, row_sum, tile_max);
 }
 
 void ab_tile(const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t dim, float* c,

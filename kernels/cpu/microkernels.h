@@ -43,6 +43,30 @@ void pack_queries(const float* q, int64_t ldq, int64_t rows, int64_t dim, float 
 void qk_tile(const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
              int64_t ldst);
 
+// The exact and window bias as qk_tile's epilogue, applied to each register
+// block while it is in L1 (AlibiBias, tiles.h, fills it for a key tile):
+// the logit of query row i and key j becomes s + neg_slope * max(left[i] -
+// j, j - right[i]) where lo[j] <= i < hi[j], and -inf elsewhere (the
+// padding rows included: hi[j] <= rows). max(...) is |distance| less the
+// row's reference distance: left[i] - j for keys at or before the query
+// (j <= i + diagonal), j - right[i] after it; at j = i + diagonal the two
+// agree.
+struct BiasEpilogue {
+  float neg_slope = 0;
+  int64_t diagonal = 0;          // key j sits at distance i + diagonal - j from query row i
+  const float* left = nullptr;   // [padded_rows(rows)]
+  const float* right = nullptr;  // [padded_rows(rows)]
+  const float* lo = nullptr;     // [keys] the first query row key j may meet
+  const float* hi = nullptr;     // [keys] one past the last
+};
+
+// qk_tile, then the bias: a pass over the logits fewer. col_max, when not
+// null ([padded_rows(rows)], coming in as -inf or a running max), takes
+// each query column's max over the tile's keys, which fold_tile then need
+// not find.
+void qk_bias_tile(const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
+                  int64_t ldst, const BiasEpilogue& bias, float* col_max);
+
 // acc[i][d] += sum_{j < keys} pt[j][i] v[j][d] for i < rows, d < dim.
 void pv_tile(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows, int64_t dim,
              float* acc, int64_t ldacc);
@@ -51,8 +75,10 @@ void pv_tile(const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_
 // rows' online-softmax state: row_max[i] and row_sum[i] are updated, acc's
 // row i ([dim], leading dimension dim) rescaled when its max grows, and st
 // left holding the probabilities exp(s - max) that pv_tile multiplies by V.
+// tile_max, when not null, is each row's max over the tile (qk_bias_tile's
+// col_max), and saves the pass that finds it.
 void fold_tile(float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
-               float* row_sum);
+               float* row_sum, const float* tile_max);
 
 // c[j][x] += sum_{i < depth} a[j][i] b[i][x] for j < m, x < dim: a's
 // elements broadcast from its rows (leading dimension lda), b's rows (ldb)
@@ -85,8 +111,10 @@ void qk_tile(bool avx2, const float* k, int64_t ldk, int64_t keys, int64_t dim, 
              float* st, int64_t ldst);
 void pv_tile(bool avx2, const float* pt, int64_t ldpt, int64_t keys, const float* v, int64_t ldv, int64_t rows,
              int64_t dim, float* acc, int64_t ldacc);
+void qk_bias_tile(bool avx2, const float* k, int64_t ldk, int64_t keys, int64_t dim, const float* qt, int64_t rows,
+                  float* st, int64_t ldst, const BiasEpilogue& bias, float* col_max);
 void fold_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, float* acc, int64_t dim, float* row_max,
-               float* row_sum);
+               float* row_sum, const float* tile_max);
 void ab_tile(bool avx2, const float* a, int64_t lda, int64_t m, int64_t depth, const float* b, int64_t ldb, int64_t dim,
              float* c, int64_t ldc);
 void probs_tile(bool avx2, float* st, int64_t ldst, int64_t keys, int64_t rows, const float* lse);

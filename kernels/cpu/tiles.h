@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -150,7 +151,8 @@ inline RowState fresh_state(Scratch& s, int64_t rows, int64_t dim) {
 // online softmax. The logits are key-major (microkernels.h): add_bias(st,
 // ld, jt, len) adds the additive bias (log weight) to st ([len, rows],
 // st[c * ld + r] the logit of query row r and key jt + c) and sets
-// disallowed entries to -inf. Returns the GEMM FLOPs done.
+// disallowed entries to -inf; an AlibiBias runs as the product's epilogue
+// instead, which also finds the softmax's max. Returns the GEMM FLOPs done.
 template <typename AddBias>
 double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, const SliceView& v, int64_t j0, int64_t j1,
               float scale, AddBias&& add_bias, Scratch& scratch, RowState state);
@@ -174,22 +176,34 @@ inline void key_rows_of(const AttentionParams& p, int64_t pos_lo, int64_t pos_hi
   *j1 = std::clamp(pos_hi, first, last) - first;
 }
 
+// Keys in one AlibiBias epilogue: the forward's key tile, the backward's.
+inline constexpr int64_t kMaxBiasKeys = 256;
+static_assert(kKeyTile <= kMaxBiasKeys);
+
+// One key tile's BiasEpilogue with the arrays it points into.
+struct AlibiEpilogue {
+  float left[padded_rows(kMaxRowTile)], right[padded_rows(kMaxRowTile)];
+  float lo[kMaxBiasKeys], hi[kMaxBiasKeys];
+  BiasEpilogue bias;
+};
+
 // The exact and window log weight (SPEC sections 2 and 4) as an additive
-// bias on S ([rows, len] logits for keys [jt, jt + len)): -slope * (|d| -
-// nearest[r]) where the key is allowed, -inf outside the window and, under
-// causality, after the query. Taking each row's logits relative to a
-// distance nearest[r] that no allowed key undercuts keeps them small when a
-// query sits far from every key; the caller puts -slope * nearest[r] back
-// into lse in double. The forward (exact_tile) and the backward share it,
-// on key-major logits (st[c * ld + r], attend's add_bias).
+// bias on S (key-major logits of `rows` query rows and keys [jt, jt +
+// len)): -slope * (|d| - nearest[r]) where the key is allowed, -inf outside
+// the window and, under causality, after the query. Taking each row's
+// logits relative to a distance nearest[r] that no allowed key undercuts
+// keeps them small when a query sits far from every key; the caller puts
+// -slope * nearest[r] back into lse in double. The forward (attend) and the
+// backward share it as qk_bias_tile's epilogue.
 struct AlibiBias {
   const AttentionParams& p;
-  int64_t width;      // the head's window W_h, or kNoWindow
-  double slope;       // m_h
-  int64_t pos_first;  // position of query row 0
-  int64_t rows;
+  int64_t width;           // the head's window W_h, or kNoWindow
+  double slope;            // m_h
+  int64_t pos_first;       // position of query row 0
+  int64_t rows;            // at most kMaxRowTile
   const int64_t* nearest;  // [rows]
-  void operator()(float* st, int64_t ld, int64_t jt, int64_t len) const;
+  // Fills e for keys [jt, jt + len), len <= kMaxBiasKeys.
+  void epilogue(int64_t jt, int64_t len, AlibiEpilogue* e) const;
 };
 
 // Work items of one forward call: a row tile of one (batch, head).
@@ -265,9 +279,18 @@ double attend(const float* q, int64_t ldq, int64_t rows, const SliceView& k, con
     const int64_t vb = static_cast<int64_t>(dtype_bytes(v.dtype));
     prefetch_rows(static_cast<const char*>(v.data) + (v.offset + jt * v.row_stride) * vb, v.row_stride * vb, len,
                   dim * vb);
-    qk_tile(kt, ldk, len, dim, scratch.qt, rows, st, ldst);
-    add_bias(st, ldst, jt, len);
-    fold_tile(st, ldst, len, rows, state.acc, dim, state.row_max, state.row_sum);
+    if constexpr (std::is_same_v<std::decay_t<AddBias>, AlibiBias>) {
+      AlibiEpilogue bias;
+      add_bias.epilogue(jt, len, &bias);
+      float tile_max[padded_rows(kMaxRowTile)];
+      std::fill_n(tile_max, padded_rows(rows), kNegInf);
+      qk_bias_tile(kt, ldk, len, dim, scratch.qt, rows, st, ldst, bias.bias, tile_max);
+      fold_tile(st, ldst, len, rows, state.acc, dim, state.row_max, state.row_sum, tile_max);
+    } else {
+      qk_tile(kt, ldk, len, dim, scratch.qt, rows, st, ldst);
+      add_bias(st, ldst, jt, len);
+      fold_tile(st, ldst, len, rows, state.acc, dim, state.row_max, state.row_sum, nullptr);
+    }
     rows_into_f32(v, jt, len, scratch.v, value_stride(dim));
     pv_tile(st, ldst, len, scratch.v, value_stride(dim), rows, dim, state.acc, dim);
     flops += 4.0 * static_cast<double>(rows) * static_cast<double>(len) * static_cast<double>(dim);

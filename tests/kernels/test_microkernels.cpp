@@ -6,10 +6,12 @@
 // packed width.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "cpu/exp.h"
@@ -114,6 +116,78 @@ TEST(Microkernels, QueryKeyProductMatchesFloat64) {
   });
 }
 
+// The product with the exact/window bias as its epilogue: each allowed
+// logit is the float64 product plus neg_slope * max(left[i] - j, j -
+// right[i]), everything else -inf (padding rows too), and col_max the max of
+// what came in and of the column's logits.
+TEST(Microkernels, QueryKeyBiasProductMatchesFloat64) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for_each_case([&](const Sizes& z, bool avx2) {
+    const int64_t ldq = z.dim + 3, ldk = z.dim + 7, ldst = padded_rows(z.rows) + 5, padded = padded_rows(z.rows);
+    const std::vector<float> q = random_floats(z.rows * ldq, 11), kk = random_floats(z.keys * ldk, 12);
+    const float scale = 0.41f;
+    std::vector<float> qt(static_cast<size_t>(padded * z.dim), std::nanf(""));
+    k::pack_queries(avx2, q.data(), ldq, z.rows, z.dim, scale, qt.data());
+    // Query row i 10 keys after key i (diagonal 10: whole blocks of allowed
+    // keys cross it, at query panel 16 and keys 24..29), reference distances
+    // 0..3. By six-key block (a register block's keys): every row allowed
+    // (whole blocks before or after the diagonal take the fast path), random
+    // ranges, none, the causal rows.
+    std::mt19937 gen(13);
+    std::vector<float> left(static_cast<size_t>(padded)), right(left.size()), lo(static_cast<size_t>(z.keys)),
+        hi(lo.size());
+    for (int64_t i = 0; i < padded; ++i) {
+      const int64_t nearest = static_cast<int64_t>(gen() % 4);
+      left[i] = static_cast<float>(10 + i - nearest);
+      right[i] = static_cast<float>(10 + i + nearest);
+    }
+    for (int64_t j = 0; j < z.keys; ++j) {
+      int64_t a = static_cast<int64_t>(gen() % static_cast<uint32_t>(z.rows + 1));
+      int64_t b = static_cast<int64_t>(gen() % static_cast<uint32_t>(z.rows + 1));
+      if (a > b) std::swap(a, b);
+      switch (j / 6 % 4) {
+        case 0:
+          a = 0, b = z.rows;
+          break;
+        case 2:
+          b = a;
+          break;
+        case 3:
+          a = std::clamp<int64_t>(j - 10, 0, z.rows), b = z.rows;
+          break;
+        default:
+          break;
+      }
+      lo[j] = static_cast<float>(a);
+      hi[j] = static_cast<float>(b);
+    }
+    const BiasEpilogue bias{-0.125f, 10, left.data(), right.data(), lo.data(), hi.data()};
+    std::vector<float> col_max(static_cast<size_t>(padded), -inf);
+    for (int64_t i = 0; i < padded; i += 3) col_max[i] = 1.5f;  // a running max from an earlier tile
+    const std::vector<float> before = col_max;
+    std::vector<float> st(static_cast<size_t>(z.keys * ldst), std::nanf(""));
+    k::qk_bias_tile(avx2, kk.data(), ldk, z.keys, z.dim, qt.data(), z.rows, st.data(), ldst, bias, col_max.data());
+    for (int64_t i = 0; i < padded; ++i) {
+      float want_max = before[i];
+      for (int64_t j = 0; j < z.keys; ++j) {
+        const float got = st[j * ldst + i];
+        want_max = std::max(want_max, got);
+        if (i >= z.rows || static_cast<float>(i) < lo[j] || static_cast<float>(i) >= hi[j]) {
+          ASSERT_EQ(got, -inf) << "key " << j << " row " << i;
+          continue;
+        }
+        Sum64 want;
+        for (int64_t d = 0; d < z.dim; ++d) want.add(static_cast<double>(scale) * q[i * ldq + d] * kk[j * ldk + d]);
+        const double jd = static_cast<double>(j);
+        const double distance = std::max(static_cast<double>(left[i]) - jd, jd - static_cast<double>(right[i]));
+        want.add(-0.125 * distance);
+        ASSERT_NEAR(got, want.sum, want.tolerance()) << "key " << j << " row " << i;
+      }
+      ASSERT_EQ(col_max[i], want_max) << "row " << i;
+    }
+  });
+}
+
 TEST(Microkernels, ProbabilityValueProductAccumulatesInFloat64Agreement) {
   for_each_case([&](const Sizes& z, bool avx2) {
     const int64_t ldpt = z.rows + 9, ldv = z.dim + 11;
@@ -128,58 +202,65 @@ TEST(Microkernels, ProbabilityValueProductAccumulatesInFloat64Agreement) {
 
 // The online softmax over two tiles equals the one-shot softmax of both,
 // with masked (-inf) logits, a column masked in the first tile only, and a
-// column masked in both (its state stays empty: max -inf, sum 0).
+// column masked in both (its state stays empty: max -inf, sum 0); the same
+// whether the fold finds each tile's max or is given it (qk_bias_tile's).
 TEST(Microkernels, FoldIsTheOnlineSoftmax) {
   const float inf = std::numeric_limits<float>::infinity();
-  for_each_case([&](const Sizes& z, bool avx2) {
-    const int64_t ld = z.rows + 3, dim = 3;
-    std::vector<float> t1 = random_floats(z.keys * ld, 6), t2 = random_floats(z.keys * ld, 7);
-    for (float& x : t2) x = 4 * x + 3;  // the second tile's max is larger: acc is rescaled
-    for (int64_t j = 0; j < z.keys; ++j) {
-      t1[j * ld + 0] = -inf;                                                     // column 0: nothing in the first tile
-      if (z.rows > 1) t1[j * ld + z.rows - 1] = t2[j * ld + z.rows - 1] = -inf;  // last: nothing at all
-      if (j % 3 == 1) t1[j * ld + z.rows / 2] = -inf;
-    }
-    const std::vector<float> l1 = t1, l2 = t2;
-    std::vector<float> acc(static_cast<size_t>(z.rows * dim), 0.0f);
-    std::vector<float> row_max(static_cast<size_t>(z.rows), -inf), row_sum(static_cast<size_t>(z.rows), 0.0f);
-    std::vector<double> want_acc(acc.size(), 0.0);
-    for (std::vector<float>* tile : {&t1, &t2}) {
-      k::fold_tile(avx2, tile->data(), ld, z.keys, z.rows, acc.data(), dim, row_max.data(), row_sum.data());
-      // acc += P V with V[j] = (1, j, j^2 mod 7) from the probabilities left in the tile.
-      for (int64_t i = 0; i < z.rows; ++i)
-        for (int64_t j = 0; j < z.keys; ++j) {
-          const float p = (*tile)[j * ld + i];
-          acc[i * dim + 0] += p;
-          acc[i * dim + 1] += p * static_cast<float>(j % 5);
-          acc[i * dim + 2] += p * static_cast<float>(j * j % 7);
-        }
-    }
-    for (int64_t i = 0; i < z.rows; ++i) {
-      double m = -std::numeric_limits<double>::infinity();
-      for (const std::vector<float>* l : {&l1, &l2})
-        for (int64_t j = 0; j < z.keys; ++j) m = std::max(m, static_cast<double>((*l)[j * ld + i]));
-      if (m == -std::numeric_limits<double>::infinity()) {
-        EXPECT_EQ(row_max[i], -inf) << "row " << i;
-        EXPECT_EQ(row_sum[i], 0.0f) << "row " << i;
-        EXPECT_EQ(acc[i * dim], 0.0f) << "row " << i;
-        continue;
+  for (bool given_max : {false, true})
+    for_each_case([&](const Sizes& z, bool avx2) {
+      SCOPED_TRACE(given_max ? "max given" : "max found");
+      const int64_t ld = z.rows + 3, dim = 3;
+      std::vector<float> t1 = random_floats(z.keys * ld, 6), t2 = random_floats(z.keys * ld, 7);
+      for (float& x : t2) x = 4 * x + 3;  // the second tile's max is larger: acc is rescaled
+      for (int64_t j = 0; j < z.keys; ++j) {
+        t1[j * ld + 0] = -inf;  // column 0: nothing in the first tile
+        if (z.rows > 1) t1[j * ld + z.rows - 1] = t2[j * ld + z.rows - 1] = -inf;  // last: nothing at all
+        if (j % 3 == 1) t1[j * ld + z.rows / 2] = -inf;
       }
-      double sum = 0, o1 = 0, o2 = 0;
-      for (const std::vector<float>* l : {&l1, &l2})
-        for (int64_t j = 0; j < z.keys; ++j) {
-          const double e = std::exp(static_cast<double>((*l)[j * ld + i]) - m);
-          sum += e;
-          o1 += e * static_cast<double>(j % 5);
-          o2 += e * static_cast<double>(j * j % 7);
+      const std::vector<float> l1 = t1, l2 = t2;
+      std::vector<float> acc(static_cast<size_t>(z.rows * dim), 0.0f);
+      std::vector<float> row_max(static_cast<size_t>(z.rows), -inf), row_sum(static_cast<size_t>(z.rows), 0.0f);
+      std::vector<double> want_acc(acc.size(), 0.0);
+      for (std::vector<float>* tile : {&t1, &t2}) {
+        std::vector<float> tile_max(static_cast<size_t>(z.rows), -inf);
+        for (int64_t j = 0; j < z.keys; ++j)
+          for (int64_t i = 0; i < z.rows; ++i) tile_max[i] = std::max(tile_max[i], (*tile)[j * ld + i]);
+        k::fold_tile(avx2, tile->data(), ld, z.keys, z.rows, acc.data(), dim, row_max.data(), row_sum.data(),
+                     given_max ? tile_max.data() : nullptr);
+        // acc += P V with V[j] = (1, j, j^2 mod 7) from the probabilities left in the tile.
+        for (int64_t i = 0; i < z.rows; ++i)
+          for (int64_t j = 0; j < z.keys; ++j) {
+            const float p = (*tile)[j * ld + i];
+            acc[i * dim + 0] += p;
+            acc[i * dim + 1] += p * static_cast<float>(j % 5);
+            acc[i * dim + 2] += p * static_cast<float>(j * j % 7);
+          }
+      }
+      for (int64_t i = 0; i < z.rows; ++i) {
+        double m = -std::numeric_limits<double>::infinity();
+        for (const std::vector<float>* l : {&l1, &l2})
+          for (int64_t j = 0; j < z.keys; ++j) m = std::max(m, static_cast<double>((*l)[j * ld + i]));
+        if (m == -std::numeric_limits<double>::infinity()) {
+          EXPECT_EQ(row_max[i], -inf) << "row " << i;
+          EXPECT_EQ(row_sum[i], 0.0f) << "row " << i;
+          EXPECT_EQ(acc[i * dim], 0.0f) << "row " << i;
+          continue;
         }
-      EXPECT_EQ(row_max[i], static_cast<float>(m)) << "row " << i;
-      EXPECT_NEAR(row_sum[i] / sum, 1.0, 2e-6) << "row " << i;
-      EXPECT_NEAR(acc[i * dim + 0] / sum, 1.0, 2e-6) << "row " << i;
-      EXPECT_NEAR(acc[i * dim + 1] / row_sum[i], o1 / sum, 2e-5) << "row " << i;
-      EXPECT_NEAR(acc[i * dim + 2] / row_sum[i], o2 / sum, 2e-5) << "row " << i;
-    }
-  });
+        double sum = 0, o1 = 0, o2 = 0;
+        for (const std::vector<float>* l : {&l1, &l2})
+          for (int64_t j = 0; j < z.keys; ++j) {
+            const double e = std::exp(static_cast<double>((*l)[j * ld + i]) - m);
+            sum += e;
+            o1 += e * static_cast<double>(j % 5);
+            o2 += e * static_cast<double>(j * j % 7);
+          }
+        EXPECT_EQ(row_max[i], static_cast<float>(m)) << "row " << i;
+        EXPECT_NEAR(row_sum[i] / sum, 1.0, 2e-6) << "row " << i;
+        EXPECT_NEAR(acc[i * dim + 0] / sum, 1.0, 2e-6) << "row " << i;
+        EXPECT_NEAR(acc[i * dim + 1] / row_sum[i], o1 / sum, 2e-5) << "row " << i;
+        EXPECT_NEAR(acc[i * dim + 2] / row_sum[i], o2 / sum, 2e-5) << "row " << i;
+      }
+    });
 }
 
 // The backward's dV += P^T dO and dK += dS^T Q: c[j][x] += sum_i a[j][i]

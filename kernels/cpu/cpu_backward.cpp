@@ -3,7 +3,7 @@
 // One pair is `rows` query rows of one query head against the keys
 // [lo, hi) of a key tile that those rows may see, key-major like the
 // forward's tiles (microkernels.h; ^T: keys x queries):
-//   S^T  = K (scale Q)^T + log W^T   (qk_tile; W: AlibiBias, or log(c/s) for lsh)
+//   S^T  = K (scale Q)^T + log W^T   (qk_bias_tile with AlibiBias; lsh: qk_tile + log(c/s))
 //   P^T  = exp(S^T - lse)            (probs_tile)
 //   dP^T = V dO^T,  dS^T = P^T * (dP^T - D)   (qk_tile, dscores_tile)
 //   dV += P^T dO,  dK += dS^T Q      (ab_tile; the job's accumulators, dK

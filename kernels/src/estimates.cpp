@@ -173,12 +173,12 @@ int64_t head_estimate_bytes(const AttentionParams& p) {
   const int64_t mask = DecayTable::bytes(max_distance(r)) + 8 * std::min(p.q_len, p.mask_row_budget) + 32 * s;
   // Lanczos: four vectors over the smaller side, the product's intermediate
   // and exponential sums and prefix sums over the wider one, and the block
-  // edges cached for both sides (spectral.cpp's BlockEdges): 12 bytes a
+  // edges cached for both sides (spectral.cpp's BlockEdges): 13 bytes a
   // block change (at most 8M of them, at most a block per position per
   // hash plus two), 8 a target, 8 per hash every 256 targets.
   const int64_t edges =
       s > 0
-          ? 2 * (std::min<int64_t>(int64_t{96} << 20, 12 * s * (wide + 3)) + 8 * (wide + 1) + 8 * s * (wide / 256 + 1))
+          ? 2 * (std::min<int64_t>(int64_t{104} << 20, 13 * s * (wide + 3)) + 8 * (wide + 1) + 8 * s * (wide / 256 + 1))
           : 0;
   const int64_t spectral = 8 * (4 * std::min(p.q_len, p.kv_len) + 4 * wide + 1) + edges;
   return mask + spectral;

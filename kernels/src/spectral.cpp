@@ -33,19 +33,41 @@ struct ProductScratch {
 
 class ExpSums {
  public:
-  ExpSums(const double* x, int64_t n, int64_t s0, double sigma, bool want_left, bool want_right,
+  // With want_prefix, also scratch->prefix[j] = x_0 + ... + x_(j-1), j in
+  // [0, n], in the same pass (the block sums' prefix, lsh only).
+  ExpSums(const double* x, int64_t n, int64_t s0, double sigma, bool want_left, bool want_right, bool want_prefix,
           ProductScratch* scratch)
       : s0_(s0), last_(s0 + n - 1), sigma_(sigma), left_(scratch->left), right_(scratch->right) {
     const double r = std::exp(-1.0 / sigma);
-    if (want_left) {
-      left_.resize(static_cast<size_t>(n));
-      double acc = 0;
-      for (int64_t j = 0; j < n; ++j) left_[static_cast<size_t>(j)] = acc = acc * r + x[j];
-    }
-    if (want_right) {
-      right_.resize(static_cast<size_t>(n));
-      double acc = 0;
-      for (int64_t j = n - 1; j >= 0; --j) right_[static_cast<size_t>(j)] = acc = acc * r + x[j];
+    if (want_left) left_.resize(static_cast<size_t>(n));
+    if (want_right) right_.resize(static_cast<size_t>(n));
+    if (want_prefix) scratch->prefix.resize(static_cast<size_t>(n) + 1);
+    double* prefix = want_prefix ? scratch->prefix.data() : nullptr;
+    const int which = (want_left ? 1 : 0) | (want_right ? 2 : 0) | (want_prefix ? 4 : 0);
+    switch (which) {
+      case 1:
+        sweep<true, false, false>(x, n, r, prefix);
+        break;
+      case 2:
+        sweep<false, true, false>(x, n, r, prefix);
+        break;
+      case 3:
+        sweep<true, true, false>(x, n, r, prefix);
+        break;
+      case 4:
+        sweep<false, false, true>(x, n, r, prefix);
+        break;
+      case 5:
+        sweep<true, false, true>(x, n, r, prefix);
+        break;
+      case 6:
+        sweep<false, true, true>(x, n, r, prefix);
+        break;
+      case 7:
+        sweep<true, true, true>(x, n, r, prefix);
+        break;
+      default:
+        break;
     }
   }
   // y[i] += c * sum over s <= t of r^(t - s) x_s at t = t0 + i, i in
@@ -67,6 +89,22 @@ class ExpSums {
   }
 
  private:
+  // Each sum is a chain of dependent operations (a multiply and an add a
+  // step for the recursions, an add for the prefix): side by side in one
+  // loop they cost what the longest costs alone, not their total (the
+  // Lanczos products at n = 32768, s = 16 ran them one after the other).
+  // The same operations in the same order as one loop each.
+  template <bool kLeft, bool kRight, bool kPrefix>
+  void sweep(const double* x, int64_t n, double r, double* prefix) {
+    double acc_l = 0, acc_r = 0, acc_p = 0;
+    if (kPrefix) prefix[0] = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (kLeft) left_[static_cast<size_t>(j)] = acc_l = acc_l * r + x[j];
+      if (kRight) right_[static_cast<size_t>(n - 1 - j)] = acc_r = acc_r * r + x[n - 1 - j];
+      if (kPrefix) prefix[j + 1] = acc_p = acc_p + x[j];
+    }
+  }
+
   int64_t s0_, last_;
   double sigma_;
   std::vector<double>& left_;
@@ -123,7 +161,7 @@ PLSH_VECTOR_CLONES double dot(const std::vector<double>& x, const std::vector<do
 int64_t source_index(int64_t x, int64_t s0, int64_t ns) { return x <= s0 ? 0 : x >= s0 + ns ? ns : x - s0; }
 
 // Block edges over a range are kept while there are at most 8M block changes
-// (12 bytes each, 96 MiB; s = 256 hashes of sigma = 2 over 65536 positions
+// (13 bytes each, 104 MiB; s = 256 hashes of sigma = 2 over 65536 positions
 // make 6.6M); else found again in every product, one hash at a time.
 // Lanczos at sigma = 2, s = 256, n = 65536: 10 s -> 3 s.
 constexpr size_t kEdgeCacheChanges = size_t{8} << 20;
@@ -178,13 +216,16 @@ class BlockEdges {
     const size_t s = hashes_;
     const int64_t checkpoints = (nt + kResumEvery - 1) / kResumEvery;
     moves_.resize(events);
+    slot_.resize(events);
     checkpoint_.resize(static_cast<size_t>(checkpoints) * s);
     std::vector<int64_t> fill(event_start_.begin(), event_start_.end() - 1);
     for (size_t k = 0; k < s; ++k) {
       of_hash(draws[k], t0, t0 + nt, &one);
-      for (size_t i = 1; i + 1 < one.size() && one[i] < t0 + nt; ++i)
-        moves_[static_cast<size_t>(fill[static_cast<size_t>(one[i] - t0)]++)] = {at(one[i - 1]), at(one[i]),
-                                                                                 at(one[i + 1])};
+      for (size_t i = 1; i + 1 < one.size() && one[i] < t0 + nt; ++i) {
+        const size_t e = static_cast<size_t>(fill[static_cast<size_t>(one[i] - t0)]++);
+        moves_[e] = {at(one[i - 1]), at(one[i]), at(one[i + 1])};
+        slot_[e] = static_cast<uint8_t>((one[i] - t0) % kResumEvery);
+      }
       // The block holding target t0 + n after the changes at n.
       size_t c = 1;
       for (int64_t q = 0; q < checkpoints; ++q) {
@@ -210,9 +251,12 @@ class BlockEdges {
     int32_t begin, end;
   };
   static constexpr int64_t kResumEvery = 256;
+  static_assert(kResumEvery <= 256, "a change's slot is a byte");
   // The changes at target n: [events(n), events(n + 1)).
   int64_t events(int64_t n) const { return event_start_[static_cast<size_t>(n)]; }
   const Move& move(int64_t e) const { return moves_[static_cast<size_t>(e)]; }
+  // Change e's target, less the last checkpoint's (target % kResumEvery).
+  int slot(int64_t e) const { return slot_[static_cast<size_t>(e)]; }
   // Hash k's block at target q * kResumEvery (after its changes there).
   const Block* checkpoint(int64_t q) const { return checkpoint_.data() + static_cast<size_t>(q) * hashes_; }
 
@@ -222,6 +266,7 @@ class BlockEdges {
   bool complete_ = false;
   std::vector<int64_t> event_start_;  // [nt + 1]
   std::vector<Move> moves_;
+  std::vector<uint8_t> slot_;
   std::vector<Block> checkpoint_;  // [ceil(nt / kResumEvery)][hashes]
 };
 
@@ -230,11 +275,17 @@ class BlockEdges {
 // changes at one target are summed first and then added to the running
 // sums, so that the running sums' chain of dependent adds is one add a
 // target, not one a change (four changes a target at sigma = 2, s = 16).
+// The changes of a checkpoint's targets are summed in one flat loop, by
+// their slots, and the running sums read the slots after: a loop over each
+// target's changes ran a number of times that no branch predictor
+// foresees (0 or 1 at sigma = 16, s = 16), a misprediction every few targets.
+// The same sums in the same order either way.
 template <bool kLeft, bool kRight>
 void subtract_summed_blocks(const BlockEdges& cached, const double* pre, int64_t t0, int64_t nt, int64_t s0, int64_t ns,
                             double* y) {
   const size_t s = cached.hashes();
   const double ds = static_cast<double>(s), inv_s = 1.0 / ds;
+  double step_b[BlockEdges::kResumEvery], step_e[BlockEdges::kResumEvery];
   for (int64_t c0 = 0; c0 < nt; c0 += BlockEdges::kResumEvery) {
     // Afresh at every checkpoint, so the running updates' rounding cannot drift.
     const BlockEdges::Block* blocks = cached.checkpoint(c0 / BlockEdges::kResumEvery);
@@ -244,16 +295,21 @@ void subtract_summed_blocks(const BlockEdges& cached, const double* pre, int64_t
       if (kRight) sum_e += pre[blocks[k].end];
     }
     const int64_t c1 = std::min(nt, c0 + BlockEdges::kResumEvery);
+    // The changes at targets (c0, c1); those at c0 are in the checkpoint.
+    std::fill(step_b, step_b + (c1 - c0), 0.0);
+    std::fill(step_e, step_e + (c1 - c0), 0.0);
+    if (c0 + 1 < c1) {
+      for (int64_t ev = cached.events(c0 + 1); ev < cached.events(c1); ++ev) {
+        const BlockEdges::Move& mv = cached.move(ev);
+        const int at = cached.slot(ev);
+        if (kLeft) step_b[at] += pre[mv.mid] - pre[mv.old_begin];
+        if (kRight) step_e[at] += pre[mv.new_end] - pre[mv.mid];
+      }
+    }
     for (int64_t n = c0; n < c1; ++n) {
       if (n > c0) {
-        double db = 0, de = 0;
-        for (int64_t ev = cached.events(n); ev < cached.events(n + 1); ++ev) {
-          const BlockEdges::Move& mv = cached.move(ev);
-          if (kLeft) db += pre[mv.mid] - pre[mv.old_begin];
-          if (kRight) de += pre[mv.new_end] - pre[mv.mid];
-        }
-        sum_b += db;
-        sum_e += de;
+        sum_b += step_b[n - c0];
+        sum_e += step_e[n - c0];
       }
       const int64_t t = t0 + n;
       double mx;
@@ -281,7 +337,7 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
   const bool right = allowed != Allowed::kSourceNotAfter;  // sources after the target count
   if (m.mode == Mode::kWindow) {
     // L* 1[|d| >= W] directly: no cancellation against the band.
-    const ExpSums sums(x, ns, s0, m.sigma, left, right, scratch);
+    const ExpSums sums(x, ns, s0, m.sigma, left, right, false, scratch);
     const double edge = decay(m.window, m.sigma);
     if (left) sums.add_up_to(edge, t0 - m.window, nt, y);
     if (right) sums.add_from(edge, t0 + m.window, nt, y);
@@ -289,7 +345,7 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
   }
 
   // The source at t itself counts once whichever side is allowed.
-  const ExpSums sums(x, ns, s0, m.sigma, left, right, scratch);
+  const ExpSums sums(x, ns, s0, m.sigma, left, right, true, scratch);
   if (left) sums.add_up_to(1.0, t0, nt, y);
   if (right) sums.add_from(left ? decay(1, m.sigma) : 1.0, left ? t0 + 1 : t0, nt, y);
 
@@ -298,11 +354,8 @@ void apply_mask_error_with(const HeadMask& m, const PositionRange& r, const doub
   // target: a constant for a whole block when both sides count, a running
   // prefix otherwise, in loops without branches (Lanczos at n = 131072, s =
   // 16: 3x faster than one range lookup per target and hash).
-  std::vector<double>& prefix = scratch->prefix;
-  prefix.resize(static_cast<size_t>(ns) + 1);
-  prefix[0] = 0.0;
-  for (int64_t j = 0; j < ns; ++j) prefix[static_cast<size_t>(j) + 1] = prefix[static_cast<size_t>(j)] + x[j];
-  const double* pre = prefix.data();
+  // The prefix sums of x came with the exponential sums (ExpSums).
+  const double* pre = scratch->prefix.data();
   // Sum of x over source positions < a.
   auto below = [&](int64_t a) { return pre[source_index(a, s0, ns)]; };
   const double inv_s = 1.0 / static_cast<double>(m.draws.size());

@@ -10,9 +10,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "plsh/attention.h"
@@ -698,6 +700,42 @@ TEST(Estimates, DrawsReturnedEqualDrawHashes) {
   const auto without = make_estimates_problem(o);
   ASSERT_TRUE(estimate(without->params, ExecContext{}, &result).ok());
   for (const HeadEstimate& he : result.heads) EXPECT_TRUE(he.draws.empty());
+}
+
+// max_block_size skips hashes and stops walks at a bound on any block's
+// size: it must still find the largest block of every draw, by a count of
+// every position's bin, with pitches at and next to whole numbers (where
+// blocks of two sizes meet), positions near 2^45 (where the bound's
+// rounding slack matters) and ranges apart, overlapping or touching.
+TEST(Estimates, MaxBlockSizeIsTheLargestBinCount) {
+  std::vector<std::vector<Draw>> draw_sets;
+  for (const double sigma : {0.2, 1.0, 2.0, 3.0, 8.0, 40.0, 1000.0})
+    for (uint64_t seed = 1; seed <= 4; ++seed) draw_sets.push_back(draw_hashes(seed, 0, sigma, 5));
+  for (const double pitch : {0.5, 1.0, 3.0, 7.0})
+    for (const double eps : {0.0, 1e-13, -1e-13, 1e-9, -1e-9})
+      for (const double shift : {0.0, 0.5, 0.999})
+        draw_sets.push_back({Draw{pitch + eps, shift * (pitch + eps)}, Draw{1.25, 0.3}});
+  const int64_t big = int64_t{1} << 45;
+  const std::vector<PositionRange> ranges = {{0, 300, 0, 300, true},
+                                             {100, 50, 0, 70, false},
+                                             {70, 30, 0, 70, false},
+                                             {int64_t{1} << 40, 50, 0, 70, false},
+                                             {big, 200, big + 150, 120, false},
+                                             {big + 205, 40, big, 200, false}};
+  for (const PositionRange& r : ranges) {
+    for (const std::vector<Draw>& draws : draw_sets) {
+      std::set<int64_t> positions;
+      for (int64_t i = 0; i < r.q_len; ++i) positions.insert(r.q_pos0 + i);
+      for (int64_t i = 0; i < r.kv_len; ++i) positions.insert(r.k_pos0 + i);
+      int64_t want = 0;
+      for (const Draw& d : draws) {
+        std::map<int64_t, int64_t> count;
+        for (const int64_t pos : positions) want = std::max(want, ++count[bin_of(pos, d)]);
+      }
+      ASSERT_EQ(max_block_size(draws, r), want)
+          << "pitch " << draws[0].pitch << " shift " << draws[0].shift << " range at " << r.q_pos0;
+    }
+  }
 }
 
 TEST(Estimates, MaxBlockCountsPositionsInTheRequestOnly) {

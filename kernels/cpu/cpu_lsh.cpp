@@ -95,8 +95,9 @@ double lsh_banded_tile(const AttentionParams& p, const TileJob& job, const std::
   int64_t rect_count = 0;
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
   for (const Draw& d : draws) {
-    for (int64_t first = block_begin(pos_first, d), last = block_end(pos_first, d); first < pos_end;
-         first = last, last = block_end(first, d)) {
+    int64_t bin = bin_of(pos_first, d);  // the bin of `last`, once the loop has begun
+    for (int64_t first = block_begin(pos_first, d), last = block_end_in_bin(pos_first, bin, d, &bin); first < pos_end;
+         first = last, last = block_end_in_bin(first, bin, d, &bin)) {
       // Clipped to the key positions as a whole (an empty block still sets
       // the range of keys the tile visits, as the row edges did).
       const int64_t kb = std::clamp(first, key_pos_first, key_pos_end);

@@ -144,16 +144,8 @@ std::vector<Draw> draw_hashes(uint64_t seed, int64_t head, double sigma, int64_t
 }
 
 int64_t block_end(int64_t pos, const Draw& d) {
-  if (!std::isfinite(d.pitch)) return std::numeric_limits<int64_t>::max();
-  if (d.pitch < kSingletonPitch) return pos + 1;
-  const int64_t b = bin_of(pos, d);
-  // Estimate from the formula, then step so the answer agrees with bin_of
-  // exactly whatever the rounding of (p - u) / delta.
-  int64_t e = static_cast<int64_t>(std::ceil(static_cast<double>(b + 1) * d.pitch + d.shift));
-  if (e <= pos) e = pos + 1;
-  while (e - 1 > pos && bin_of(e - 1, d) > b) --e;
-  while (bin_of(e, d) <= b) ++e;
-  return e;
+  int64_t end_bin;
+  return block_end_in_bin(pos, bin_of(pos, d), d, &end_bin);
 }
 
 int64_t block_begin(int64_t pos, const Draw& d) {

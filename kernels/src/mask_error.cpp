@@ -25,7 +25,7 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
   const size_t s = m.draws.size();
   const double inv_s = 1.0 / static_cast<double>(s);
   const DecayTable lstar(m.sigma, max_distance(r));
-  std::vector<int64_t> begins(s), ends(s), sorted_begins(s), sorted_ends(s);
+  std::vector<int64_t> begins(s), ends(s), end_bins(s), sorted_begins(s), sorted_ends(s);
   struct Move {
     int64_t old_begin, old_end, new_begin, new_end;
   };
@@ -67,12 +67,16 @@ MaskMaxError lsh_mask_max_error(const HeadMask& m, const PositionRange& r, int64
     for (size_t k = 0; k < s; ++k) {
       if (first || pos >= ends[k]) {
         // Blocks tile the line: the next block begins where this one ends,
-        // which spares a block_begin (floor divisions) per block.
-        int64_t b = ends[k], e = first ? pos : block_end(b, m.draws[k]);
+        // which spares a block_begin (floor divisions) per block, and its
+        // bin is the last end's (block_end_in_bin).
+        const Draw& d = m.draws[k];
+        int64_t b = ends[k], e = pos, bin = 0;
+        if (!first) e = block_end_in_bin(b, end_bins[k], d, &bin);
         if (first || pos >= e) {
-          b = block_begin(pos, m.draws[k]);
-          e = block_end(pos, m.draws[k]);
+          b = block_begin(pos, d);
+          e = block_end_in_bin(pos, bin_of(pos, d), d, &bin);
         }
+        end_bins[k] = bin;
         moves.push_back({begins[k], ends[k], b, e});
         begins[k] = b;
         ends[k] = e;
@@ -223,9 +227,10 @@ int64_t max_block_size(std::span<const Draw> draws, const PositionRange& r) {
     int64_t last_bin = 0, last_size = 0;
     bool any = false;
     for (int i = 0; i < span_count && best < cap; ++i) {
+      int64_t bin = bin_of(spans[i].lo, d);
       for (int64_t pos = spans[i].lo; pos < spans[i].hi && best < cap;) {
-        const int64_t end = std::min(block_end(pos, d), spans[i].hi);
-        const int64_t bin = bin_of(pos, d);
+        int64_t next_bin;
+        const int64_t end = std::min(block_end_in_bin(pos, bin, d, &next_bin), spans[i].hi);
         int64_t size = end - pos;
         if (any && bin == last_bin) size += last_size;
         best = std::max(best, size);
@@ -233,6 +238,7 @@ int64_t max_block_size(std::span<const Draw> draws, const PositionRange& r) {
         last_size = size;
         any = true;
         pos = end;
+        bin = next_bin;
       }
     }
   }

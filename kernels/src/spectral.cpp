@@ -179,10 +179,11 @@ class BlockEdges {
   static void of_hash(const Draw& d, int64_t t0, int64_t t_end, std::vector<int64_t>* edges) {
     edges->clear();
     edges->push_back(block_begin(t0, d));
-    int64_t e = block_end(t0, d);
+    int64_t bin = bin_of(t0, d);
+    int64_t e = block_end_in_bin(t0, bin, d, &bin);
     edges->push_back(e);
     while (e < t_end) {
-      e = block_end(e, d);
+      e = block_end_in_bin(e, bin, d, &bin);
       edges->push_back(e);
     }
   }

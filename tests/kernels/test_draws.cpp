@@ -80,6 +80,36 @@ TEST(Draws, BlockEdgesAgreeWithBinOf) {
   }
 }
 
+// A walk over a hash's blocks with block_end_in_bin (each step's bin the
+// last step's end_bin, most steps without a division) finds every block
+// end that bin_of does, and the end's bin: pitches drawn, pitches at and
+// next to whole numbers (estimates next to a bin's edge), pitches in
+// [0.5, 1) (empty bins), positions near 0, 2^45 and 2^52 (where the margin
+// leaves every step to bin_of).
+TEST(Draws, BlockWalkAgreesWithBinOf) {
+  std::vector<Draw> draws;
+  for (int64_t k = 0; k < 60; ++k) draws.push_back(draw_hash(13, 1, k, k % 3 == 0 ? 0.7 : k % 3 == 1 ? 2.0 : 37.0));
+  for (const double pitch : {0.5, 0.75, 1.0, 3.0, 7.0, 1000.0})
+    for (const double eps : {0.0, 1e-13, -1e-13, 1e-9, -1e-9, 1e-6})
+      for (const double shift : {0.0, 0.25, 0.5, 0.999}) draws.push_back(Draw{pitch + eps, shift * (pitch + eps)});
+  for (const Draw& d : draws) {
+    for (const int64_t start : {int64_t{-300}, int64_t{1} << 45, (int64_t{1} << 52) - 400}) {
+      int64_t pos = start, bin = bin_of(start, d);
+      while (pos < start + 600) {
+        int64_t end_bin = 0;
+        const int64_t end = block_end_in_bin(pos, bin, d, &end_bin);
+        int64_t want = pos + 1;
+        while (bin_of(want, d) == bin) ++want;
+        ASSERT_EQ(end, want) << "pitch " << d.pitch << " shift " << d.shift << " at " << pos;
+        ASSERT_EQ(end_bin, bin_of(end, d)) << "pitch " << d.pitch << " shift " << d.shift << " at " << pos;
+        ASSERT_EQ(end, block_end(pos, d));
+        pos = end;
+        bin = end_bin;
+      }
+    }
+  }
+}
+
 TEST(Slopes, PowerOfTwoHeadsAreGeometric) {
   const std::vector<double> s = standard_slopes(8);
   ASSERT_EQ(s.size(), 8u);

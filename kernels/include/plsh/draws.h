@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "plsh/text.h"
@@ -89,6 +90,48 @@ inline int64_t bin_of(int64_t pos, const Draw& d) {
 // of the block holding pos, exact with respect to bin_of. INT64_MAX for an
 // infinite pitch.
 int64_t block_end(int64_t pos, const Draw& d);
+
+// block_end(pos, d) where b = bin_of(pos, d) is known, and bin_of of the
+// answer in *end_bin: a walk over a hash's blocks in order passes each
+// block's end_bin on, so no step waits on a division for its bin. Most
+// steps take no division at all: the estimate e = ceil((b + 1) pitch +
+// shift) is the answer, in bin b + 1, when the exact quotients of e and
+// e - 1 lie farther from b + 1 than the roundings of bin_of and of the
+// estimate can move them (`margin`, in quotient units, with room to
+// spare). Otherwise bin_of checks the estimate and steps, as block_end
+// always did. block_end is this with b found first.
+inline int64_t block_end_in_bin(int64_t pos, int64_t b, const Draw& d, int64_t* end_bin) {
+  if (!std::isfinite(d.pitch)) {
+    *end_bin = 0;
+    return std::numeric_limits<int64_t>::max();
+  }
+  if (d.pitch < kSingletonPitch) {
+    *end_bin = pos + 1;
+    return pos + 1;
+  }
+  const double x = static_cast<double>(b + 1) * d.pitch + d.shift;  // where bin b + 1 begins
+  int64_t e = static_cast<int64_t>(std::ceil(x));
+  if (e > pos) {
+    // |bin_of's quotient - (p - u) / pitch| <= 2.3e-16 |p - u| / pitch, and
+    // x is within 4.5e-16 (|x| + |u|) of its exact value.
+    const double inv = 1 / d.pitch;
+    const double ed = static_cast<double>(e);
+    const double margin = 1e-12 + 2e-15 * (std::fabs(x) + std::fabs(d.shift) + std::fabs(ed) + 1) * inv;
+    const double after = (ed - x) * inv;         // e's quotient less b + 1
+    const double before = (x - (ed - 1)) * inv;  // b + 1 less e - 1's quotient
+    if (after > margin && after < 1 - margin && (e - 1 == pos || before > margin)) {
+      *end_bin = b + 1;
+      return e;
+    }
+  } else {
+    e = pos + 1;
+  }
+  while (e - 1 > pos && bin_of(e - 1, d) > b) --e;
+  int64_t bin_e;
+  while ((bin_e = bin_of(e, d)) <= b) ++e;
+  *end_bin = bin_e;
+  return e;
+}
 // First position of the block holding pos.
 int64_t block_begin(int64_t pos, const Draw& d);
 

@@ -150,7 +150,7 @@ namespace {
 // key order. kAccBlock elements of acc at a time stay in registers over all
 // the keys: with the keys outer and d inner, every key loaded and stored
 // all of acc again, and each store waited for by the next key's load (a
-// third of the probe's samples at n = 32768, perf, 2026-12-07). Each
+// fifth to a third of the probe's samples at n = 32768, perf, 2026-12-07). Each
 // acc[d] still adds its keys in key order.
 constexpr int64_t kAccBlock = 16;
 

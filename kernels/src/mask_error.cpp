@@ -207,7 +207,7 @@ int64_t max_block_size(std::span<const Draw> draws, const PositionRange& r) {
   // largest block found is not walked, and a walk stops at a block of its
   // most: s = 16 at sigma = 2 over 32768 positions walked all 130k blocks,
   // four divisions each, for the one figure.
-  double reach = 1;  // largest |p - u| over the spans, plus one
+  double reach = 1;  // largest |p| over the spans (at least 1)
   for (int i = 0; i < span_count; ++i) reach = std::max(reach, std::fabs(static_cast<double>(spans[i].hi)));
   for (int i = 0; i < span_count; ++i) reach = std::max(reach, std::fabs(static_cast<double>(spans[i].lo)));
   auto most = [&](const Draw& d) {

@@ -6,6 +6,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <type_traits>
 
 #include "estimates_internal.h"
 #include "vector_clones.h"
@@ -31,6 +32,15 @@ struct ProductScratch {
   std::vector<int64_t> edges;
 };
 
+// f(std::true_type) or f(std::false_type): a run-time flag as a template's.
+template <class F>
+void with_flag(bool flag, F&& f) {
+  if (flag)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
 class ExpSums {
  public:
   // With want_prefix, also scratch->prefix[j] = x_0 + ... + x_(j-1), j in
@@ -43,32 +53,14 @@ class ExpSums {
     if (want_right) right_.resize(static_cast<size_t>(n));
     if (want_prefix) scratch->prefix.resize(static_cast<size_t>(n) + 1);
     double* prefix = want_prefix ? scratch->prefix.data() : nullptr;
-    const int which = (want_left ? 1 : 0) | (want_right ? 2 : 0) | (want_prefix ? 4 : 0);
-    switch (which) {
-      case 1:
-        sweep<true, false, false>(x, n, r, prefix);
-        break;
-      case 2:
-        sweep<false, true, false>(x, n, r, prefix);
-        break;
-      case 3:
-        sweep<true, true, false>(x, n, r, prefix);
-        break;
-      case 4:
-        sweep<false, false, true>(x, n, r, prefix);
-        break;
-      case 5:
-        sweep<true, false, true>(x, n, r, prefix);
-        break;
-      case 6:
-        sweep<false, true, true>(x, n, r, prefix);
-        break;
-      case 7:
-        sweep<true, true, true>(x, n, r, prefix);
-        break;
-      default:
-        break;
-    }
+    // The one loop for exactly the sums wanted.
+    with_flag(want_left, [&](auto left) {
+      with_flag(want_right, [&](auto right) {
+        with_flag(want_prefix, [&](auto pre) {
+          sweep<decltype(left)::value, decltype(right)::value, decltype(pre)::value>(x, n, r, prefix);
+        });
+      });
+    });
   }
   // y[i] += c * sum over s <= t of r^(t - s) x_s at t = t0 + i, i in
   // [0, nt): a straight read where t lies among the sources.

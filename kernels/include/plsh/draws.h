@@ -132,6 +132,7 @@ inline int64_t block_end_in_bin(int64_t pos, int64_t b, const Draw& d, int64_t* 
   *end_bin = bin_e;
   return e;
 }
+
 // First position of the block holding pos.
 int64_t block_begin(int64_t pos, const Draw& d);
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <string>
@@ -141,13 +142,87 @@ Status compute_estimates(const Plan& plan, const WorkspaceRef& workspace, const 
   std::vector<ProbeKeyStats> key_stats;
   RETURN_IF_ERROR(probe_key_stats_all(p, needed, threads, &key_stats));
   RETURN_IF_ERROR(ctx.check_stop());
+  // Every task's rows, their reach and groups; then L* by distance per head,
+  // shared by its tasks.
+  std::vector<ProbeTask> probes;
+  try {
+    probes.reserve(tasks.size());
+    for (const Task& t : tasks)
+      probes.emplace_back(p, masks[static_cast<size_t>(t.head)], t.head, t.batch, t.rows,
+                          &key_stats[static_cast<size_t>(t.batch * p.kv_heads + t.head / p.head_group)]);
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted("the probe's rows ran out of host memory");
+  }
+  std::vector<int64_t> farthest(static_cast<size_t>(heads), -1);
+  for (const ProbeTask& t : probes)
+    farthest[static_cast<size_t>(t.head())] = std::max(farthest[static_cast<size_t>(t.head())], t.farthest());
+  std::vector<std::unique_ptr<DecayTable>> tables(static_cast<size_t>(heads));
+  std::vector<const DecayTable*> lstar(static_cast<size_t>(heads), nullptr);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (size_t n = 0; n < tasks.size(); ++n) {
-    const Task& t = tasks[n];
-    run("probe for head " + std::to_string(t.head), [&] {
-      probe_rows(p, masks[static_cast<size_t>(t.head)], t.head, t.batch, t.rows,
-                 &probed[static_cast<size_t>(t.head)][t.first], &ctx,
-                 &key_stats[static_cast<size_t>(t.batch * p.kv_heads + t.head / p.head_group)]);
+  for (int64_t h = 0; h < heads; ++h) {
+    if (farthest[static_cast<size_t>(h)] < 0) continue;
+    run("the probe's decay table for head " + std::to_string(h), [&] {
+      tables[static_cast<size_t>(h)] = std::make_unique<DecayTable>(
+          masks[static_cast<size_t>(h)].sigma, std::min(farthest[static_cast<size_t>(h)], kProbeDecayEntries - 1));
+      lstar[static_cast<size_t>(h)] = tables[static_cast<size_t>(h)].get();
+    });
+  }
+  if (!failure.ok()) return failure;
+  // Sweeps: each batch item's tasks split into as many sweeps as there are
+  // threads (or units), so that every thread reads each key tile once for
+  // all the tasks it serves. A unit is a kv head's tasks (halved, largest
+  // first, while there are fewer units than threads), so that no two
+  // threads convert the same tiles; units go largest first onto the least
+  // loaded sweep, by the (row, key) pairs they visit.
+  struct Unit {
+    std::vector<ProbeTask*> tasks;
+    int64_t pairs = 0;
+  };
+  std::vector<std::vector<ProbeTask*>> sweeps;
+  const size_t want = static_cast<size_t>(std::max(threads, 1));
+  for (int64_t b = 0; b < p.batch; ++b) {
+    std::vector<Unit> units(static_cast<size_t>(p.kv_heads));
+    for (ProbeTask& t : probes) {
+      if (t.batch() != b) continue;
+      Unit& u = units[static_cast<size_t>(t.head() / p.head_group)];
+      u.tasks.push_back(&t);
+      u.pairs += t.pairs() + 1;
+    }
+    std::erase_if(units, [](const Unit& u) { return u.tasks.empty(); });
+    if (units.empty()) continue;
+    auto by_pairs = [](const Unit& x, const Unit& y) { return x.pairs > y.pairs; };
+    for (;;) {
+      std::stable_sort(units.begin(), units.end(), by_pairs);
+      if (units.size() >= want) break;
+      auto split = std::find_if(units.begin(), units.end(), [](const Unit& u) { return u.tasks.size() > 1; });
+      if (split == units.end()) break;
+      Unit half;
+      const size_t keep = split->tasks.size() / 2;
+      half.tasks.assign(split->tasks.begin() + static_cast<std::ptrdiff_t>(keep), split->tasks.end());
+      split->tasks.resize(keep);
+      split->pairs = half.pairs = 0;
+      for (const ProbeTask* t : split->tasks) split->pairs += t->pairs() + 1;
+      for (const ProbeTask* t : half.tasks) half.pairs += t->pairs() + 1;
+      units.push_back(std::move(half));
+    }
+    const size_t count = std::min(units.size(), want);
+    std::vector<int64_t> load(count, 0);
+    const size_t base = sweeps.size();
+    sweeps.resize(base + count);
+    for (const Unit& u : units) {
+      const size_t least = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      load[least] += u.pairs;
+      sweeps[base + least].insert(sweeps[base + least].end(), u.tasks.begin(), u.tasks.end());
+    }
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (size_t n = 0; n < sweeps.size(); ++n) {
+    run("the probe", [&] {
+      if (!probe_sweep(p, sweeps[n], lstar, &ctx)) return;
+      for (const ProbeTask* t : sweeps[n]) {
+        const Task& task = tasks[static_cast<size_t>(t - probes.data())];
+        t->finish(&probed[static_cast<size_t>(task.head)][task.first]);
+      }
     });
   }
   if (!failure.ok()) return failure;
@@ -184,15 +259,22 @@ int64_t head_estimate_bytes(const AttentionParams& p) {
   return mask + spectral;
 }
 
-int64_t probe_task_bytes(const AttentionParams& p) {
+int64_t probe_sweep_bytes(const AttentionParams& p) {
   const int64_t rows = static_cast<int64_t>(kProbeRowsPerTask);
+  // The key tile (k in panels and v in double, a row in float32), a task's
+  // scores against it, and four rows of a tile (logits, weighted logits,
+  // and the exps of each).
+  return 8 * (2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile * rows + 4 * kExactRowsKeyTile) + 4 * p.head_dim;
+}
+
+int64_t probe_rows_bytes(const AttentionParams& p) {
   const int64_t s = uses_draws(p.mode) ? p.samples : 0;
-  // q, the k (transposed) and v tiles, the scores, four rows of a tile
-  // (logits, weighted logits, and the exps of each), the accumulators, each
-  // row's sorted block edges, and L* by distance up to the farthest key.
-  return 8 * (p.head_dim * rows + 2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile * rows +
-              4 * kExactRowsKeyTile + rows * p.head_dim) +
-         rows * 16 * s + 4 * p.head_dim + DecayTable::bytes(max_distance(position_range(p)));
+  const int64_t rows = p.heads * std::min(p.probe_rows, p.batch * p.q_len);
+  // Every probe row from the tasks' start to their finish: its query row
+  // and accumulator in double, its sorted block edges, its state; and each
+  // head's L* by distance.
+  return rows * (16 * p.head_dim + 16 * s + 256) +
+         p.heads * DecayTable::bytes(std::min(max_distance(position_range(p)), kProbeDecayEntries - 1));
 }
 
 }  // namespace estimates_detail
@@ -207,8 +289,9 @@ int64_t estimates_host_bytes(const AttentionParams& p, int threads) {
                               p.heads * p.probe_rows * static_cast<int64_t>(8 + sizeof(ProbeRow) + 8 + 16) +
                               (p.probe_rows > 0 ? 8 * p.batch * p.kv_heads * p.kv_len : 0);  // probe key statistics
   if (!p.estimates) return per_request;
-  const int64_t per_thread = std::max(head_estimate_bytes(p), p.probe_rows > 0 ? probe_task_bytes(p) : 0);
-  return per_request + static_cast<int64_t>(std::max(threads, 1)) * per_thread;
+  const int64_t probe = p.probe_rows > 0 ? probe_rows_bytes(p) : 0;
+  const int64_t per_thread = std::max(head_estimate_bytes(p), p.probe_rows > 0 ? probe_sweep_bytes(p) : 0);
+  return per_request + probe + static_cast<int64_t>(std::max(threads, 1)) * per_thread;
 }
 
 }  // namespace plsh

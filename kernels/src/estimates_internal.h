@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <memory>
+#include <span>
 #include <vector>
 
 #include "plsh/attention.h"
@@ -91,17 +93,59 @@ double probe_rel_err_upper(const std::vector<ProbeStats>& heads, double q, doubl
 double tail_growth(double gamma, double m);
 
 // Host bytes the estimates of one head hold at once (tables, Lanczos
-// vectors, block edges) and of one probe task.
+// vectors, block edges), a probe sweep's per thread, and what every probe
+// row and head's L* table hold for the whole probe.
 int64_t head_estimate_bytes(const AttentionParams& p);
-int64_t probe_task_bytes(const AttentionParams& p);
+int64_t probe_sweep_bytes(const AttentionParams& p);
+int64_t probe_rows_bytes(const AttentionParams& p);
 
 // E x (or E^T x) one hash at a time, without the block-edge cache that
 // apply_mask_error builds (what runs when the cache would not fit): for
 // tests of both paths.
 void apply_mask_error_per_hash(const HeadMask& m, const PositionRange& r, const double* x, double* y, bool transpose);
 
-// Per probe task: query rows of one (head, batch item) scored together in
-// one pass over that item's keys.
+// Per probe task: query rows of one (head, batch item), the unit in which
+// compute_estimates spreads a head's rows over the sweeps when there are
+// fewer kv heads than threads.
 inline constexpr size_t kProbeRowsPerTask = 16;
+
+// The probe's L* tables stop at this many distances (1 MiB a head, one
+// table a head for the whole probe); a row reaching farther computes the
+// rest.
+inline constexpr int64_t kProbeDecayEntries = int64_t{1} << 17;
+
+// One probe task: query rows of one (head, batch item) with their exact
+// softmax and bound sums, taking their key tiles from a sweep (probe_sweep)
+// that it may share with tasks of other heads. Built with the rows' reach
+// (probe_rows' `keys`); finish() writes one ProbeRow a row.
+class ProbeTask {
+ public:
+  ProbeTask(const AttentionParams& p, const HeadMask& m, int64_t h, int64_t b, std::span<const int64_t> rows,
+            const ProbeKeyStats* keys);
+  ProbeTask(ProbeTask&&) noexcept;
+  ProbeTask& operator=(ProbeTask&&) noexcept;
+  ~ProbeTask();
+  int64_t head() const;
+  int64_t batch() const;
+  int64_t farthest() const;  // the largest distance from a row to a key it visits
+  int64_t pairs() const;     // (row, key) pairs it visits: what its work follows
+  void finish(ProbeRow* out) const;
+
+ private:
+  friend bool probe_sweep(const AttentionParams&, std::span<ProbeTask* const>, std::span<const DecayTable* const>,
+                          const ExecContext*);
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+// One pass over the key rows in order for tasks of one batch item: each key
+// tile is converted once per kv head for all the tasks that need it (not
+// once a task), the kv heads of a tile one after another from the same key
+// rows, each load asking for the next one's rows. The tiles sit on a grid
+// fixed by the key rows, so a row's figures do not depend on which tasks
+// share its sweep. lstar[h]: L* of head h by distance, up to its tasks'
+// farthest at least. false: ctx asked to stop (polled every 8 tiles).
+bool probe_sweep(const AttentionParams& p, std::span<ProbeTask* const> tasks, std::span<const DecayTable* const> lstar,
+                 const ExecContext* ctx);
 
 }  // namespace plsh::estimates_detail

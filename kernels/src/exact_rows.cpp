@@ -59,12 +59,12 @@ PLSH_VECTOR_CLONES void score_tile(const double* qr, int64_t R, int64_t r0, int6
   }
 }
 
-// Asks for key row j's k and v (D elements of `bytes` each) ahead of use:
-// one head's rows are H * D elements apart, a new page every row or two, so
-// the hardware prefetcher does not follow them (the tile's conversion
-// waited on memory for most of the probe's time at n = 32768). Always
-// inlined: as a call, GCC finds the function free of side effects (a
-// prefetch has none it counts) and deletes the call.
+// Asks for row j's k and v (D elements of `bytes` each) of kv head hk to
+// be brought into L2. One head's rows are H * D elements apart, a new page
+// every row or two, so the hardware prefetcher does not follow them (the
+// tile's conversion waited on memory for most of the probe's time at n =
+// 32768). Always inlined: as a call, GCC finds the function free of side
+// effects (a prefetch has none it counts) and deletes the call.
 __attribute__((always_inline)) inline void prefetch_key_row(const AttentionParams& p, int64_t b, int64_t hk, int64_t j,
                                                             int64_t D, size_t bytes) {
   const char* k = static_cast<const char*>(p.k) +
@@ -73,71 +73,54 @@ __attribute__((always_inline)) inline void prefetch_key_row(const AttentionParam
                   static_cast<size_t>(b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride) * bytes;
   const size_t row = static_cast<size_t>(D) * bytes;
   for (size_t at = 0; at < row; at += 64) {
-    __builtin_prefetch(k + at);
-    __builtin_prefetch(v + at);
+    __builtin_prefetch(k + at, 0, 2);
+    __builtin_prefetch(v + at, 0, 2);
   }
 }
 
 }  // namespace
 
-bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows,
-                       std::span<const KeyRange> ranges, const std::function<void(const KeyTile&)>& visit,
-                       const ExecContext* ctx, std::span<const KeyRange> row_windows) {
-  const int64_t R = static_cast<int64_t>(rows.size());
-  const int64_t D = p.head_dim;
-  const int64_t hk = h / p.head_group;
-  constexpr int64_t kTile = kExactRowsKeyTile;
-  // Rows ahead to ask for: enough to cover memory's latency at a row's
-  // conversion time, few enough to stay in L1.
-  constexpr int64_t kPrefetchRows = 16;
+static_assert(kExactRowsKeyScoreAlign == kScoreKeys, "a score starts at a panel");
+
+KeyTileBuffer::KeyTileBuffer(int64_t head_dim)
+    : dim_(head_dim),
+      buf_(static_cast<size_t>(head_dim)),
+      kt_(static_cast<size_t>(head_dim * kExactRowsKeyTile)),
+      vt_(static_cast<size_t>(kExactRowsKeyTile * head_dim)) {}
+
+// Keys are converted to double once for every row scored against them and
+// stored transposed in panels (panel_index), so that one row's products
+// with kScoreKeys keys run in vector lanes across the keys while each key's
+// sum still runs over d in index order from 0 (no reassociation). A probe
+// group is often one to a few rows, so lanes across rows would stay empty;
+// a row's sum over d alone is a chain of dependent adds.
+void KeyTileBuffer::convert_row(const AttentionParams& p, int64_t b, int64_t hk, int64_t j) {
+  const int64_t D = dim_;
+  const int64_t jj = j - j0_;
+  double* vj = &vt_[static_cast<size_t>(jj * D)];
+  const float* k =
+      row_as_f32(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf_.data());
+  for (int64_t d = 0; d < D; ++d) kt_[panel_index(jj, d, D)] = k[d];
+  const float* v =
+      row_as_f32(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf_.data());
+  for (int64_t d = 0; d < D; ++d) vj[d] = v[d];
+}
+
+void KeyTileBuffer::load(const AttentionParams& p, int64_t b, int64_t hk, int64_t j0, int64_t count, int64_t next_hk,
+                         int64_t next_j0) {
   const size_t bytes = dtype_bytes(p.dtype);
-  // Keys are converted to double once for all R rows and stored transposed
-  // in panels (panel_index), so that one row's products with kScoreKeys keys run in
-  // vector lanes across the keys while each key's sum still runs over d in
-  // index order from 0 (no reassociation). A probe group is often one to a
-  // few rows, so lanes across rows would stay empty; a row's sum over d
-  // alone is a chain of dependent adds.
-  std::vector<float> buf(static_cast<size_t>(D));
-  std::vector<double> qr(static_cast<size_t>(R * D));
-  std::vector<double> kt(static_cast<size_t>(D * kTile)), vt(static_cast<size_t>(kTile * D));
-  std::vector<double> scores(static_cast<size_t>(kTile * R));
-  for (int64_t r = 0; r < R; ++r) {
-    load_row(p.q, p.dtype, b * p.q_batch_stride + rows[static_cast<size_t>(r)] * p.q_row_stride + h * p.q_head_stride,
-             D, buf.data());
-    for (int64_t d = 0; d < D; ++d) qr[static_cast<size_t>(r * D + d)] = buf[static_cast<size_t>(d)];
+  j0_ = j0;
+  count_ = count;
+  for (int64_t jj = 0; jj < count; ++jj) {
+    if (next_hk >= 0 && next_j0 + jj < p.kv_len) prefetch_key_row(p, b, next_hk, next_j0 + jj, dim_, bytes);
+    convert_row(p, b, hk, j0 + jj);
   }
-  int64_t tiles = 0;
-  for (const KeyRange& range : ranges) {
-    for (int64_t j0 = range.begin; j0 < range.end; j0 += kTile) {
-      if (++tiles % 64 == 0 && ctx != nullptr && !ctx->check_stop().ok()) return false;
-      const int64_t tn = std::min(kTile, range.end - j0);
-      for (int64_t jj = 0; jj < tn; ++jj) {
-        const int64_t j = j0 + jj;
-        if (j + kPrefetchRows < range.end) prefetch_key_row(p, b, hk, j + kPrefetchRows, D, bytes);
-        double* vj = &vt[static_cast<size_t>(jj * D)];
-        const float* k =
-            row_as_f32(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf.data());
-        for (int64_t d = 0; d < D; ++d) kt[panel_index(jj, d, D)] = k[d];
-        const float* v =
-            row_as_f32(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf.data());
-        for (int64_t d = 0; d < D; ++d) vj[d] = v[d];
-      }
-      int64_t r0 = 0, r1 = R;
-      if (!row_windows.empty()) {
-        while (r0 < R && row_windows[static_cast<size_t>(r0)].end <= j0) ++r0;
-        while (r1 > r0 && row_windows[static_cast<size_t>(r1 - 1)].begin >= j0 + tn) --r1;
-      }
-      score_tile(qr.data(), R, r0, r1, D, kt.data(), tn, scores.data());
-      visit(KeyTile{.j0 = j0,
-                    .count = tn,
-                    .rows = R,
-                    .row_begin = r0,
-                    .row_end = r1,
-                    .scores = scores.data(),
-                    .values = vt.data()});
-    }
-  }
-  return true;
+}
+
+void KeyTileBuffer::score(const double* q, int64_t R, int64_t r0, int64_t r1, int64_t first, int64_t n,
+                          double* scores) const {
+  const int64_t offset = first - j0_;  // a multiple of kScoreKeys: whole panels
+  score_tile(q, R, r0, r1, dim_, kt_.data() + offset * dim_, n, scores);
 }
 
 PLSH_VECTOR_CLONES void exp_shifted(const double* x, int64_t n, double shift, double* out) {

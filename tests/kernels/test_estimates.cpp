@@ -576,6 +576,64 @@ TEST(Estimates, ProbeRowsInOnePassMatchOneRowAtATime) {
   }
 }
 
+// compute_estimates sweeps the keys once for tasks of several heads
+// (probe_sweep): each task's rows get the figures they get alone, to the
+// bit, whichever tasks share the sweep (the key tiles sit on a fixed grid).
+// Heads of one kv head (GQA), steep slopes whose rows form groups of their
+// own, and reach-truncated rows.
+TEST(Estimates, ProbeSweepSharedByHeadsMatchesEachTaskAlone) {
+  for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
+    AttentionOptions o;
+    o.batch = 2;
+    o.q_len = o.kv_len = 700;
+    o.heads = 4;
+    o.kv_heads = 2;
+    o.head_dim = 24;
+    o.causal = true;
+    o.mode = mode;
+    o.samples = 5;
+    o.window_eps = 0.05;
+    o.slopes = {3.0, 0.4, 0.04, 0.004};
+    const auto pr = make_estimates_problem(o, 41);
+    fill_output_with_reference(pr.get());
+    const AttentionParams& p = pr->params;
+    const Plan plan = plan_of(p);
+    const std::vector<std::vector<int64_t>> rows = {{0, 40, 41, 300, 699}, {250, 260, 650}, {1, 2, 500}, {90, 333}};
+    std::vector<HeadMask> masks;
+    std::vector<ProbeKeyStats> keys;
+    for (int64_t h = 0; h < p.heads; ++h) masks.push_back(head_mask(plan, h));
+    for (int64_t hk = 0; hk < p.kv_heads; ++hk) keys.push_back(probe_key_stats(p, 1, hk));
+    std::vector<estimates_detail::ProbeTask> tasks;
+    for (int64_t h = 0; h < p.heads; ++h)
+      tasks.emplace_back(p, masks[static_cast<size_t>(h)], h, 1, rows[static_cast<size_t>(h)],
+                         &keys[static_cast<size_t>(h / p.head_group)]);
+    std::vector<std::unique_ptr<estimates_detail::DecayTable>> tables;
+    std::vector<const estimates_detail::DecayTable*> lstar;
+    std::vector<estimates_detail::ProbeTask*> shared;
+    for (int64_t h = 0; h < p.heads; ++h) {
+      tables.push_back(std::make_unique<estimates_detail::DecayTable>(masks[static_cast<size_t>(h)].sigma, 1000));
+      lstar.push_back(tables.back().get());
+      shared.push_back(&tasks[static_cast<size_t>(3 - h)]);  // heads out of order
+    }
+    ASSERT_TRUE(estimates_detail::probe_sweep(p, shared, lstar, nullptr));
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const std::vector<int64_t>& r = rows[static_cast<size_t>(h)];
+      std::vector<ProbeRow> swept(r.size()), alone(r.size());
+      tasks[static_cast<size_t>(h)].finish(swept.data());
+      probe_rows(p, masks[static_cast<size_t>(h)], h, 1, r, alone.data(), nullptr,
+                 &keys[static_cast<size_t>(h / p.head_group)]);
+      for (size_t n = 0; n < r.size(); ++n) {
+        SCOPED_TRACE(std::string(mode_name(mode)) + " head " + std::to_string(h) + " row " + std::to_string(r[n]));
+        EXPECT_GT(alone[n].ref2, 0);
+        EXPECT_EQ(swept[n].err2, alone[n].err2);
+        EXPECT_EQ(swept[n].ref2, alone[n].ref2);
+        EXPECT_EQ(swept[n].max_abs, alone[n].max_abs);
+        EXPECT_EQ(swept[n].bound, alone[n].bound);
+      }
+    }
+  }
+}
+
 // With the keys' statistics a probe row visits only the keys within
 // probe_reach (plus its own blocks or window): the same figures as visiting
 // every key, to 1e-12, and a bound that is never smaller.

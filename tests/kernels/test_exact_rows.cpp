@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "plsh/exact_rows.h"
+#include "plsh/numeric.h"
 #include "src/exp64.h"
 
 namespace plsh {
@@ -91,6 +92,63 @@ TEST(SoftmaxRow64, FoldedTilesAreTheDirectSoftmax) {
   for (int64_t d = 0; d < dim; ++d) {
     const size_t i = static_cast<size_t>(d);
     EXPECT_NEAR(row.acc[i] / row.sum, acc[i] / sum, 1e-13) << "d " << d;
+  }
+}
+
+// A key tile of one kv head (odd D, a tile that starts off the grid, f32
+// and bf16 keys): its scores from a panel boundary on, for a range of
+// rows, are each row's dot product with each key summed over d in index
+// order, to the bit; its values are the v rows widened; rows outside the
+// range are left as they were.
+TEST(KeyTileBuffer, ScoresAreIndexOrderDotProducts) {
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    const int64_t N = 100, H = 2, D = 13, R = 3, hk = 1;
+    std::mt19937_64 rng(23);
+    std::normal_distribution<float> z(0.0f, 1.0f);
+    std::vector<float> k32(static_cast<size_t>(N * H * D)), v32(k32.size());
+    for (float& x : k32) x = z(rng);
+    for (float& x : v32) x = z(rng);
+    std::vector<uint16_t> k16(k32.size()), v16(v32.size());
+    for (size_t i = 0; i < k32.size(); ++i) {
+      k16[i] = float_to_bf16(k32[i]);
+      v16[i] = float_to_bf16(v32[i]);
+      if (dtype == DType::kBF16) {  // what the tile reads, widened
+        k32[i] = bf16_to_float(k16[i]);
+        v32[i] = bf16_to_float(v16[i]);
+      }
+    }
+    AttentionParams p;
+    p.dtype = dtype;
+    p.k = dtype == DType::kBF16 ? static_cast<const void*>(k16.data()) : k32.data();
+    p.v = dtype == DType::kBF16 ? static_cast<const void*>(v16.data()) : v32.data();
+    p.kv_len = N;
+    p.head_dim = D;
+    p.k_row_stride = p.v_row_stride = H * D;
+    p.k_head_stride = p.v_head_stride = D;
+    p.k_batch_stride = p.v_batch_stride = N * H * D;
+    std::vector<double> q(static_cast<size_t>(R * D));
+    for (double& x : q) x = z(rng);
+
+    KeyTileBuffer tile(D);
+    const int64_t j0 = 37, count = 63, first = j0 + kExactRowsKeyScoreAlign, n = count - kExactRowsKeyScoreAlign;
+    tile.load(p, 0, hk, j0, count, 0, j0 + count);
+    std::vector<double> scores(static_cast<size_t>(n * R), -7.0);
+    tile.score(q.data(), R, 1, R, first, n, scores.data());
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const int64_t j = first + jj;
+      for (int64_t r = 0; r < R; ++r) {
+        double want = -7.0;
+        if (r >= 1) {
+          want = 0;
+          for (int64_t d = 0; d < D; ++d)
+            want +=
+                q[static_cast<size_t>(r * D + d)] * static_cast<double>(k32[static_cast<size_t>((j * H + hk) * D + d)]);
+        }
+        EXPECT_EQ(scores[static_cast<size_t>(jj * R + r)], want) << "key " << j << " row " << r;
+      }
+      for (int64_t d = 0; d < D; ++d)
+        EXPECT_EQ(tile.values(j)[d], static_cast<double>(v32[static_cast<size_t>((j * H + hk) * D + d)]));
+    }
   }
 }
 

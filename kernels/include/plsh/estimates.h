@@ -109,8 +109,9 @@ Status probe_key_stats_all(const AttentionParams& p, const std::vector<char>& wa
 // R = d0 + sigma (2 a_max + ln(2 sigma + 2) + 40). INT64_MAX: visit all.
 int64_t probe_reach(double sigma, double a_max, int64_t nearest);
 
-// Several query rows of one batch item in one pass over its keys (what
-// compute_estimates runs); out has rows.size() entries. With `keys`, each
+// Several query rows of one batch item in one pass over its keys (one
+// probe task, swept alone; compute_estimates sweeps the tasks of several
+// heads together, estimates_internal.h); out has rows.size() entries. With `keys`, each
 // row visits only the keys within probe_reach (the dropped tail is added to
 // the bound, which stays rigorous) and the bound's max ||v|| covers every
 // allowed key; without, every allowed key. Returns early, with out

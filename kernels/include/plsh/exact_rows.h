@@ -2,15 +2,12 @@
 // the one float64 engine behind the probe (SPEC section 6) and the tests'
 // reference, so that "computed exactly" means the same arithmetic in both.
 //
-// for_each_key_tile hands the caller the dot products q_i . k_j of every
-// query row against a tile of key rows, with the value rows, all in double;
-// SoftmaxRow64 folds a row's weighted logits into its output with an online
-// maximum (FlashAttention's rescaling), so nothing overflows or vanishes
-// whatever the logits.
+// KeyTileBuffer holds a tile of key rows in double and gives the dot
+// products q_i . k_j of query rows against it; SoftmaxRow64 folds a row's weighted logits into its output with an
+// online maximum (FlashAttention's rescaling), so nothing overflows or vanishes whatever the logits.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <limits>
 #include <span>
 #include <vector>
@@ -37,17 +34,37 @@ struct KeyRange {
   int64_t begin = 0, end = 0;
 };
 
-// Scores query rows `rows` of batch item b, head h against the key rows of
-// `ranges` (sorted, disjoint; of the kv head h reads), one tile of at most
-// kExactRowsKeyTile keys at a time, in order. The sums over d run in index
-// order. Returns false when ctx (may be null) asked to stop (polled every 64
-// tiles, ~8k keys).
-// With row_windows (one per row, the keys that row needs; rows in order of
-// their windows' starts), a tile scores only the rows between the first whose
-// window ends after it and the last whose window starts before its end.
-bool for_each_key_tile(const AttentionParams& p, int64_t h, int64_t b, std::span<const int64_t> rows,
-                       std::span<const KeyRange> ranges, const std::function<void(const KeyTile&)>& visit,
-                       const ExecContext* ctx = nullptr, std::span<const KeyRange> row_windows = {});
+// One tile of key rows of one (batch item, kv head) in double: k in panels
+// that score() reads, v row-major. The probe's sweep (probe.cpp) fills it
+// once for every task that needs the tile.
+class KeyTileBuffer {
+ public:
+  explicit KeyTileBuffer(int64_t head_dim);
+  // Converts key rows [j0, j0 + count), count <= kExactRowsKeyTile, of batch
+  // item b, kv head hk. Meanwhile asks for the rows [next_j0, next_j0 +
+  // count) of kv head next_hk (what the caller loads next; next_hk < 0:
+  // nothing) to be brought into cache.
+  void load(const AttentionParams& p, int64_t b, int64_t hk, int64_t j0, int64_t count, int64_t next_hk,
+            int64_t next_j0);
+  // scores[jj * R + r] = q_r . k_(first + jj) for rows [r0, r1) of q ([R][D]
+  // in double) and the loaded keys [first, first + n) (key rows, absolute;
+  // first - j0() a multiple of kExactRowsKeyScoreAlign), each sum over d in
+  // index order from 0.
+  void score(const double* q, int64_t R, int64_t r0, int64_t r1, int64_t first, int64_t n, double* scores) const;
+  int64_t j0() const { return j0_; }
+  int64_t count() const { return count_; }
+  const double* values(int64_t j) const { return vt_.data() + (j - j0_) * dim_; }  // key row j's v
+
+ private:
+  void convert_row(const AttentionParams& p, int64_t b, int64_t hk, int64_t j);  // key row j of the tile
+
+  int64_t dim_, j0_ = 0, count_ = 0;
+  std::vector<float> buf_;
+  std::vector<double> kt_, vt_;
+};
+
+// Where a score() may start within a tile: its panels' width.
+inline constexpr int64_t kExactRowsKeyScoreAlign = 32;
 
 // One row's online softmax: acc = sum_j exp(l_j - max) v_j, sum likewise.
 struct SoftmaxRow64 {

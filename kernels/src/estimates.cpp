@@ -173,26 +173,23 @@ Status compute_estimates(const Plan& plan, const WorkspaceRef& workspace, const 
   // all the tasks it serves. A unit is a kv head's tasks (halved, largest
   // first, while there are fewer units than threads), so that no two
   // threads convert the same tiles; units go largest first onto the least
-  // loaded sweep, by the (row, key) pairs they visit.
+  // loaded sweep, by what they cost (probe_sweep_cost).
   struct Unit {
     std::vector<ProbeTask*> tasks;
-    int64_t pairs = 0;
+    int64_t cost = 0;
   };
   std::vector<std::vector<ProbeTask*>> sweeps;
   const size_t want = static_cast<size_t>(std::max(threads, 1));
   for (int64_t b = 0; b < p.batch; ++b) {
     std::vector<Unit> units(static_cast<size_t>(p.kv_heads));
-    for (ProbeTask& t : probes) {
-      if (t.batch() != b) continue;
-      Unit& u = units[static_cast<size_t>(t.head() / p.head_group)];
-      u.tasks.push_back(&t);
-      u.pairs += t.pairs() + 1;
-    }
+    for (ProbeTask& t : probes)
+      if (t.batch() == b) units[static_cast<size_t>(t.head() / p.head_group)].tasks.push_back(&t);
     std::erase_if(units, [](const Unit& u) { return u.tasks.empty(); });
     if (units.empty()) continue;
-    auto by_pairs = [](const Unit& x, const Unit& y) { return x.pairs > y.pairs; };
+    for (Unit& u : units) u.cost = probe_sweep_cost(p, u.tasks);
+    auto by_cost = [](const Unit& x, const Unit& y) { return x.cost > y.cost; };
     for (;;) {
-      std::stable_sort(units.begin(), units.end(), by_pairs);
+      std::stable_sort(units.begin(), units.end(), by_cost);
       if (units.size() >= want) break;
       auto split = std::find_if(units.begin(), units.end(), [](const Unit& u) { return u.tasks.size() > 1; });
       if (split == units.end()) break;
@@ -200,9 +197,8 @@ Status compute_estimates(const Plan& plan, const WorkspaceRef& workspace, const 
       const size_t keep = split->tasks.size() / 2;
       half.tasks.assign(split->tasks.begin() + static_cast<std::ptrdiff_t>(keep), split->tasks.end());
       split->tasks.resize(keep);
-      split->pairs = half.pairs = 0;
-      for (const ProbeTask* t : split->tasks) split->pairs += t->pairs() + 1;
-      for (const ProbeTask* t : half.tasks) half.pairs += t->pairs() + 1;
+      split->cost = probe_sweep_cost(p, split->tasks);
+      half.cost = probe_sweep_cost(p, half.tasks);
       units.push_back(std::move(half));
     }
     const size_t count = std::min(units.size(), want);
@@ -211,7 +207,7 @@ Status compute_estimates(const Plan& plan, const WorkspaceRef& workspace, const 
     sweeps.resize(base + count);
     for (const Unit& u : units) {
       const size_t least = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-      load[least] += u.pairs;
+      load[least] += u.cost;
       sweeps[base + least].insert(sweeps[base + least].end(), u.tasks.begin(), u.tasks.end());
     }
   }

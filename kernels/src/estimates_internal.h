@@ -134,6 +134,7 @@ class ProbeTask {
  private:
   friend bool probe_sweep(const AttentionParams&, std::span<ProbeTask* const>, std::span<const DecayTable* const>,
                           const ExecContext*);
+  friend int64_t probe_sweep_cost(const AttentionParams&, std::span<ProbeTask* const>);
   struct State;
   std::unique_ptr<State> s_;
 };
@@ -147,5 +148,10 @@ class ProbeTask {
 // farthest at least. false: ctx asked to stop (polled every 8 tiles).
 bool probe_sweep(const AttentionParams& p, std::span<ProbeTask* const> tasks, std::span<const DecayTable* const> lstar,
                  const ExecContext* ctx);
+// What a sweep of these tasks costs, in (row, key) pairs: theirs, and the
+// key rows it converts (per kv head, the union of its tasks' ranges)
+// weighed as the pairs they take as long as. How compute_estimates
+// balances the sweeps.
+int64_t probe_sweep_cost(const AttentionParams& p, std::span<ProbeTask* const> tasks);
 
 }  // namespace plsh::estimates_detail

@@ -583,17 +583,9 @@ TEST(Estimates, ProbeRowsInOnePassMatchOneRowAtATime) {
 // own, and reach-truncated rows.
 TEST(Estimates, ProbeSweepSharedByHeadsMatchesEachTaskAlone) {
   for (const Mode mode : {Mode::kLsh, Mode::kWindow}) {
-    AttentionOptions o;
-    o.batch = 2;
-    o.q_len = o.kv_len = 700;
-    o.heads = 4;
-    o.kv_heads = 2;
-    o.head_dim = 24;
-    o.causal = true;
-    o.mode = mode;
-    o.samples = 5;
-    o.window_eps = 0.05;
-    o.slopes = {3.0, 0.4, 0.04, 0.004};
+    const AttentionOptions o =
+        shaped({2, 700, 700, 4, 2, 24},
+               {.causal = true, .slopes = {3.0, 0.4, 0.04, 0.004}, .mode = mode, .samples = 5, .window_eps = 0.05});
     const auto pr = make_estimates_problem(o, 41);
     fill_output_with_reference(pr.get());
     const AttentionParams& p = pr->params;

@@ -41,12 +41,25 @@ void* counted_malloc(size_t n) {
 }
 }  // namespace
 
+// Every form that pairs with the deletes below, the nothrow ones included
+// (std::stable_sort's buffer): one left to the runtime's new would be freed
+// here, which AddressSanitizer reports as a mismatch.
 void* operator new(size_t n) { return counted_malloc(n); }
 void* operator new[](size_t n) { return counted_malloc(n); }
+void* operator new(size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return counted_malloc(n);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+void* operator new[](size_t n, const std::nothrow_t& tag) noexcept { return operator new(n, tag); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, size_t) noexcept { std::free(p); }
 void operator delete[](void* p, size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace plsh {
 namespace {

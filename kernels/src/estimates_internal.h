@@ -49,8 +49,11 @@ class DecayTable {
   }
   DecayTable(double sigma, int64_t max_distance) : sigma_(sigma) {
     if (max_distance < 0 || max_distance >= kMaxEntries) return;
-    table_.resize(static_cast<size_t>(max_distance) + 1);
-    for (size_t d = 0; d < table_.size(); ++d) table_[d] = decay(static_cast<int64_t>(d), sigma);
+    table_.resize(static_cast<size_t>(max_distance) + 1, 0.0);
+    // exp(-d / sigma) only falls with d: past its underflow to 0 the rest
+    // stay 0 (sigma = 2 over 32768 distances: 1.5k exps instead of 32k).
+    for (size_t d = 0; d < table_.size(); ++d)
+      if ((table_[d] = decay(static_cast<int64_t>(d), sigma)) == 0.0) break;
   }
   double operator()(int64_t d) const {
     return d < static_cast<int64_t>(table_.size()) ? table_[static_cast<size_t>(d)] : decay(d, sigma_);

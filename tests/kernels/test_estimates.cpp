@@ -234,6 +234,34 @@ TEST(Estimates, LshMaskMaxErrorMatchesDense) {
   }
 }
 
+// Random ranges, offsets, slopes and hash counts, each against the dense
+// maximum: the row walk's clipping of the blocks' hull to the allowed keys
+// (k_lo, k_hi) at every kind of edge, which the six shapes above do not
+// reach often enough (a check one key past k_hi went unnoticed by them).
+TEST(Estimates, LshMaskMaxErrorMatchesDenseOnRandomRanges) {
+  std::mt19937_64 rng(20261207);
+  auto below = [&](int64_t n) { return static_cast<int64_t>(rng() % static_cast<uint64_t>(n)); };
+  for (int trial = 0; trial < 1000; ++trial) {
+    const bool causal = below(2) == 0;
+    const double sigma = std::pow(2.0, static_cast<double>(below(60)) / 10.0);  // 1 to 2^5.9
+    // lsh keeps the queries among the keys: keys [q_pos0 - lead, q_pos0 + q_len + tail).
+    const int64_t q_len = 1 + below(60), lead = below(40), tail = below(40);
+    AttentionOptions o = mask_options(q_len, lead + q_len + tail, causal, {1.0 / sigma});
+    o.samples = 1 + below(40);
+    o.seed = rng();
+    o.q_pos0 = lead + below(100);
+    o.k_pos0 = *o.q_pos0 - lead;
+    o.mode = Mode::kLsh;
+    const auto pr = make_estimates_problem(o);
+    const AttentionParams& p = pr->params;
+    AttentionResult result;
+    ASSERT_TRUE(estimate(p, ExecContext{}, &result).ok());
+    EXPECT_NEAR(result.heads[0].mask_max_err, dense_max_abs(dense_error(p, 0)), 1e-12)
+        << "trial " << trial << " q " << p.q_pos0 << "+" << p.q_len << " k " << p.k_pos0 << "+" << p.kv_len
+        << " causal " << p.causal << " sigma " << sigma << " s " << p.samples;
+  }
+}
+
 // fixed_blocks' mask errors are its bias, L* - M with M from SPEC section
 // 4's floor(p / 2 sigma) (the reference's, not the plan's draws): never 0
 // where slope > 0 and a block boundary falls inside the request.

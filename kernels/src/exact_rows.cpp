@@ -35,21 +35,49 @@ inline size_t panel_index(int64_t jj, int64_t d, int64_t D) {
   return static_cast<size_t>((jj / kScoreKeys) * D * kScoreKeys + d * kScoreKeys + jj % kScoreKeys);
 }
 
+// Four doubles in one vector (GCC's and Clang's vector extension; two SSE2
+// halves in the baseline clone). The kernels below name their accumulators
+// as such vectors: written as arrays of doubles, GCC kept the score's
+// eight accumulators on the stack, every multiply-add a load and a store
+// (the score loop unrolled by two), and split the weighted sums' sixteen
+// into three vectors, a half and two scalars, four dependent chains a key.
+typedef double Double4 __attribute__((vector_size(32)));
+// Four doubles anywhere in memory (aligned to a double, aliasing one): what
+// the loads and stores go through, by reference so that no vector crosses a
+// call (the baseline clone's ABI has no 32-byte vector registers).
+typedef double Double4InMemory __attribute__((vector_size(32), aligned(8), may_alias));
+constexpr int64_t kLanes = 4;
+
+__attribute__((always_inline)) inline const Double4InMemory& at4(const double* p) {
+  return *reinterpret_cast<const Double4InMemory*>(p);
+}
+__attribute__((always_inline)) inline Double4InMemory& at4(double* p) { return *reinterpret_cast<Double4InMemory*>(p); }
+
 // scores[jj * R + r] = q_r . k_jj for rows [r0, r1) and the tile's tn keys
 // (kt in panels, panel_index). One row against a panel's keys in vector
 // lanes, each key's sum over d in index order from 0.
 PLSH_VECTOR_CLONES void score_tile(const double* qr, int64_t R, int64_t r0, int64_t r1, int64_t D, const double* kt,
                                    int64_t tn, double* scores) {
+  static_assert(kScoreKeys == 8 * kLanes, "eight accumulators a panel");
   for (int64_t r = r0; r < r1; ++r) {
     const double* q = qr + r * D;
     int64_t jj = 0;
     for (; jj + kScoreKeys <= tn; jj += kScoreKeys) {
-      double acc[kScoreKeys] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const double* kd = kt + panel_index(jj, d, D);
-        for (int64_t i = 0; i < kScoreKeys; ++i) acc[i] += q[d] * kd[i];
+      Double4 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+      const double* kd = kt + panel_index(jj, 0, D);
+      for (int64_t d = 0; d < D; ++d, kd += kScoreKeys) {
+        const double x = q[d];
+        a0 += x * at4(kd);
+        a1 += x * at4(kd + 4);
+        a2 += x * at4(kd + 8);
+        a3 += x * at4(kd + 12);
+        a4 += x * at4(kd + 16);
+        a5 += x * at4(kd + 20);
+        a6 += x * at4(kd + 24);
+        a7 += x * at4(kd + 28);
       }
-      for (int64_t i = 0; i < kScoreKeys; ++i) scores[(jj + i) * R + r] = acc[i];
+      const Double4 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+      for (int64_t i = 0; i < kScoreKeys; ++i) scores[(jj + i) * R + r] = a[i / kLanes][i % kLanes];
     }
     for (; jj < tn; ++jj) {
       double acc = 0;
@@ -84,26 +112,72 @@ static_assert(kExactRowsKeyScoreAlign == kScoreKeys, "a score starts at a panel"
 
 KeyTileBuffer::KeyTileBuffer(int64_t head_dim)
     : dim_(head_dim),
-      buf_(static_cast<size_t>(head_dim)),
+      buf_(static_cast<size_t>(kLanes * head_dim)),
       kt_(static_cast<size_t>(head_dim * kExactRowsKeyTile)),
       vt_(static_cast<size_t>(kExactRowsKeyTile * head_dim)) {}
+
+namespace {
+
+// dst[d * kScoreKeys + i] = rows[i][d] for i < 4, d < D: four keys' rows
+// into their columns of a panel (panel_index), widened to double. Four
+// elements of each row at a time, widened and transposed in registers: as
+// one vector built from four scalars per d, GCC's code took 3.5
+// instructions an element (callgrind).
+typedef float Float4InMemory __attribute__((vector_size(16), aligned(4), may_alias));
+
+PLSH_VECTOR_CLONES void panel_columns(const float* r0, const float* r1, const float* r2, const float* r3, int64_t D,
+                                      double* dst) {
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const Double4 a = __builtin_convertvector(*reinterpret_cast<const Float4InMemory*>(r0 + d), Double4);
+    const Double4 b = __builtin_convertvector(*reinterpret_cast<const Float4InMemory*>(r1 + d), Double4);
+    const Double4 c = __builtin_convertvector(*reinterpret_cast<const Float4InMemory*>(r2 + d), Double4);
+    const Double4 e = __builtin_convertvector(*reinterpret_cast<const Float4InMemory*>(r3 + d), Double4);
+    const Double4 ab_even = __builtin_shufflevector(a, b, 0, 4, 2, 6);  // a0 b0 a2 b2
+    const Double4 ab_odd = __builtin_shufflevector(a, b, 1, 5, 3, 7);   // a1 b1 a3 b3
+    const Double4 ce_even = __builtin_shufflevector(c, e, 0, 4, 2, 6);
+    const Double4 ce_odd = __builtin_shufflevector(c, e, 1, 5, 3, 7);
+    at4(dst + d * kScoreKeys) = __builtin_shufflevector(ab_even, ce_even, 0, 1, 4, 5);
+    at4(dst + (d + 1) * kScoreKeys) = __builtin_shufflevector(ab_odd, ce_odd, 0, 1, 4, 5);
+    at4(dst + (d + 2) * kScoreKeys) = __builtin_shufflevector(ab_even, ce_even, 2, 3, 6, 7);
+    at4(dst + (d + 3) * kScoreKeys) = __builtin_shufflevector(ab_odd, ce_odd, 2, 3, 6, 7);
+  }
+  for (; d < D; ++d) at4(dst + d * kScoreKeys) = Double4{r0[d], r1[d], r2[d], r3[d]};
+}
+
+// dst[d] = src[d]: a value row widened to double.
+PLSH_VECTOR_CLONES void widen(const float* __restrict src, int64_t n, double* __restrict dst) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = src[d];
+}
+
+}  // namespace
 
 // Keys are converted to double once for every row scored against them and
 // stored transposed in panels (panel_index), so that one row's products
 // with kScoreKeys keys run in vector lanes across the keys while each key's
 // sum still runs over d in index order from 0 (no reassociation). A probe
 // group is often one to a few rows, so lanes across rows would stay empty;
-// a row's sum over d alone is a chain of dependent adds.
-void KeyTileBuffer::convert_row(const AttentionParams& p, int64_t b, int64_t hk, int64_t j) {
+// a row's sum over d alone is a chain of dependent adds. Four keys at a
+// time fill a panel's columns a vector at a time: one key's D scattered
+// scalar stores took seven instructions an element (callgrind, 2026-12-07).
+void KeyTileBuffer::convert_rows(const AttentionParams& p, int64_t b, int64_t hk, int64_t j, int64_t rows) {
   const int64_t D = dim_;
   const int64_t jj = j - j0_;
-  double* vj = &vt_[static_cast<size_t>(jj * D)];
-  const float* k =
-      row_as_f32(p.k, p.dtype, b * p.k_batch_stride + j * p.k_row_stride + hk * p.k_head_stride, D, buf_.data());
-  for (int64_t d = 0; d < D; ++d) kt_[panel_index(jj, d, D)] = k[d];
-  const float* v =
-      row_as_f32(p.v, p.dtype, b * p.v_batch_stride + j * p.v_row_stride + hk * p.v_head_stride, D, buf_.data());
-  for (int64_t d = 0; d < D; ++d) vj[d] = v[d];
+  const float* k[kLanes];
+  for (int64_t i = 0; i < rows; ++i)
+    k[i] = row_as_f32(p.k, p.dtype, b * p.k_batch_stride + (j + i) * p.k_row_stride + hk * p.k_head_stride, D,
+                      buf_.data() + i * D);
+  if (rows == kLanes) {
+    panel_columns(k[0], k[1], k[2], k[3], D, &kt_[panel_index(jj, 0, D)]);
+  } else {
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t d = 0; d < D; ++d) kt_[panel_index(jj + i, d, D)] = k[i][d];
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* v = row_as_f32(p.v, p.dtype, b * p.v_batch_stride + (j + i) * p.v_row_stride + hk * p.v_head_stride, D,
+                                buf_.data());
+    widen(v, D, &vt_[static_cast<size_t>((jj + i) * D)]);
+  }
 }
 
 void KeyTileBuffer::load(const AttentionParams& p, int64_t b, int64_t hk, int64_t j0, int64_t count, int64_t next_hk,
@@ -111,9 +185,13 @@ void KeyTileBuffer::load(const AttentionParams& p, int64_t b, int64_t hk, int64_
   const size_t bytes = dtype_bytes(p.dtype);
   j0_ = j0;
   count_ = count;
-  for (int64_t jj = 0; jj < count; ++jj) {
-    if (next_hk >= 0 && next_j0 + jj < p.kv_len) prefetch_key_row(p, b, next_hk, next_j0 + jj, dim_, bytes);
-    convert_row(p, b, hk, j0 + jj);
+  static_assert(kScoreKeys % kLanes == 0, "four keys never straddle a panel");
+  for (int64_t jj = 0; jj < count;) {
+    const int64_t rows = jj + kLanes <= count ? kLanes : 1;
+    for (int64_t i = 0; i < rows; ++i)
+      if (next_hk >= 0 && next_j0 + jj + i < p.kv_len) prefetch_key_row(p, b, next_hk, next_j0 + jj + i, dim_, bytes);
+    convert_rows(p, b, hk, j0 + jj, rows);
+    jj += rows;
   }
 }
 
@@ -133,9 +211,11 @@ namespace {
 // key order. kAccBlock elements of acc at a time stay in registers over all
 // the keys: with the keys outer and d inner, every key loaded and stored
 // all of acc again, and each store waited for by the next key's load (a
-// fifth to a third of the probe's samples at n = 32768, perf, 2026-12-07). Each
-// acc[d] still adds its keys in key order.
-constexpr int64_t kAccBlock = 16;
+// fifth to a third of the probe's samples at n = 32768, perf, 2026-12-07).
+// Eight vectors, so that the multiply-adds of a key do not wait on the last
+// key's (four cycles each, two a cycle). Each acc[d] still adds its keys in
+// key order.
+constexpr int64_t kAccBlock = 8 * kLanes;
 
 PLSH_VECTOR_CLONES void accumulate_weighted(const double* logits, const double* w, int64_t n, const double* values,
                                             int64_t dim, double* acc, double* sum) {
@@ -146,17 +226,37 @@ PLSH_VECTOR_CLONES void accumulate_weighted(const double* logits, const double* 
   *sum = total;
   int64_t d0 = 0;
   for (; d0 + kAccBlock <= dim; d0 += kAccBlock) {
-    double a[kAccBlock];
-    for (int64_t i = 0; i < kAccBlock; ++i) a[i] = acc[d0 + i];
+    Double4 a0 = at4(acc + d0), a1 = at4(acc + d0 + 4), a2 = at4(acc + d0 + 8), a3 = at4(acc + d0 + 12);
+    Double4 a4 = at4(acc + d0 + 16), a5 = at4(acc + d0 + 20), a6 = at4(acc + d0 + 24), a7 = at4(acc + d0 + 28);
     for (int64_t j = 0; j < n; ++j) {
       if (logits[j] == kMinusInf) continue;
       const double weight = w[j];
       const double* v = values + j * dim + d0;
-      for (int64_t i = 0; i < kAccBlock; ++i) a[i] += weight * v[i];
+      a0 += weight * at4(v);
+      a1 += weight * at4(v + 4);
+      a2 += weight * at4(v + 8);
+      a3 += weight * at4(v + 12);
+      a4 += weight * at4(v + 16);
+      a5 += weight * at4(v + 20);
+      a6 += weight * at4(v + 24);
+      a7 += weight * at4(v + 28);
     }
-    for (int64_t i = 0; i < kAccBlock; ++i) acc[d0 + i] = a[i];
+    at4(acc + d0) = a0;
+    at4(acc + d0 + 4) = a1;
+    at4(acc + d0 + 8) = a2;
+    at4(acc + d0 + 12) = a3;
+    at4(acc + d0 + 16) = a4;
+    at4(acc + d0 + 20) = a5;
+    at4(acc + d0 + 24) = a6;
+    at4(acc + d0 + 28) = a7;
   }
-  for (int64_t j = 0; j < n && d0 < dim; ++j) {  // the last dim % kAccBlock elements
+  for (; d0 + kLanes <= dim; d0 += kLanes) {  // then four at a time (D = 16, 48, 80, ...)
+    Double4 a = at4(acc + d0);
+    for (int64_t j = 0; j < n; ++j)
+      if (logits[j] != kMinusInf) a += w[j] * at4(values + j * dim + d0);
+    at4(acc + d0) = a;
+  }
+  for (int64_t j = 0; j < n && d0 < dim; ++j) {  // the last dim % kLanes elements
     if (logits[j] == kMinusInf) continue;
     const double weight = w[j];
     const double* v = values + j * dim;

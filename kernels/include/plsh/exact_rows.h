@@ -56,7 +56,8 @@ class KeyTileBuffer {
   const double* values(int64_t j) const { return vt_.data() + (j - j0_) * dim_; }  // key row j's v
 
  private:
-  void convert_row(const AttentionParams& p, int64_t b, int64_t hk, int64_t j);  // key row j of the tile
+  // Key rows [j, j + rows) of the tile, rows = 1 or 4 (four: from a multiple of four).
+  void convert_rows(const AttentionParams& p, int64_t b, int64_t hk, int64_t j, int64_t rows);
 
   int64_t dim_, j0_ = 0, count_ = 0;
   std::vector<float> buf_;

@@ -53,31 +53,55 @@ __attribute__((always_inline)) inline const Double4InMemory& at4(const double* p
 }
 __attribute__((always_inline)) inline Double4InMemory& at4(double* p) { return *reinterpret_cast<Double4InMemory*>(p); }
 
+// Running sums of 32 consecutive doubles in eight named vectors (as an
+// array, GCC spilled them): enough independent multiply-adds that none
+// waits on its last one (four cycles each, two a cycle).
+struct Sums32 {
+  Double4 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+
+  __attribute__((always_inline)) static Sums32 load(const double* p) {
+    return {at4(p), at4(p + 4), at4(p + 8), at4(p + 12), at4(p + 16), at4(p + 20), at4(p + 24), at4(p + 28)};
+  }
+  __attribute__((always_inline)) void store(double* p) const {
+    at4(p) = a0;
+    at4(p + 4) = a1;
+    at4(p + 8) = a2;
+    at4(p + 12) = a3;
+    at4(p + 16) = a4;
+    at4(p + 20) = a5;
+    at4(p + 24) = a6;
+    at4(p + 28) = a7;
+  }
+  // += x * p[0, 32).
+  __attribute__((always_inline)) void add_scaled(double x, const double* p) {
+    a0 += x * at4(p);
+    a1 += x * at4(p + 4);
+    a2 += x * at4(p + 8);
+    a3 += x * at4(p + 12);
+    a4 += x * at4(p + 16);
+    a5 += x * at4(p + 20);
+    a6 += x * at4(p + 24);
+    a7 += x * at4(p + 28);
+  }
+};
+constexpr int64_t kSumsWidth = 32;
+
 // scores[jj * R + r] = q_r . k_jj for rows [r0, r1) and the tile's tn keys
 // (kt in panels, panel_index). One row against a panel's keys in vector
 // lanes, each key's sum over d in index order from 0.
 PLSH_VECTOR_CLONES void score_tile(const double* qr, int64_t R, int64_t r0, int64_t r1, int64_t D, const double* kt,
                                    int64_t tn, double* scores) {
-  static_assert(kScoreKeys == 8 * kLanes, "eight accumulators a panel");
+  static_assert(kScoreKeys == kSumsWidth, "one Sums32 a panel");
+  double panel[kScoreKeys];
   for (int64_t r = r0; r < r1; ++r) {
     const double* q = qr + r * D;
     int64_t jj = 0;
     for (; jj + kScoreKeys <= tn; jj += kScoreKeys) {
-      Double4 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+      Sums32 acc;
       const double* kd = kt + panel_index(jj, 0, D);
-      for (int64_t d = 0; d < D; ++d, kd += kScoreKeys) {
-        const double x = q[d];
-        a0 += x * at4(kd);
-        a1 += x * at4(kd + 4);
-        a2 += x * at4(kd + 8);
-        a3 += x * at4(kd + 12);
-        a4 += x * at4(kd + 16);
-        a5 += x * at4(kd + 20);
-        a6 += x * at4(kd + 24);
-        a7 += x * at4(kd + 28);
-      }
-      const Double4 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-      for (int64_t i = 0; i < kScoreKeys; ++i) scores[(jj + i) * R + r] = a[i / kLanes][i % kLanes];
+      for (int64_t d = 0; d < D; ++d, kd += kScoreKeys) acc.add_scaled(q[d], kd);
+      acc.store(panel);
+      for (int64_t i = 0; i < kScoreKeys; ++i) scores[(jj + i) * R + r] = panel[i];
     }
     for (; jj < tn; ++jj) {
       double acc = 0;
@@ -215,7 +239,7 @@ namespace {
 // Eight vectors, so that the multiply-adds of a key do not wait on the last
 // key's (four cycles each, two a cycle). Each acc[d] still adds its keys in
 // key order.
-constexpr int64_t kAccBlock = 8 * kLanes;
+constexpr int64_t kAccBlock = kSumsWidth;
 
 PLSH_VECTOR_CLONES void accumulate_weighted(const double* logits, const double* w, int64_t n, const double* values,
                                             int64_t dim, double* acc, double* sum) {
@@ -226,29 +250,10 @@ PLSH_VECTOR_CLONES void accumulate_weighted(const double* logits, const double* 
   *sum = total;
   int64_t d0 = 0;
   for (; d0 + kAccBlock <= dim; d0 += kAccBlock) {
-    Double4 a0 = at4(acc + d0), a1 = at4(acc + d0 + 4), a2 = at4(acc + d0 + 8), a3 = at4(acc + d0 + 12);
-    Double4 a4 = at4(acc + d0 + 16), a5 = at4(acc + d0 + 20), a6 = at4(acc + d0 + 24), a7 = at4(acc + d0 + 28);
-    for (int64_t j = 0; j < n; ++j) {
-      if (logits[j] == kMinusInf) continue;
-      const double weight = w[j];
-      const double* v = values + j * dim + d0;
-      a0 += weight * at4(v);
-      a1 += weight * at4(v + 4);
-      a2 += weight * at4(v + 8);
-      a3 += weight * at4(v + 12);
-      a4 += weight * at4(v + 16);
-      a5 += weight * at4(v + 20);
-      a6 += weight * at4(v + 24);
-      a7 += weight * at4(v + 28);
-    }
-    at4(acc + d0) = a0;
-    at4(acc + d0 + 4) = a1;
-    at4(acc + d0 + 8) = a2;
-    at4(acc + d0 + 12) = a3;
-    at4(acc + d0 + 16) = a4;
-    at4(acc + d0 + 20) = a5;
-    at4(acc + d0 + 24) = a6;
-    at4(acc + d0 + 28) = a7;
+    Sums32 a = Sums32::load(acc + d0);
+    for (int64_t j = 0; j < n; ++j)
+      if (logits[j] != kMinusInf) a.add_scaled(w[j], values + j * dim + d0);
+    a.store(acc + d0);
   }
   for (; d0 + kLanes <= dim; d0 += kLanes) {  // then four at a time (D = 16, 48, 80, ...)
     Double4 a = at4(acc + d0);

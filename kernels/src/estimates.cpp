@@ -257,10 +257,10 @@ int64_t head_estimate_bytes(const AttentionParams& p) {
 
 int64_t probe_sweep_bytes(const AttentionParams& p) {
   const int64_t rows = static_cast<int64_t>(kProbeRowsPerTask);
-  // The key tile (k in panels and v in double, a row in float32), a task's
+  // The key tile (k in panels and v in double, four rows in float32), a task's
   // scores against it, and four rows of a tile (logits, weighted logits,
   // and the exps of each).
-  return 8 * (2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile * rows + 4 * kExactRowsKeyTile) + 4 * p.head_dim;
+  return 8 * (2 * kExactRowsKeyTile * p.head_dim + kExactRowsKeyTile * rows + 4 * kExactRowsKeyTile) + 16 * p.head_dim;
 }
 
 int64_t probe_rows_bytes(const AttentionParams& p) {

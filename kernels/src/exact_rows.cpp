@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "exp64.h"
 #include "plsh/numeric.h"
@@ -42,16 +43,16 @@ inline size_t panel_index(int64_t jj, int64_t d, int64_t D) {
 // (the score loop unrolled by two), and split the weighted sums' sixteen
 // into three vectors, a half and two scalars, four dependent chains a key.
 typedef double Double4 __attribute__((vector_size(32)));
-// Four doubles anywhere in memory (aligned to a double, aliasing one): what
-// the loads and stores go through, by reference so that no vector crosses a
-// call (the baseline clone's ABI has no 32-byte vector registers).
-typedef double Double4InMemory __attribute__((vector_size(32), aligned(8), may_alias));
 constexpr int64_t kLanes = 4;
 
-__attribute__((always_inline)) inline const Double4InMemory& at4(const double* p) {
-  return *reinterpret_cast<const Double4InMemory*>(p);
-}
-__attribute__((always_inline)) inline Double4InMemory& at4(double* p) { return *reinterpret_cast<Double4InMemory*>(p); }
+// Four doubles from or to any double's address. Through memcpy, which
+// compilers turn into one unaligned vector move: a vector typedef with a
+// lowered alignment is not enough for Clang, which kept the type's own
+// (16-byte SSE moves on 8-byte-aligned rows faulted in the fuzz build). By
+// reference, so that no vector crosses a call (the baseline clone's ABI
+// has no 32-byte vector registers).
+__attribute__((always_inline)) inline void load4(Double4& x, const double* p) { std::memcpy(&x, p, sizeof x); }
+__attribute__((always_inline)) inline void store4(double* p, const Double4& x) { std::memcpy(p, &x, sizeof x); }
 
 // Running sums of 32 consecutive doubles in eight named vectors (as an
 // array, GCC spilled them): enough independent multiply-adds that none
@@ -60,28 +61,43 @@ struct Sums32 {
   Double4 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
 
   __attribute__((always_inline)) static Sums32 load(const double* p) {
-    return {at4(p), at4(p + 4), at4(p + 8), at4(p + 12), at4(p + 16), at4(p + 20), at4(p + 24), at4(p + 28)};
+    Sums32 s;
+    load4(s.a0, p);
+    load4(s.a1, p + 4);
+    load4(s.a2, p + 8);
+    load4(s.a3, p + 12);
+    load4(s.a4, p + 16);
+    load4(s.a5, p + 20);
+    load4(s.a6, p + 24);
+    load4(s.a7, p + 28);
+    return s;
   }
   __attribute__((always_inline)) void store(double* p) const {
-    at4(p) = a0;
-    at4(p + 4) = a1;
-    at4(p + 8) = a2;
-    at4(p + 12) = a3;
-    at4(p + 16) = a4;
-    at4(p + 20) = a5;
-    at4(p + 24) = a6;
-    at4(p + 28) = a7;
+    store4(p, a0);
+    store4(p + 4, a1);
+    store4(p + 8, a2);
+    store4(p + 12, a3);
+    store4(p + 16, a4);
+    store4(p + 20, a5);
+    store4(p + 24, a6);
+    store4(p + 28, a7);
   }
   // += x * p[0, 32).
   __attribute__((always_inline)) void add_scaled(double x, const double* p) {
-    a0 += x * at4(p);
-    a1 += x * at4(p + 4);
-    a2 += x * at4(p + 8);
-    a3 += x * at4(p + 12);
-    a4 += x * at4(p + 16);
-    a5 += x * at4(p + 20);
-    a6 += x * at4(p + 24);
-    a7 += x * at4(p + 28);
+    add_scaled4(a0, x, p);
+    add_scaled4(a1, x, p + 4);
+    add_scaled4(a2, x, p + 8);
+    add_scaled4(a3, x, p + 12);
+    add_scaled4(a4, x, p + 16);
+    add_scaled4(a5, x, p + 20);
+    add_scaled4(a6, x, p + 24);
+    add_scaled4(a7, x, p + 28);
+  }
+  // a += x * p[0, 4).
+  __attribute__((always_inline)) static void add_scaled4(Double4& a, double x, const double* p) {
+    Double4 t;
+    load4(t, p);
+    a += x * t;
   }
 };
 constexpr int64_t kSumsWidth = 32;
@@ -147,26 +163,34 @@ namespace {
 // elements of each row at a time, widened and transposed in registers: as
 // one vector built from four scalars per d, GCC's code took 3.5
 // instructions an element (callgrind).
-typedef float Float4InMemory __attribute__((vector_size(16), aligned(4), may_alias));
+typedef float Float4 __attribute__((vector_size(16)));
+
+// Four floats of a row, widened to double.
+__attribute__((always_inline)) inline void load_widened4(Double4& x, const float* p) {
+  Float4 f;
+  std::memcpy(&f, p, sizeof f);
+  x = __builtin_convertvector(f, Double4);
+}
 
 PLSH_VECTOR_CLONES void panel_columns(const float* r0, const float* r1, const float* r2, const float* r3, int64_t D,
                                       double* dst) {
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
-    const Double4 a = __builtin_convertvector(*reinterpret_cast<const Float4InMemory*>(r0 + d), Double4);
-    const Double4 b = __builtin_convertvector(*reinterpret_cast<const Float4InMemory*>(r1 + d), Double4);
-    const Double4 c = __builtin_convertvector(*reinterpret_cast<const Float4InMemory*>(r2 + d), Double4);
-    const Double4 e = __builtin_convertvector(*reinterpret_cast<const Float4InMemory*>(r3 + d), Double4);
+    Double4 a, b, c, e;
+    load_widened4(a, r0 + d);
+    load_widened4(b, r1 + d);
+    load_widened4(c, r2 + d);
+    load_widened4(e, r3 + d);
     const Double4 ab_even = __builtin_shufflevector(a, b, 0, 4, 2, 6);  // a0 b0 a2 b2
     const Double4 ab_odd = __builtin_shufflevector(a, b, 1, 5, 3, 7);   // a1 b1 a3 b3
     const Double4 ce_even = __builtin_shufflevector(c, e, 0, 4, 2, 6);
     const Double4 ce_odd = __builtin_shufflevector(c, e, 1, 5, 3, 7);
-    at4(dst + d * kScoreKeys) = __builtin_shufflevector(ab_even, ce_even, 0, 1, 4, 5);
-    at4(dst + (d + 1) * kScoreKeys) = __builtin_shufflevector(ab_odd, ce_odd, 0, 1, 4, 5);
-    at4(dst + (d + 2) * kScoreKeys) = __builtin_shufflevector(ab_even, ce_even, 2, 3, 6, 7);
-    at4(dst + (d + 3) * kScoreKeys) = __builtin_shufflevector(ab_odd, ce_odd, 2, 3, 6, 7);
+    store4(dst + d * kScoreKeys, __builtin_shufflevector(ab_even, ce_even, 0, 1, 4, 5));
+    store4(dst + (d + 1) * kScoreKeys, __builtin_shufflevector(ab_odd, ce_odd, 0, 1, 4, 5));
+    store4(dst + (d + 2) * kScoreKeys, __builtin_shufflevector(ab_even, ce_even, 2, 3, 6, 7));
+    store4(dst + (d + 3) * kScoreKeys, __builtin_shufflevector(ab_odd, ce_odd, 2, 3, 6, 7));
   }
-  for (; d < D; ++d) at4(dst + d * kScoreKeys) = Double4{r0[d], r1[d], r2[d], r3[d]};
+  for (; d < D; ++d) store4(dst + d * kScoreKeys, Double4{r0[d], r1[d], r2[d], r3[d]});
 }
 
 // dst[d] = src[d]: a value row widened to double.
@@ -256,10 +280,11 @@ PLSH_VECTOR_CLONES void accumulate_weighted(const double* logits, const double* 
     a.store(acc + d0);
   }
   for (; d0 + kLanes <= dim; d0 += kLanes) {  // then four at a time (D = 16, 48, 80, ...)
-    Double4 a = at4(acc + d0);
+    Double4 a;
+    load4(a, acc + d0);
     for (int64_t j = 0; j < n; ++j)
-      if (logits[j] != kMinusInf) a += w[j] * at4(values + j * dim + d0);
-    at4(acc + d0) = a;
+      if (logits[j] != kMinusInf) Sums32::add_scaled4(a, w[j], values + j * dim + d0);
+    store4(acc + d0, a);
   }
   for (int64_t j = 0; j < n && d0 < dim; ++j) {  // the last dim % kLanes elements
     if (logits[j] == kMinusInf) continue;

@@ -1,5 +1,6 @@
 // What the estimates' files share (kernels/src: mask_error.cpp,
-// spectral.cpp, probe.cpp, estimates.cpp). Internal to kernels/src.
+// spectral.cpp, probe.cpp, probe_sweep.cpp, estimates.cpp). Internal to
+// kernels/src.
 //
 // Notation: E = L* - M~ on the allowed (query, key) pairs, L*_ij =
 // exp(-|pos_i - pos_j| / sigma); M~ the mean of the draws' bin indicators

@@ -1,7 +1,7 @@
 // The estimates' probe rows on the device (kernels/cuda/fused_probe.h), run
 // on the host by HostExec after the emulated fused forward: every row's o*,
 // the per-row bound's sums and max ||v||^2, split over the keys and merged,
-// against the float64 probe of kernels/src/probe.cpp (probe_rows, visiting
+// against the float64 probe of kernels/src/probe_sweep.cpp (probe_rows, visiting
 // every allowed key) on the same rows.
 #include <gtest/gtest.h>
 

@@ -2,8 +2,9 @@
 // the plan's draws and positions (mask errors) and on host copies of q, k, v
 // and the output (probe), never on how a backend computed the output.
 // Implemented in kernels/src: mask_error.cpp (max |L* - M~|), spectral.cpp
-// (||L* - M~||_2 by Lanczos), probe.cpp (exact probe rows and their
-// statistics), estimates.cpp (compute_estimates, which runs them per head).
+// (||L* - M~||_2 by Lanczos), probe_sweep.cpp (exact probe rows and their
+// bounds), probe.cpp (their statistics, the key statistics and reach),
+// estimates.cpp (compute_estimates, which runs them per head).
 #pragma once
 
 #include <cstdint>

@@ -35,7 +35,7 @@ struct KeyRange {
 };
 
 // One tile of key rows of one (batch item, kv head) in double: k in panels
-// that score() reads, v row-major. The probe's sweep (probe.cpp) fills it
+// that score() reads, v row-major. The probe's sweep (probe_sweep.cpp) fills it
 // once for every task that needs the tile.
 class KeyTileBuffer {
  public:
